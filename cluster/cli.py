@@ -1,0 +1,43 @@
+"""The `disagg` command line: one subcommand per user task.
+
+Each subcommand lives in its own module exposing `add_arguments(parser)` and
+`run(args) -> int`; this file only dispatches, so `disagg --help` stays fast
+(no torch or Ray import until a subcommand runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# subcommand -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "make-checkpoint": (
+        "models.embedded.cli",
+        "write a tiny or small Hugging Face style checkpoint, offline",
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="disagg", description="Disaggregated prefill/decode LLM serving on Ray."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(sub_parser)
+        sub_parser.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""The per-step input of every model: flattened tokens plus cache addressing.
+
+The engine's model runner builds one `ForwardBatch` per step; models read it
+and never allocate cache memory themselves. A step mixes prefill chunks and
+single decode tokens: sequence `i` contributes the tokens
+`input_ids[query_start_loc[i]:query_start_loc[i + 1]]`, at positions
+`context_lens[i] ..< seq_lens[i]`.
+
+Paged KV addressing (block_size = 4 in the sketch):
+
+    block_tables[i] = [7, 2, 0, 0]     # logical block j of seq i -> physical block
+    token at position p of seq i lives in block block_tables[i][p // 4], offset p % 4
+    slot_mapping[t] = physical_block * block_size + offset   (for each new token t)
+
+Physical block 0 is the permanent null block; tables are padded with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionLayerCache:
+    """One attention layer's paged KV: both `[num_blocks, block_size, kv_heads, head_dim]`.
+
+    The tensors may be strided views into a larger pool (V1 per-layer tensor or
+    the V2 block-major buffer); writes through them land in the pool.
+    """
+
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+
+
+@dataclass
+class MambaLayerCache:
+    """One Mamba layer's state pool, indexed by slot.
+
+    conv_state: `[num_slots, conv_dim, conv_kernel - 1]` in the model dtype.
+    ssm_state: `[num_slots, num_heads, head_dim, state_size]` in float32.
+    """
+
+    conv_state: torch.Tensor
+    ssm_state: torch.Tensor
+
+
+@dataclass
+class CacheViews:
+    """Caches by ordinal: `attention[k]` serves the k-th attention layer of
+    `CacheSpec.attention_layers`, `mamba[k]` the k-th Mamba layer."""
+
+    attention: list[AttentionLayerCache]
+    mamba: list[MambaLayerCache]
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B + 1] int64, cumulative new-token counts
+    seq_lens: torch.Tensor  # [B] int64, tokens in cache after this step
+    context_lens: torch.Tensor  # [B] int64, tokens already in cache before this step
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64
+    block_size: int
+    mamba_slots: torch.Tensor | None = None  # [B] int64 slot per sequence (hybrid models)
+    logits_indices: torch.Tensor | None = None  # [N] rows of the hidden states to turn into logits
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def query_lens(self) -> torch.Tensor:
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_tokens == self.num_seqs
