@@ -1,0 +1,117 @@
+"""The parsed, frozen model configuration every model class is built from.
+
+`ModelConfig` is architecture-neutral: dense decoders leave `mamba` and `moe`
+unset; hybrid models list each layer's kind in `layer_types`. Parsing from a
+checkpoint's config.json lives in `models/hf_config.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvcache.spec import CacheSpec
+
+# Layer kinds of `ModelConfig.layer_types`.
+DECODER = "decoder"  # dense block: attention + MLP (Llama-style)
+ATTENTION = "attention"  # hybrid block: attention mixer only
+MAMBA = "mamba"
+MLP = "mlp"
+MOE = "moe"
+LAYER_KINDS = (DECODER, ATTENTION, MAMBA, MLP, MOE)
+KV_LAYER_KINDS = (DECODER, ATTENTION)
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    # None, "linear", "dynamic", "llama3" or "yarn" (Hugging Face `rope_type` names)
+    scaling_type: str | None = None
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+    partial_rotary_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class MambaConfig:
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int
+    use_conv_bias: bool = True
+    use_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    time_step_min: float = 0.001
+    norm_eps: float = 1e-5
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    shared_intermediate_size: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    rope: RopeConfig | None = field(default_factory=RopeConfig)
+    mamba: MambaConfig | None = None
+    moe: MoEConfig | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    dtype: str = "float32"
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.layer_types)
+
+    def layers_of(self, *kinds: str) -> tuple[int, ...]:
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind in kinds)
+
+    def cache_spec(self, dtype: str | None = None) -> CacheSpec:
+        """Cache shapes for this model; `dtype` overrides the KV/conv dtype."""
+        mamba_layers = self.layers_of(MAMBA)
+        conv: tuple[int, ...] = ()
+        ssm: tuple[int, ...] = ()
+        if self.mamba is not None and mamba_layers:
+            conv = (self.mamba.conv_dim, self.mamba.conv_kernel - 1)
+            ssm = (self.mamba.num_heads, self.mamba.head_dim, self.mamba.state_size)
+        return CacheSpec(
+            num_kv_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            attention_layers=self.layers_of(*KV_LAYER_KINDS),
+            dtype=dtype or self.dtype,
+            mamba_layers=mamba_layers,
+            conv_state_shape=conv,
+            ssm_state_shape=ssm,
+        )
