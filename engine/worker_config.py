@@ -1,0 +1,92 @@
+"""The frozen configuration every worker actor is constructed from.
+
+`WorkerConfig` is built once by the launcher from the (pydantic) cluster YAML
+after every `auto` value has been resolved: the manager is `"v1"` or `"v2"`,
+the transceiver `"python"` or `"nixl"`. Workers never patch it afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MANAGERS = ("v1", "v2")
+TRANSCEIVERS = ("python", "nixl")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class WorkerConfigError(ValueError):
+    """A `WorkerConfig` field holds a value no worker can run with."""
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a context, generation or aggregated worker needs to start.
+
+    checkpoint: folder with config.json, *.safetensors and tokenizer files.
+    dtype: weights and KV cache dtype; None takes the checkpoint's own.
+    device: "cpu" or "cuda" (the actor's visible device).
+    manager: resolved KV cache manager, "v1" or "v2".
+    transceiver: resolved cache transceiver, "python" or "nixl".
+    block_size: tokens per KV block.
+    max_tokens: KV capacity in tokens (rounded down to whole blocks). When
+        None, `kv_cache_memory_bytes` sizes the cache instead.
+    kv_cache_memory_bytes: memory budget for KV blocks and Mamba slots; used
+        only when `max_tokens` is None.
+    max_num_tokens: per-step token budget (decode tokens + prefill chunks).
+    max_batch_size: most sequences in one step; also the number of Mamba
+        state slots a hybrid model gets.
+    enable_block_reuse: prefix reuse (V2 only; ignored with a warning for
+        hybrid models, whose reuse needs Mamba state snapshots).
+    lease_s: how long a context worker keeps a finished prompt's blocks
+        pinned waiting for the generation side to pull them.
+    transfer_timeout_s: how long a generation worker waits for one pull.
+    cluster_secret: shared token that transceivers use to authenticate peers.
+    transfer_host: address the transceiver listens on and advertises.
+    """
+
+    checkpoint: str
+    dtype: str | None = None
+    device: str = "cpu"
+    manager: str = "v1"
+    transceiver: str = "python"
+    block_size: int = 16
+    max_tokens: int | None = 8192
+    kv_cache_memory_bytes: int | None = None
+    max_num_tokens: int = 512
+    max_batch_size: int = 64
+    enable_block_reuse: bool = False
+    lease_s: float = 30.0
+    transfer_timeout_s: float = 30.0
+    cluster_secret: str = ""
+    transfer_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        if self.manager not in MANAGERS:
+            raise WorkerConfigError(
+                f"manager must be one of {MANAGERS} (resolve 'auto' before building "
+                f"workers), got {self.manager!r}"
+            )
+        if self.transceiver not in TRANSCEIVERS:
+            raise WorkerConfigError(
+                f"transceiver must be one of {TRANSCEIVERS} (resolve 'auto' before "
+                f"building workers), got {self.transceiver!r}"
+            )
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise WorkerConfigError(f"dtype must be one of {DTYPES} or None, got {self.dtype!r}")
+        if self.max_tokens is None and self.kv_cache_memory_bytes is None:
+            raise WorkerConfigError("set max_tokens or kv_cache_memory_bytes to size the KV cache")
+        _require_positive("block_size", self.block_size)
+        _require_positive("max_num_tokens", self.max_num_tokens)
+        _require_positive("max_batch_size", self.max_batch_size)
+        _require_positive("lease_s", self.lease_s)
+        _require_positive("transfer_timeout_s", self.transfer_timeout_s)
+        if self.max_tokens is not None and self.max_tokens < self.block_size:
+            raise WorkerConfigError(
+                f"max_tokens ({self.max_tokens}) must hold at least one block of "
+                f"{self.block_size} tokens"
+            )
+
+
+def _require_positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise WorkerConfigError(f"{name} must be positive, got {value}")
