@@ -82,6 +82,12 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    # Bias on the attention output projection; None means "same as attention_bias"
+    # (Llama). Qwen2 has q/k/v biases but none on o_proj.
+    attention_output_bias: bool | None = None
+    # Keys further than this many positions behind a query are masked (Mistral);
+    # None attends to the whole context.
+    sliding_window: int | None = None
     mlp_bias: bool = False
     hidden_act: str = "silu"
     rope: RopeConfig | None = field(default_factory=RopeConfig)
