@@ -1,0 +1,117 @@
+"""Typed messages between the router and the worker actors.
+
+They travel through Ray calls (pickled by Ray as plain dataclasses); none of
+them carries a tensor. Cache bytes move only through the transceivers, which
+the `TransferHandle` inside a `ContextResult` addresses.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ContextRequest:
+    """Context-only work: prefill `prompt_token_ids` and sample the first token.
+
+    `params` is an `engine.sampling.SamplingParams`.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Any
+
+
+@dataclass(frozen=True)
+class ContextResult:
+    """The context phase's answer.
+
+    `handle` addresses the pinned cache (a `transfer.TransferHandle`); it is
+    None when the request already finished at its first token (EOS, a stop
+    token, max_tokens == 1), in which case nothing stays pinned.
+    """
+
+    request_id: str
+    first_token_id: int
+    first_logprob: float | None = None
+    first_top_logprobs: list[tuple[int, float]] | None = None
+    handle: Any = None
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    # Wall-clock (time.time()) when the first token was sampled.
+    first_token_time: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """Work for a generation (or aggregated) worker.
+
+    With `context` set, the prompt's cache lives on a context worker and is
+    pulled through `context.handle`; the first token is `context.first_token_id`.
+    With `context` None the worker runs the whole request itself (aggregated
+    mode and conditional disaggregation).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Any
+    context: ContextResult | None = None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One chunk of a token stream: new tokens of one request, in order.
+
+    The last event of a stream has `finish_reason` set ("stop", "length",
+    "abort" or "error"); with "error", `error` says what to change.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    # Wall-clock (time.time()) when these tokens were sampled.
+    timestamp: float = field(default_factory=time.time)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A worker's occupancy, for load-aware routing."""
+
+    worker_id: str
+    role: str  # "context", "generation" or "aggregated"
+    num_waiting: int
+    num_running: int
+    num_transferring: int  # pulls in flight (generation) or pinned handoffs (context)
+    num_free_blocks: int
+    num_total_blocks: int
+    num_free_mamba_slots: int
+    num_tokens_in_flight: int  # tokens of every queued or running request
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    """Cache events (blocks stored / removed) since the last drain, in order;
+    `events` holds whatever the worker's KV cache manager reports."""
+
+    worker_id: str
+    events: list[Any]
+
+
+@dataclass(frozen=True)
+class WorkerHealth:
+    worker_id: str
+    role: str
+    healthy: bool
+    detail: str = ""

@@ -1,0 +1,111 @@
+"""Per-request state shared by the scheduler, the model runner and the workers.
+
+A request's tokens are `prompt_token_ids + output_token_ids`. The cache holds
+the first `num_computed_tokens` of them; a step computes some of the rest.
+After a decode step the newest sampled token is always the one token not yet
+in the cache, so a running request in the decode phase has exactly one
+uncomputed token:
+
+    tokens:    p0 p1 p2 p3 | o0 o1
+    computed:  p0 p1 p2 p3   o0        num_computed_tokens = 5, num_tokens = 6
+
+Preemption by recompute resets `num_computed_tokens` to 0; the next prefill
+then covers prompt and output alike.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, stop token or stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # cancelled by the client or the router
+    HANDOFF = "handoff"  # context phase done; the cache waits for the generation side
+    ERROR = "error"  # the request can never run here; `Request.error` says why
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence in flight.
+
+    `params` is the request's `engine.sampling.SamplingParams`; the scheduler
+    reads only `params.max_tokens` (through the engine core), so it stays
+    usable without torch.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Any
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    # Per output token: its logprob and the top alternatives, when asked for.
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Prompt tokens found in the prefix cache on first admission.
+    num_cached_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r} has an empty prompt")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output(
+        self,
+        token_id: int,
+        logprob: float | None = None,
+        top_logprobs: list[tuple[int, float]] | None = None,
+    ) -> None:
+        """Record a sampled token (and its logprobs, when computed)."""
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.output_token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+        if top_logprobs is not None:
+            self.output_top_logprobs.append(top_logprobs)
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
