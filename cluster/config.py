@@ -1,0 +1,243 @@
+"""The disagg YAML config: what an operator writes to describe a cluster.
+
+Top-level keys are defaults for both `context_servers` and
+`generation_servers`; a section may override the kv_cache, cache_transceiver
+and scheduler keys for its role. Setting one key to two *different* values at
+the top level and in a section is an error, because the reader cannot tell
+which one wins. `auto` values stay `auto` here; `cluster.plan.resolve_plan`
+resolves them once at startup.
+
+    model: checkpoints/tiny-llama
+    port: 8000
+    router: {type: prefix_aware}
+    kv_cache: {manager: auto, block_size: 16, max_tokens: 8192}
+    context_servers: {num_instances: 2}
+    generation_servers: {num_instances: 1, kv_cache: {max_tokens: 16384}}
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ROLES = ("context_servers", "generation_servers")
+# Keys a server section may override; each must also exist at the top level.
+SECTION_OVERRIDES = ("kv_cache", "cache_transceiver", "max_num_tokens", "max_batch_size")
+SIZING_KEYS = ("max_tokens", "memory_fraction")
+
+
+class ConfigError(ValueError):
+    """A disagg config the cluster cannot run; the message names file and key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RouterConfig(_Strict):
+    type: Literal["round_robin", "least_loaded", "prefix_aware"] = "round_robin"
+
+
+class ConditionalDisaggConfig(_Strict):
+    # A prompt of at most this many tokens runs whole on a generation worker;
+    # 0 sends every request through a context worker.
+    max_local_prefill_length: int = Field(default=0, ge=0)
+
+
+class CacheTransceiverConfig(_Strict):
+    backend: Literal["auto", "nixl", "python"] = "auto"
+    timeout_s: float = Field(default=30.0, gt=0)
+    lease_s: float = Field(default=60.0, gt=0)
+
+
+class KvCacheConfig(_Strict):
+    """Cache manager choice and size. Give `max_tokens` or `memory_fraction`, not both."""
+
+    manager: Literal["auto", "v1", "v2"] = "auto"
+    block_size: int = Field(default=16, gt=0)
+    enable_block_reuse: bool = False
+    max_tokens: int | None = Field(default=None, gt=0)
+    memory_fraction: float | None = Field(default=None, gt=0, le=1)
+    cpu_memory_bytes: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_sizing_key(self) -> KvCacheConfig:
+        if self.max_tokens is not None and self.memory_fraction is not None:
+            raise ValueError("set kv_cache.max_tokens or kv_cache.memory_fraction, not both")
+        return self
+
+
+class ServerSectionConfig(_Strict):
+    """One role's instances; unset override keys inherit the top level."""
+
+    num_instances: int = Field(default=1, ge=1)
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    num_gpus: float = Field(default=0.0, ge=0)
+    kv_cache: KvCacheConfig | None = None
+    cache_transceiver: CacheTransceiverConfig | None = None
+    max_num_tokens: int | None = Field(default=None, gt=0)
+    max_batch_size: int | None = Field(default=None, gt=0)
+
+    @field_validator("tensor_parallel_size")
+    @classmethod
+    def _no_tensor_parallel(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(
+                f"tensor_parallel_size is {value}, but tensor parallelism is not "
+                "implemented yet; set tensor_parallel_size: 1 and scale out with "
+                "num_instances instead"
+            )
+        return value
+
+
+class RoleSettings(_Strict):
+    """The merged settings every instance of one role runs with."""
+
+    role: Literal["context", "generation"]
+    num_instances: int
+    num_gpus: float
+    kv_cache: KvCacheConfig
+    cache_transceiver: CacheTransceiverConfig
+    max_num_tokens: int
+    max_batch_size: int
+    dtype: str
+
+
+class ClusterConfig(_Strict):
+    model: str
+    hostname: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    address: str | None = None
+    startup_timeout_s: float = Field(default=300.0, gt=0)
+    router: RouterConfig = RouterConfig()
+    conditional_disagg: ConditionalDisaggConfig = ConditionalDisaggConfig()
+    cache_transceiver: CacheTransceiverConfig = CacheTransceiverConfig()
+    kv_cache: KvCacheConfig = KvCacheConfig()
+    max_num_tokens: int = Field(default=2048, gt=0)
+    max_batch_size: int = Field(default=32, gt=0)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    context_servers: ServerSectionConfig = ServerSectionConfig()
+    generation_servers: ServerSectionConfig = ServerSectionConfig()
+
+    @model_validator(mode="after")
+    def _sections_agree_with_top_level(self) -> ClusterConfig:
+        for role in ROLES:
+            self.role_settings(role)
+        return self
+
+    def role_settings(self, section_name: str) -> RoleSettings:
+        """Merge the top level with one section; raises ValueError on a conflict."""
+        section: ServerSectionConfig = getattr(self, section_name)
+        kv_cache = _merge_nested(self, section, section_name, "kv_cache")
+        transceiver = _merge_nested(self, section, section_name, "cache_transceiver")
+        scalars = {
+            key: _merge_scalar(self, section, section_name, key)
+            for key in ("max_num_tokens", "max_batch_size")
+        }
+        return RoleSettings(
+            role="context" if section_name == "context_servers" else "generation",
+            num_instances=section.num_instances,
+            num_gpus=section.num_gpus,
+            kv_cache=KvCacheConfig.model_validate(kv_cache),
+            cache_transceiver=CacheTransceiverConfig.model_validate(transceiver),
+            dtype=self.dtype,
+            **scalars,
+        )
+
+
+def _merge_scalar(top: ClusterConfig, section: ServerSectionConfig, name: str, key: str) -> Any:
+    value = getattr(section, key)
+    if key not in section.model_fields_set or value is None:
+        return getattr(top, key)
+    if key in top.model_fields_set and getattr(top, key) != value:
+        raise ValueError(_conflict(key, getattr(top, key), f"{name}.{key}", value))
+    return value
+
+
+def _merge_nested(
+    top: ClusterConfig, section: ServerSectionConfig, name: str, key: str
+) -> dict[str, Any]:
+    base: BaseModel = getattr(top, key)
+    merged = base.model_dump()
+    override: BaseModel | None = getattr(section, key)
+    if override is None:
+        return merged
+    for field in override.model_fields_set:
+        value = getattr(override, field)
+        if field in base.model_fields_set and getattr(base, field) != value:
+            raise ValueError(
+                _conflict(f"{key}.{field}", getattr(base, field), f"{name}.{key}.{field}", value)
+            )
+        merged[field] = value
+        if field in SIZING_KEYS:
+            # A section that sizes its cache one way replaces the other way.
+            for other in SIZING_KEYS:
+                if other != field and other not in override.model_fields_set:
+                    merged[other] = None
+    return merged
+
+
+def _conflict(top_key: str, top_value: Any, section_key: str, section_value: Any) -> str:
+    return (
+        f"{top_key} is {top_value!r} at the top level but {section_key} is "
+        f"{section_value!r}; set it in one place, or give both the same value"
+    )
+
+
+def load_config(path: str | Path) -> ClusterConfig:
+    """Read and validate a disagg YAML file; raises `ConfigError` naming file:key."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror})") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the config must be a mapping of keys, got {type(raw).__name__}")
+    return config_from_dict(raw, source=str(path))
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<config>") -> ClusterConfig:
+    """Validate an already-parsed config mapping; raises `ConfigError`."""
+    try:
+        return ClusterConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, source)) from None
+
+
+def _describe(exc: ValidationError, source: str) -> str:
+    """One line per problem: `file:dotted.key: what to change`."""
+    lines = []
+    for error in exc.errors():
+        loc = tuple(str(part) for part in error["loc"])
+        where = f"{source}:{'.'.join(loc)}" if loc else source
+        if error["type"] == "extra_forbidden":
+            message = f"unknown key{_suggestion(loc)}"
+        elif error["type"] == "value_error":
+            message = str(error["ctx"]["error"])
+        else:
+            message = error["msg"]
+        lines.append(f"{where}: {message}")
+    return "\n".join(lines)
+
+
+def _suggestion(loc: tuple[str, ...]) -> str:
+    valid = _valid_keys_at(loc[:-1])
+    close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f"; valid keys here: {', '.join(sorted(valid))}"
+
+
+def _valid_keys_at(parent: tuple[str, ...]) -> list[str]:
+    model: type[BaseModel] = ClusterConfig
+    for part in parent:
+        annotation = model.model_fields[part].annotation
+        candidates = getattr(annotation, "__args__", (annotation,))
+        model = next(c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel))
+    return list(model.model_fields)

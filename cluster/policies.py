@@ -1,0 +1,141 @@
+"""Routing policies: which worker of a pool gets the next request.
+
+Pure Python over the router's bookkeeping (`WorkerState`), so every policy is
+unit-tested without Ray or torch. A policy never mutates the states it reads;
+the router records the dispatch afterwards.
+
+- `round_robin`: the next worker in a fixed cycle.
+- `least_loaded`: fewest tokens in flight (prompt + requested output tokens
+  of requests dispatched and not finished), then fewest queued requests.
+- `prefix_aware`: the worker holding the longest run of the prompt's leading
+  block hashes (learned from the workers' KV events); ties go to the least
+  loaded, and remaining ties rotate so equal workers share the load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware")
+
+
+class NoWorkerError(RuntimeError):
+    """The pool has no healthy worker left to route to."""
+
+
+@dataclass
+class WorkerState:
+    """What the router knows about one worker.
+
+    tokens_in_flight: router-side count, raised on dispatch and lowered when
+        the request ends, so it is exact between load reports.
+    num_queued: the worker's last reported queue length.
+    cached_blocks: block hashes the worker reported as stored and not removed.
+    healthy: False once a call to the worker failed; such workers get no
+        new requests.
+    """
+
+    name: str
+    tokens_in_flight: int = 0
+    num_queued: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    cached_blocks: set[int] = field(default_factory=set)
+    healthy: bool = True
+
+    def prefix_match(self, block_hashes: Sequence[int]) -> int:
+        """Leading blocks of the prompt this worker holds.
+
+        Block hashes chain over their parent, so a hit after a miss cannot be
+        reused; counting stops at the first miss.
+        """
+        matched = 0
+        for block_hash in block_hashes:
+            if block_hash not in self.cached_blocks:
+                break
+            matched += 1
+        return matched
+
+    def apply_kv_event(self, stored: Sequence[int], removed: Sequence[int]) -> None:
+        self.cached_blocks.difference_update(removed)
+        self.cached_blocks.update(stored)
+
+
+class RoutingPolicy(Protocol):
+    def choose(self, workers: Sequence[WorkerState], block_hashes: Sequence[int]) -> WorkerState:
+        """Pick one healthy worker; raises `NoWorkerError` when none is healthy."""
+        ...
+
+
+def _healthy(workers: Sequence[WorkerState]) -> list[WorkerState]:
+    healthy = [w for w in workers if w.healthy]
+    if not healthy:
+        raise NoWorkerError("no healthy worker in the pool; check the worker logs")
+    return healthy
+
+
+def _load_key(worker: WorkerState) -> tuple[int, int]:
+    return (worker.tokens_in_flight, worker.num_queued)
+
+
+class RoundRobinPolicy:
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, workers: Sequence[WorkerState], block_hashes: Sequence[int]) -> WorkerState:
+        healthy = _healthy(workers)
+        chosen = healthy[self._next % len(healthy)]
+        self._next += 1
+        return chosen
+
+
+class _RotatingTieBreak:
+    """Among equally good workers, rotate instead of always taking the first."""
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def pick(self, tied: list[WorkerState]) -> WorkerState:
+        chosen = tied[self._turn % len(tied)]
+        self._turn += 1
+        return chosen
+
+
+class LeastLoadedPolicy:
+    def __init__(self) -> None:
+        self._ties = _RotatingTieBreak()
+
+    def choose(self, workers: Sequence[WorkerState], block_hashes: Sequence[int]) -> WorkerState:
+        healthy = _healthy(workers)
+        best = min(_load_key(w) for w in healthy)
+        return self._ties.pick([w for w in healthy if _load_key(w) == best])
+
+
+class PrefixAwarePolicy:
+    def __init__(self) -> None:
+        self._ties = _RotatingTieBreak()
+
+    def choose(self, workers: Sequence[WorkerState], block_hashes: Sequence[int]) -> WorkerState:
+        healthy = _healthy(workers)
+
+        def score(worker: WorkerState) -> tuple[int, int, int]:
+            # Longest prefix first, then least loaded (hence the negations).
+            tokens, queued = _load_key(worker)
+            return (worker.prefix_match(block_hashes), -tokens, -queued)
+
+        best = max(score(w) for w in healthy)
+        return self._ties.pick([w for w in healthy if score(w) == best])
+
+
+def make_policy(name: str) -> RoutingPolicy:
+    """A fresh policy instance; each worker pool owns its own."""
+    policies: dict[str, type[RoutingPolicy]] = {
+        "round_robin": RoundRobinPolicy,
+        "least_loaded": LeastLoadedPolicy,
+        "prefix_aware": PrefixAwarePolicy,
+    }
+    if name not in policies:
+        raise ValueError(f"unknown router type {name!r}; use one of {', '.join(POLICY_NAMES)}")
+    return policies[name]()

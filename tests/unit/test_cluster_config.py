@@ -1,0 +1,94 @@
+"""The disagg YAML config: validation errors a user would read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.config import ConfigError, config_from_dict, load_config
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_unknown_key_names_file_key_and_suggests_the_closest(tmp_path: Path) -> None:
+    path = _write(tmp_path, "model: m\nkv_cache:\n  blok_size: 32\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert f"{path}:kv_cache.blok_size" in message
+    assert "did you mean 'block_size'" in message
+
+
+def test_unknown_key_inside_a_section_suggests_from_that_section() -> None:
+    with pytest.raises(ConfigError, match="context_servers.num_instance: .*'num_instances'"):
+        config_from_dict({"model": "m", "context_servers": {"num_instance": 2}})
+
+
+def test_unknown_key_without_close_match_lists_valid_keys() -> None:
+    with pytest.raises(ConfigError, match="valid keys here: .*backend"):
+        config_from_dict({"model": "m", "cache_transceiver": {"zzz": 1}})
+
+
+def test_conflicting_top_level_and_section_values_name_both_places() -> None:
+    raw = {
+        "model": "m",
+        "kv_cache": {"block_size": 16},
+        "generation_servers": {"kv_cache": {"block_size": 32}},
+    }
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(raw)
+    message = str(info.value)
+    assert "kv_cache.block_size is 16 at the top level" in message
+    assert "generation_servers.kv_cache.block_size is 32" in message
+
+
+def test_equal_values_in_both_places_are_accepted() -> None:
+    raw = {"model": "m", "max_batch_size": 8, "context_servers": {"max_batch_size": 8}}
+    assert config_from_dict(raw).role_settings("context_servers").max_batch_size == 8
+
+
+def test_section_overrides_a_default_left_unset_at_top_level() -> None:
+    raw = {
+        "model": "m",
+        "kv_cache": {"memory_fraction": 0.5, "block_size": 8},
+        "generation_servers": {"kv_cache": {"max_tokens": 4096}},
+    }
+    config = config_from_dict(raw)
+    generation = config.role_settings("generation_servers").kv_cache
+    context = config.role_settings("context_servers").kv_cache
+    assert (generation.max_tokens, generation.memory_fraction, generation.block_size) == (
+        4096,
+        None,
+        8,
+    )
+    assert (context.max_tokens, context.memory_fraction) == (None, 0.5)
+
+
+def test_tensor_parallel_above_one_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"model": "m", "context_servers": {"tensor_parallel_size": 2}})
+    message = str(info.value)
+    assert "context_servers.tensor_parallel_size" in message
+    assert "tensor parallelism is not implemented" in message
+
+
+def test_both_cache_sizing_keys_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="max_tokens or kv_cache.memory_fraction, not both"):
+        config_from_dict({"model": "m", "kv_cache": {"max_tokens": 64, "memory_fraction": 0.2}})
+
+
+def test_bad_enum_value_names_the_key() -> None:
+    with pytest.raises(ConfigError, match="router.type: .*prefix_aware"):
+        config_from_dict({"model": "m", "router": {"type": "random"}})
+
+
+def test_missing_file_and_non_mapping_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "absent.yaml")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(_write(tmp_path, "- a\n- b\n"))

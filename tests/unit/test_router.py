@@ -1,0 +1,92 @@
+"""Routing policies over the router's bookkeeping (pure Python)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.policies import (
+    LeastLoadedPolicy,
+    NoWorkerError,
+    PrefixAwarePolicy,
+    RoundRobinPolicy,
+    WorkerState,
+    make_policy,
+)
+
+
+def _pool(n: int) -> list[WorkerState]:
+    return [WorkerState(name=f"w{i}") for i in range(n)]
+
+
+def test_round_robin_cycles_and_skips_unhealthy() -> None:
+    pool = _pool(3)
+    policy = RoundRobinPolicy()
+    assert [policy.choose(pool, []).name for _ in range(4)] == ["w0", "w1", "w2", "w0"]
+    pool[1].healthy = False
+    names = {policy.choose(pool, []).name for _ in range(4)}
+    assert names == {"w0", "w2"}
+
+
+def test_least_loaded_prefers_fewest_tokens_in_flight() -> None:
+    pool = _pool(3)
+    pool[0].tokens_in_flight = 500
+    pool[1].tokens_in_flight = 20
+    pool[2].tokens_in_flight = 300
+    assert LeastLoadedPolicy().choose(pool, []).name == "w1"
+
+
+def test_least_loaded_breaks_token_ties_by_queue_then_rotates() -> None:
+    pool = _pool(3)
+    pool[0].num_queued = 2
+    policy = LeastLoadedPolicy()
+    assert [policy.choose(pool, []).name for _ in range(4)] == ["w1", "w2", "w1", "w2"]
+
+
+def test_prefix_aware_picks_the_worker_holding_the_longest_prefix() -> None:
+    pool = _pool(3)
+    pool[0].apply_kv_event(stored=[11], removed=[])
+    pool[2].apply_kv_event(stored=[11, 12, 13], removed=[])
+    pool[2].tokens_in_flight = 1000  # a longer match outweighs load
+    assert PrefixAwarePolicy().choose(pool, [11, 12, 13, 14]).name == "w2"
+
+
+def test_prefix_match_stops_at_the_first_missing_block() -> None:
+    worker = WorkerState(name="w", cached_blocks={1, 3, 4})
+    assert worker.prefix_match([1, 2, 3, 4]) == 1
+    assert worker.prefix_match([2, 3, 4]) == 0
+
+
+def test_prefix_aware_forgets_removed_blocks() -> None:
+    pool = _pool(2)
+    pool[1].apply_kv_event(stored=[5, 6], removed=[])
+    pool[1].apply_kv_event(stored=[], removed=[5])
+    pool[0].tokens_in_flight = 10
+    # w1 no longer holds the first block: no match anywhere, least loaded wins.
+    assert PrefixAwarePolicy().choose(pool, [5, 6]).name == "w1"
+    pool[1].tokens_in_flight = 50
+    assert PrefixAwarePolicy().choose(pool, [5, 6]).name == "w0"
+
+
+def test_prefix_aware_ties_go_to_least_loaded_then_rotate() -> None:
+    pool = _pool(3)
+    for worker in pool[:2]:
+        worker.apply_kv_event(stored=[1, 2], removed=[])
+    pool[0].tokens_in_flight = 7
+    policy = PrefixAwarePolicy()
+    assert policy.choose(pool, [1, 2]).name == "w1"
+    pool[0].tokens_in_flight = 0
+    assert {policy.choose(pool, [1, 2]).name for _ in range(2)} == {"w0", "w1"}
+
+
+@pytest.mark.parametrize("name", ["round_robin", "least_loaded", "prefix_aware"])
+def test_every_policy_refuses_an_all_unhealthy_pool(name: str) -> None:
+    pool = _pool(2)
+    for worker in pool:
+        worker.healthy = False
+    with pytest.raises(NoWorkerError, match="no healthy worker"):
+        make_policy(name).choose(pool, [])
+
+
+def test_make_policy_rejects_unknown_names() -> None:
+    with pytest.raises(ValueError, match="round_robin"):
+        make_policy("random")
