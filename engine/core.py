@@ -1,0 +1,169 @@
+"""The engine step every worker kind runs: schedule, run the model, update.
+
+`EngineCore` is synchronous and single-threaded; the worker actors drive it
+from an asyncio loop (see `engine/loop.py`). Roles differ only at the finish
+line:
+
+- generation / aggregated: a request runs until a stop condition, then its
+  cache is freed;
+- context: a request stops after its first token with `FinishReason.HANDOFF`
+  and its blocks (and Mamba slot) stay allocated for the generation side to
+  pull; the worker frees them on release or lease expiry.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.messages import TokenEvent
+from engine.model_runner import ModelRunner, SampledToken, StepTimings
+from engine.request import FinishReason, Request
+from engine.scheduler import Scheduler, SchedulerOutput
+
+# Decides whether a request must stop after its newest token; returns the
+# reason or None. Built per request by the worker (EOS, stop tokens, stop
+# strings, max_tokens).
+StopCheck = Callable[[Request], FinishReason | None]
+
+
+@dataclass
+class StepResult:
+    events: list[TokenEvent] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+    # Context role: requests whose cache now waits for a pull (still allocated).
+    handoffs: list[Request] = field(default_factory=list)
+    num_tokens: int = 0
+    schedule_s: float = 0.0
+    timings: StepTimings = field(default_factory=StepTimings)
+
+
+class EngineCore:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        make_stop_check: Callable[[Request], StopCheck],
+        context_only: bool = False,
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.make_stop_check = make_stop_check
+        self.context_only = context_only
+        self.requests: dict[str, Request] = {}
+        self._stop_checks: dict[str, StopCheck] = {}
+
+    def add(self, request: Request) -> None:
+        """Queue a request for prefill (raises `CapacityError` if it can never fit)."""
+        self._register(request)
+        try:
+            self.scheduler.add(request)
+        except Exception:
+            self._forget(request.request_id)
+            raise
+
+    def add_prefilled(self, request: Request) -> None:
+        """Admit a request whose first `num_computed_tokens` already sit in its
+        allocated cache (pulled from a context worker)."""
+        self._register(request)
+        self.scheduler.add_running(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Drop a request and free its cache; None if it is not here."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.scheduler.remove(request, free_blocks=True)
+        request.finish(FinishReason.ABORT)
+        self._forget(request_id)
+        return request
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> StepResult:
+        """One engine iteration. Returns an empty result when nothing can run."""
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        result = StepResult(schedule_s=time.perf_counter() - t0, num_tokens=sched.num_tokens)
+        for failed in sched.failed:
+            result.events.append(self._final_event(failed, []))
+            result.finished.append(failed)
+            self._forget(failed.request_id)
+        if sched.is_empty:
+            return result
+        runner_out = self.runner.execute(sched.sequences)
+        result.timings = runner_out.timings
+        self.scheduler.commit(sched)
+        self._apply_samples(sched, runner_out.sampled, result)
+        return result
+
+    def _apply_samples(
+        self,
+        sched: SchedulerOutput,
+        sampled: Sequence[SampledToken | None],
+        result: StepResult,
+    ) -> None:
+        for seq, token in zip(sched.sequences, sampled, strict=True):
+            if token is None:
+                continue
+            request = seq.request
+            want_logprobs = _wants_logprobs(request.params)
+            request.append_output(
+                token.token_id,
+                token.logprob if want_logprobs else None,
+                token.top_logprobs if want_logprobs else None,
+            )
+            reason = self._stop_checks[request.request_id](request)
+            if reason is None and self.context_only:
+                reason = FinishReason.HANDOFF
+            if reason is None:
+                result.events.append(self._token_event(request, None))
+                continue
+            request.finish(reason)
+            keep = reason is FinishReason.HANDOFF
+            self.scheduler.remove(request, free_blocks=not keep)
+            (result.handoffs if keep else result.finished).append(request)
+            result.events.append(self._token_event(request, reason))
+            self._forget(request.request_id)
+
+    def _token_event(self, request: Request, reason: FinishReason | None) -> TokenEvent:
+        want = _wants_logprobs(request.params)
+        return TokenEvent(
+            request_id=request.request_id,
+            token_ids=[request.output_token_ids[-1]],
+            logprobs=[request.output_logprobs[-1]] if want and request.output_logprobs else None,
+            top_logprobs=(
+                [request.output_top_logprobs[-1]] if want and request.output_top_logprobs else None
+            ),
+            finish_reason=reason.value if reason is not None else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def _final_event(self, request: Request, token_ids: list[int]) -> TokenEvent:
+        reason = request.finish_reason or FinishReason.ERROR
+        return TokenEvent(
+            request_id=request.request_id,
+            token_ids=token_ids,
+            finish_reason=reason.value,
+            error=request.error,
+            num_prompt_tokens=request.num_prompt_tokens,
+        )
+
+    def _register(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in flight here")
+        self.requests[request.request_id] = request
+        self._stop_checks[request.request_id] = self.make_stop_check(request)
+
+    def _forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self._stop_checks.pop(request_id, None)
+        self.runner.release(request_id)
+
+
+def _wants_logprobs(params: Any) -> bool:
+    return getattr(params, "logprobs", None) is not None

@@ -1,0 +1,176 @@
+"""Drive an `EngineCore` from an actor's asyncio loop.
+
+Steps run in a worker thread so the actor keeps answering calls (new
+requests, aborts, load reports, transfers) while the model computes. Every
+mutation of engine state — adding, aborting, freeing a handed-off request —
+is queued with `call_between_steps` and applied on the event loop while no
+step is running, so the scheduler and the cache manager only ever see one
+thread at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.core import EngineCore, StepResult
+from engine.messages import TokenEvent
+from engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+# When work is queued but nothing could be scheduled (all blocks pinned by
+# handoffs or pulls), retry after this long instead of spinning.
+_BLOCKED_RETRY_S = 0.005
+
+
+@dataclass
+class StepStats:
+    """Running totals for load reports and the per-step breakdown."""
+
+    steps: int = 0
+    tokens: int = 0
+    schedule_s: float = 0.0
+    build_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+    def add(self, result: StepResult) -> None:
+        self.steps += 1
+        self.tokens += result.num_tokens
+        self.schedule_s += result.schedule_s
+        self.build_s += result.timings.build_s
+        self.forward_s += result.timings.forward_s
+        self.sample_s += result.timings.sample_s
+
+
+class EngineLoop:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.stats = StepStats()
+        self.on_handoff: Callable[[Request], None] | None = None
+        self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}
+        self._pending: list[Callable[[], None]] = []
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._error: BaseException | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    @property
+    def healthy(self) -> bool:
+        return self._error is None and (self._task is None or not self._task.done())
+
+    def call_between_steps(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the event loop when no step is in flight."""
+        self._pending.append(fn)
+        self._wake.set()
+
+    def submit(self, request: Request, prefilled: bool = False) -> asyncio.Queue[TokenEvent]:
+        """Queue a request; returns the queue its `TokenEvent`s arrive on.
+
+        `prefilled` admits it straight into the running batch (its cache was
+        pulled). Capacity errors surface as a final event with `error` set.
+        """
+        stream: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._streams[request.request_id] = stream
+
+        def add() -> None:
+            try:
+                if prefilled:
+                    self.core.add_prefilled(request)
+                else:
+                    self.core.add(request)
+            except Exception as exc:  # CapacityError or a duplicate id
+                self._deliver(_error_event(request, str(exc)))
+
+        self.call_between_steps(add)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its stream gets a final "abort" event."""
+
+        def drop() -> None:
+            request = self.core.abort(request_id)
+            if request is not None:
+                self._deliver(
+                    TokenEvent(request_id=request_id, token_ids=[], finish_reason="abort")
+                )
+
+        self.call_between_steps(drop)
+
+    def detach(self, request_id: str) -> None:
+        """Stop delivering events for a request (its consumer went away)."""
+        self._streams.pop(request_id, None)
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                self._apply_pending()
+                if not self.core.has_work():
+                    self._wake.clear()
+                    if not self._pending:
+                        await self._wake.wait()
+                    continue
+                result = await asyncio.to_thread(self.core.step)
+                self.stats.add(result)
+                self._dispatch(result)
+                if result.num_tokens == 0 and not result.events:
+                    await asyncio.sleep(_BLOCKED_RETRY_S)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._error = exc
+            logger.exception("engine loop died; failing every request in flight")
+            for request_id in list(self._streams):
+                self._deliver(
+                    TokenEvent(
+                        request_id=request_id,
+                        token_ids=[],
+                        finish_reason="error",
+                        error=f"engine failed: {exc!r}",
+                    )
+                )
+            raise
+
+    def _apply_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for fn in pending:
+            fn()
+
+    def _dispatch(self, result: StepResult) -> None:
+        for request in result.handoffs:
+            if self.on_handoff is not None:
+                self.on_handoff(request)
+        for event in result.events:
+            self._deliver(event)
+
+    def _deliver(self, event: TokenEvent) -> None:
+        stream = self._streams.get(event.request_id)
+        if stream is None:
+            return
+        stream.put_nowait(event)
+        if event.finished:
+            del self._streams[event.request_id]
+
+
+def _error_event(request: Request, message: str) -> TokenEvent:
+    return TokenEvent(
+        request_id=request.request_id,
+        token_ids=[],
+        finish_reason="error",
+        error=message,
+        num_prompt_tokens=request.num_prompt_tokens,
+    )

@@ -1,0 +1,199 @@
+"""Turn a scheduled step into tensors, run the model, sample.
+
+The runner owns the model and the cache views; the KV cache manager owns the
+bookkeeping. Once per step it flattens the scheduled chunks into one
+`ForwardBatch` (input ids, positions, block tables, slot mapping, Mamba
+slots, logits indices), runs `model.forward` under `torch.inference_mode()`,
+turns the last position of every sampling sequence into logits and samples.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from engine.scheduler import ScheduledSequence
+from models.batch import CacheViews, ForwardBatch
+
+
+class CacheAddressing(Protocol):
+    """Where a request's cache lives (the KV cache manager's view)."""
+
+    def block_table(self, request_id: str) -> list[int]: ...
+
+    def mamba_slot(self, request_id: str) -> int | None: ...
+
+
+class CausalModel(Protocol):
+    def forward(self, batch: ForwardBatch, caches: CacheViews) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class StepTimings:
+    """Seconds spent in each part of a step (for the per-step breakdown)."""
+
+    build_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+
+@dataclass
+class RunnerOutput:
+    # One entry per scheduled sequence, None where the chunk does not sample.
+    sampled: list[SampledToken | None] = field(default_factory=list)
+    timings: StepTimings = field(default_factory=StepTimings)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalModel,
+        caches: CacheViews,
+        addressing: CacheAddressing,
+        block_size: int,
+        sampler: Any,
+        device: str = "cpu",
+        is_hybrid: bool = False,
+    ) -> None:
+        self.model = model
+        self.caches = caches
+        self.addressing = addressing
+        self.block_size = block_size
+        self.sampler = sampler
+        self.device = torch.device(device)
+        self.is_hybrid = is_hybrid
+        # Per-request torch.Generator for seeded sampling; created lazily.
+        self.generators: dict[str, torch.Generator | None] = {}
+
+    def build_batch(self, seqs: Sequence[ScheduledSequence]) -> ForwardBatch:
+        """Flatten the step's chunks into one batch; see `models/batch.py`."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        mamba_slots: list[int] = []
+        logits_indices: list[int] = []
+        bs = self.block_size
+        for seq in seqs:
+            req = seq.request
+            start, end = seq.start, seq.start + seq.num_new_tokens
+            table = self.addressing.block_table(req.request_id)
+            input_ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start_loc.append(len(input_ids))
+            seq_lens.append(end)
+            context_lens.append(start)
+            tables.append(table)
+            if self.is_hybrid:
+                mamba_slots.append(_require_slot(self.addressing, req.request_id))
+            if seq.samples:
+                logits_indices.append(len(input_ids) - 1)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        return ForwardBatch(
+            input_ids=self._tensor(input_ids),
+            positions=self._tensor(positions),
+            query_start_loc=self._tensor(query_start_loc),
+            seq_lens=self._tensor(seq_lens),
+            context_lens=self._tensor(context_lens),
+            block_tables=self._tensor(padded),
+            slot_mapping=self._tensor(slot_mapping),
+            block_size=bs,
+            mamba_slots=self._tensor(mamba_slots) if self.is_hybrid else None,
+            logits_indices=self._tensor(logits_indices),
+        )
+
+    def execute(self, seqs: Sequence[ScheduledSequence]) -> RunnerOutput:
+        """Run one step; return the sampled token of every sampling sequence."""
+        timings = StepTimings()
+        t0 = time.perf_counter()
+        batch = self.build_batch(seqs)
+        t1 = time.perf_counter()
+        with torch.inference_mode():
+            hidden = self.model.forward(batch, self.caches)
+            assert batch.logits_indices is not None
+            sampling = [s for s in seqs if s.samples]
+            tokens: list[SampledToken] = []
+            if sampling:
+                logits = self.model.compute_logits(hidden[batch.logits_indices])
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                t2 = time.perf_counter()
+                tokens = self._sample(logits, sampling)
+            else:
+                t2 = time.perf_counter()
+        t3 = time.perf_counter()
+        timings.build_s, timings.forward_s, timings.sample_s = t1 - t0, t2 - t1, t3 - t2
+        it = iter(tokens)
+        sampled = [next(it) if s.samples else None for s in seqs]
+        return RunnerOutput(sampled=sampled, timings=timings)
+
+    def release(self, request_id: str) -> None:
+        """Forget per-request sampling state (its seeded generator)."""
+        self.generators.pop(request_id, None)
+
+    def _sample(
+        self, logits: torch.Tensor, seqs: Sequence[ScheduledSequence]
+    ) -> list[SampledToken]:
+        from engine.sampling import make_generator
+
+        reqs = [s.request for s in seqs]
+        generators = []
+        for req in reqs:
+            if req.request_id not in self.generators:
+                seed = getattr(req.params, "seed", None)
+                self.generators[req.request_id] = make_generator(seed) if seed is not None else None
+            generators.append(self.generators[req.request_id])
+        out = self.sampler.sample(
+            logits.float(),
+            [r.params for r in reqs],
+            [r.prompt_token_ids for r in reqs],
+            [r.output_token_ids for r in reqs],
+            generators,
+        )
+        token_ids = _to_list(out.token_ids)
+        logprobs = _to_list(out.logprobs) if out.logprobs is not None else None
+        top = out.top_logprobs
+        return [
+            SampledToken(
+                token_id=int(token_ids[i]),
+                logprob=float(logprobs[i]) if logprobs is not None else None,
+                top_logprobs=top[i] if top is not None else None,
+            )
+            for i in range(len(reqs))
+        ]
+
+    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+def _require_slot(addressing: CacheAddressing, request_id: str) -> int:
+    slot = addressing.mamba_slot(request_id)
+    if slot is None:
+        raise RuntimeError(
+            f"request {request_id!r} runs on a hybrid model but holds no Mamba state slot"
+        )
+    return slot
+
+
+def _to_list(values: Any) -> list[Any]:
+    if isinstance(values, torch.Tensor):
+        return list(values.tolist())
+    return list(values)

@@ -1,0 +1,241 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step gets a token budget (`max_num_tokens`) and a sequence cap
+(`max_batch_size`). The scheduler spends the budget in this order:
+
+1. running requests in the decode phase (one token each), oldest first;
+2. running requests still in a chunked prefill, oldest first;
+3. waiting requests (preempted ones sit at the head), each taking a prefill
+   chunk of whatever budget is left.
+
+When a running request cannot get the blocks for its next tokens, the newest
+running request is preempted (its blocks and Mamba slot freed, its computed
+tokens forgotten) and put back at the head of the waiting queue; that repeats
+until the allocation fits or the request itself was the newest. A request
+that cannot fit even alone fails with `FinishReason.ERROR` instead of
+looping. Waiting requests never preempt running ones.
+
+Pure Python over the manager's integer bookkeeping: no torch here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.request import FinishReason, Request, RequestStatus
+
+
+class BlockManager(Protocol):
+    """What the scheduler needs from a KV cache manager (V1 or V2)."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    def allocate_slots(
+        self, request_id: str, num_tokens: int, token_ids: Sequence[int] | None = None
+    ) -> bool: ...
+
+    def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int: ...
+
+    def free(self, request_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_tokens: int
+    max_batch_size: int
+    # Total KV capacity in tokens: a prompt longer than this fails at once.
+    max_model_tokens: int
+    enable_prefix_match: bool = False
+
+
+@dataclass
+class ScheduledSequence:
+    """One request's share of a step: tokens `[start, start + num_new_tokens)`."""
+
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def start(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the request's last known token, so the
+        step's logits at its last position give the next token."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    sequences: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.sequences)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences
+
+
+class CapacityError(RuntimeError):
+    """A request needs more KV cache than this worker has in total."""
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, manager: BlockManager) -> None:
+        self.config = config
+        self.manager = manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # ---- queue management -------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queue a request for prefill. Raises CapacityError if its prompt can
+        never fit in this worker's cache."""
+        if request.num_tokens > self.config.max_model_tokens:
+            raise CapacityError(
+                f"request {request.request_id!r} has {request.num_tokens} tokens but the KV "
+                f"cache holds {self.config.max_model_tokens}; raise max_tokens or shorten "
+                f"the prompt"
+            )
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def add_running(self, request: Request) -> None:
+        """Admit a request whose cache already holds `num_computed_tokens`
+        (pulled from a context worker); its blocks are allocated by the caller."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def remove(self, request: Request, free_blocks: bool = True) -> None:
+        """Take a request out of the queues; free its cache unless the caller
+        keeps it (a context worker holds finished prompts for a pull)."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        if free_blocks:
+            self.manager.free(request.request_id)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ----------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_tokens
+        decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
+        prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
+        for request in decodes + prefills:
+            if request.status is not RequestStatus.RUNNING or budget == 0:
+                continue  # preempted earlier in this step
+            if len(out.sequences) >= self.config.max_batch_size:
+                break
+            budget -= self._schedule_running(request, budget, out)
+        self._admit_waiting(budget, out)
+        return out
+
+    def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+        """Schedule a running request, preempting newer ones for blocks.
+        Returns the budget spent (refunds for preempted victims included)."""
+        num_new = min(request.num_uncomputed_tokens, budget)
+        if not self._fits_ever(request, num_new):
+            self.running.remove(request)
+            self._fail(request, out)
+            return 0
+        spent = 0
+        while not self._allocate(request, num_new):
+            victim = self.running[-1]
+            spent -= self._preempt(victim, out)
+            if victim is request:
+                return spent
+        out.sequences.append(ScheduledSequence(request, num_new))
+        return spent + num_new
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
+            if len(out.sequences) >= self.config.max_batch_size:
+                return
+            request = self.waiting[0]
+            if request.status is RequestStatus.WAITING and request.num_computed_tokens == 0:
+                self._match_prefix(request)
+            num_new = min(request.num_uncomputed_tokens, budget)
+            if not self._fits_ever(request, num_new):
+                self.waiting.popleft()
+                self._fail(request, out)
+                continue
+            if not self._allocate(request, num_new):
+                # Wait for running requests (or pinned handoffs) to free blocks.
+                return
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.sequences.append(ScheduledSequence(request, num_new))
+            budget -= num_new
+
+    def _match_prefix(self, request: Request) -> None:
+        if not self.config.enable_prefix_match:
+            return
+        # Leave at least the last token to compute: its logits give the next token.
+        cached = self.manager.match_prefix(request.request_id, request.all_token_ids[:-1])
+        request.num_computed_tokens = cached
+        request.num_cached_tokens = cached
+
+    def _allocate(self, request: Request, num_new: int) -> bool:
+        total = request.num_computed_tokens + num_new
+        return self.manager.allocate_slots(request.request_id, total, request.all_token_ids[:total])
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
+        """Free the victim's cache and requeue it at the head of the waiting
+        queue. Returns the budget it had been given this step (0 if none)."""
+        self.running.remove(victim)
+        self.manager.free(victim.request_id)
+        refund = 0
+        for seq in out.sequences:
+            if seq.request is victim:
+                refund = seq.num_new_tokens
+                out.sequences.remove(seq)
+                break
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
+        return refund
+
+    def _fits_ever(self, request: Request, num_new: int) -> bool:
+        return request.num_computed_tokens + num_new <= self.config.max_model_tokens
+
+    def _fail(self, request: Request, out: SchedulerOutput) -> None:
+        self.manager.free(request.request_id)
+        request.finish(
+            FinishReason.ERROR,
+            f"request {request.request_id!r} needs more than the {self.config.max_model_tokens} "
+            f"tokens of KV cache this worker has in total; raise max_tokens or lower the "
+            f"request's max_tokens",
+        )
+        out.failed.append(request)
+
+    # ---- after the model ran ----------------------------------------------
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """Mark each scheduled chunk as computed (call once the forward ran)."""
+        for seq in out.sequences:
+            seq.request.num_computed_tokens += seq.num_new_tokens
