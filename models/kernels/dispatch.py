@@ -1,0 +1,120 @@
+"""The one place that picks a Triton kernel or its plain-torch twin.
+
+Models and the transfer code call these functions, never the kernel modules:
+
+- tensors on CUDA run the Triton kernel;
+- tensors on CPU run the reference, unless `DISAGG_FORCE_TRITON=1`, which runs
+  the kernel anyway. On CPU that only works under the Triton interpreter
+  (`TRITON_INTERPRET=1` set before the kernel modules are imported), which is
+  how the test suite checks kernels on machines without a GPU.
+
+Each function has the signature of its reference twin.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+from models.kernels import block_copy, paged_attention
+from models.kernels import mamba_state_update as mamba_kernel
+from models.kernels.block_copy import BlockIds
+from models.kernels.mamba_state_update import NO_DT_LIMIT, DtLimit
+
+FORCE_TRITON_ENV = "DISAGG_FORCE_TRITON"
+
+
+class KernelUnavailableError(RuntimeError):
+    """A Triton kernel was requested where it cannot run."""
+
+
+def kernels_interpreted() -> bool:
+    """True when the kernels were built for the Triton interpreter (CPU execution)."""
+    kernels = (
+        paged_attention._paged_decode_kernel,
+        mamba_kernel._state_update_kernel,
+        block_copy._copy_rows_kernel,
+    )
+    return all(isinstance(kernel, InterpretedFunction) for kernel in kernels)
+
+
+def use_triton(device: torch.device) -> bool:
+    """Whether calls with tensors on `device` run the Triton kernel.
+
+    Raises `KernelUnavailableError` when `DISAGG_FORCE_TRITON=1` asks for the
+    kernel on a CPU tensor but the interpreter is off.
+    """
+    if device.type == "cuda":
+        return True
+    if os.environ.get(FORCE_TRITON_ENV, "0") != "1":
+        return False
+    if not kernels_interpreted():
+        raise KernelUnavailableError(
+            f"{FORCE_TRITON_ENV}=1 runs Triton kernels on {device.type} tensors only under the "
+            "interpreter; set TRITON_INTERPRET=1 before importing models.kernels, or unset "
+            f"{FORCE_TRITON_ENV} to use the reference implementations"
+        )
+    return True
+
+
+def paged_attention_decode(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention over the paged cache; see `models.kernels.paged_attention`."""
+    impl = (
+        paged_attention.paged_attention_decode
+        if use_triton(q.device)
+        else paged_attention.paged_attention_decode_ref
+    )
+    return impl(q, key_cache, value_cache, block_tables, seq_lens, scale, out)
+
+
+def mamba_state_update(
+    state: torch.Tensor,
+    slot_indices: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    dt_bias: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor,
+    z: torch.Tensor | None = None,
+    dt_limit: DtLimit = NO_DT_LIMIT,
+    dt_softplus: bool = True,
+) -> torch.Tensor:
+    """Mamba2 decode step, state updated in place; see `models.kernels.mamba_state_update`."""
+    impl = (
+        mamba_kernel.mamba_state_update
+        if use_triton(x.device)
+        else mamba_kernel.mamba_state_update_ref
+    )
+    return impl(state, slot_indices, x, dt, dt_bias, A, B, C, D, z, dt_limit, dt_softplus)
+
+
+def gather_blocks(
+    pool: torch.Tensor, block_ids: BlockIds, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`pool[block_ids]` into contiguous staging; see `models.kernels.block_copy`."""
+    impl = block_copy.gather_blocks if use_triton(pool.device) else block_copy.gather_blocks_ref
+    return impl(pool, block_ids, out)
+
+
+def scatter_blocks(pool: torch.Tensor, block_ids: BlockIds, staging: torch.Tensor) -> None:
+    """Staging rows into `pool[block_ids]`, in place; see `models.kernels.block_copy`."""
+    impl = block_copy.scatter_blocks if use_triton(pool.device) else block_copy.scatter_blocks_ref
+    impl(pool, block_ids, staging)
+
+
+def copy_blocks(src: torch.Tensor, src_ids: BlockIds, dst: torch.Tensor, dst_ids: BlockIds) -> None:
+    """`dst[dst_ids[i]] = src[src_ids[i]]`, e.g. V1 layer <-> V2 layer view; see `block_copy`."""
+    impl = block_copy.copy_blocks if use_triton(dst.device) else block_copy.copy_blocks_ref
+    impl(src, src_ids, dst, dst_ids)
