@@ -1,0 +1,185 @@
+"""The Mamba2 mixer of Nemotron-H, over a flattened mixed prefill/decode batch.
+
+Per token: `in_proj` splits into the gate z, the conv input xBC and the raw
+time step dt; xBC goes through a causal depthwise conv1d (kernel K) and SiLU,
+then splits into x, B, C; the SSD recurrence (`models/layers/ssd.py`) turns
+x, B, C, dt into y; `y + D * x` is normalized by a grouped RMSNorm gated with
+silu(z), then `out_proj` maps it back to the hidden size.
+
+State per sequence lives in a slot of `MambaLayerCache`:
+
+    conv_state[slot]  [conv_dim, K - 1]   the last K - 1 conv inputs
+    ssm_state[slot]   [H, P, N] float32   the recurrence state
+
+A sequence with `context_lens == 0` starts from zero state (its slot is
+cleared first); any other sequence continues from what its slot holds, whether
+it brings one decode token or a further prompt chunk. Prefill chunks run the
+chunked scan one sequence at a time; single-token steps are batched.
+
+Time step rule: `dt = clamp(softplus(dt_raw + dt_bias), *time_step_limit)` in
+every path, prefill and decode alike. (transformers' Nemotron-H instead clamps
+at `time_step_min` in its multi-token path only and not in its one-token
+path; one rule for both paths keeps prefill and decode of the same sequence
+consistent. The two agree whenever softplus never falls below `time_step_min`.)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.batch import ForwardBatch, MambaLayerCache
+from models.config import MambaConfig
+from models.layers.ssd import ssd_chunked_scan, ssd_state_step
+
+
+class GatedGroupRMSNorm(nn.Module):
+    """RMSNorm of `x * silu(z)` over groups of `group_size` channels, then a weight.
+
+    Matches transformers' gated Mamba norm with `norm_before_gate=False`; the
+    math runs in float32 and the result is cast back before the weight.
+    """
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        if hidden_size % group_size:
+            raise ValueError(f"hidden_size {hidden_size} is not a multiple of group {group_size}")
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float() * F.silu(z.float())
+        groups = h.view(*h.shape[:-1], -1, self.group_size)
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * groups.view_as(h).to(dtype)
+
+
+def causal_conv_chunk(
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv1d of one sequence's chunk, continuing from `state`.
+
+    x: `[L, D]` new inputs; state: `[D, K - 1]` the inputs before them (zeros
+    for a fresh sequence); weight: `[D, K]`. Returns `(out [L, D]` before the
+    activation, `new_state [D, K - 1])`, the last K - 1 inputs of state + x.
+    """
+    window = torch.cat([state.to(x.dtype), x.t()], dim=-1)  # [D, K - 1 + L]
+    out = F.conv1d(window[None], weight[:, None, :], bias, groups=weight.shape[0])[0]
+    return out.t(), window[:, -(weight.shape[1] - 1) :]
+
+
+def causal_conv_step(
+    x: torch.Tensor,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """One conv step for b sequences: x `[b, D]`; reads and rewrites `conv_state[slots]`."""
+    window = torch.cat([conv_state[slots].to(x.dtype), x[:, :, None]], dim=-1)  # [b, D, K]
+    conv_state[slots] = window[:, :, 1:].to(conv_state.dtype)
+    out = (window * weight).sum(-1)
+    return out + bias if bias is not None else out
+
+
+class Mamba2Mixer(nn.Module):
+    """Nemotron-H Mamba2 mixer; parameter names follow the checkpoint
+    (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`, `norm`, `out_proj`)."""
+
+    def __init__(self, hidden_size: int, config: MambaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.num_heads = config.num_heads
+        self.head_dim = config.head_dim
+        self.intermediate = config.intermediate_size
+        self.conv_dim = config.conv_dim
+        self.bc_size = config.n_groups * config.state_size
+        self.in_proj = nn.Linear(
+            hidden_size, self.intermediate + self.conv_dim + self.num_heads, bias=config.use_bias
+        )
+        self.conv1d = nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            kernel_size=config.conv_kernel,
+            groups=self.conv_dim,
+            bias=config.use_conv_bias,
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_heads))
+        self.D = nn.Parameter(torch.ones(self.num_heads))
+        self.norm = GatedGroupRMSNorm(
+            self.intermediate, self.intermediate // config.n_groups, config.norm_eps
+        )
+        self.out_proj = nn.Linear(self.intermediate, hidden_size, bias=config.use_bias)
+
+    def forward(
+        self, hidden: torch.Tensor, batch: ForwardBatch, cache: MambaLayerCache
+    ) -> torch.Tensor:
+        """hidden `[T, hidden]` -> `[T, hidden]`; updates the slots of `batch.mamba_slots`."""
+        if batch.mamba_slots is None:
+            raise ValueError("a hybrid Mamba model needs ForwardBatch.mamba_slots")
+        slots = batch.mamba_slots
+        fresh = slots[batch.context_lens == 0]
+        cache.conv_state[fresh] = 0
+        cache.ssm_state[fresh] = 0
+
+        z, xbc, dt_raw = self.in_proj(hidden).split(
+            [self.intermediate, self.conv_dim, self.num_heads], dim=-1
+        )
+        dt = F.softplus(dt_raw.float() + self.dt_bias.float())
+        dt = dt.clamp(*self.config.time_step_limit)
+
+        is_step = batch.query_lens == 1
+        y = torch.empty(hidden.shape[0], self.num_heads, self.head_dim, device=hidden.device)
+        if bool(is_step.any()):
+            rows = batch.query_start_loc[:-1][is_step]
+            y[rows] = self._step(xbc[rows], dt[rows], slots[is_step], cache)
+        for i in torch.nonzero(~is_step).flatten().tolist():
+            start, end = int(batch.query_start_loc[i]), int(batch.query_start_loc[i + 1])
+            if end > start:
+                y[start:end] = self._prefill(xbc[start:end], dt[start:end], int(slots[i]), cache)
+
+        # The norm runs in float32 on the float32 scan output; only its result
+        # is cast to the model dtype (as transformers' multi-token path does).
+        y = self.norm(y.view(hidden.shape[0], -1), z)
+        return self.out_proj(y.to(hidden.dtype))
+
+    @property
+    def _A(self) -> torch.Tensor:
+        return -torch.exp(self.A_log.float())
+
+    def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Activated conv output `[n, conv_dim]` -> x `[n, H, P]`, B and C `[n, G, N]`."""
+        x, B, C = F.silu(xbc).split([self.intermediate, self.bc_size, self.bc_size], dim=-1)
+        groups = (xbc.shape[0], self.config.n_groups, self.config.state_size)
+        return x.reshape(-1, self.num_heads, self.head_dim), B.reshape(groups), C.reshape(groups)
+
+    def _skip(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return y + x.float() * self.D.float()[:, None]
+
+    def _prefill(
+        self, xbc: torch.Tensor, dt: torch.Tensor, slot: int, cache: MambaLayerCache
+    ) -> torch.Tensor:
+        """One sequence's prompt chunk `[L, conv_dim]` -> y `[L, H, P]` float32."""
+        weight = self.conv1d.weight.squeeze(1)
+        conv_out, cache.conv_state[slot] = causal_conv_chunk(
+            xbc, cache.conv_state[slot], weight, self.conv1d.bias
+        )
+        x, B, C = self._split_xbc(conv_out)
+        y, cache.ssm_state[slot] = ssd_chunked_scan(
+            x, dt, self._A, B, C, self.config.chunk_size, initial_state=cache.ssm_state[slot]
+        )
+        return self._skip(y, x)
+
+    def _step(
+        self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor, cache: MambaLayerCache
+    ) -> torch.Tensor:
+        """b single tokens `[b, conv_dim]` -> y `[b, H, P]` float32."""
+        weight = self.conv1d.weight.squeeze(1)
+        conv_out = causal_conv_step(xbc, cache.conv_state, slots, weight, self.conv1d.bias)
+        x, B, C = self._split_xbc(conv_out)
+        y = ssd_state_step(cache.ssm_state, slots, x, dt, self._A, B, C)
+        return self._skip(y, x)

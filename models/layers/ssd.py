@@ -1,0 +1,149 @@
+"""Mamba2 state-space duality (SSD): the chunked prefill scan and the one-token step.
+
+Both functions compute the same selective recurrence, per head h, over the
+tokens t of one sequence (dt already discretized: softplus + clamp):
+
+    state_t = exp(dt_t * A_h) * state_{t-1} + dt_t * x_t (outer) B_t     # [P, N]
+    y_t     = state_t @ C_t                                              # [P]
+
+`ssd_chunked_scan` evaluates it for a whole prompt chunk at once, in blocks of
+`chunk_size` tokens: inside a block the recurrence is a masked, decayed
+"attention" of C against B; across blocks only the `[H, P, N]` state is
+carried. `ssd_state_step` advances many sequences by one token each, reading
+and writing their states in a slot pool.
+
+The D skip connection (`y += D * x`) is not part of either function; the
+mixer adds it. All math runs in float32.
+
+Shapes: H heads, P head_dim, G groups (heads share B/C within a group),
+N state_size, L tokens, Q chunk_size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def expand_groups(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """`[..., G, N]` -> `[..., H, N]`: each group's B or C serves `H // G` heads."""
+    groups = t.shape[-2]
+    return t.repeat_interleave(num_heads // groups, dim=-2)
+
+
+def _segment_sums(a: torch.Tensor) -> torch.Tensor:
+    """`[..., Q]` -> `[..., Q, Q]`: `out[l, s] = a[s+1] + ... + a[l]` for l >= s, else -inf.
+
+    Built from a masked cumulative sum rather than a difference of prefix sums
+    so that long chunks do not lose precision to cancellation.
+    """
+    q = a.shape[-1]
+    strict_lower = torch.tril(torch.ones(q, q, dtype=torch.bool, device=a.device), diagonal=-1)
+    lower = torch.tril(torch.ones(q, q, dtype=torch.bool, device=a.device), diagonal=0)
+    expanded = a[..., None].expand(*a.shape, q).masked_fill(~strict_lower, 0.0)
+    return torch.cumsum(expanded, dim=-2).masked_fill(~lower, float("-inf"))
+
+
+def ssd_chunked_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the recurrence over one sequence's new tokens.
+
+    Args:
+        x: `[L, H, P]` inputs.
+        dt: `[L, H]` discretized time steps (after softplus and clamping).
+        A: `[H]` negative decay rates.
+        B, C: `[L, G, N]` input and output projections.
+        chunk_size: tokens per block; any L is accepted (the tail is zero-padded).
+        initial_state: `[H, P, N]` state before the first token (a continued
+            sequence); None means all zeros.
+
+    Returns:
+        `(y [L, H, P] float32, final_state [H, P, N] float32)`; the final state is
+        the state after the last real token (padding has dt = 0 and leaves it
+        unchanged).
+    """
+    length, num_heads, head_dim = x.shape
+    state_size = B.shape[-1]
+    pad = (-length) % chunk_size
+    num_chunks = (length + pad) // chunk_size
+
+    def blocks(t: torch.Tensor) -> torch.Tensor:
+        t = F.pad(t.float(), (0, 0) * (t.dim() - 1) + (0, pad))
+        return t.reshape(num_chunks, chunk_size, *t.shape[1:])
+
+    x_dt = blocks(x * dt[..., None])  # [c, Q, H, P]
+    a = blocks(dt * A.float())  # [c, Q, H]
+    b = blocks(expand_groups(B, num_heads))  # [c, Q, H, N]
+    c = blocks(expand_groups(C, num_heads))  # [c, Q, H, N]
+
+    a = a.permute(0, 2, 1)  # [c, H, Q]
+    a_cumsum = torch.cumsum(a, dim=-1)
+
+    # Inside each block: y[l] = sum_{s <= l} (C_l . B_s) * exp(a_{s+1} + ... + a_l) * x_dt[s].
+    decay = torch.exp(_segment_sums(a))  # [c, H, Q(l), Q(s)]
+    scores = torch.einsum("clhn,cshn->chls", c, b) * decay
+    y_intra = torch.einsum("chls,cshp->clhp", scores, x_dt)
+
+    # Each block's own contribution to the state at its end.
+    decay_to_end = torch.exp(a_cumsum[..., -1:] - a_cumsum)  # [c, H, Q]
+    block_states = torch.einsum("clhn,chl,clhp->chpn", b, decay_to_end, x_dt)
+
+    # Carry the state across blocks: start[k] is the state entering block k.
+    block_decay = torch.exp(a_cumsum[..., -1])  # [c, H]
+    state = (
+        initial_state.float()
+        if initial_state is not None
+        else x.new_zeros((num_heads, head_dim, state_size), dtype=torch.float32)
+    )
+    starts = []
+    for k in range(num_chunks):
+        starts.append(state)
+        state = state * block_decay[k][:, None, None] + block_states[k]
+    start_states = torch.stack(starts)  # [c, H, P, N]
+
+    # The entering state's contribution, decayed to each position of the block.
+    y_carry = torch.einsum("clhn,chpn->clhp", c, start_states)
+    y_carry = y_carry * torch.exp(a_cumsum).permute(0, 2, 1)[..., None]
+
+    y = (y_intra + y_carry).reshape(num_chunks * chunk_size, num_heads, head_dim)
+    return y[:length], state
+
+
+def ssd_state_step(
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+) -> torch.Tensor:
+    """Advance b sequences by one token each, in place in the slot pool.
+
+    Plain-torch form of the decode-step state update.
+
+    Args:
+        ssm_state: `[num_slots, H, P, N]` float32 pool; rows `slots` are read and
+            overwritten with the new states.
+        slots: `[b]` int64 slot of each sequence (distinct).
+        x: `[b, H, P]`; dt: `[b, H]` discretized; A: `[H]`; B, C: `[b, G, N]`.
+
+    Returns:
+        `y [b, H, P]` float32 (without the D skip).
+    """
+    num_heads = x.shape[1]
+    dt = dt.float()
+    state = ssm_state[slots].float()  # [b, H, P, N]
+    decay = torch.exp(dt * A.float())[..., None, None]
+    b = expand_groups(B.float(), num_heads)  # [b, H, N]
+    c = expand_groups(C.float(), num_heads)
+    state = state * decay + (dt[..., None] * x.float())[..., None] * b[:, :, None, :]
+    ssm_state[slots] = state.to(ssm_state.dtype)
+    return torch.einsum("bhpn,bhn->bhp", state, c)
