@@ -14,7 +14,9 @@ State per sequence lives in a slot of `MambaLayerCache`:
 A sequence with `context_lens == 0` starts from zero state (its slot is
 cleared first); any other sequence continues from what its slot holds, whether
 it brings one decode token or a further prompt chunk. Prefill chunks run the
-chunked scan one sequence at a time; single-token steps are batched.
+chunked scan one sequence at a time; single-token steps are batched into one
+call of the decode-step state update (`models.kernels.dispatch`: the Triton
+kernel on CUDA, its torch twin on CPU).
 
 Time step rule: `dt = clamp(softplus(dt_raw + dt_bias), *time_step_limit)` in
 every path, prefill and decode alike. (transformers' Nemotron-H instead clamps
@@ -31,7 +33,8 @@ from torch import nn
 
 from models.batch import ForwardBatch, MambaLayerCache
 from models.config import MambaConfig
-from models.layers.ssd import ssd_chunked_scan, ssd_state_step
+from models.kernels import dispatch
+from models.layers.ssd import ssd_chunked_scan
 
 
 class GatedGroupRMSNorm(nn.Module):
@@ -129,18 +132,17 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt_raw = self.in_proj(hidden).split(
             [self.intermediate, self.conv_dim, self.num_heads], dim=-1
         )
-        dt = F.softplus(dt_raw.float() + self.dt_bias.float())
-        dt = dt.clamp(*self.config.time_step_limit)
-
         is_step = batch.query_lens == 1
         y = torch.empty(hidden.shape[0], self.num_heads, self.head_dim, device=hidden.device)
         if bool(is_step.any()):
             rows = batch.query_start_loc[:-1][is_step]
-            y[rows] = self._step(xbc[rows], dt[rows], slots[is_step], cache)
+            y[rows] = self._step(xbc[rows], dt_raw[rows], slots[is_step], cache)
         for i in torch.nonzero(~is_step).flatten().tolist():
             start, end = int(batch.query_start_loc[i]), int(batch.query_start_loc[i + 1])
             if end > start:
-                y[start:end] = self._prefill(xbc[start:end], dt[start:end], int(slots[i]), cache)
+                y[start:end] = self._prefill(
+                    xbc[start:end], dt_raw[start:end], int(slots[i]), cache
+                )
 
         # The norm runs in float32 on the float32 scan output; only its result
         # is cast to the model dtype (as transformers' multi-token path does).
@@ -157,11 +159,8 @@ class Mamba2Mixer(nn.Module):
         groups = (xbc.shape[0], self.config.n_groups, self.config.state_size)
         return x.reshape(-1, self.num_heads, self.head_dim), B.reshape(groups), C.reshape(groups)
 
-    def _skip(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return y + x.float() * self.D.float()[:, None]
-
     def _prefill(
-        self, xbc: torch.Tensor, dt: torch.Tensor, slot: int, cache: MambaLayerCache
+        self, xbc: torch.Tensor, dt_raw: torch.Tensor, slot: int, cache: MambaLayerCache
     ) -> torch.Tensor:
         """One sequence's prompt chunk `[L, conv_dim]` -> y `[L, H, P]` float32."""
         weight = self.conv1d.weight.squeeze(1)
@@ -169,17 +168,29 @@ class Mamba2Mixer(nn.Module):
             xbc, cache.conv_state[slot], weight, self.conv1d.bias
         )
         x, B, C = self._split_xbc(conv_out)
+        dt = F.softplus(dt_raw.float() + self.dt_bias.float())
+        dt = dt.clamp(*self.config.time_step_limit)
         y, cache.ssm_state[slot] = ssd_chunked_scan(
             x, dt, self._A, B, C, self.config.chunk_size, initial_state=cache.ssm_state[slot]
         )
-        return self._skip(y, x)
+        return y + x.float() * self.D.float()[:, None]
 
     def _step(
-        self, xbc: torch.Tensor, dt: torch.Tensor, slots: torch.Tensor, cache: MambaLayerCache
+        self, xbc: torch.Tensor, dt_raw: torch.Tensor, slots: torch.Tensor, cache: MambaLayerCache
     ) -> torch.Tensor:
-        """b single tokens `[b, conv_dim]` -> y `[b, H, P]` float32."""
+        """b single tokens `[b, conv_dim]` -> y `[b, H, P]` (D skip included)."""
         weight = self.conv1d.weight.squeeze(1)
         conv_out = causal_conv_step(xbc, cache.conv_state, slots, weight, self.conv1d.bias)
         x, B, C = self._split_xbc(conv_out)
-        y = ssd_state_step(cache.ssm_state, slots, x, dt, self._A, B, C)
-        return self._skip(y, x)
+        return dispatch.mamba_state_update(
+            cache.ssm_state,
+            slots,
+            x,
+            dt_raw,
+            self.dt_bias,
+            self._A,
+            B,
+            C,
+            self.D,
+            dt_limit=self.config.time_step_limit,
+        )

@@ -1,7 +1,7 @@
-"""Mamba2 state-space duality (SSD): the chunked prefill scan and the one-token step.
+"""Mamba2 state-space duality (SSD): the chunked prefill scan.
 
-Both functions compute the same selective recurrence, per head h, over the
-tokens t of one sequence (dt already discretized: softplus + clamp):
+It computes the selective recurrence, per head h, over the tokens t of one
+sequence (dt already discretized: softplus + clamp):
 
     state_t = exp(dt_t * A_h) * state_{t-1} + dt_t * x_t (outer) B_t     # [P, N]
     y_t     = state_t @ C_t                                              # [P]
@@ -9,11 +9,11 @@ tokens t of one sequence (dt already discretized: softplus + clamp):
 `ssd_chunked_scan` evaluates it for a whole prompt chunk at once, in blocks of
 `chunk_size` tokens: inside a block the recurrence is a masked, decayed
 "attention" of C against B; across blocks only the `[H, P, N]` state is
-carried. `ssd_state_step` advances many sequences by one token each, reading
-and writing their states in a slot pool.
+carried. The one-token decode step of the same recurrence is
+`models.kernels.dispatch.mamba_state_update`.
 
-The D skip connection (`y += D * x`) is not part of either function; the
-mixer adds it. All math runs in float32.
+The D skip connection (`y += D * x`) is not part of the scan; the mixer adds
+it. All math runs in float32.
 
 Shapes: H heads, P head_dim, G groups (heads share B/C within a group),
 N state_size, L tokens, Q chunk_size.
@@ -114,36 +114,3 @@ def ssd_chunked_scan(
 
     y = (y_intra + y_carry).reshape(num_chunks * chunk_size, num_heads, head_dim)
     return y[:length], state
-
-
-def ssd_state_step(
-    ssm_state: torch.Tensor,
-    slots: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-) -> torch.Tensor:
-    """Advance b sequences by one token each, in place in the slot pool.
-
-    Plain-torch form of the decode-step state update.
-
-    Args:
-        ssm_state: `[num_slots, H, P, N]` float32 pool; rows `slots` are read and
-            overwritten with the new states.
-        slots: `[b]` int64 slot of each sequence (distinct).
-        x: `[b, H, P]`; dt: `[b, H]` discretized; A: `[H]`; B, C: `[b, G, N]`.
-
-    Returns:
-        `y [b, H, P]` float32 (without the D skip).
-    """
-    num_heads = x.shape[1]
-    dt = dt.float()
-    state = ssm_state[slots].float()  # [b, H, P, N]
-    decay = torch.exp(dt * A.float())[..., None, None]
-    b = expand_groups(B.float(), num_heads)  # [b, H, N]
-    c = expand_groups(C.float(), num_heads)
-    state = state * decay + (dt[..., None] * x.float())[..., None] * b[:, :, None, :]
-    ssm_state[slots] = state.to(ssm_state.dtype)
-    return torch.einsum("bhpn,bhn->bhp", state, c)

@@ -1,4 +1,4 @@
-"""Mamba2: the SSD scan and step against a sequential recurrence, and the mixer
+"""Mamba2: the chunked SSD scan against a sequential recurrence, and the mixer
 against transformers' Nemotron-H mixer over chunked prefill and decode."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mi
 from models.batch import ForwardBatch, MambaLayerCache
 from models.config import MambaConfig
 from models.layers.mamba2 import Mamba2Mixer
-from models.layers.ssd import ssd_chunked_scan, ssd_state_step
+from models.layers.ssd import ssd_chunked_scan
 
 HEADS, HEAD_DIM, STATE = 4, 8, 16
 
@@ -79,24 +79,6 @@ def test_chunked_scan_split_anywhere_equals_one_pass() -> None:
 
     torch.testing.assert_close(torch.cat([y_a, y_b]), y_full, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(final, final_full, rtol=1e-4, atol=1e-4)
-
-
-def test_state_step_updates_only_its_slots() -> None:
-    x, dt, A, B, C = random_inputs(2, 2, seed=9)
-    pool = torch.randn(5, HEADS, HEAD_DIM, STATE)
-    before = pool.clone()
-    slots = torch.tensor([3, 0])
-
-    y = ssd_state_step(pool, slots, x, dt, A, B, C)
-
-    for row, slot in enumerate(slots.tolist()):
-        y_ref, state_ref = sequential_recurrence(
-            x[row : row + 1], dt[row : row + 1], A, B[row : row + 1], C[row : row + 1], before[slot]
-        )
-        torch.testing.assert_close(y[row], y_ref[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(pool[slot], state_ref, rtol=1e-5, atol=1e-5)
-    for untouched in (1, 2, 4):
-        assert torch.equal(pool[untouched], before[untouched])
 
 
 # --- the mixer against transformers -------------------------------------------------------
