@@ -1,0 +1,74 @@
+"""Slots of Mamba conv/SSM state: one slot per running request of a hybrid model.
+
+Unlike KV blocks, Mamba state does not grow with the sequence: a request holds
+exactly one slot (every Mamba layer's conv and SSM state) from its first
+prefill chunk to its end. A freshly allocated slot holds whatever its previous
+owner left; the model runner starts a new prefill from a zero state rather
+than reading it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from kvcache.errors import IntegrityError, RequestStateError
+
+
+class MambaStatePool:
+    """Pure-Python bookkeeping of `num_slots` slot ids `0 .. num_slots - 1`."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"a Mamba state pool needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self._free: deque[int] = deque(range(num_slots))
+        self._owner: dict[str, int] = {}
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self, request_id: str) -> int | None:
+        """Give `request_id` a slot; None when all slots are taken.
+
+        Raises RequestStateError when the request already holds one.
+        """
+        if request_id in self._owner:
+            raise RequestStateError(
+                f"request {request_id!r} already holds Mamba slot {self._owner[request_id]}"
+            )
+        if not self._free:
+            return None
+        slot = self._free.popleft()
+        self._owner[request_id] = slot
+        return slot
+
+    def slot_of(self, request_id: str) -> int | None:
+        return self._owner.get(request_id)
+
+    def free(self, request_id: str) -> None:
+        """Return the request's slot; a no-op for a request without one."""
+        slot = self._owner.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def owners(self) -> dict[str, int]:
+        return dict(self._owner)
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError unless every slot is either free or owned, once."""
+        problems: list[str] = []
+        owned = list(self._owner.values())
+        free = list(self._free)
+        if len(set(owned)) != len(owned):
+            problems.append(f"a slot is owned twice: {sorted(owned)}")
+        if len(set(free)) != len(free):
+            problems.append(f"a slot is free twice: {sorted(free)}")
+        if set(owned) & set(free):
+            problems.append(f"slots both free and owned: {sorted(set(owned) & set(free))}")
+        if sorted(owned + free) != list(range(self.num_slots)):
+            problems.append(
+                f"free {len(free)} + owned {len(owned)} slots do not cover 0..{self.num_slots - 1}"
+            )
+        if problems:
+            raise IntegrityError("Mamba state pool", problems)

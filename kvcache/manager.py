@@ -1,0 +1,315 @@
+"""The KV cache manager API shared by V1 and V2: block tables over a block pool.
+
+A manager maps each request id to a block table (logical block j -> physical
+block id) plus, for hybrid models, one Mamba state slot. It is pure Python;
+the tensors it indexes are allocated by `kvcache.tensors` from its `layout`.
+
+Request lifecycle as the engine drives it:
+
+    match_prefix(rid, prompt)            # V2 with reuse: take cached blocks
+    can_allocate(rid, n) / allocate_slots(rid, n, tokens)   # every step
+    free(rid)                            # finished, aborted or preempted
+
+and on the generation side of a disaggregated cluster:
+
+    allocate_for_transfer(rid, n) -> pull the cache -> finish_transfer(rid, tokens)
+                                      \\-> free(rid) on abort
+
+Counters: `prefix_queries` and `prefix_hits` count tokens (prompt tokens asked
+about by `match_prefix`, and tokens it covered); `evictions` counts blocks
+whose cached content was dropped to make room.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvcache.block import KVBlock
+from kvcache.block_pool import NULL_BLOCK_ID, BlockPool
+from kvcache.errors import IntegrityError, RequestStateError
+from kvcache.events import KVEvent
+from kvcache.hashing import hash_block, root_hash
+from kvcache.layout import LayoutSignature, RequestRegions
+from kvcache.mamba_pool import MambaStatePool
+from kvcache.pool_layout import CacheLayout, layout_for
+from kvcache.resolution import resolve_block_reuse
+from kvcache.spec import CacheSpec
+
+
+@dataclass
+class _RequestState:
+    blocks: list[KVBlock] = field(default_factory=list)
+    num_tokens: int = 0  # tokens the table was last sized for
+    block_hashes: list[bytes] = field(default_factory=list)  # of its leading full blocks
+    in_transfer: bool = False
+
+
+class KVCacheManager:
+    """Block tables and Mamba slots of running requests over one block pool.
+
+    num_blocks counts every physical block, the null block 0 included.
+    num_mamba_slots is required (> 0) for hybrid specs and ignored otherwise.
+    enable_block_reuse is honoured only where `resolve_block_reuse` allows it
+    (V2, non-hybrid); otherwise it is off and a log line says why.
+    hash_namespace separates block hashes of different models or dtypes.
+    """
+
+    manager_name = "base"
+
+    def __init__(
+        self,
+        spec: CacheSpec,
+        num_blocks: int,
+        block_size: int,
+        num_mamba_slots: int = 0,
+        *,
+        enable_block_reuse: bool = False,
+        hash_namespace: str = "",
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        if spec.is_hybrid and num_mamba_slots < 1:
+            raise ValueError(
+                "a hybrid Mamba model needs num_mamba_slots >= 1 (one per running request)"
+            )
+        self.spec = spec
+        self.block_size = block_size
+        self._pool = BlockPool(num_blocks)
+        self.mamba_pool = MambaStatePool(num_mamba_slots) if spec.is_hybrid else None
+        self.enable_block_reuse = resolve_block_reuse(
+            enable_block_reuse, self.manager_name, spec.is_hybrid
+        )
+        self.layout: CacheLayout = layout_for(
+            self.manager_name, spec, block_size, num_blocks, num_mamba_slots
+        )
+        self._root_hash = root_hash(hash_namespace)
+        self._requests: dict[str, _RequestState] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # -- capacity ------------------------------------------------------------
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self._pool.num_blocks
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self._pool.num_usable_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks available to allocations now: free plus evictable cached."""
+        return self._pool.num_free_blocks
+
+    @property
+    def evictions(self) -> int:
+        return self._pool.num_evictions
+
+    def free_queue_ids(self) -> list[int]:
+        """Free block ids in eviction order (front first)."""
+        return self._pool.free_queue.ids()
+
+    # -- allocation ----------------------------------------------------------
+
+    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
+        """Whether `allocate_slots(request_id, num_tokens)` would succeed now."""
+        state = self._requests.get(request_id)
+        held = len(state.blocks) if state is not None else 0
+        if self._blocks_for(num_tokens) - held > self._pool.num_free_blocks:
+            return False
+        return not self._needs_slot(request_id) or self._mamba().num_free_slots > 0
+
+    def allocate_slots(
+        self, request_id: str, num_tokens: int, token_ids: Sequence[int] | None = None
+    ) -> bool:
+        """Grow the request's table to hold `num_tokens` tokens in total (and give
+        a hybrid request its Mamba slot). Returns False and changes nothing when
+        blocks or slots are short.
+
+        With reuse on, `token_ids` (the request's tokens so far) publish every
+        block they fill within `num_tokens`; the caller computes those blocks'
+        KV in the step it allocates them for, before any other step reads them.
+        """
+        state = self._requests.get(request_id)
+        if state is not None and state.in_transfer:
+            raise RequestStateError(
+                f"request {request_id!r} is receiving its cache; call finish_transfer first"
+            )
+        if not self.can_allocate(request_id, num_tokens):
+            return False
+        state = self._grow(request_id, num_tokens)
+        if token_ids is not None:
+            self._publish(state, token_ids)
+        return True
+
+    def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """Take the longest cached chain of full blocks that starts `token_ids`.
+
+        Returns the number of tokens covered (a multiple of `block_size`, and at
+        most `len(token_ids) - 1` so one token is always left to compute). The
+        request then holds those blocks until `free`. Returns 0 without reuse.
+        The request must hold no blocks yet.
+        """
+        if not self.enable_block_reuse:
+            return 0
+        if request_id in self._requests:
+            raise RequestStateError(
+                f"match_prefix on request {request_id!r}, which already holds blocks"
+            )
+        self.prefix_queries += len(token_ids)
+        hits: list[KVBlock] = []
+        hashes: list[bytes] = []
+        parent = self._root_hash
+        bs = self.block_size
+        for index in range(max(len(token_ids) - 1, 0) // bs):
+            parent = hash_block(parent, token_ids[index * bs : (index + 1) * bs])
+            block = self._pool.lookup(parent)
+            if block is None:
+                break
+            hits.append(block)
+            hashes.append(parent)
+        if not hits:
+            return 0
+        self._pool.touch(hits)
+        num_tokens = len(hits) * bs
+        self._requests[request_id] = _RequestState(hits, num_tokens, hashes)
+        self.prefix_hits += num_tokens
+        return num_tokens
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks (tail first, so a chain's head is evicted
+        last) and its Mamba slot. A no-op for unknown request ids."""
+        state = self._requests.pop(request_id, None)
+        if state is not None:
+            self._pool.release(state.blocks[::-1])
+        if self.mamba_pool is not None:
+            self.mamba_pool.free(request_id)
+
+    # -- transfer-in ---------------------------------------------------------
+
+    def allocate_for_transfer(self, request_id: str, num_tokens: int) -> bool:
+        """Blocks (and a slot) to receive `num_tokens` tokens of a new request's
+        cache from another worker. Nothing is published until `finish_transfer`.
+        Returns False and changes nothing when blocks or slots are short."""
+        if request_id in self._requests:
+            raise RequestStateError(
+                f"request {request_id!r} already holds blocks; cannot transfer in"
+            )
+        if not self.can_allocate(request_id, num_tokens):
+            return False
+        self._grow(request_id, num_tokens).in_transfer = True
+        return True
+
+    def finish_transfer(self, request_id: str, token_ids: Sequence[int] | None = None) -> None:
+        """Mark the transferred cache complete; with reuse on, `token_ids`
+        publish the full blocks it filled."""
+        state = self._requests.get(request_id)
+        if state is None or not state.in_transfer:
+            raise RequestStateError(f"request {request_id!r} has no transfer in progress")
+        state.in_transfer = False
+        if token_ids is not None:
+            self._publish(state, token_ids)
+
+    # -- queries -------------------------------------------------------------
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def block_table(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self._state(request_id).blocks]
+
+    def mamba_slot(self, request_id: str) -> int | None:
+        return self.mamba_pool.slot_of(request_id) if self.mamba_pool is not None else None
+
+    def regions(self, request_id: str) -> RequestRegions:
+        """Where the request's KV blocks and Mamba slot sit in the raw buffers."""
+        return self.layout.request_regions(
+            self.block_table(request_id), self.mamba_slot(request_id)
+        )
+
+    def layout_signature(self) -> LayoutSignature:
+        return self.layout.signature()
+
+    def drain_events(self) -> list[KVEvent]:
+        """Blocks published and evicted since the last call, oldest first."""
+        return self._pool.events.drain()
+
+    # -- internals -----------------------------------------------------------
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _mamba(self) -> MambaStatePool:
+        assert self.mamba_pool is not None
+        return self.mamba_pool
+
+    def _needs_slot(self, request_id: str) -> bool:
+        return self.mamba_pool is not None and self.mamba_pool.slot_of(request_id) is None
+
+    def _state(self, request_id: str) -> _RequestState:
+        state = self._requests.get(request_id)
+        if state is None:
+            raise RequestStateError(f"unknown request {request_id!r}: it holds no cache")
+        return state
+
+    def _grow(self, request_id: str, num_tokens: int) -> _RequestState:
+        state = self._requests.setdefault(request_id, _RequestState())
+        if self._needs_slot(request_id):
+            self._mamba().allocate(request_id)
+        missing = self._blocks_for(num_tokens) - len(state.blocks)
+        if missing > 0:
+            state.blocks.extend(self._pool.allocate(missing))
+        state.num_tokens = max(state.num_tokens, num_tokens)
+        return state
+
+    def _publish(self, state: _RequestState, token_ids: Sequence[int]) -> None:
+        if not self.enable_block_reuse or state.in_transfer:
+            return
+        bs = self.block_size
+        num_full = min(len(token_ids), state.num_tokens) // bs
+        for index in range(len(state.block_hashes), num_full):
+            parent = state.block_hashes[-1] if state.block_hashes else self._root_hash
+            block_hash = hash_block(parent, token_ids[index * bs : (index + 1) * bs])
+            state.block_hashes.append(block_hash)
+            block = state.blocks[index]
+            if block.block_hash is None:
+                self._pool.publish(block, block_hash, parent)
+
+    # -- integrity -----------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise IntegrityError unless the pool is consistent and every block's
+        ref count equals the number of tables holding it (one table at most
+        without reuse), every table is sized for its tokens, and each hybrid
+        request owns exactly one Mamba slot."""
+        problems: list[str] = []
+        for pool in (self._pool, self.mamba_pool):
+            try:
+                if pool is not None:
+                    pool.check_integrity()
+            except IntegrityError as error:
+                problems.extend(error.problems)
+        owners: Counter[int] = Counter()
+        for request_id, state in self._requests.items():
+            ids = [block.block_id for block in state.blocks]
+            owners.update(ids)
+            if NULL_BLOCK_ID in ids or len(set(ids)) != len(ids):
+                problems.append(f"request {request_id!r} has a bad table {ids}")
+            if len(ids) != self._blocks_for(state.num_tokens):
+                problems.append(
+                    f"request {request_id!r}: {len(ids)} blocks for {state.num_tokens} tokens"
+                )
+        for block in self._pool.blocks[1:]:
+            if block.ref_cnt != owners[block.block_id]:
+                problems.append(
+                    f"block {block.block_id} ref_cnt {block.ref_cnt} but {owners[block.block_id]} tables"
+                )
+            if not self.enable_block_reuse and owners[block.block_id] > 1:
+                problems.append(f"block {block.block_id} owned by {owners[block.block_id]} tables")
+        if self.mamba_pool is not None and set(self.mamba_pool.owners()) != set(self._requests):
+            problems.append("Mamba slot owners differ from the requests holding blocks")
+        if problems:
+            raise IntegrityError(f"{self.manager_name} KV cache manager", problems)

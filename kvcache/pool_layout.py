@@ -1,0 +1,220 @@
+"""The two memory layouts of the cache pools, as byte arithmetic.
+
+V1, layer-major: one buffer per attention layer and one per Mamba layer and kind.
+
+    kv.{l}    [num_blocks][2][block_size][kv_heads][head_dim]      (cache dtype)
+    conv.{m}  [num_slots][conv_dim][conv_kernel - 1]               (cache dtype)
+    ssm.{m}   [num_slots][num_heads][head_dim][state_size]         (float32)
+
+V2, block-major: one buffer for all KV, one for all Mamba state.
+
+    kv        [num_blocks][num_attn_layers][2][block_size][kv_heads][head_dim]
+    mamba     [num_slots] x ( ssm_0 | conv_0 | ssm_1 | conv_1 | ... | pad )
+
+In V2 a block (every layer's KV) and a slot (every layer's state) are each one
+contiguous range. Within a V2 slot each piece starts on a 16-byte boundary so a
+float32 SSM view can sit next to a bf16 conv view in one byte buffer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from kvcache.layout import (
+    CONV,
+    MAMBA_KINDS,
+    SSM,
+    LayoutSignature,
+    Region,
+    RequestRegions,
+    TensorPlacement,
+)
+from kvcache.spec import CacheSpec
+
+ALIGN_BYTES = 16
+SSM_DTYPE = "float32"
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
+
+
+class CacheLayout(ABC):
+    """Byte layout of a manager's pools: `num_blocks` KV blocks (incl. the null
+    block) and `num_slots` Mamba slots of model `spec`."""
+
+    manager: str
+
+    def __init__(self, spec: CacheSpec, block_size: int, num_blocks: int, num_slots: int) -> None:
+        self.spec = spec
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.num_slots = num_slots if spec.is_hybrid else 0
+        self.kv_segment_bytes = spec.kv_bytes_per_block_per_layer(block_size)
+        self.kv_segment_shape = (2, block_size, spec.num_kv_heads, spec.head_dim)
+
+    @abstractmethod
+    def buffers(self) -> dict[str, int]:
+        """Raw buffer name -> size in bytes."""
+
+    @abstractmethod
+    def attention_placement(self, ordinal: int) -> TensorPlacement:
+        """Where attention layer `ordinal`'s `[2, bs, heads, dim]` blocks sit."""
+
+    @abstractmethod
+    def mamba_placement(self, ordinal: int, kind: str) -> TensorPlacement:
+        """Where Mamba layer `ordinal`'s `kind` ("conv"|"ssm") state per slot sits."""
+
+    @abstractmethod
+    def descriptors(self, block_ids: Sequence[int], slot: int | None) -> tuple[Region, ...]:
+        """Coarse contiguous regions covering these blocks and this slot."""
+
+    def mamba_state(self, kind: str) -> tuple[str, tuple[int, ...], int]:
+        """(dtype, shape, bytes) of one Mamba layer's `kind` state in one slot."""
+        if kind == CONV:
+            return self.spec.dtype, self.spec.conv_state_shape, self.spec.conv_state_bytes
+        if kind == SSM:
+            return SSM_DTYPE, self.spec.ssm_state_shape, self.spec.ssm_state_bytes
+        raise ValueError(f"Mamba state kind must be one of {MAMBA_KINDS}, got {kind!r}")
+
+    def signature(self) -> LayoutSignature:
+        spec = self.spec
+        return LayoutSignature(
+            manager=self.manager,
+            dtype=spec.dtype,
+            block_size=self.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            attention_layers=spec.attention_layers,
+            mamba_layers=spec.mamba_layers,
+            conv_state_shape=spec.conv_state_shape,
+            conv_dtype=spec.dtype if spec.is_hybrid else "",
+            ssm_state_shape=spec.ssm_state_shape,
+            ssm_dtype=SSM_DTYPE if spec.is_hybrid else "",
+        )
+
+    def request_regions(self, block_ids: Sequence[int], slot: int | None) -> RequestRegions:
+        attention = [self.attention_placement(k) for k in range(self.spec.num_attention_layers)]
+        kv_segments = {
+            (k, j): placement.region(block_id)
+            for k, placement in enumerate(attention)
+            for j, block_id in enumerate(block_ids)
+        }
+        mamba_segments: dict[tuple[int, str], Region] = {}
+        if slot is not None:
+            for m in range(len(self.spec.mamba_layers)):
+                for kind in MAMBA_KINDS:
+                    mamba_segments[(m, kind)] = self.mamba_placement(m, kind).region(slot)
+        return RequestRegions(
+            block_ids=tuple(block_ids),
+            mamba_slot=slot,
+            kv_segments=kv_segments,
+            mamba_segments=mamba_segments,
+            descriptors=self.descriptors(block_ids, slot),
+        )
+
+
+class LayerMajorLayout(CacheLayout):
+    """V1: a buffer per attention layer, a buffer per Mamba layer and kind."""
+
+    manager = "v1"
+
+    def buffers(self) -> dict[str, int]:
+        sizes = {
+            f"kv.{k}": self.num_blocks * self.kv_segment_bytes
+            for k in range(self.spec.num_attention_layers)
+        }
+        for m in range(len(self.spec.mamba_layers)):
+            for kind in MAMBA_KINDS:
+                sizes[f"{kind}.{m}"] = self.num_slots * self.mamba_state(kind)[2]
+        return sizes
+
+    def attention_placement(self, ordinal: int) -> TensorPlacement:
+        return TensorPlacement(
+            buffer=f"kv.{ordinal}",
+            offset=0,
+            stride=self.kv_segment_bytes,
+            dtype=self.spec.dtype,
+            shape=self.kv_segment_shape,
+            item_bytes=self.kv_segment_bytes,
+        )
+
+    def mamba_placement(self, ordinal: int, kind: str) -> TensorPlacement:
+        dtype, shape, nbytes = self.mamba_state(kind)
+        return TensorPlacement(f"{kind}.{ordinal}", 0, nbytes, dtype, shape, nbytes)
+
+    def descriptors(self, block_ids: Sequence[int], slot: int | None) -> tuple[Region, ...]:
+        regions = [
+            self.attention_placement(k).region(block_id)
+            for k in range(self.spec.num_attention_layers)
+            for block_id in block_ids
+        ]
+        if slot is not None:
+            regions += [
+                self.mamba_placement(m, kind).region(slot)
+                for m in range(len(self.spec.mamba_layers))
+                for kind in MAMBA_KINDS
+            ]
+        return tuple(regions)
+
+
+class BlockMajorLayout(CacheLayout):
+    """V2: one buffer "kv" of whole blocks, one buffer "mamba" of whole slots."""
+
+    manager = "v2"
+
+    def __init__(self, spec: CacheSpec, block_size: int, num_blocks: int, num_slots: int) -> None:
+        super().__init__(spec, block_size, num_blocks, num_slots)
+        self.block_bytes = spec.num_attention_layers * self.kv_segment_bytes
+        self.slot_bytes, self._slot_offsets = block_major_slot_layout(spec)
+
+    def buffers(self) -> dict[str, int]:
+        sizes = {"kv": self.num_blocks * self.block_bytes}
+        if self.spec.is_hybrid:
+            sizes["mamba"] = self.num_slots * self.slot_bytes
+        return sizes
+
+    def attention_placement(self, ordinal: int) -> TensorPlacement:
+        return TensorPlacement(
+            buffer="kv",
+            offset=ordinal * self.kv_segment_bytes,
+            stride=self.block_bytes,
+            dtype=self.spec.dtype,
+            shape=self.kv_segment_shape,
+            item_bytes=self.kv_segment_bytes,
+        )
+
+    def mamba_placement(self, ordinal: int, kind: str) -> TensorPlacement:
+        dtype, shape, nbytes = self.mamba_state(kind)
+        offset = self._slot_offsets[(ordinal, kind)]
+        return TensorPlacement("mamba", offset, self.slot_bytes, dtype, shape, nbytes)
+
+    def descriptors(self, block_ids: Sequence[int], slot: int | None) -> tuple[Region, ...]:
+        regions = [Region("kv", b * self.block_bytes, self.block_bytes) for b in block_ids]
+        if slot is not None and self.spec.is_hybrid:
+            regions.append(Region("mamba", slot * self.slot_bytes, self.slot_bytes))
+        return tuple(regions)
+
+
+def block_major_slot_layout(spec: CacheSpec) -> tuple[int, dict[tuple[int, str], int]]:
+    """(bytes per V2 Mamba slot, byte offset of each (ordinal, kind) in a slot)."""
+    offsets: dict[tuple[int, str], int] = {}
+    cursor = 0
+    for m in range(len(spec.mamba_layers)):
+        # SSM (float32) first, then conv; every piece starts 16-byte aligned.
+        for kind, nbytes in ((SSM, spec.ssm_state_bytes), (CONV, spec.conv_state_bytes)):
+            offsets[(m, kind)] = cursor
+            cursor = _align(cursor + nbytes)
+    return cursor, offsets
+
+
+def layout_for(
+    manager: str, spec: CacheSpec, block_size: int, num_blocks: int, num_slots: int
+) -> CacheLayout:
+    """The layout of manager `manager` ("v1" or "v2")."""
+    if manager == LayerMajorLayout.manager:
+        return LayerMajorLayout(spec, block_size, num_blocks, num_slots)
+    if manager == BlockMajorLayout.manager:
+        return BlockMajorLayout(spec, block_size, num_blocks, num_slots)
+    raise ValueError(f"unknown KV cache manager {manager!r}; use 'v1' or 'v2'")

@@ -1,0 +1,132 @@
+"""The `auto` rules: which manager, transceiver and reuse setting a cluster runs.
+
+Each rule is one function, called once at startup by the launcher before any
+worker is built; each logs its decision. Model preferences arrive as plain
+strings (callers take them from `models.registry.model_preferences(arch)`), so
+this module never imports `models`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+from kvcache.errors import LayoutConflictError, ResolutionError
+
+logger = logging.getLogger(__name__)
+
+AUTO = "auto"
+V1, V2 = "v1", "v2"
+MANAGER_CHOICES = (AUTO, V1, V2)
+PYTHON, NIXL = "python", "nixl"
+TRANSCEIVER_CHOICES = (AUTO, PYTHON, NIXL)
+
+_logged: set[str] = set()
+
+
+def log_once(message: str) -> None:
+    """Log `message` at INFO the first time it is seen in this process."""
+    if message not in _logged:
+        _logged.add(message)
+        logger.info(message)
+
+
+def resolve_manager(requested: str, preferred: str | None) -> str:
+    """`kv_cache.manager`: an explicit "v1"/"v2" stands; "auto" takes the model's
+    preference, and V1 when the model states none."""
+    _check_choice("kv_cache.manager", requested, MANAGER_CHOICES)
+    if requested != AUTO:
+        return requested
+    if preferred is not None:
+        _check_choice("the model's manager preference", preferred, (V1, V2))
+        log_once(f"kv_cache.manager auto -> {preferred!r} (model preference)")
+        return preferred
+    log_once("kv_cache.manager auto -> 'v1' (model states no preference)")
+    return V1
+
+
+def resolve_transceiver(
+    requested: str, preferred: str | None, nixl_importable: bool | None = None
+) -> str:
+    """`cache_transceiver.backend`: "auto" takes the model's preference, else
+    NIXL when the `nixl` package is importable, else Python.
+
+    `nixl_importable` None means: look for the package now.
+    """
+    _check_choice("cache_transceiver.backend", requested, TRANSCEIVER_CHOICES)
+    if nixl_importable is None:
+        nixl_importable = importlib.util.find_spec("nixl") is not None
+    if requested == NIXL and not nixl_importable:
+        raise ResolutionError(
+            "cache_transceiver.backend is 'nixl' but the nixl package cannot be imported; "
+            "install nixl or set cache_transceiver.backend to 'python' or 'auto'"
+        )
+    if requested != AUTO:
+        return requested
+    if preferred is not None:
+        _check_choice("the model's transceiver preference", preferred, (PYTHON, NIXL))
+        if preferred == NIXL and not nixl_importable:
+            log_once(
+                "cache_transceiver.backend auto -> 'python' (model prefers nixl; not importable)"
+            )
+            return PYTHON
+        log_once(f"cache_transceiver.backend auto -> {preferred!r} (model preference)")
+        return preferred
+    chosen = NIXL if nixl_importable else PYTHON
+    log_once(f"cache_transceiver.backend auto -> {chosen!r} (nixl importable: {nixl_importable})")
+    return chosen
+
+
+def resolve_cluster_managers(
+    context_requested: str, generation_requested: str, preferred: str | None, transceiver: str
+) -> tuple[str, str]:
+    """(context manager, generation manager) for the whole cluster.
+
+    Python transceiver: each side resolves on its own (it bridges V1 and V2).
+    NIXL (raw memory by descriptor): both sides get one manager. An explicit
+    setting binds an `auto` side; a V2 choice is kept, never demoted; one side
+    forced to V1 and the other to V2 raises LayoutConflictError.
+    """
+    _check_choice("cache_transceiver.backend", transceiver, (PYTHON, NIXL))
+    context = resolve_manager(context_requested, preferred)
+    generation = resolve_manager(generation_requested, preferred)
+    if transceiver == PYTHON or context == generation:
+        return context, generation
+    explicit = {context_requested, generation_requested} - {AUTO}
+    if explicit == {V1, V2}:
+        raise LayoutConflictError(
+            f"kv_cache.manager is {context_requested!r} on context_servers but "
+            f"{generation_requested!r} on generation_servers; the NIXL backend needs one "
+            "layout: set both to the same manager or use cache_transceiver.backend 'python'"
+        )
+    # Sides differ and at most one of them is explicit: the explicit one wins;
+    # with both auto (unreachable today, one preference feeds both) keep V2.
+    chosen = explicit.pop() if explicit else V2
+    log_once(
+        f"kv_cache.manager resolved to {chosen!r} on both sides: the NIXL backend needs one layout"
+    )
+    return chosen, chosen
+
+
+def resolve_block_reuse(requested: bool, manager: str, is_hybrid: bool) -> bool:
+    """`kv_cache.enable_block_reuse`: off unless asked, and only under V2 for a
+    model without Mamba layers."""
+    if not requested:
+        return False
+    if manager != V2:
+        log_once(
+            f"block reuse is off: it needs kv_cache.manager 'v2', this worker runs {manager!r}"
+        )
+        return False
+    if is_hybrid:
+        log_once(
+            "block reuse is off for this hybrid Mamba model: reusing a KV prefix needs a "
+            "Mamba state snapshot at the block boundary, which the cache does not keep yet"
+        )
+        return False
+    return True
+
+
+def _check_choice(setting: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ResolutionError(f"{setting} must be one of {list(choices)}, got {value!r}")

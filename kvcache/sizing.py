@@ -1,0 +1,155 @@
+"""How many KV blocks and Mamba slots a worker's cache gets.
+
+Either from a token capacity (`max_tokens`, rounded down to whole blocks) or
+from memory: a fraction of a stated byte budget (any device), or, when a CUDA
+device is given and no budget, a fraction of the device's free memory measured
+after the weights are loaded. Mamba slots (one per running request, default
+`max_batch_size`) come out of the budget first; the rest becomes KV blocks.
+Sizing fails early, naming the numbers and the setting to change, when one
+max-length sequence would not fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcache.errors import CacheSizingError
+from kvcache.pool_layout import block_major_slot_layout
+from kvcache.spec import CacheSpec
+
+DEFAULT_GPU_MEMORY_FRACTION = 0.9
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class CacheSizing:
+    """num_blocks includes the null block; `num_tokens` counts usable capacity."""
+
+    num_blocks: int
+    num_mamba_slots: int
+    block_size: int
+    bytes_per_block: int
+    bytes_per_slot: int
+
+    @property
+    def num_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block + self.num_mamba_slots * self.bytes_per_slot
+
+
+def bytes_per_block(spec: CacheSpec, block_size: int) -> int:
+    """Bytes of one block across all attention layers (same in V1 and V2)."""
+    return spec.num_attention_layers * spec.kv_bytes_per_block_per_layer(block_size)
+
+
+def bytes_per_mamba_slot(spec: CacheSpec) -> int:
+    """Bytes of one Mamba slot across all Mamba layers; the V2 figure, which
+    includes alignment padding and so bounds V1's from above."""
+    return block_major_slot_layout(spec)[0] if spec.is_hybrid else 0
+
+
+def size_cache(
+    spec: CacheSpec,
+    *,
+    block_size: int,
+    max_model_len: int,
+    max_batch_size: int,
+    max_tokens: int | None = None,
+    memory_bytes: int | None = None,
+    memory_fraction: float | None = None,
+    device: object | None = None,
+    num_mamba_slots: int | None = None,
+) -> CacheSizing:
+    """Blocks and slots for the cache; see the module docstring for the modes.
+
+    `max_tokens` wins when set. Otherwise `memory_bytes` (times
+    `memory_fraction`, default 1.0) or, with a CUDA `device`, its free memory
+    times `memory_fraction` (default 0.9). Raises CacheSizingError when one
+    sequence of `max_model_len` tokens plus the Mamba slots does not fit.
+    """
+    if memory_fraction is not None and not 0.0 < memory_fraction <= 1.0:
+        raise CacheSizingError(f"kv_cache.memory_fraction must be in (0, 1], got {memory_fraction}")
+    slots = (
+        (num_mamba_slots if num_mamba_slots is not None else max_batch_size)
+        if spec.is_hybrid
+        else 0
+    )
+    sizing = CacheSizing(
+        0, slots, block_size, bytes_per_block(spec, block_size), bytes_per_mamba_slot(spec)
+    )
+    needed = -(-max_model_len // block_size)
+    is_cuda = device is not None and str(device).startswith("cuda")
+    if max_tokens is not None:
+        return _from_tokens(sizing, max_tokens, max_model_len, needed, device if is_cuda else None)
+    if memory_bytes is not None:
+        fraction = 1.0 if memory_fraction is None else memory_fraction
+        source = f"{fraction:g} x kv_cache_memory_bytes ({memory_bytes / _MIB:.1f} MiB)"
+        return _from_budget(sizing, int(memory_bytes * fraction), source, max_model_len, needed)
+    if is_cuda:
+        from kvcache.tensors import free_device_memory  # torch only on the GPU path
+
+        fraction = DEFAULT_GPU_MEMORY_FRACTION if memory_fraction is None else memory_fraction
+        free = free_device_memory(str(device))
+        source = f"{fraction:g} x {free / _MIB:.1f} MiB free on {device} after weights"
+        return _from_budget(sizing, int(free * fraction), source, max_model_len, needed)
+    raise CacheSizingError(
+        "cannot size the KV cache: set max_tokens, or kv_cache_memory_bytes, "
+        "or run on a CUDA device to size from free device memory"
+    )
+
+
+def _from_tokens(
+    sizing: CacheSizing, max_tokens: int, max_model_len: int, needed: int, device: object | None
+) -> CacheSizing:
+    usable = max_tokens // sizing.block_size
+    if usable < needed:
+        raise CacheSizingError(
+            f"max_tokens={max_tokens} holds {usable} blocks of {sizing.block_size} tokens, but one "
+            f"max-length sequence (max_model_len={max_model_len}) needs {needed} blocks; raise "
+            f"max_tokens to at least {needed * sizing.block_size} or lower max_model_len"
+        )
+    result = _with_blocks(sizing, usable + 1)
+    if device is not None:
+        from kvcache.tensors import free_device_memory
+
+        free = free_device_memory(str(device))
+        if result.total_bytes > free:
+            raise CacheSizingError(
+                f"the KV cache for max_tokens={max_tokens} ({result.total_bytes / _MIB:.1f} MiB, "
+                f"incl. {sizing.num_mamba_slots} Mamba slots) exceeds the {free / _MIB:.1f} MiB free "
+                f"on {device} after weights; lower max_tokens or max_batch_size"
+            )
+    return result
+
+
+def _from_budget(
+    sizing: CacheSizing, budget: int, source: str, max_model_len: int, needed: int
+) -> CacheSizing:
+    mamba_bytes = sizing.num_mamba_slots * sizing.bytes_per_slot
+    kv_bytes = budget - mamba_bytes
+    # One extra block for the null block, which the budget must also hold.
+    usable = max(kv_bytes // sizing.bytes_per_block - 1, 0) if sizing.bytes_per_block else 0
+    if usable < needed:
+        raise CacheSizingError(
+            f"KV cache budget {budget / _MIB:.1f} MiB ({source}) minus {mamba_bytes / _MIB:.1f} MiB "
+            f"for {sizing.num_mamba_slots} Mamba slots holds {usable} blocks of "
+            f"{sizing.block_size} tokens ({sizing.bytes_per_block} bytes each), but one max-length "
+            f"sequence (max_model_len={max_model_len}) needs {needed} blocks "
+            f"({(needed + 1) * sizing.bytes_per_block / _MIB:.1f} MiB with the null block); raise the "
+            "memory budget (kv_cache.memory_fraction or kv_cache_memory_bytes), or lower "
+            "max_model_len or max_batch_size"
+        )
+    return _with_blocks(sizing, usable + 1)
+
+
+def _with_blocks(sizing: CacheSizing, num_blocks: int) -> CacheSizing:
+    return CacheSizing(
+        num_blocks,
+        sizing.num_mamba_slots,
+        sizing.block_size,
+        sizing.bytes_per_block,
+        sizing.bytes_per_slot,
+    )

@@ -1,0 +1,118 @@
+"""The pool tensors behind a manager's layout: the only torch code in `kvcache`.
+
+`allocate_cache_tensors` allocates each raw buffer of a layout as one flat
+uint8 tensor (the memory a transceiver registers) and builds the per-layer
+typed views models write through (`CacheViews`). Every view is an `as_strided`
+window into a raw buffer, so a write through a view is visible in the buffer's
+bytes and hence in the request's `Region`s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcache.layout import CONV, SSM, Region, TensorPlacement
+from kvcache.manager import KVCacheManager
+from kvcache.pool_layout import CacheLayout
+from models.batch import AttentionLayerCache, CacheViews, MambaLayerCache
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass
+class CacheTensors:
+    """Raw buffers of one layout plus typed views into them."""
+
+    layout: CacheLayout
+    raw: dict[str, torch.Tensor]
+    _views: CacheViews | None = field(default=None, repr=False)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Buffer name -> flat uint8 tensor; the names `Region.buffer` refers to."""
+        return dict(self.raw)
+
+    def views(self) -> CacheViews:
+        """Per attention ordinal key/value `[num_blocks, block_size, kv_heads,
+        head_dim]`, per Mamba ordinal conv/SSM `[num_slots, ...]`."""
+        if self._views is None:
+            self._views = self._build_views()
+        return self._views
+
+    def region_tensor(self, region: Region) -> torch.Tensor:
+        """Zero-copy uint8 view of a region's bytes."""
+        buffer = self.raw[region.buffer]
+        if region.offset < 0 or region.end > buffer.numel():
+            raise ValueError(
+                f"{region} lies outside buffer {region.buffer!r} of {buffer.numel()} bytes"
+            )
+        return buffer[region.offset : region.end]
+
+    def read_region(self, region: Region) -> bytes:
+        return self.region_tensor(region).cpu().numpy().tobytes()
+
+    def write_region(self, region: Region, data: bytes | bytearray | memoryview) -> None:
+        if len(data) != region.length:
+            raise ValueError(f"{len(data)} bytes do not fit {region} of {region.length} bytes")
+        source = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self.region_tensor(region).copy_(source)
+
+    def _build_views(self) -> CacheViews:
+        layout = self.layout
+        attention = []
+        for k in range(layout.spec.num_attention_layers):
+            kv = self._placed(layout.attention_placement(k), layout.num_blocks)
+            attention.append(AttentionLayerCache(key_cache=kv[:, 0], value_cache=kv[:, 1]))
+        mamba = [
+            MambaLayerCache(
+                conv_state=self._placed(layout.mamba_placement(m, CONV), layout.num_slots),
+                ssm_state=self._placed(layout.mamba_placement(m, SSM), layout.num_slots),
+            )
+            for m in range(len(layout.spec.mamba_layers))
+        ]
+        return CacheViews(attention=attention, mamba=mamba)
+
+    def _placed(self, placement: TensorPlacement, count: int) -> torch.Tensor:
+        dtype = TORCH_DTYPES[placement.dtype]
+        typed = self.raw[placement.buffer].view(dtype)
+        itemsize = typed.element_size()
+        if placement.offset % itemsize or placement.stride % itemsize:
+            raise ValueError(f"{placement} is not aligned to {placement.dtype}")
+        inner = [1]
+        for dim in reversed(placement.shape[1:]):
+            inner.insert(0, inner[0] * dim)
+        return typed.as_strided(
+            size=(count, *placement.shape),
+            stride=(placement.stride // itemsize, *inner),
+            storage_offset=typed.storage_offset() + placement.offset // itemsize,
+        )
+
+
+def allocate_cache_tensors(
+    manager_or_layout: KVCacheManager | CacheLayout, device: str | torch.device = "cpu"
+) -> CacheTensors:
+    """Zero-filled raw buffers for the manager's (or layout's) pools on `device`."""
+    layout = (
+        manager_or_layout.layout
+        if isinstance(manager_or_layout, KVCacheManager)
+        else manager_or_layout
+    )
+    raw = {
+        name: torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+        for name, num_bytes in layout.buffers().items()
+    }
+    return CacheTensors(layout=layout, raw=raw)
+
+
+def free_device_memory(device: str | torch.device) -> int:
+    """Free bytes on a CUDA device now (after the weights already loaded there)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"free device memory is measured on CUDA devices only, got {device}")
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
