@@ -1,0 +1,222 @@
+"""The Python transceiver within one event loop: bytes, bridging, leases, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from kvcache.factory import create_manager
+from kvcache.manager import KVCacheManager
+from kvcache.spec import CacheSpec
+from kvcache.tensors import CacheTensors, allocate_cache_tensors
+from transfer.base import TransferHandle
+from transfer.errors import (
+    LayoutMismatch,
+    PeerGone,
+    TransferAborted,
+    TransferTimeout,
+    UnknownRequest,
+    WireError,
+)
+from transfer.python_transceiver import PythonTransceiver
+
+SECRET = b"cluster-secret"
+HYBRID = CacheSpec(
+    num_kv_heads=2,
+    head_dim=8,
+    attention_layers=(1, 3),
+    mamba_layers=(0, 2),
+    conv_state_shape=(12, 3),
+    ssm_state_shape=(2, 4, 8),
+)
+BLOCK_SIZE = 4
+
+
+class Worker:
+    """A manager, its pool tensors and a started transceiver."""
+
+    def __init__(self, manager: str, spec: CacheSpec = HYBRID, secret: bytes = SECRET) -> None:
+        self.manager: KVCacheManager = create_manager(manager, spec, 16, BLOCK_SIZE, 4)
+        self.tensors: CacheTensors = allocate_cache_tensors(self.manager)
+        self.xcvr = PythonTransceiver(self.tensors.buffers(), secret)
+        self.released: list[str] = []
+
+    def fill(self, request_id: str, num_tokens: int) -> dict[object, bytes]:
+        """Allocate a request and write random bytes into all its segments."""
+        assert self.manager.allocate_slots(request_id, num_tokens)
+        regions = self.manager.regions(request_id)
+        contents: dict[object, bytes] = {}
+        for key, region in [*regions.kv_segments.items(), *regions.mamba_segments.items()]:
+            data = torch.randint(0, 256, (region.length,), dtype=torch.uint8).numpy().tobytes()
+            self.tensors.write_region(region, data)
+            contents[key] = data
+        return contents
+
+    def segments(self, request_id: str) -> dict[object, bytes]:
+        regions = self.manager.regions(request_id)
+        return {
+            key: self.tensors.read_region(region)
+            for key, region in [*regions.kv_segments.items(), *regions.mamba_segments.items()]
+        }
+
+    def publish(self, request_id: str, lease_s: float = 30.0) -> TransferHandle:
+        def on_release(rid: str) -> None:
+            self.released.append(rid)
+            self.manager.free(rid)
+
+        return self.xcvr.publish(
+            request_id,
+            self.manager.regions(request_id),
+            self.manager.layout_signature(),
+            lease_s,
+            on_release,
+        )
+
+    async def pull(self, handle: TransferHandle, num_tokens: int, timeout_s: float = 10) -> None:
+        rid = handle.request_id
+        assert self.manager.allocate_for_transfer(rid, num_tokens)
+        try:
+            await self.xcvr.pull(
+                handle, self.manager.regions(rid), self.manager.layout_signature(), timeout_s
+            )
+        except BaseException:
+            self.manager.free(rid)
+            raise
+        self.manager.finish_transfer(rid)
+
+
+@pytest.fixture
+async def pair(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Worker, Worker]]:
+    src_kind, dst_kind = getattr(request, "param", ("v2", "v2"))
+    src, dst = Worker(src_kind), Worker(dst_kind)
+    await src.xcvr.start()
+    await dst.xcvr.start()
+    yield src, dst
+    await dst.xcvr.close()
+    await src.xcvr.close()
+
+
+@pytest.mark.parametrize(
+    "pair", [("v1", "v1"), ("v2", "v2"), ("v1", "v2"), ("v2", "v1")], indirect=True
+)
+async def test_moves_kv_and_mamba_bytes_exactly_between_any_managers(
+    pair: tuple[Worker, Worker],
+) -> None:
+    src, dst = pair
+    free_before = src.manager.num_free_blocks
+    sent = src.fill("r1", 3 * BLOCK_SIZE - 1)
+    handle = TransferHandle.from_bytes(src.publish("r1").to_bytes())
+    await dst.pull(handle, 3 * BLOCK_SIZE - 1)
+    assert dst.segments("r1") == sent
+    assert len(sent) == 2 * 3 + 2 * 2  # (layer, block) KV and (layer, kind) Mamba segments
+    assert src.released == ["r1"]
+    assert src.manager.num_free_blocks == free_before
+    assert src.xcvr.num_pinned == 0
+    src.manager.check_integrity()
+    dst.manager.check_integrity()
+
+
+async def test_many_concurrent_pulls_share_the_byte_budget(pair: tuple[Worker, Worker]) -> None:
+    src, dst = pair
+    src.xcvr._budget.limit = 1024  # far below a request: forces interleaving
+    sent = {f"r{i}": src.fill(f"r{i}", 2 * BLOCK_SIZE) for i in range(4)}
+    handles = [src.publish(rid) for rid in sent]
+    await asyncio.gather(*(dst.pull(h, 2 * BLOCK_SIZE) for h in handles))
+    for rid, contents in sent.items():
+        assert dst.segments(rid) == contents
+    assert sorted(src.released) == sorted(sent)
+
+
+async def test_lease_expiry_frees_unpulled_cache_and_late_pull_is_refused(
+    pair: tuple[Worker, Worker],
+) -> None:
+    src, dst = pair
+    free_before = src.manager.num_free_blocks
+    src.fill("r1", BLOCK_SIZE)
+    handle = src.publish("r1", lease_s=0.1)
+    await asyncio.sleep(0.3)
+    assert src.released == ["r1"]
+    assert src.manager.num_free_blocks == free_before
+    with pytest.raises(UnknownRequest, match="lease_s"):
+        await dst.pull(handle, BLOCK_SIZE)
+    assert not dst.manager.has_request("r1")
+    dst.manager.check_integrity()
+
+
+async def test_release_and_abort_are_idempotent(pair: tuple[Worker, Worker]) -> None:
+    src, _ = pair
+    src.fill("r1", BLOCK_SIZE)
+    src.publish("r1")
+    src.xcvr.abort("r1")
+    src.xcvr.abort("r1")
+    assert not src.xcvr.release("r1")
+    assert src.released == ["r1"]
+    src.manager.check_integrity()
+
+
+async def test_layout_mismatch_names_the_field(pair: tuple[Worker, Worker]) -> None:
+    src, _ = pair
+    other = Worker("v2", CacheSpec(num_kv_heads=2, head_dim=8, attention_layers=(1, 3)))
+    await other.xcvr.start()
+    try:
+        src.fill("r1", BLOCK_SIZE)
+        with pytest.raises(LayoutMismatch, match="mamba_layers"):
+            await other.pull(src.publish("r1"), BLOCK_SIZE)
+        assert src.xcvr.num_pinned == 1  # nothing moved, holder still pinned
+    finally:
+        await other.xcvr.close()
+
+
+async def test_wrong_secret_is_refused_and_holder_stays_pinned(
+    pair: tuple[Worker, Worker],
+) -> None:
+    src, _ = pair
+    intruder = Worker("v2", secret=b"guess")
+    await intruder.xcvr.start()
+    try:
+        src.fill("r1", BLOCK_SIZE)
+        with pytest.raises(WireError, match="secret"):
+            await intruder.pull(src.publish("r1"), BLOCK_SIZE)
+        assert src.xcvr.num_pinned == 1
+    finally:
+        await intruder.xcvr.close()
+
+
+async def test_dead_holder_gives_peer_gone(pair: tuple[Worker, Worker]) -> None:
+    src, dst = pair
+    src.fill("r1", BLOCK_SIZE)
+    handle = src.publish("r1")
+    await src.xcvr.close()
+    with pytest.raises(PeerGone, match="r1"):
+        await dst.pull(handle, BLOCK_SIZE)
+    assert not dst.manager.has_request("r1")
+
+
+async def test_silent_holder_times_out_naming_the_setting(pair: tuple[Worker, Worker]) -> None:
+    src, dst = pair
+    src.fill("r1", BLOCK_SIZE)
+    real = src.publish("r1")
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
+        handle = TransferHandle.from_dict({**real.to_dict(), "endpoint": silent.getsockname()})
+        with pytest.raises(TransferTimeout, match="cache_transceiver.timeout_s"):
+            await dst.pull(handle, BLOCK_SIZE, timeout_s=0.3)
+    assert not dst.manager.has_request("r1")
+
+
+async def test_abort_on_puller_cancels_its_pull(pair: tuple[Worker, Worker]) -> None:
+    src, dst = pair
+    src.fill("r1", BLOCK_SIZE)
+    real = src.publish("r1")
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        stalled = TransferHandle.from_dict({**real.to_dict(), "endpoint": silent.getsockname()})
+        pull = asyncio.create_task(dst.pull(stalled, BLOCK_SIZE))
+        await asyncio.sleep(0.05)
+        dst.xcvr.abort("r1")
+        with pytest.raises(TransferAborted, match="r1"):
+            await pull
+    assert not dst.manager.has_request("r1")
+    dst.manager.check_integrity()

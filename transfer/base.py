@@ -1,0 +1,255 @@
+"""The transceiver interface: publish a request's cache on one worker, pull it on another.
+
+Context side (holder)::
+
+    handle = xcvr.publish(request_id, regions, signature, lease_s, on_release)
+    # ... hand `handle` to the router (it is small and msgpack-serializable)
+
+Generation side (puller)::
+
+    await xcvr.pull(handle, dest_regions, dest_signature, timeout_s)
+
+The holder keeps the request's blocks (and Mamba slot) pinned until the puller
+releases them after a complete pull, the holder aborts, or the lease expires;
+each ends in exactly one `on_release(request_id)` call, so the worker frees
+once. The puller frees its own destination blocks when `pull` raises.
+Signatures are compared before any byte moves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+from kvcache.layout import LayoutSignature, Region, RequestRegions
+from transfer.errors import LayoutMismatch, TransferAborted, TransferTimeout
+from transfer.leases import LeaseTable
+
+
+def regions_to_dict(regions: RequestRegions) -> dict[str, Any]:
+    """`RequestRegions` as plain msgpack-safe values (regions as [buffer, offset, length])."""
+    return {
+        "block_ids": list(regions.block_ids),
+        "mamba_slot": regions.mamba_slot,
+        "kv": [[o, b, r.buffer, r.offset, r.length] for (o, b), r in regions.kv_segments.items()],
+        "mamba": [
+            [o, k, r.buffer, r.offset, r.length] for (o, k), r in regions.mamba_segments.items()
+        ],
+        "descriptors": [[r.buffer, r.offset, r.length] for r in regions.descriptors],
+    }
+
+
+def regions_from_dict(data: dict[str, Any]) -> RequestRegions:
+    return RequestRegions(
+        block_ids=tuple(data["block_ids"]),
+        mamba_slot=data["mamba_slot"],
+        kv_segments={(o, b): Region(buf, off, n) for o, b, buf, off, n in data["kv"]},
+        mamba_segments={(o, k): Region(buf, off, n) for o, k, buf, off, n in data["mamba"]},
+        descriptors=tuple(Region(buf, off, n) for buf, off, n in data["descriptors"]),
+    )
+
+
+@dataclass(frozen=True)
+class BufferInfo:
+    """A registered buffer as a remote peer sees it (NIXL addresses it directly)."""
+
+    address: int
+    num_bytes: int
+    device_id: int
+
+
+@dataclass(frozen=True)
+class TransferHandle:
+    """Who holds a request's cache and where: everything a puller needs.
+
+    kind: "python" or "nixl"; a handle is pulled by a transceiver of that kind.
+    endpoint: (host, port) of the holder's TCP server (Python transceiver).
+    agent_name / agent_metadata: the holder's NIXL agent and its metadata blob.
+    buffers: the holder's registered buffers (NIXL builds remote descriptors
+        from them once per peer).
+    lease_expiry: unix time after which the holder frees the cache unpulled.
+    """
+
+    request_id: str
+    transfer_id: str
+    kind: str
+    regions: RequestRegions
+    signature: dict[str, Any]
+    lease_expiry: float
+    endpoint: tuple[str, int] | None = None
+    agent_name: str | None = None
+    agent_metadata: bytes | None = None
+    buffers: dict[str, BufferInfo] = field(default_factory=dict)
+
+    @property
+    def peer(self) -> str:
+        """The holder, named for error messages."""
+        if self.endpoint is not None:
+            return f"{self.endpoint[0]}:{self.endpoint[1]}"
+        return f"NIXL agent {self.agent_name!r}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "transfer_id": self.transfer_id,
+            "kind": self.kind,
+            "regions": regions_to_dict(self.regions),
+            "signature": self.signature,
+            "lease_expiry": self.lease_expiry,
+            "endpoint": list(self.endpoint) if self.endpoint else None,
+            "agent_name": self.agent_name,
+            "agent_metadata": self.agent_metadata,
+            "buffers": {k: [b.address, b.num_bytes, b.device_id] for k, b in self.buffers.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TransferHandle:
+        endpoint = data["endpoint"]
+        return cls(
+            request_id=data["request_id"],
+            transfer_id=data["transfer_id"],
+            kind=data["kind"],
+            regions=regions_from_dict(data["regions"]),
+            signature=data["signature"],
+            lease_expiry=data["lease_expiry"],
+            endpoint=(endpoint[0], endpoint[1]) if endpoint else None,
+            agent_name=data["agent_name"],
+            agent_metadata=data["agent_metadata"],
+            buffers={k: BufferInfo(*v) for k, v in data["buffers"].items()},
+        )
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb(self.to_dict(), use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> TransferHandle:
+        return cls.from_dict(msgpack.unpackb(data, raw=False, strict_map_key=False))
+
+
+def check_signature(
+    request_id: str, source: dict[str, Any], dest: dict[str, Any], ignore: tuple[str, ...] = ()
+) -> None:
+    """Raise `LayoutMismatch` naming every differing field (except `ignore`)."""
+    differing = LayoutSignature.from_dict(source).diff(LayoutSignature.from_dict(dest), ignore)
+    if differing:
+        raise LayoutMismatch(request_id, differing)
+
+
+class Transceiver(ABC):
+    """Moves published request caches between workers; see the module docstring.
+
+    Must be used from one asyncio event loop (the worker actor's). Subclasses
+    implement `start`, `close`, `publish`, `_pull` and `_notify_abort`.
+    """
+
+    kind: ClassVar[str]
+
+    def __init__(self) -> None:
+        self._leases = LeaseTable()
+        self._pulls: dict[str, asyncio.Task[None]] = {}
+
+    @property
+    def num_pinned(self) -> int:
+        """Requests published here and not yet released."""
+        return len(self._leases)
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Bind/register resources; call once before `publish` or `pull`."""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Release every pinned request, stop serving, free transport resources."""
+
+    @abstractmethod
+    def publish(
+        self,
+        request_id: str,
+        regions: RequestRegions,
+        signature: LayoutSignature,
+        lease_s: float,
+        on_release: Callable[[str], None],
+    ) -> TransferHandle:
+        """Pin `regions` for pulling; `on_release(request_id)` runs exactly once."""
+
+    def release(self, request_id: str) -> bool:
+        """Unpin a published request locally; idempotent. True if it was pinned."""
+        return self._leases.release(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Give up on `request_id` on this worker, on either side.
+
+        Holder: unpin now (`on_release` runs). Puller: cancel an in-flight pull
+        (it raises `TransferAborted`; the caller frees its blocks) and tell the
+        holder to free its side. Idempotent.
+        """
+        self._leases.release(request_id)
+        task = self._pulls.get(request_id)
+        if task is not None and not task.done():
+            task.cancel()
+
+    async def pull(
+        self,
+        handle: TransferHandle,
+        dest_regions: RequestRegions,
+        dest_signature: LayoutSignature,
+        timeout_s: float,
+    ) -> None:
+        """Copy the handle's cache into `dest_regions`; on success the holder is released.
+
+        Raises `LayoutMismatch` (before any byte moves), `TransferTimeout` after
+        `timeout_s`, `PeerGone` if the holder died, `TransferAborted` if
+        `abort(request_id)` ran meanwhile, `UnknownRequest` if the holder no
+        longer has it. On any error the destination contents are undefined.
+        """
+        if handle.kind != self.kind:
+            raise LayoutMismatch(
+                handle.request_id,
+                ["cache_transceiver.backend"],
+                f"the holder published with {handle.kind!r}, this worker pulls with "
+                f"{self.kind!r}; use one backend on every instance",
+            )
+        rid = handle.request_id
+        task = asyncio.ensure_future(self._pull(handle, dest_regions, dest_signature))
+        self._pulls[rid] = task
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        except TimeoutError:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise TransferTimeout(rid, handle.peer, timeout_s) from None
+        except asyncio.CancelledError:
+            if task.cancelled() and not _current_task_cancelling():
+                self._notify_abort(handle)
+                raise TransferAborted(rid, "aborted on the generation side") from None
+            task.cancel()
+            raise
+        finally:
+            if self._pulls.get(rid) is task:
+                del self._pulls[rid]
+
+    @abstractmethod
+    async def _pull(
+        self, handle: TransferHandle, dest_regions: RequestRegions, dest: LayoutSignature
+    ) -> None:
+        """Move the bytes and release the holder; errors as in `pull`."""
+
+    @abstractmethod
+    def _notify_abort(self, handle: TransferHandle) -> None:
+        """Best effort: tell the holder the pull was aborted so it frees early."""
+
+    @staticmethod
+    def new_transfer_id() -> str:
+        return uuid.uuid4().hex
+
+
+def _current_task_cancelling() -> bool:
+    """True if the *caller* of `pull` is being cancelled (not just the inner pull)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

@@ -1,0 +1,329 @@
+"""The pure-Python transceiver: asyncio TCP, msgpack headers, zero-copy bytes.
+
+Each worker runs one TCP server on its own address. A pull is one connection:
+
+    puller                                   holder
+      | <------ challenge (nonce) ------------- |   shared-secret handshake
+      | ------- auth (HMAC) ------------------> |
+      | <------ welcome ----------------------- |
+      | ------- pull {rid, tid, ranges} ------> |   ranges: coalesced source spans
+      | <------ seg {i, n} + n raw bytes ------ |   x len(ranges), sent from
+      |                ...                      |   memoryviews of the pool,
+      | <------ end --------------------------- |   received with recv_into
+      | ------- release {rid, tid} -----------> |   holder frees (on_release)
+      | <------ released ---------------------- |
+
+The puller maps segments by (layer, block) / (Mamba layer, kind) into its own
+layout, so V1 and V2 workers interoperate. Ranges are checked against what the
+holder published, and every `seg` frame against the size the puller asked
+for; a protocol violation closes that connection only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from kvcache.layout import LayoutSignature, Region, RequestRegions
+from transfer.base import Transceiver, TransferHandle, check_signature
+from transfer.errors import PeerGone, UnknownRequest, WireError
+from transfer.flow import ByteBudget
+from transfer.leases import Lease
+from transfer.plan import Coverage, check_bounds, coalesce, pair_segments, segment_regions
+from transfer.wire import (
+    MAX_HEADER_BYTES,
+    ConnectionClosed,
+    client_handshake,
+    expect,
+    recv_exact_into,
+    recv_header,
+    send_bytes,
+    send_header,
+    server_handshake,
+    tune_socket,
+)
+
+logger = logging.getLogger(__name__)
+
+_CHUNK_BYTES = 8 << 20  # flow-control granularity on the send side
+_HANDSHAKE_TIMEOUT_S = 10.0
+
+
+def buffer_view(tensor: torch.Tensor, name: str) -> memoryview:
+    """A writable byte view of a flat uint8 CPU buffer (no copy)."""
+    if tensor.device.type != "cpu" or tensor.dtype != torch.uint8 or tensor.dim() != 1:
+        raise ValueError(
+            f"buffer {name!r} must be a flat uint8 CPU tensor for the Python transceiver "
+            f"(got {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}); use the NIXL "
+            f"backend for GPU caches"
+        )
+    if not tensor.is_contiguous():
+        raise ValueError(f"buffer {name!r} must be contiguous")
+    return tensor.numpy().data.cast("B")
+
+
+class PythonTransceiver(Transceiver):
+    """TCP transceiver over the worker's registered CPU buffers.
+
+    buffers: name -> flat uint8 CPU tensor (`CacheTensors.buffers()`).
+    secret: shared by every worker of the cluster; peers without it are dropped.
+    host/port: where to listen (the node's own address; port 0 picks one).
+    max_inflight_bytes: bound on bytes being sent at once over all pulls.
+    """
+
+    kind = "python"
+
+    def __init__(
+        self,
+        buffers: Mapping[str, torch.Tensor],
+        secret: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_inflight_bytes: int = 256 << 20,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+    ) -> None:
+        super().__init__()
+        if not secret:
+            raise ValueError("cache_transceiver secret must not be empty")
+        self._views = {name: buffer_view(t, name) for name, t in buffers.items()}
+        self._sizes = {name: len(v) for name, v in self._views.items()}
+        self._secret = secret
+        self._host, self._port = host, port
+        self._budget = ByteBudget(max_inflight_bytes)
+        self._max_header = max_header_bytes
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._conn_tasks: set[asyncio.Task[None]] = set()
+        self._serving: dict[str, set[asyncio.Task[Any]]] = {}
+
+    @property
+    def endpoint(self) -> tuple[str, int]:
+        if self._listener is None:
+            raise RuntimeError("PythonTransceiver.start() has not run")
+        host, port = self._listener.getsockname()[:2]
+        return host, port
+
+    async def start(self) -> None:
+        listener = socket.create_server((self._host, self._port), backlog=128)
+        listener.setblocking(False)
+        self._listener = listener
+        self._accept_task = asyncio.create_task(self._accept_loop())
+
+    async def close(self) -> None:
+        for task in [self._accept_task, *self._conn_tasks, *self._pulls.values()]:
+            if task is not None:
+                task.cancel()
+        pending = [t for t in [self._accept_task, *self._conn_tasks] if t is not None]
+        await asyncio.gather(*pending, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
+        self._leases.release_all()
+
+    def publish(
+        self,
+        request_id: str,
+        regions: RequestRegions,
+        signature: LayoutSignature,
+        lease_s: float,
+        on_release: Callable[[str], None],
+    ) -> TransferHandle:
+        check_bounds(request_id, segment_regions(regions), self._sizes)
+        tid = self.new_transfer_id()
+        lease = self._leases.add(
+            request_id, tid, lease_s, on_release, Coverage(segment_regions(regions))
+        )
+        return TransferHandle(
+            request_id=request_id,
+            transfer_id=tid,
+            kind=self.kind,
+            regions=regions,
+            signature=signature.to_dict(),
+            lease_expiry=lease.expires_at,
+            endpoint=self.endpoint,
+        )
+
+    def abort(self, request_id: str) -> None:
+        # Stop streams first: once cancelled, no loop callback reads the pool,
+        # so `on_release` may hand the blocks to someone else right away.
+        for task in self._serving.pop(request_id, set()):
+            task.cancel()
+        super().abort(request_id)
+
+    # ----------------------------------------------------------------- holder
+
+    async def _accept_loop(self) -> None:
+        assert self._listener is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self._listener)
+            tune_socket(conn)
+            task = asyncio.create_task(self._serve(conn))
+            self._conn_tasks.add(task)
+            task.add_done_callback(self._conn_tasks.discard)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        peer = _peer_name(conn)
+        try:
+            await asyncio.wait_for(server_handshake(conn, self._secret), _HANDSHAKE_TIMEOUT_S)
+            request = await recv_header(conn, self._max_header)
+            if request["t"] == "pull":
+                await self._serve_pull(conn, request)
+            elif request["t"] == "release":
+                self._leases.release(str(request.get("rid")), str(request.get("tid")))
+                await send_header(conn, {"t": "released"})
+            else:
+                raise WireError(f"unexpected {request['t']!r} frame")
+        except (WireError, TimeoutError) as exc:
+            logger.warning("dropping connection from %s: %s", peer, exc)
+        except (ConnectionError, OSError) as exc:
+            logger.info("connection from %s ended early: %s", peer, exc)
+        finally:
+            conn.close()
+
+    async def _serve_pull(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        rid, tid = str(request.get("rid")), str(request.get("tid"))
+        lease = self._leases.get(rid, tid)
+        if lease is None:
+            await send_header(conn, {"t": "error", "code": "unknown", "message": rid})
+            return
+        ranges = _parse_ranges(request.get("ranges"), lease)
+        task = asyncio.current_task()
+        assert task is not None
+        serving = self._serving.setdefault(rid, set())
+        serving.add(task)
+        self._leases.begin_stream(lease)
+        try:
+            for i, (buffer, offset, length) in enumerate(ranges):
+                await send_header(conn, {"t": "seg", "i": i, "n": length})
+                await self._send_range(conn, self._views[buffer][offset : offset + length])
+            await send_header(conn, {"t": "end"})
+        finally:
+            serving.discard(task)
+            if not serving and self._serving.get(rid) is serving:
+                del self._serving[rid]
+            self._leases.end_stream(lease)
+        release = expect(await recv_header(conn, 1024), "release")
+        if release.get("rid") == rid and release.get("tid") == tid:
+            self._leases.release(rid, tid)
+        await send_header(conn, {"t": "released"})
+
+    async def _send_range(self, conn: socket.socket, view: memoryview) -> None:
+        for start in range(0, len(view), _CHUNK_BYTES):
+            chunk = view[start : start + _CHUNK_BYTES]
+            taken = await self._budget.acquire(len(chunk))
+            try:
+                await send_bytes(conn, chunk)
+            finally:
+                await self._budget.release(taken)
+
+    # ----------------------------------------------------------------- puller
+
+    async def _pull(
+        self, handle: TransferHandle, dest_regions: RequestRegions, dest: LayoutSignature
+    ) -> None:
+        rid = handle.request_id
+        # V1 <-> V2 is bridged segment by segment; every other field must agree.
+        check_signature(rid, handle.signature, dest.to_dict(), ignore=("manager",))
+        pairs = coalesce(pair_segments(rid, handle.regions, dest_regions))
+        check_bounds(rid, [d for _, d in pairs], self._sizes)
+        assert handle.endpoint is not None
+        sock = await self._connect(handle)
+        try:
+            await self._exchange(sock, handle, pairs)
+        except (ConnectionClosed, ConnectionResetError, BrokenPipeError) as exc:
+            raise PeerGone(rid, handle.peer, f"connection lost mid-transfer: {exc}") from exc
+        finally:
+            sock.close()
+
+    async def _connect(self, handle: TransferHandle) -> socket.socket:
+        assert handle.endpoint is not None
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        tune_socket(sock)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, handle.endpoint)
+            await client_handshake(sock, self._secret)
+        except (ConnectionError, OSError) as exc:
+            sock.close()
+            raise PeerGone(handle.request_id, handle.peer, f"cannot connect: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    async def _exchange(
+        self, sock: socket.socket, handle: TransferHandle, pairs: list[tuple[Region, Region]]
+    ) -> None:
+        rid, tid = handle.request_id, handle.transfer_id
+        ranges = [[s.buffer, s.offset, s.length] for s, _ in pairs]
+        await send_header(sock, {"t": "pull", "rid": rid, "tid": tid, "ranges": ranges})
+        for i, (_, d) in enumerate(pairs):
+            header = await recv_header(sock, 1024)
+            if header["t"] == "error":
+                if header.get("code") == "unknown":
+                    raise UnknownRequest(rid, handle.peer)
+                raise WireError(f"{handle.peer} refused request {rid!r}: {header}")
+            expect(header, "seg")
+            if header.get("i") != i or header.get("n") != d.length:
+                raise WireError(
+                    f"{handle.peer} sent segment {header.get('i')} of {header.get('n')} "
+                    f"bytes where segment {i} of {d.length} bytes was declared"
+                )
+            await recv_exact_into(sock, self._views[d.buffer][d.offset : d.end])
+        expect(await recv_header(sock, 1024), "end")
+        await send_header(sock, {"t": "release", "rid": rid, "tid": tid})
+        expect(await recv_header(sock, 1024), "released")
+
+    def _notify_abort(self, handle: TransferHandle) -> None:
+        task = asyncio.ensure_future(self._send_release(handle))
+        self._conn_tasks.add(task)
+        task.add_done_callback(self._conn_tasks.discard)
+
+    async def _send_release(self, handle: TransferHandle) -> None:
+        """Tell the holder to free a request this side gave up on (best effort)."""
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(_HANDSHAKE_TIMEOUT_S):
+                sock = await self._connect(handle)
+                try:
+                    rid, tid = handle.request_id, handle.transfer_id
+                    await send_header(sock, {"t": "release", "rid": rid, "tid": tid})
+                    expect(await recv_header(sock, 1024), "released")
+                finally:
+                    sock.close()
+
+
+def _parse_ranges(raw: object, lease: Lease) -> list[tuple[str, int, int]]:
+    """Validate a puller's ranges against what was published for the request."""
+    if not isinstance(raw, list):
+        raise WireError("malformed pull frame: 'ranges' is not a list")
+    coverage: Coverage = lease.payload
+    ranges: list[tuple[str, int, int]] = []
+    for item in raw:
+        if (
+            not isinstance(item, list)
+            or len(item) != 3
+            or not isinstance(item[0], str)
+            or not all(isinstance(x, int) for x in item[1:])
+        ):
+            raise WireError(f"malformed range {item!r} in pull frame")
+        buffer, offset, length = item
+        if not coverage.covers(buffer, offset, length):
+            raise WireError(
+                f"range {buffer}[{offset}:{offset + length}] is outside request "
+                f"{lease.request_id!r}"
+            )
+        ranges.append((buffer, offset, length))
+    return ranges
+
+
+def _peer_name(conn: socket.socket) -> str:
+    try:
+        host, port = conn.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "unknown peer"
