@@ -12,8 +12,9 @@ When a running request cannot get the blocks for its next tokens, the newest
 running request is preempted (its blocks and Mamba slot freed, its computed
 tokens forgotten) and put back at the head of the waiting queue; that repeats
 until the allocation fits or the request itself was the newest. A request
-that cannot fit even alone fails with `FinishReason.ERROR` instead of
-looping. Waiting requests never preempt running ones.
+that needs more tokens than the whole cache holds fails with
+`FinishReason.ERROR` instead of looping. Waiting requests never preempt
+running ones; they wait until blocks come free.
 
 Pure Python over the manager's integer bookkeeping: no torch here.
 """
@@ -55,22 +56,24 @@ class SchedulerConfig:
     enable_prefix_match: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledSequence:
-    """One request's share of a step: tokens `[start, start + num_new_tokens)`."""
+    """One request's share of a step: tokens `[start, start + num_new_tokens)`.
+
+    `samples` is True when the chunk reaches the request's last known token,
+    so the logits at its last position give the next token. Both are fixed
+    when the step is scheduled.
+    """
 
     request: Request
     num_new_tokens: int
+    start: int
+    samples: bool
 
-    @property
-    def start(self) -> int:
-        return self.request.num_computed_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the request's last known token, so the
-        step's logits at its last position give the next token."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    @classmethod
+    def of(cls, request: Request, num_new_tokens: int) -> ScheduledSequence:
+        start = request.num_computed_tokens
+        return cls(request, num_new_tokens, start, start + num_new_tokens == request.num_tokens)
 
 
 @dataclass
@@ -166,7 +169,7 @@ class Scheduler:
             spent -= self._preempt(victim, out)
             if victim is request:
                 return spent
-        out.sequences.append(ScheduledSequence(request, num_new))
+        out.sequences.append(ScheduledSequence.of(request, num_new))
         return spent + num_new
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
@@ -187,14 +190,15 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.sequences.append(ScheduledSequence(request, num_new))
+            out.sequences.append(ScheduledSequence.of(request, num_new))
             budget -= num_new
 
     def _match_prefix(self, request: Request) -> None:
         if not self.config.enable_prefix_match:
             return
-        # Leave at least the last token to compute: its logits give the next token.
-        cached = self.manager.match_prefix(request.request_id, request.all_token_ids[:-1])
+        # The manager leaves at least the last token to compute: its logits
+        # give the next token.
+        cached = self.manager.match_prefix(request.request_id, request.all_token_ids)
         request.num_computed_tokens = cached
         request.num_cached_tokens = cached
 

@@ -1,0 +1,188 @@
+"""Scheduler against a real KV cache manager: budgets, chunking, preemption.
+
+Pure Python: the "model" is simulated by committing each step and appending a
+fixed token to every sequence that samples.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.request import FinishReason, Request, RequestStatus
+from engine.scheduler import CapacityError, Scheduler, SchedulerConfig, SchedulerOutput
+from kvcache.factory import create_manager
+from kvcache.manager import KVCacheManager
+from kvcache.spec import CacheSpec
+
+DENSE = CacheSpec(num_kv_heads=1, head_dim=4, attention_layers=(0,))
+HYBRID = CacheSpec(
+    num_kv_heads=1,
+    head_dim=4,
+    attention_layers=(1,),
+    mamba_layers=(0,),
+    conv_state_shape=(8, 3),
+    ssm_state_shape=(2, 2, 2),
+)
+BLOCK = 4
+NEXT_TOKEN = 7
+
+
+class Params:
+    max_tokens = 100
+
+
+def make(
+    num_blocks: int,
+    max_num_tokens: int = 64,
+    max_batch_size: int = 8,
+    manager: str = "v1",
+    spec: CacheSpec = DENSE,
+    slots: int = 0,
+    reuse: bool = False,
+) -> tuple[Scheduler, KVCacheManager]:
+    mgr = create_manager(manager, spec, num_blocks, BLOCK, slots, enable_block_reuse=reuse)
+    config = SchedulerConfig(
+        max_num_tokens=max_num_tokens,
+        max_batch_size=max_batch_size,
+        max_model_tokens=mgr.num_usable_blocks * BLOCK,
+        enable_prefix_match=reuse,
+    )
+    return Scheduler(config, mgr), mgr
+
+
+def req(rid: str, n: int, first: int = 100) -> Request:
+    return Request(rid, list(range(first, first + n)), Params())
+
+
+def run_step(sched: Scheduler) -> SchedulerOutput:
+    out = sched.schedule()
+    samplers = [s.request for s in out.sequences if s.samples]
+    sched.commit(out)
+    for r in samplers:
+        r.append_output(NEXT_TOKEN)
+    return out
+
+
+def plan(out: SchedulerOutput) -> list[tuple[str, int, bool]]:
+    return [(s.request.request_id, s.num_new_tokens, s.samples) for s in out.sequences]
+
+
+def test_long_prompt_is_prefilled_in_chunks_and_samples_only_at_the_end() -> None:
+    sched, _ = make(num_blocks=16, max_num_tokens=8)
+    sched.add(req("a", 20))
+    assert plan(run_step(sched)) == [("a", 8, False)]
+    assert plan(run_step(sched)) == [("a", 8, False)]
+    assert plan(run_step(sched)) == [("a", 4, True)]
+    assert plan(run_step(sched)) == [("a", 1, True)]
+    assert sched.running[0].output_token_ids == [NEXT_TOKEN, NEXT_TOKEN]
+
+
+def test_decodes_go_first_and_prefill_takes_the_remaining_budget() -> None:
+    sched, _ = make(num_blocks=32, max_num_tokens=10)
+    sched.add(req("a", 3))
+    run_step(sched)  # a prefilled, now decoding
+    sched.add(req("b", 30))
+    assert plan(run_step(sched)) == [("a", 1, True), ("b", 9, False)]
+    assert plan(run_step(sched)) == [("a", 1, True), ("b", 9, False)]
+
+
+def test_max_batch_size_caps_sequences_per_step() -> None:
+    sched, _ = make(num_blocks=32, max_batch_size=2)
+    for rid in "abc":
+        sched.add(req(rid, 2))
+    assert [s[0] for s in plan(run_step(sched))] == ["a", "b"]
+    assert [r.request_id for r in sched.waiting] == ["c"]
+
+
+def test_running_out_of_blocks_preempts_the_newest_and_requeues_it_first() -> None:
+    # 5 usable blocks of 4 tokens: two requests of 8 tokens fill 4 blocks.
+    sched, mgr = make(num_blocks=6)
+    sched.add(req("old", 8))
+    sched.add(req("new", 8, first=300))
+    sched.add(req("later", 2, first=500))
+    run_step(sched)  # both prefilled (4 blocks), "later" takes the 5th
+    assert mgr.num_free_blocks == 0
+    out = run_step(sched)
+    # "old" needs a 3rd block: "later", the newest, goes. Then "new" needs one
+    # too and is itself the newest left, so it steps back as well.
+    assert [r.request_id for r in out.preempted] == ["later", "new"]
+    assert plan(out) == [("old", 1, True)]
+    assert [r.request_id for r in sched.waiting] == ["new", "later"]
+    later = sched.waiting[1]
+    assert later.status is RequestStatus.PREEMPTED
+    assert later.num_computed_tokens == 0 and later.num_preemptions == 1
+    assert not mgr.has_request("later") and not mgr.has_request("new")
+    mgr.check_integrity()
+
+
+def test_preempted_request_resumes_with_prompt_and_outputs_recomputed() -> None:
+    sched, mgr = make(num_blocks=5)  # 4 usable blocks = 16 tokens
+    sched.add(req("a", 6))
+    sched.add(req("b", 6, first=300))
+    run_step(sched)  # a: 2 blocks, b: 2 blocks; both sampled one token
+    run_step(sched)
+    run_step(sched)  # 8 tokens each in cache -> both fit exactly
+    out = run_step(sched)  # a needs a 3rd block: b is preempted
+    assert [r.request_id for r in out.preempted] == ["b"]
+    b = sched.waiting[0]
+    assert b.num_output_tokens == 3
+    # a runs alone until it finishes; then b is readmitted with all 8 tokens.
+    a = sched.running[0]
+    sched.remove(a)
+    out = run_step(sched)
+    assert plan(out) == [("b", 9, True)]
+    assert b.status is RequestStatus.RUNNING
+    mgr.check_integrity()
+
+
+def test_prompt_larger_than_the_whole_cache_is_rejected_with_a_clear_error() -> None:
+    sched, _ = make(num_blocks=3)  # 8 tokens
+    with pytest.raises(CapacityError, match="raise max_tokens"):
+        sched.add(req("big", 9))
+
+
+def test_request_outgrowing_the_cache_fails_instead_of_looping() -> None:
+    sched, mgr = make(num_blocks=3)  # 2 usable blocks = 8 tokens
+    sched.add(req("a", 7))
+    run_step(sched)  # 7 computed + 1 sampled
+    run_step(sched)  # 8 computed, 9 tokens known
+    out = run_step(sched)
+    assert [r.request_id for r in out.failed] == ["a"]
+    a = out.failed[0]
+    assert a.finish_reason is FinishReason.ERROR and "8 tokens" in (a.error or "")
+    assert not sched.has_work() and not mgr.has_request("a")
+
+
+def test_waiting_requests_wait_for_blocks_without_preempting() -> None:
+    sched, mgr = make(num_blocks=4)  # 3 usable blocks
+    sched.add(req("a", 8))
+    run_step(sched)
+    sched.add(req("b", 8, first=300))
+    out = run_step(sched)
+    assert plan(out) == [("a", 1, True)]
+    assert [r.request_id for r in sched.waiting] == ["b"]
+    sched.remove(sched.running[0])
+    assert plan(run_step(sched)) == [("b", 8, True)]
+    mgr.check_integrity()
+
+
+def test_hybrid_requests_wait_for_a_free_mamba_slot() -> None:
+    sched, mgr = make(num_blocks=16, spec=HYBRID, slots=1)
+    sched.add(req("a", 4))
+    sched.add(req("b", 4, first=300))
+    assert plan(run_step(sched)) == [("a", 4, True)]
+    assert mgr.mamba_slot("a") is not None and mgr.mamba_slot("b") is None
+    sched.remove(sched.running[0])
+    assert plan(run_step(sched)) == [("b", 4, True)]
+
+
+def test_prefix_match_skips_cached_full_blocks_under_v2_reuse() -> None:
+    sched, mgr = make(num_blocks=16, manager="v2", reuse=True)
+    sched.add(req("a", 10))
+    run_step(sched)
+    sched.remove(sched.running[0])
+    b = req("b", 10)
+    sched.add(b)
+    assert plan(run_step(sched)) == [("b", 2, True)]
+    assert b.num_cached_tokens == 8
+    mgr.check_integrity()
