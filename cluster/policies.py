@@ -42,10 +42,10 @@ class WorkerState:
     num_queued: int = 0
     num_free_blocks: int = 0
     num_total_blocks: int = 0
-    cached_blocks: set[int] = field(default_factory=set)
+    cached_blocks: set[bytes] = field(default_factory=set)
     healthy: bool = True
 
-    def prefix_match(self, block_hashes: Sequence[int]) -> int:
+    def prefix_match(self, block_hashes: Sequence[bytes]) -> int:
         """Leading blocks of the prompt this worker holds.
 
         Block hashes chain over their parent, so a hit after a miss cannot be
@@ -58,13 +58,13 @@ class WorkerState:
             matched += 1
         return matched
 
-    def apply_kv_event(self, stored: Sequence[int], removed: Sequence[int]) -> None:
+    def apply_kv_event(self, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
         self.cached_blocks.difference_update(removed)
         self.cached_blocks.update(stored)
 
 
 class RoutingPolicy(Protocol):
-    def choose(self, workers: Sequence[WorkerState], block_hashes: Sequence[int]) -> WorkerState:
+    def choose(self, workers: Sequence[WorkerState], block_hashes: Sequence[bytes]) -> WorkerState:
         """Pick one healthy worker; raises `NoWorkerError` when none is healthy."""
         ...
 
@@ -84,7 +84,7 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, workers: Sequence[WorkerState], block_hashes: Sequence[int]) -> WorkerState:
+    def choose(self, workers: Sequence[WorkerState], block_hashes: Sequence[bytes]) -> WorkerState:
         healthy = _healthy(workers)
         chosen = healthy[self._next % len(healthy)]
         self._next += 1
@@ -107,7 +107,7 @@ class LeastLoadedPolicy:
     def __init__(self) -> None:
         self._ties = _RotatingTieBreak()
 
-    def choose(self, workers: Sequence[WorkerState], block_hashes: Sequence[int]) -> WorkerState:
+    def choose(self, workers: Sequence[WorkerState], block_hashes: Sequence[bytes]) -> WorkerState:
         healthy = _healthy(workers)
         best = min(_load_key(w) for w in healthy)
         return self._ties.pick([w for w in healthy if _load_key(w) == best])
@@ -117,7 +117,7 @@ class PrefixAwarePolicy:
     def __init__(self) -> None:
         self._ties = _RotatingTieBreak()
 
-    def choose(self, workers: Sequence[WorkerState], block_hashes: Sequence[int]) -> WorkerState:
+    def choose(self, workers: Sequence[WorkerState], block_hashes: Sequence[bytes]) -> WorkerState:
         healthy = _healthy(workers)
 
         def score(worker: WorkerState) -> tuple[int, int, int]:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import ray
 
 from cluster.config import ConfigError, config_from_dict, load_config
+from cluster.plan import format_plan, resolve_plan
 
 
 def _write(tmp_path: Path, text: str) -> Path:
@@ -92,3 +95,90 @@ def test_missing_file_and_non_mapping_are_config_errors(tmp_path: Path) -> None:
         load_config(tmp_path / "absent.yaml")
     with pytest.raises(ConfigError, match="must be a mapping"):
         load_config(_write(tmp_path, "- a\n- b\n"))
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint folder holding only config.json: enough to resolve a plan."""
+    from models.embedded.configs import checkpoint_config
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    (folder / "config.json").write_text(json.dumps(checkpoint_config("llama", "tiny")))
+    return folder
+
+
+def test_nixl_with_v1_and_v2_forced_is_one_message_before_anything_starts(
+    llama_dir: Path,
+) -> None:
+    raw = {
+        "model": str(llama_dir),
+        "cache_transceiver": {"backend": "nixl"},
+        "context_servers": {"kv_cache": {"manager": "v1"}},
+        "generation_servers": {"kv_cache": {"manager": "v2"}},
+    }
+    with pytest.raises(ConfigError) as info:
+        resolve_plan(config_from_dict(raw), "c.yaml")
+    message = str(info.value)
+    assert message.count("\n") == 0
+    assert "'v1' on context_servers but 'v2' on generation_servers" in message
+    assert "NIXL" in message
+    assert not ray.is_initialized()
+
+
+def test_nixl_with_one_side_forced_resolves_both_sides_to_it(llama_dir: Path) -> None:
+    raw = {
+        "model": str(llama_dir),
+        "cache_transceiver": {"backend": "nixl"},
+        "generation_servers": {"kv_cache": {"manager": "v2"}},
+    }
+    plan = resolve_plan(config_from_dict(raw))
+    assert {i.manager for i in plan.instances} == {"v2"}
+
+
+def test_python_transceiver_may_bridge_v1_and_v2(llama_dir: Path) -> None:
+    raw = {
+        "model": str(llama_dir),
+        "cache_transceiver": {"backend": "python"},
+        "context_servers": {"kv_cache": {"manager": "v1"}, "num_instances": 2},
+        "generation_servers": {"kv_cache": {"manager": "v2"}},
+    }
+    plan = resolve_plan(config_from_dict(raw))
+    assert [(i.name, i.manager) for i in plan.instances] == [
+        ("context-0", "v1"),
+        ("context-1", "v1"),
+        ("generation-0", "v2"),
+    ]
+
+
+def test_plan_sizes_blocks_and_prints_a_table(llama_dir: Path) -> None:
+    raw = {
+        "model": str(llama_dir),
+        "cache_transceiver": {"backend": "python"},
+        "kv_cache": {"block_size": 8, "enable_block_reuse": True},
+        "context_servers": {"kv_cache": {"max_tokens": 1000}},
+        "generation_servers": {"kv_cache": {"max_tokens": 64}},
+    }
+    plan = resolve_plan(config_from_dict(raw))
+    context, generation = plan.instances
+    assert (context.num_blocks, generation.num_blocks) == (125, 8)
+    assert context.manager == "v1" and not context.enable_block_reuse  # reuse needs V2
+    assert plan.max_model_len == 64  # the smallest cache bounds a request
+    table = format_plan(plan).splitlines()
+    assert table[1].split() == [
+        "instance", "role", "manager", "transceiver", "block", "blocks", "slots", "device"
+    ]  # fmt: skip
+    assert table[3].split() == ["generation-0", "generation", "v1", "python", "8", "8", "0", "cpu"]
+
+
+def test_cpu_memory_fraction_needs_a_cpu_budget(llama_dir: Path) -> None:
+    raw = {"model": str(llama_dir), "kv_cache": {"memory_fraction": 0.5}}
+    with pytest.raises(ConfigError, match="needs kv_cache.cpu_memory_bytes"):
+        resolve_plan(config_from_dict(raw))
+    raw["kv_cache"] = {"memory_fraction": 0.5, "cpu_memory_bytes": 1 << 20}
+    plan = resolve_plan(config_from_dict(raw))
+    assert all(i.kv_cache_memory_bytes == 1 << 19 and i.num_blocks for i in plan.instances)
+
+
+def test_missing_checkpoint_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="c.yaml:model: cannot load"):
+        resolve_plan(config_from_dict({"model": str(tmp_path / "nope")}), "c.yaml")

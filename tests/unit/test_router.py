@@ -14,6 +14,11 @@ from cluster.policies import (
 )
 
 
+def _h(*ids: int) -> list[bytes]:
+    """Stand-in block hashes: distinct byte strings per id."""
+    return [i.to_bytes(8, "little") for i in ids]
+
+
 def _pool(n: int) -> list[WorkerState]:
     return [WorkerState(name=f"w{i}") for i in range(n)]
 
@@ -44,38 +49,38 @@ def test_least_loaded_breaks_token_ties_by_queue_then_rotates() -> None:
 
 def test_prefix_aware_picks_the_worker_holding_the_longest_prefix() -> None:
     pool = _pool(3)
-    pool[0].apply_kv_event(stored=[11], removed=[])
-    pool[2].apply_kv_event(stored=[11, 12, 13], removed=[])
+    pool[0].apply_kv_event(stored=_h(11), removed=[])
+    pool[2].apply_kv_event(stored=_h(11, 12, 13), removed=[])
     pool[2].tokens_in_flight = 1000  # a longer match outweighs load
-    assert PrefixAwarePolicy().choose(pool, [11, 12, 13, 14]).name == "w2"
+    assert PrefixAwarePolicy().choose(pool, _h(11, 12, 13, 14)).name == "w2"
 
 
 def test_prefix_match_stops_at_the_first_missing_block() -> None:
-    worker = WorkerState(name="w", cached_blocks={1, 3, 4})
-    assert worker.prefix_match([1, 2, 3, 4]) == 1
-    assert worker.prefix_match([2, 3, 4]) == 0
+    worker = WorkerState(name="w", cached_blocks=set(_h(1, 3, 4)))
+    assert worker.prefix_match(_h(1, 2, 3, 4)) == 1
+    assert worker.prefix_match(_h(2, 3, 4)) == 0
 
 
 def test_prefix_aware_forgets_removed_blocks() -> None:
     pool = _pool(2)
-    pool[1].apply_kv_event(stored=[5, 6], removed=[])
-    pool[1].apply_kv_event(stored=[], removed=[5])
+    pool[1].apply_kv_event(stored=_h(5, 6), removed=[])
+    pool[1].apply_kv_event(stored=_h(), removed=_h(5))
     pool[0].tokens_in_flight = 10
     # w1 no longer holds the first block: no match anywhere, least loaded wins.
-    assert PrefixAwarePolicy().choose(pool, [5, 6]).name == "w1"
+    assert PrefixAwarePolicy().choose(pool, _h(5, 6)).name == "w1"
     pool[1].tokens_in_flight = 50
-    assert PrefixAwarePolicy().choose(pool, [5, 6]).name == "w0"
+    assert PrefixAwarePolicy().choose(pool, _h(5, 6)).name == "w0"
 
 
 def test_prefix_aware_ties_go_to_least_loaded_then_rotate() -> None:
     pool = _pool(3)
     for worker in pool[:2]:
-        worker.apply_kv_event(stored=[1, 2], removed=[])
+        worker.apply_kv_event(stored=_h(1, 2), removed=[])
     pool[0].tokens_in_flight = 7
     policy = PrefixAwarePolicy()
-    assert policy.choose(pool, [1, 2]).name == "w1"
+    assert policy.choose(pool, _h(1, 2)).name == "w1"
     pool[0].tokens_in_flight = 0
-    assert {policy.choose(pool, [1, 2]).name for _ in range(2)} == {"w0", "w1"}
+    assert {policy.choose(pool, _h(1, 2)).name for _ in range(2)} == {"w0", "w1"}
 
 
 @pytest.mark.parametrize("name", ["round_robin", "least_loaded", "prefix_aware"])

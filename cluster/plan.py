@@ -1,0 +1,245 @@
+"""Resolve a `ClusterConfig` once into a frozen per-instance plan.
+
+Every `auto` value is decided here, before any actor exists, with the rules
+of `kvcache.resolution` and the model class's preferences from
+`models.registry`. A NIXL cluster whose sides are forced to different
+managers fails here with one message, so nothing is started for it.
+
+`format_plan` renders the plan as the table `disagg serve` prints:
+
+    instance    role        manager  transceiver  block  blocks  slots  device
+    context-0   context     v1       python       16     512     0      cpu
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from cluster.config import ClusterConfig, ConfigError, KvCacheConfig, RoleSettings
+from engine.worker_config import WorkerConfig
+from kvcache.errors import ResolutionError
+from kvcache.resolution import (
+    resolve_block_reuse,
+    resolve_cluster_managers,
+    resolve_transceiver,
+)
+from kvcache.spec import CacheSpec
+from models.config import ModelConfig
+from models.hf_config import load_model_config
+from models.registry import model_preferences
+
+DEFAULT_MAX_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class InstancePlan:
+    """One worker actor, fully resolved.
+
+    num_blocks is None when the cache is sized from device memory that only
+    the worker can see (`memory_fraction` on a GPU); the launcher fills
+    `kv_cache_memory_bytes` from a probe on the instance's own GPU.
+    """
+
+    name: str
+    role: str  # "context" or "generation"
+    manager: str
+    transceiver: str
+    block_size: int
+    enable_block_reuse: bool
+    max_tokens: int | None
+    kv_cache_memory_bytes: int | None
+    memory_fraction: float | None
+    num_blocks: int | None
+    num_mamba_slots: int
+    max_num_tokens: int
+    max_batch_size: int
+    dtype: str | None
+    num_gpus: float
+    lease_s: float
+    transfer_timeout_s: float
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.num_gpus > 0 else "cpu"
+
+    def worker_config(
+        self,
+        checkpoint: str,
+        cluster_secret: str,
+        transfer_host: str,
+        kv_cache_memory_bytes: int | None = None,
+    ) -> WorkerConfig:
+        return WorkerConfig(
+            checkpoint=checkpoint,
+            dtype=self.dtype,
+            device=self.device,
+            manager=self.manager,
+            transceiver=self.transceiver,
+            block_size=self.block_size,
+            max_tokens=self.max_tokens,
+            kv_cache_memory_bytes=kv_cache_memory_bytes or self.kv_cache_memory_bytes,
+            max_num_tokens=self.max_num_tokens,
+            max_batch_size=self.max_batch_size,
+            enable_block_reuse=self.enable_block_reuse,
+            lease_s=self.lease_s,
+            transfer_timeout_s=self.transfer_timeout_s,
+            cluster_secret=cluster_secret,
+            transfer_host=transfer_host,
+        )
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    checkpoint: str
+    architecture: str
+    is_hybrid: bool
+    transceiver: str
+    max_model_len: int
+    instances: tuple[InstancePlan, ...]
+
+    def of_role(self, role: str) -> list[InstancePlan]:
+        return [i for i in self.instances if i.role == role]
+
+
+def resolve_plan(config: ClusterConfig, source: str = "<config>") -> ClusterPlan:
+    """Resolve every `auto` of `config`; raises `ConfigError` naming what to change."""
+    checkpoint = Path(config.model)
+    try:
+        model_config = load_model_config(checkpoint)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{source}:model: cannot load {checkpoint}: {exc}") from exc
+    preferred_manager, preferred_transceiver = model_preferences(model_config.architecture)
+    context = config.role_settings("context_servers")
+    generation = config.role_settings("generation_servers")
+    try:
+        transceiver = _one_transceiver(context, generation, preferred_transceiver)
+        managers = resolve_cluster_managers(
+            context.kv_cache.manager, generation.kv_cache.manager, preferred_manager, transceiver
+        )
+    except ResolutionError as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
+    spec = model_config.cache_spec(_dtype(config.dtype))
+    instances = tuple(
+        _instance(settings, index, manager, transceiver, spec, source)
+        for settings, manager in ((context, managers[0]), (generation, managers[1]))
+        for index in range(settings.num_instances)
+    )
+    return ClusterPlan(
+        checkpoint=str(checkpoint),
+        architecture=model_config.architecture,
+        is_hybrid=spec.is_hybrid,
+        transceiver=transceiver,
+        max_model_len=_max_model_len(model_config, instances),
+        instances=instances,
+    )
+
+
+def _one_transceiver(context: RoleSettings, generation: RoleSettings, preferred: str | None) -> str:
+    chosen = {
+        role.role: resolve_transceiver(role.cache_transceiver.backend, preferred)
+        for role in (context, generation)
+    }
+    if chosen["context"] != chosen["generation"]:
+        raise ResolutionError(
+            f"cache_transceiver.backend resolves to {chosen['context']!r} on context_servers "
+            f"but {chosen['generation']!r} on generation_servers; both sides of a transfer "
+            "use one transceiver: set cache_transceiver.backend once at the top level"
+        )
+    return chosen["context"]
+
+
+def _instance(
+    settings: RoleSettings,
+    index: int,
+    manager: str,
+    transceiver: str,
+    spec: CacheSpec,
+    source: str,
+) -> InstancePlan:
+    kv = settings.kv_cache
+    max_tokens, memory_bytes = _cache_budget(kv, settings, source)
+    slots = settings.max_batch_size if spec.is_hybrid else 0
+    num_blocks = None
+    if max_tokens is not None:
+        num_blocks = max_tokens // kv.block_size
+    elif memory_bytes is not None:
+        num_blocks = _blocks_in_budget(spec, kv.block_size, memory_bytes, slots)
+    return InstancePlan(
+        name=f"{settings.role}-{index}",
+        role=settings.role,
+        manager=manager,
+        transceiver=transceiver,
+        block_size=kv.block_size,
+        enable_block_reuse=resolve_block_reuse(kv.enable_block_reuse, manager, spec.is_hybrid),
+        max_tokens=max_tokens,
+        kv_cache_memory_bytes=memory_bytes,
+        memory_fraction=kv.memory_fraction,
+        num_blocks=num_blocks,
+        num_mamba_slots=slots,
+        max_num_tokens=settings.max_num_tokens,
+        max_batch_size=settings.max_batch_size,
+        dtype=_dtype(settings.dtype),
+        num_gpus=settings.num_gpus,
+        lease_s=settings.cache_transceiver.lease_s,
+        transfer_timeout_s=settings.cache_transceiver.timeout_s,
+    )
+
+
+def _cache_budget(
+    kv: KvCacheConfig, settings: RoleSettings, source: str
+) -> tuple[int | None, int | None]:
+    """(max_tokens, kv_cache_memory_bytes); exactly one is known, or the
+    bytes come later from the GPU probe."""
+    if kv.max_tokens is not None:
+        return kv.max_tokens, None
+    on_gpu = settings.num_gpus > 0
+    if kv.memory_fraction is not None and on_gpu:
+        return None, None
+    if kv.cpu_memory_bytes is not None and not on_gpu:
+        return None, int(kv.cpu_memory_bytes * (kv.memory_fraction or 1.0))
+    if kv.memory_fraction is not None:
+        raise ConfigError(
+            f"{source}: kv_cache.memory_fraction on the CPU instances of "
+            f"{settings.role} servers needs kv_cache.cpu_memory_bytes (the budget the "
+            "fraction applies to), or set kv_cache.max_tokens instead"
+        )
+    return DEFAULT_MAX_TOKENS, None
+
+
+def _blocks_in_budget(spec: CacheSpec, block_size: int, budget: int, slots: int) -> int:
+    per_block = spec.num_attention_layers * spec.kv_bytes_per_block_per_layer(block_size)
+    left = budget - slots * spec.mamba_bytes_per_slot
+    return max(0, left // per_block) if per_block else 0
+
+
+def _max_model_len(model_config: ModelConfig, instances: tuple[InstancePlan, ...]) -> int:
+    """Longest prompt + output one request may have: the model's limit, or the
+    smallest cache of any instance it may run on, whichever is lower."""
+    sizes = [i.num_blocks * i.block_size for i in instances if i.num_blocks is not None]
+    return min([model_config.max_position_embeddings, *sizes])
+
+
+def _dtype(value: str) -> str | None:
+    return None if value == "auto" else value
+
+
+def format_plan(plan: ClusterPlan) -> str:
+    header = ("instance", "role", "manager", "transceiver", "block", "blocks", "slots", "device")
+    rows = [header] + [
+        (
+            i.name,
+            i.role,
+            i.manager,
+            i.transceiver,
+            str(i.block_size),
+            "by memory" if i.num_blocks is None else str(i.num_blocks),
+            str(i.num_mamba_slots),
+            i.device,
+        )
+        for i in plan.instances
+    ]
+    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    title = f"model {plan.checkpoint} ({plan.architecture}), transceiver {plan.transceiver}"
+    return "\n".join([title, *(line.rstrip() for line in lines)])
