@@ -1,0 +1,158 @@
+"""Grouped-query attention over the paged KV cache (plain torch).
+
+One call serves a whole engine step: the new tokens' K/V are written through
+`batch.slot_mapping`, then every query token attends causally to its
+sequence's cached tokens, read back through the block table:
+
+    seq i, block_size 4, context_lens[i] = 5, seq_lens[i] = 7 (2 new tokens)
+
+    block_tables[i] = [7, 2, ...]   positions 0-3 in block 7, 4-7 in block 2
+    keys gathered   = k0 k1 k2 k3 | k4 k5 k6 .        (5 cached + 2 just written)
+    query at pos 5 sees k0..k5, query at pos 6 sees k0..k6
+
+A decode-only step (one token per sequence) runs as one batched computation
+over the longest context, masking each row past its own length; steps that
+carry prefill chunks loop over sequences.
+
+Shapes: q `[T, heads, head_dim]`, k/v `[T, kv_heads, head_dim]`; query head
+`h` reads kv head `h // (heads // kv_heads)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.batch import AttentionLayerCache, ForwardBatch
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, layer_cache: AttentionLayerCache, batch: ForwardBatch
+) -> None:
+    """Store the step's new K/V at `batch.slot_mapping` (block * block_size + offset).
+
+    Indexes `[block, offset]` rather than a flattened view because the cache may
+    be a strided view into a block-major pool, which cannot be flattened.
+    """
+    blocks = torch.div(batch.slot_mapping, batch.block_size, rounding_mode="floor")
+    offsets = batch.slot_mapping % batch.block_size
+    layer_cache.key_cache[blocks, offsets] = k.to(layer_cache.key_cache.dtype)
+    layer_cache.value_cache[blocks, offsets] = v.to(layer_cache.value_cache.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_cache: AttentionLayerCache,
+    batch: ForwardBatch,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Write the new K/V into the cache, then attend; returns `[T, heads, head_dim]`.
+
+    Requires `seq_lens[i] >= 1` for every sequence and positions of sequence
+    `i` to be `context_lens[i] ..< seq_lens[i]`. With `sliding_window` a query
+    at position p sees keys at positions `> p - sliding_window` only.
+    """
+    write_kv(k, v, layer_cache, batch)
+    if batch.is_decode_only:
+        return decode_attention(q, layer_cache, batch, scale, sliding_window)
+    return _chunked_prefill_attention(q, layer_cache, batch, scale, sliding_window)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    layer_cache: AttentionLayerCache,
+    batch: ForwardBatch,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """One query per sequence, batched: q `[B, heads, head_dim]` -> same shape.
+
+    This is the one place a fused paged-decode kernel plugs in; the torch code
+    below is its reference.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    key_cache, value_cache = layer_cache.key_cache, layer_cache.value_cache
+    kv_heads, block_size = key_cache.shape[2], batch.block_size
+    max_len = int(batch.seq_lens.max())
+    num_blocks = -(-max_len // block_size)
+    tables = batch.block_tables[:, :num_blocks]
+    span = num_blocks * block_size
+    keys = key_cache[tables].reshape(num_seqs, span, kv_heads, head_dim).to(q.dtype)
+    values = value_cache[tables].reshape(num_seqs, span, kv_heads, head_dim).to(q.dtype)
+
+    grouped = q.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
+    scores = torch.einsum("bkgd,bskd->bkgs", grouped, keys) * scale
+    key_pos = torch.arange(span, device=q.device)[None, :]
+    last = (batch.seq_lens - 1)[:, None]
+    visible = key_pos <= last
+    if sliding_window is not None:
+        visible &= key_pos > last - sliding_window
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores.to(torch.float32), dim=-1).to(q.dtype)
+    out = torch.einsum("bkgs,bskd->bkgd", probs, values)
+    return out.reshape(num_seqs, num_heads, head_dim)
+
+
+def gather_kv(
+    layer_cache: AttentionLayerCache, block_table: torch.Tensor, num_tokens: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values `[num_tokens, kv_heads, head_dim]` of one sequence's first tokens."""
+    blocks = block_table[: -(-num_tokens // block_size)]
+    kv_heads, head_dim = layer_cache.key_cache.shape[2:]
+    keys = layer_cache.key_cache[blocks].reshape(-1, kv_heads, head_dim)[:num_tokens]
+    values = layer_cache.value_cache[blocks].reshape(-1, kv_heads, head_dim)[:num_tokens]
+    return keys, values
+
+
+def _chunked_prefill_attention(
+    q: torch.Tensor,
+    layer_cache: AttentionLayerCache,
+    batch: ForwardBatch,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    out = torch.empty_like(q)
+    starts = batch.query_start_loc.tolist()
+    context_lens = batch.context_lens.tolist()
+    seq_lens = batch.seq_lens.tolist()
+    for i in range(batch.num_seqs):
+        start, end = starts[i], starts[i + 1]
+        if end == start:
+            continue
+        keys, values = gather_kv(layer_cache, batch.block_tables[i], seq_lens[i], batch.block_size)
+        out[start:end] = _causal_attention(
+            q[start:end],
+            keys.to(q.dtype),
+            values.to(q.dtype),
+            context_lens[i],
+            scale,
+            sliding_window,
+        )
+    return out
+
+
+def _causal_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    context_len: int,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Queries `[n, heads, d]` at positions `context_len ..< context_len + n`
+    over keys/values `[context_len + n, kv_heads, d]`."""
+    num_queries, num_heads, head_dim = q.shape
+    num_keys, kv_heads = keys.shape[0], keys.shape[1]
+    grouped = q.view(num_queries, kv_heads, num_heads // kv_heads, head_dim)
+    scores = torch.einsum("nkgd,skd->kgns", grouped, keys) * scale
+    query_pos = torch.arange(context_len, context_len + num_queries, device=q.device)[:, None]
+    key_pos = torch.arange(num_keys, device=q.device)[None, :]
+    visible = key_pos <= query_pos
+    if sliding_window is not None:
+        visible &= key_pos > query_pos - sliding_window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores.to(torch.float32), dim=-1).to(q.dtype)
+    out = torch.einsum("kgns,skd->nkgd", probs, values)
+    return out.reshape(num_queries, num_heads, head_dim)

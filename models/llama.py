@@ -1,0 +1,134 @@
+"""Llama-style dense decoder (also Mistral and Qwen2) over the paged KV cache.
+
+Module names mirror Hugging Face's `LlamaForCausalLM`, so checkpoint tensors
+load by name: `model.embed_tokens`, `model.layers.N.{self_attn.{q,k,v,o}_proj,
+mlp.{gate,up,down}_proj, input_layernorm, post_attention_layernorm}`,
+`model.norm`, `lm_head` (shared with the embedding when tied).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.base import CausalLM
+from models.batch import AttentionLayerCache, CacheViews, ForwardBatch
+from models.config import DECODER, ModelConfig, RopeConfig
+from models.errors import ConfigError
+from models.layers.attention import paged_attention
+from models.layers.linear_mlp import SwiGLUMLP
+from models.layers.norm import RMSNorm
+from models.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+class LlamaAttention(torch.nn.Module):
+    """Rotary GQA self-attention whose K/V live in the paged cache."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = config.sliding_window
+        hidden, q_size = config.hidden_size, self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        qkv_bias = config.attention_bias
+        out_bias = (
+            qkv_bias if config.attention_output_bias is None else config.attention_output_bias
+        )
+        self.q_proj = torch.nn.Linear(hidden, q_size, bias=qkv_bias)
+        self.k_proj = torch.nn.Linear(hidden, kv_size, bias=qkv_bias)
+        self.v_proj = torch.nn.Linear(hidden, kv_size, bias=qkv_bias)
+        self.o_proj = torch.nn.Linear(q_size, hidden, bias=out_bias)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, ...],
+        layer_cache: AttentionLayerCache,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        cos, sin = cos_sin
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, layer_cache, batch, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaDecoderLayer(torch.nn.Module):
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, ...],
+        layer_cache: AttentionLayerCache,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, layer_cache, batch)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(torch.nn.Module):
+    """Embedding, decoder layers and final norm (Hugging Face's `model.` prefix)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = torch.nn.ModuleList(
+            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        rope = config.rope or RopeConfig()
+        self.rotary_emb = RotaryEmbedding(config.head_dim, rope, config.max_position_embeddings)
+
+    def forward(self, batch: ForwardBatch, caches: CacheViews) -> torch.Tensor:
+        hidden = self.embed_tokens(batch.input_ids)
+        cos_sin = self.rotary_emb.cos_sin(batch.positions, hidden.dtype)
+        for layer, layer_cache in zip(self.layers, caches.attention, strict=True):
+            hidden = layer(hidden, cos_sin, layer_cache, batch)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(CausalLM):
+    """Dense decoder; no cache-manager or transceiver preference (`auto` defaults)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        if any(kind != DECODER for kind in config.layer_types):
+            raise ConfigError(
+                f"{config.architecture}: a dense model needs only decoder layers, "
+                f"got {sorted(set(config.layer_types))}"
+            )
+        self.model = LlamaModel(config)
+        self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, batch: ForwardBatch, caches: CacheViews) -> torch.Tensor:
+        if len(caches.attention) != self.config.num_hidden_layers:
+            raise ValueError(
+                f"expected {self.config.num_hidden_layers} attention cache views, "
+                f"got {len(caches.attention)}"
+            )
+        return self.model(batch, caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def checkpoint_name(self, disk_name: str) -> str | None:
+        # Tied checkpoints may still carry a copy of the embedding as lm_head.
+        if disk_name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return None
+        return disk_name

@@ -1,0 +1,97 @@
+"""Build a model from a Hugging Face style checkpoint folder.
+
+A folder holds `config.json` and safetensors weights, either one
+`model.safetensors` (or any `*.safetensors` files) or shards listed in
+`model.safetensors.index.json`. Tensors are cast to the requested dtype as they
+are copied into the model, so fp32, bf16 and fp16 checkpoints all load into any
+of the three.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from models.base import CausalLM
+from models.config import ModelConfig
+from models.errors import CheckpointError, ConfigError
+from models.hf_config import load_model_config
+from models.registry import model_class_for
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model(
+    checkpoint_dir: Path | str,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> tuple[CausalLM, ModelConfig]:
+    """Model in eval mode with the checkpoint's weights, and its config.
+
+    `dtype` (`"float32"`, `"bfloat16"`, `"float16"` or the torch dtype)
+    overrides the checkpoint's own; the returned config carries the dtype
+    actually used, so `config.cache_spec()` matches the model.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    config = load_model_config(checkpoint_dir)
+    if dtype is not None:
+        config = replace(config, dtype=dtype_name(dtype))
+    model_cls = model_class_for(config.architecture)
+    with torch.device(device):
+        model: CausalLM = model_cls(config)
+    model.to(dtype=TORCH_DTYPES[config.dtype])
+    model.load_weights(iter_checkpoint_tensors(checkpoint_dir))
+    model.eval()
+    return model, config
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """`"bfloat16"` for `torch.bfloat16` or `"bfloat16"`; `ConfigError` if unsupported."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in TORCH_DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not supported; use one of {sorted(TORCH_DTYPES)}")
+    return name
+
+
+def checkpoint_files(checkpoint_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, shards in index order."""
+    index_path = checkpoint_dir / INDEX_FILE
+    if index_path.is_file():
+        return _shards_from_index(index_path)
+    single = checkpoint_dir / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    files = sorted(checkpoint_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"no weights in {checkpoint_dir}: expected {SINGLE_FILE}, {INDEX_FILE} "
+            "with its shards, or other *.safetensors files"
+        )
+    return files
+
+
+def _shards_from_index(index_path: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{index_path} has no valid 'weight_map': {exc}") from exc
+    shards = [index_path.parent / name for name in dict.fromkeys(weight_map.values())]
+    absent = [str(p.name) for p in shards if not p.is_file()]
+    if absent:
+        raise CheckpointError(f"{index_path} lists shards that are missing: {', '.join(absent)}")
+    return shards
+
+
+def iter_checkpoint_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(name, tensor)` for every tensor of every checkpoint file, on CPU."""
+    for path in checkpoint_files(Path(checkpoint_dir)):
+        with safe_open(str(path), framework="pt", device="cpu") as shard:
+            for name in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, shard.get_tensor(name)
