@@ -126,15 +126,17 @@ def _launch(
 ) -> None:
     if num_rows == 0 or elems == 0:
         return
-    # A placeholder pointer for the unindexed side; never read (constexpr branch).
-    placeholder = src_ids if src_ids is not None else dst_ids
+    # The unindexed side gets the other side's ids as a placeholder pointer;
+    # its constexpr branch never reads it.
+    src_index = src_ids if src_ids is not None else dst_ids
+    dst_index = dst_ids if dst_ids is not None else src_ids
     grid = (num_rows, triton.cdiv(elems, _TILE))
     _copy_rows_kernel[grid](
         src,
-        src_ids if src_ids is not None else placeholder,
+        src_index,
         src_row_stride,
         dst,
-        dst_ids if dst_ids is not None else placeholder,
+        dst_index,
         dst_row_stride,
         elems,
         SRC_INDEXED=src_ids is not None,
