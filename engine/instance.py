@@ -1,0 +1,143 @@
+"""Build everything a worker runs from its `WorkerConfig`.
+
+One `EngineInstance` per actor: the model and tokenizer, the KV cache manager
+(V1 or V2) with its pool tensors, the model runner, the engine core and the
+asyncio loop that drives it. The three worker kinds differ only in `role`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.core import EngineCore, StopCheck
+from engine.loop import EngineLoop
+from engine.messages import KVEventBatch, WorkerLoad
+from engine.model_runner import ModelRunner
+from engine.request import Request
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.worker_config import WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("context", "generation", "aggregated")
+
+
+@dataclass
+class EngineInstance:
+    config: WorkerConfig
+    role: str
+    worker_id: str
+    model: Any
+    model_config: Any
+    tokenizer: Any
+    manager: Any
+    cache: Any  # kvcache.tensors pool: .views(), .buffers()
+    runner: ModelRunner
+    core: EngineCore
+    loop: EngineLoop
+
+    @classmethod
+    def build(cls, config: WorkerConfig, role: str, worker_id: str) -> EngineInstance:
+        if role not in ROLES:
+            raise ValueError(f"worker role must be one of {ROLES}, got {role!r}")
+        from models.tokenizer import load_tokenizer
+
+        from engine.sampling import Sampler
+        from models.loader import load_model
+
+        model, model_config = load_model(
+            Path(config.checkpoint), dtype=config.dtype, device=config.device
+        )
+        tokenizer = load_tokenizer(config.checkpoint)
+        manager, cache = _build_cache(config, model_config)
+        spec = model_config.cache_spec(config.dtype)
+        runner = ModelRunner(
+            model,
+            cache.views(),
+            manager,
+            config.block_size,
+            Sampler(),
+            device=config.device,
+            is_hybrid=spec.is_hybrid,
+        )
+        scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_tokens=config.max_num_tokens,
+                max_batch_size=config.max_batch_size,
+                max_model_tokens=manager.num_usable_blocks * config.block_size,
+                enable_prefix_match=manager.enable_block_reuse,
+            ),
+            manager,
+        )
+        eos = tuple(model_config.eos_token_ids) or tuple(getattr(tokenizer, "eos_token_ids", ()))
+        core = EngineCore(
+            scheduler,
+            runner,
+            make_stop_check=lambda req: _stop_check(req, eos, tokenizer),
+            context_only=role == "context",
+        )
+        return cls(
+            config, role, worker_id, model, model_config, tokenizer, manager, cache, runner,
+            core, EngineLoop(core),
+        )  # fmt: skip
+
+    def load(self, num_transferring: int) -> WorkerLoad:
+        sched = self.core.scheduler
+        in_flight = sum(r.num_tokens for r in (*sched.waiting, *sched.running))
+        return WorkerLoad(
+            worker_id=self.worker_id,
+            role=self.role,
+            num_waiting=len(sched.waiting),
+            num_running=len(sched.running),
+            num_transferring=num_transferring,
+            num_free_blocks=self.manager.num_free_blocks,
+            num_total_blocks=self.manager.num_usable_blocks,
+            num_free_mamba_slots=(
+                self.manager.mamba_pool.num_free_slots if self.manager.mamba_pool else 0
+            ),
+            num_tokens_in_flight=in_flight,
+        )
+
+    def drain_kv_events(self) -> KVEventBatch:
+        return KVEventBatch(worker_id=self.worker_id, events=list(self.manager.drain_events()))
+
+
+def _build_cache(config: WorkerConfig, model_config: Any) -> tuple[Any, Any]:
+    """Size the pools, build the manager and allocate its tensors."""
+    from kvcache.factory import create_manager
+    from kvcache.sizing import size_cache
+    from kvcache.tensors import allocate_cache_tensors
+
+    spec = model_config.cache_spec(config.dtype)
+    max_len = model_config.max_position_embeddings
+    if config.max_tokens is not None:
+        max_len = min(max_len, config.max_tokens)
+    sizing = size_cache(
+        spec,
+        block_size=config.block_size,
+        max_model_len=max_len,
+        max_batch_size=config.max_batch_size,
+        max_tokens=config.max_tokens,
+        memory_bytes=config.kv_cache_memory_bytes,
+        device=config.device,
+        # Pinned handoffs (context) and pulls in flight (generation) hold a
+        # slot outside the running batch: leave as many again for them.
+        num_mamba_slots=2 * config.max_batch_size,
+    )
+    manager = create_manager(
+        config.manager,
+        spec,
+        sizing.num_blocks,
+        config.block_size,
+        sizing.num_mamba_slots,
+        enable_block_reuse=config.enable_block_reuse,
+        hash_namespace=f"{model_config.architecture}:{spec.dtype}",
+    )
+    return manager, allocate_cache_tensors(manager, config.device)
+
+
+def _stop_check(request: Request, eos: tuple[int, ...], tokenizer: Any) -> StopCheck:
+    raise NotImplementedError

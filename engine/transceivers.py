@@ -1,0 +1,28 @@
+"""Build the cache transceiver a worker's resolved config names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.worker_config import WorkerConfig
+
+
+def make_transceiver(config: WorkerConfig, buffers: dict[str, Any], worker_id: str) -> Any:
+    """A started-later `transfer.Transceiver` over the worker's pool buffers.
+
+    `buffers` maps buffer names to the flat uint8 pool tensors
+    (`CacheTensors.buffers()`); the transceiver registers them once.
+    """
+    secret = config.cluster_secret.encode()
+    if not secret:
+        raise ValueError(
+            "cluster_secret is empty; transceivers authenticate peers with it, so every "
+            "worker of a disaggregated cluster needs the same non-empty secret"
+        )
+    if config.transceiver == "python":
+        from transfer.python_transceiver import PythonTransceiver
+
+        return PythonTransceiver(buffers, secret, host=config.transfer_host)
+    from transfer.nixl_transceiver import NixlTransceiver
+
+    return NixlTransceiver(buffers, secret, name=worker_id, device=config.device)

@@ -1,0 +1,116 @@
+"""The context-phase actor: prefill prompts, sample the first token, hold the
+cache until the generation side pulls it.
+
+Prompts from concurrent `prefill` calls are batched by the shared engine core
+(chunked prefill). When a prompt's first token is sampled, its blocks and
+Mamba slot stay allocated and are published through the transceiver with a
+lease; they are freed exactly once, when the puller releases them or the
+lease runs out (whichever comes first).
+
+Run as a Ray actor: `ray.remote(ContextWorker).options(num_cpus=...).remote(config, id)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from engine.errors import RequestFailedError, WorkerNotStartedError
+from engine.instance import EngineInstance
+from engine.messages import ContextRequest, ContextResult, KVEventBatch, WorkerHealth, WorkerLoad
+from engine.request import Request
+from engine.threads import configure_torch_threads
+from engine.transceivers import make_transceiver
+from engine.worker_config import WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class ContextWorker:
+    def __init__(self, config: WorkerConfig, worker_id: str = "context-0") -> None:
+        configure_torch_threads(config.device)
+        self.config = config
+        self.engine = EngineInstance.build(config, "context", worker_id)
+        self.transceiver: Any = make_transceiver(config, self.engine.cache.buffers(), worker_id)
+        self._handles: dict[str, Any] = {}
+        self._started = False
+
+    async def start(self) -> None:
+        """Start the transceiver and the engine loop; call once, before requests."""
+        await self.transceiver.start()
+        self.engine.loop.on_handoff = self._publish
+        self.engine.loop.start()
+        self._started = True
+
+    async def prefill(self, request: ContextRequest) -> ContextResult:
+        """Prefill one prompt and sample its first token.
+
+        Raises `RequestFailedError` when the prompt cannot run here (too long
+        for the cache) or was aborted.
+        """
+        if not self._started:
+            raise WorkerNotStartedError("call start() before sending requests")
+        req = Request(request.request_id, list(request.prompt_token_ids), request.params)
+        stream = self.engine.loop.submit(req)
+        try:
+            event = await stream.get()
+        except asyncio.CancelledError:
+            self.abort(request.request_id)
+            raise
+        if event.finish_reason in ("error", "abort"):
+            raise RequestFailedError(request.request_id, event.error or event.finish_reason)
+        return ContextResult(
+            request_id=request.request_id,
+            first_token_id=event.token_ids[0],
+            first_logprob=event.logprobs[0] if event.logprobs else None,
+            first_top_logprobs=event.top_logprobs[0] if event.top_logprobs else None,
+            handle=self._handles.pop(request.request_id, None),
+            finish_reason=None if event.finish_reason == "handoff" else event.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            first_token_time=event.timestamp,
+        )
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a prompt still prefilling, or unpin one already published."""
+        self.engine.loop.abort(request_id)
+        self.transceiver.release(request_id)
+
+    def health(self) -> WorkerHealth:
+        return WorkerHealth(
+            worker_id=self.engine.worker_id,
+            role="context",
+            healthy=self.engine.loop.healthy,
+            detail="" if self.engine.loop.healthy else "engine loop stopped",
+        )
+
+    def load(self) -> WorkerLoad:
+        return self.engine.load(num_transferring=self.transceiver.num_pinned)
+
+    def drain_kv_events(self) -> KVEventBatch:
+        return self.engine.drain_kv_events()
+
+    def step_stats(self) -> dict[str, float]:
+        return dict(vars(self.engine.loop.stats))
+
+    async def shutdown(self) -> None:
+        await self.engine.loop.stop()
+        await self.transceiver.close()
+
+    def _publish(self, request: Request) -> None:
+        """Runs on the event loop between steps, right after the first token."""
+        rid = request.request_id
+        manager = self.engine.manager
+        self._handles[rid] = self.transceiver.publish(
+            rid,
+            manager.regions(rid),
+            manager.layout_signature(),
+            self.config.lease_s,
+            self._on_release,
+        )
+
+    def _on_release(self, request_id: str) -> None:
+        # Called by the transceiver (pulled, aborted or lease expired): free
+        # the cache once, between steps.
+        self.engine.loop.call_between_steps(lambda: self.engine.manager.free(request_id))

@@ -1,0 +1,97 @@
+"""Model runner: exact batch metadata, and chunked steps that reproduce
+transformers' logits on a tiny Llama checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.model_runner import ModelRunner
+from engine.request import Request
+from engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
+from kvcache.factory import create_manager
+from kvcache.manager import KVCacheManager
+from kvcache.tensors import allocate_cache_tensors
+from models.embedded.writer import write_checkpoint
+from models.loader import load_model
+
+BLOCK = 4
+
+
+class Params:
+    max_tokens = 16
+    temperature = 0.0
+    seed = None
+    logprobs = None
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("runner") / "llama"
+    return write_checkpoint(out, "llama", "tiny", seed=3, initializer_range=0.2)
+
+
+def make_runner(checkpoint: Path, manager_name: str) -> tuple[ModelRunner, KVCacheManager, object]:
+    model, config = load_model(checkpoint)
+    manager = create_manager(manager_name, config.cache_spec(), 32, BLOCK)
+    cache = allocate_cache_tensors(manager)
+    runner = ModelRunner(model, cache.views(), manager, BLOCK, sampler=None)
+    return runner, manager, model
+
+
+def test_batch_metadata_for_a_decode_next_to_a_prefill_chunk(checkpoint: Path) -> None:
+    runner, manager, _ = make_runner(checkpoint, "v1")
+    dec = Request("dec", [5, 6, 7, 8, 9], Params(), output_token_ids=[11])
+    dec.num_computed_tokens = 5
+    pre = Request("pre", [20, 21, 22, 23, 24, 25, 26], Params())
+    assert manager.allocate_slots("pre", 3)  # block 1 ...
+    assert manager.allocate_slots("dec", 6)  # ... then blocks 2, 3
+    assert manager.allocate_slots("pre", 6)  # ... and block 4
+    seqs = [ScheduledSequence.of(dec, 1), ScheduledSequence.of(pre, 6)]
+    batch = runner.build_batch(seqs)
+    pre_table, dec_table = manager.block_table("pre"), manager.block_table("dec")
+    assert batch.input_ids.tolist() == [11, 20, 21, 22, 23, 24, 25]
+    assert batch.positions.tolist() == [5, 0, 1, 2, 3, 4, 5]
+    assert batch.query_start_loc.tolist() == [0, 1, 7]
+    assert batch.context_lens.tolist() == [5, 0]
+    assert batch.seq_lens.tolist() == [6, 6]
+    assert batch.block_tables.tolist() == [dec_table, pre_table]
+    expected_slots = [dec_table[1] * BLOCK + 1] + [
+        pre_table[p // BLOCK] * BLOCK + p % BLOCK for p in range(6)
+    ]
+    assert batch.slot_mapping.tolist() == expected_slots
+    # Only the decode samples: the prefill chunk stops short of its last token.
+    assert batch.logits_indices.tolist() == [0]
+    assert batch.mamba_slots is None
+
+
+@pytest.mark.parametrize("manager_name", ["v1", "v2"])
+def test_chunked_steps_reproduce_transformers_logits(checkpoint: Path, manager_name: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    runner, manager, model = make_runner(checkpoint, manager_name)
+    prompts = [list(range(3, 14)), list(range(40, 45))]
+    scheduler = Scheduler(SchedulerConfig(6, 8, 31 * BLOCK), manager)
+    requests = [Request(f"r{i}", p, Params()) for i, p in enumerate(prompts)]
+    for r in requests:
+        scheduler.add(r)
+    last_logits: dict[str, torch.Tensor] = {}
+    for _ in range(8):  # chunked prefill, then decodes of the greedy token
+        out = scheduler.schedule()
+        batch = runner.build_batch(out.sequences)
+        with torch.inference_mode():
+            hidden = model.forward(batch, runner.caches)
+            logits = model.compute_logits(hidden[batch.logits_indices])
+        scheduler.commit(out)
+        for seq, row in zip([s for s in out.sequences if s.samples], logits, strict=True):
+            last_logits[seq.request.request_id] = row
+            seq.request.append_output(int(row.argmax()))
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    for r in requests:
+        with torch.no_grad():
+            ids = torch.tensor([r.all_token_ids[:-1]])
+            expected = reference(ids).logits[0, -1]
+        scale = expected.abs().max()
+        torch.testing.assert_close(last_logits[r.request_id], expected, atol=1e-4 * scale, rtol=0)
