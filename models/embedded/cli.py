@@ -1,0 +1,85 @@
+"""`disagg make-checkpoint`: write an embedded checkpoint folder from the shell.
+
+    disagg make-checkpoint --arch nemotron_h --size small --seed 1 ./ckpt
+
+Errors the user can fix (a path that is a file, a folder that cannot be
+written, a bad value) print one line on stderr and exit with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from models.embedded.configs import (
+    ARCHS,
+    DEFAULT_INITIALIZER_RANGE,
+    DEFAULT_VL_ARCHITECTURE,
+    SIZES,
+    VL_ARCHITECTURES,
+)
+
+EXIT_USAGE_ERROR = 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the make-checkpoint options on `parser`."""
+    parser.add_argument("--arch", required=True, choices=ARCHS, help="model family")
+    parser.add_argument(
+        "--size",
+        default="tiny",
+        choices=SIZES,
+        help="tiny: fast tests (hidden 64); small: compute-bound decode on CPU (hidden 512)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    parser.add_argument(
+        "--vl-architecture",
+        choices=VL_ARCHITECTURES,
+        default=None,
+        help=f"wrapper class name for --arch nemotron_vl (default {DEFAULT_VL_ARCHITECTURE})",
+    )
+    parser.add_argument(
+        "--initializer-range",
+        type=float,
+        default=None,
+        help=f"std of the random weights (default {DEFAULT_INITIALIZER_RANGE})",
+    )
+    parser.add_argument("out", type=Path, help="output folder (created if missing)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write the checkpoint; return 0, or 1 after one stderr line on a user error."""
+    from models.embedded.configs import UnknownCheckpointKindError
+    from models.embedded.writer import CheckpointWriteError, write_checkpoint
+
+    if args.vl_architecture is not None and args.arch != "nemotron_vl":
+        return _fail("--vl-architecture applies to --arch nemotron_vl only; drop it")
+    started = time.monotonic()
+    try:
+        out = write_checkpoint(
+            args.out,
+            args.arch,
+            size=args.size,
+            seed=args.seed,
+            vl_architecture=args.vl_architecture,
+            initializer_range=args.initializer_range,
+            progress=args.size != "tiny",
+        )
+    except (CheckpointWriteError, UnknownCheckpointKindError) as error:
+        return _fail(str(error))
+    except ValueError as error:
+        return _fail(f"invalid argument: {error}")
+    except OSError as error:
+        return _fail(f"cannot write checkpoint into {args.out}: {error.strerror or error}")
+    elapsed = time.monotonic() - started
+    print(
+        f"wrote {args.arch} ({args.size}, seed {args.seed}) checkpoint to {out} in {elapsed:.1f}s"
+    )
+    return 0
+
+
+def _fail(message: str) -> int:
+    print(f"disagg make-checkpoint: error: {message}", file=sys.stderr)
+    return EXIT_USAGE_ERROR

@@ -1,0 +1,94 @@
+"""`disagg make-checkpoint`: writes a folder; user errors are one stderr line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster.cli import main
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _unwritable_parent(tmp_path: Path) -> Path:
+    """A folder nobody may create entries in, root included."""
+    if os.geteuid() == 0:
+        return Path("/sys")  # sysfs refuses mkdir even for root
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    return locked
+
+
+def test_writes_a_complete_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "ckpt"
+    code = main(["make-checkpoint", "--arch", "llama", "--size", "tiny", "--seed", "3", str(out)])
+    assert code == 0
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        assert (out / name).is_file()
+    assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
+    assert json.loads((out / "embedded_checkpoint.json").read_text())["seed"] == 3
+    assert str(out) in capsys.readouterr().out
+
+
+def test_vl_architecture_and_initializer_range_flags(tmp_path: Path) -> None:
+    out = tmp_path / "vl"
+    args = ["make-checkpoint", "--arch", "nemotron_vl", "--initializer-range", "0.05"]
+    args += ["--vl-architecture", "NemotronH_Nano_Omni_Reasoning_V3", str(out)]
+    assert main(args) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["NemotronH_Nano_Omni_Reasoning_V3"]
+    assert config["llm_config"]["initializer_range"] == 0.05
+
+
+def test_out_path_that_is_a_file_is_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "a_file"
+    target.write_text("keep me")
+    assert main(["make-checkpoint", "--arch", "llama", str(target)]) != 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "existing file" in err
+    assert target.read_text() == "keep me"
+
+
+def test_vl_architecture_with_other_arch_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["make-checkpoint", "--arch", "llama", "--vl-architecture", "NemotronH_Nano_VL_V2", "x"]
+    assert main(args) != 0
+    assert "nemotron_vl" in capsys.readouterr().err
+
+
+def test_unknown_arch_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["make-checkpoint", "--arch", "gpt2", "out"])
+    assert exit_info.value.code != 0
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_unwritable_folder_prints_one_line_without_traceback(tmp_path: Path) -> None:
+    out = _unwritable_parent(tmp_path) / "embedded-ckpt"
+    result = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "make-checkpoint", "--arch", "llama", str(out)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(out) in lines[0], result.stderr
+    assert not out.exists()
+
+
+def test_help_does_not_import_torch() -> None:
+    code = "import sys; from cluster.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.stdout.strip() == "False", result.stderr
