@@ -109,8 +109,9 @@ def test_reference_equals_dense_attention_over_the_same_tokens() -> None:
 def test_empty_sequence_yields_zeros_and_out_is_filled_in_place() -> None:
     case = CASES["gqa4"]
     key_cache, value_cache = _caches(case, "v1", torch.float32)
-    tables = torch.tensor([[3, 1, 0, 0], [0, 0, 0, 0]], device=DEVICE)
-    seq_lens = torch.tensor([6, 0], device=DEVICE)
+    # int32 tables and lengths, as a CUDA-graph friendly runner would pass them.
+    tables = torch.tensor([[3, 1, 0, 0], [0, 0, 0, 0]], device=DEVICE, dtype=torch.int32)
+    seq_lens = torch.tensor([6, 0], device=DEVICE, dtype=torch.int32)
     q = torch.randn(2, case.num_heads, case.head_dim, device=DEVICE)
     # A strided destination: every other row of a larger buffer.
     buffer = torch.full((4, case.num_heads, case.head_dim), 7.0, device=DEVICE)
