@@ -1,0 +1,97 @@
+"""Prepared NIXL descriptor lists, built once per pool and indexed per request.
+
+NIXL transfers are fastest when both sides' descriptor lists are *prepared*
+once (`prep_xfer_dlist`) and each request just names indices into them. A
+manager's coarse descriptors tile each buffer with equal items (V2: "kv" in
+whole blocks, "mamba" in whole slots; V1: each "kv.{l}" in per-layer blocks,
+each "conv.{m}"/"ssm.{m}" in per-slot states), so a *table* is keyed by
+(buffer, item length, phase) and lists every item of that buffer:
+
+    table ("kv", block_bytes, 0):  [kv+0*bb, kv+1*bb, ..., kv+(n-1)*bb]
+    region kv[5*bb : 6*bb]  ->  index 5
+
+Tables are prepared lazily on first use and then reused for every request,
+locally and per remote agent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvcache.layout import Region
+from transfer.base import BufferInfo
+
+TableKey = tuple[str, int, int]  # (buffer, item length, offset % length)
+
+
+@dataclass(frozen=True)
+class TableRef:
+    """One region as an index into a table."""
+
+    key: TableKey
+    index: int
+
+
+def table_ref(region: Region) -> TableRef:
+    phase = region.offset % region.length
+    return TableRef((region.buffer, region.length, phase), (region.offset - phase) // region.length)
+
+
+def table_entries(info: BufferInfo, key: TableKey) -> np.ndarray:
+    """Nx3 (address, length, device id) rows tiling the buffer with `key`'s items."""
+    _, length, phase = key
+    count = (info.num_bytes - phase) // length
+    rows = np.empty((count, 3), dtype=np.uint64)
+    rows[:, 0] = info.address + phase + np.arange(count, dtype=np.uint64) * length
+    rows[:, 1] = length
+    rows[:, 2] = info.device_id
+    return rows
+
+
+class PreparedTables:
+    """Prepared descriptor lists of one agent's view of one peer (or itself).
+
+    `prepare(entries) -> handle` wraps `prep_xfer_dlist` for that peer; handles
+    are created on first use of a key and kept until `release`.
+    """
+
+    def __init__(
+        self, buffers: Mapping[str, BufferInfo], prepare: Callable[[np.ndarray], object]
+    ) -> None:
+        self._buffers = dict(buffers)
+        self._prepare = prepare
+        self._handles: dict[TableKey, object] = {}
+
+    def handle(self, key: TableKey) -> object:
+        handle = self._handles.get(key)
+        if handle is None:
+            handle = self._prepare(table_entries(self._buffers[key[0]], key))
+            self._handles[key] = handle
+        return handle
+
+    def release(self) -> None:
+        for handle in self._handles.values():
+            release = getattr(handle, "release", None)
+            if release is not None:
+                release()
+        self._handles.clear()
+
+
+def group_pairs(
+    src: tuple[Region, ...], dst: tuple[Region, ...]
+) -> dict[tuple[TableKey, TableKey], tuple[list[int], list[int]]]:
+    """Pair descriptors by position and group them by (local, remote) table.
+
+    Returns {(dst key, src key): (dst indices, src indices)}; one NIXL request
+    per group. The caller has checked both lists have equal lengths pairwise.
+    """
+    groups: dict[tuple[TableKey, TableKey], tuple[list[int], list[int]]] = {}
+    for s, d in zip(src, dst, strict=True):
+        sref, dref = table_ref(s), table_ref(d)
+        local, remote = groups.setdefault((dref.key, sref.key), ([], []))
+        local.append(dref.index)
+        remote.append(sref.index)
+    return groups
