@@ -1,7 +1,7 @@
 # Two entry points for a new user: `make demo` and `make test`.
 # Both create .venv, install the CPU build of torch first (a bare `torch`
 # requirement would pull a multi-GB CUDA build), then the project.
-PYTHON ?= python3.11
+PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
