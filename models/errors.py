@@ -27,3 +27,7 @@ class UnsupportedArchitectureError(ConfigError):
 
 class CheckpointError(ValueError):
     """Checkpoint tensors do not match the model: missing, unexpected or mis-shaped."""
+
+
+class TokenizerError(ValueError):
+    """A checkpoint's tokenizer files are missing or unusable."""

@@ -1,0 +1,213 @@
+"""The checkpoint's tokenizer: encode, decode, stream, chat prompts.
+
+Reads `tokenizer.json` with the `tokenizers` library (no transformers import on
+the serving path) and `tokenizer_config.json` for the special tokens and the
+Jinja chat template (also accepted from `chat_template.jinja` or
+`chat_template.json`, where newer checkpoints keep it). End-of-sequence ids are
+the union of `generation_config.json`, `config.json` and the tokenizer's
+`eos_token`, so every way a checkpoint declares a stop token is honoured.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as BackendTokenizer
+
+from models.errors import TokenizerError
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+# Prompt tokens kept as decoding context so the first streamed token gets the
+# same leading space/merge it would have in the full text.
+_DETOKENIZE_CONTEXT = 5
+_INCOMPLETE_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """Thin wrapper over `tokenizers.Tokenizer` with the checkpoint's metadata."""
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        special_tokens: Mapping[str, str],
+        eos_token_ids: tuple[int, ...],
+        chat_template: str | None,
+    ) -> None:
+        self.backend = backend
+        self.special_tokens = dict(special_tokens)  # e.g. {"bos_token": "<s>", ...}
+        self.eos_token_ids = eos_token_ids
+        self.chat_template = chat_template
+        self._template: jinja2.Template | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.token_to_id(self.special_tokens.get("bos_token"))
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render `messages` (`{"role", "content"}` dicts) with the checkpoint's template.
+
+        The result already holds any special tokens the template writes (such
+        as `bos_token`); encode it with `add_special_tokens=False`, or use
+        `encode_chat`.
+        """
+        if self.chat_template is None:
+            raise TokenizerError(
+                "this checkpoint has no chat template (tokenizer_config.json 'chat_template' "
+                "or chat_template.jinja); use plain completions or add a template"
+            )
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        return self._template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            **self.special_tokens,
+        )
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        prompt = self.apply_chat_template(messages, add_generation_prompt)
+        return self.encode(prompt, add_special_tokens=False)
+
+    def detokenizer(
+        self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> IncrementalDetokenizer:
+        """A fresh streaming decoder for one sequence continuing `prompt_ids`."""
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids into text deltas whose concatenation is the full text.
+
+    Decodes a short window of ids twice (with and without the newest token)
+    and emits the difference; a delta ending in an incomplete UTF-8 sequence
+    (`U+FFFD`) is held back until the following tokens complete it.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
+        self._ids = list(prompt_ids[-_DETOKENIZE_CONTEXT:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        """Add one generated id; return the newly completed text (maybe empty)."""
+        self._ids.append(token_id)
+        decode = self._tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset : self._read_offset], self._skip_special)
+        full = decode(self._ids[self._prefix_offset :], self._skip_special)
+        if len(full) <= len(prefix) or full.endswith(_INCOMPLETE_CHAR):
+            return ""
+        delta = full[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self.text += delta
+        return delta
+
+
+def _raise_exception(message: str) -> None:
+    raise TokenizerError(f"chat template error: {message}")
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    # The same environment transformers renders chat templates in, so
+    # templates written for it behave identically.
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(
+        value, ensure_ascii=False, indent=indent
+    )
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise TokenizerError(f"chat template does not parse: {exc}") from exc
+
+
+def load_tokenizer(checkpoint_dir: Path | str) -> Tokenizer:
+    """Tokenizer of a checkpoint folder; `TokenizerError` when tokenizer.json is absent."""
+    folder = Path(checkpoint_dir)
+    path = folder / TOKENIZER_FILE
+    if not path.is_file():
+        raise TokenizerError(
+            f"{path} not found; the checkpoint needs a fast-tokenizer tokenizer.json"
+        )
+    backend = BackendTokenizer.from_file(str(path))
+    config = _read_json(folder / TOKENIZER_CONFIG_FILE)
+    special = {
+        name: token
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+        if (token := _token_text(config.get(name))) is not None
+    }
+    eos_ids = _eos_ids(folder, backend, special.get("eos_token"))
+    return Tokenizer(backend, special, eos_ids, _chat_template(folder, config))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise TokenizerError(f"{path} is not valid JSON: {exc}") from exc
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(entry: Any) -> str | None:
+    # Special tokens appear as plain strings or as AddedToken dicts.
+    if isinstance(entry, dict):
+        entry = entry.get("content")
+    return entry if isinstance(entry, str) else None
+
+
+def _chat_template(folder: Path, config: Mapping[str, Any]) -> str | None:
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: take "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if isinstance(template, str):
+        return template
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    from_json = _read_json(folder / "chat_template.json").get("chat_template")
+    return from_json if isinstance(from_json, str) else None
+
+
+def _eos_ids(folder: Path, backend: BackendTokenizer, eos_token: str | None) -> tuple[int, ...]:
+    ids: list[Any] = []
+    for file_name in ("generation_config.json", "config.json"):
+        value = _read_json(folder / file_name).get("eos_token_id")
+        ids += value if isinstance(value, list) else [value]
+    if eos_token is not None:
+        ids.append(backend.token_to_id(eos_token))
+    valid = (i for i in ids if isinstance(i, int) and not isinstance(i, bool))
+    return tuple(dict.fromkeys(valid))
