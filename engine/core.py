@@ -36,6 +36,7 @@ class StepResult:
     # Context role: requests whose cache now waits for a pull (still allocated).
     handoffs: list[Request] = field(default_factory=list)
     num_tokens: int = 0
+    num_preempted: int = 0
     schedule_s: float = 0.0
     timings: StepTimings = field(default_factory=StepTimings)
 
@@ -87,7 +88,11 @@ class EngineCore:
         """One engine iteration. Returns an empty result when nothing can run."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
-        result = StepResult(schedule_s=time.perf_counter() - t0, num_tokens=sched.num_tokens)
+        result = StepResult(
+            num_tokens=sched.num_tokens,
+            num_preempted=len(sched.preempted),
+            schedule_s=time.perf_counter() - t0,
+        )
         for failed in sched.failed:
             result.events.append(self._final_event(failed, []))
             result.finished.append(failed)

@@ -7,6 +7,7 @@ asyncio loop that drives it. The three worker kinds differ only in `role`.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from engine.core import EngineCore, StopCheck
 from engine.loop import EngineLoop
 from engine.messages import KVEventBatch, WorkerLoad
 from engine.model_runner import ModelRunner
-from engine.request import Request
+from engine.request import FinishReason, Request
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.worker_config import WorkerConfig
 
@@ -43,10 +44,9 @@ class EngineInstance:
     def build(cls, config: WorkerConfig, role: str, worker_id: str) -> EngineInstance:
         if role not in ROLES:
             raise ValueError(f"worker role must be one of {ROLES}, got {role!r}")
-        from models.tokenizer import load_tokenizer
-
         from engine.sampling import Sampler
         from models.loader import load_model
+        from models.tokenizer import load_tokenizer
 
         model, model_config = load_model(
             Path(config.checkpoint), dtype=config.dtype, device=config.device
@@ -140,4 +140,42 @@ def _build_cache(config: WorkerConfig, model_config: Any) -> tuple[Any, Any]:
 
 
 def _stop_check(request: Request, eos: tuple[int, ...], tokenizer: Any) -> StopCheck:
-    raise NotImplementedError
+    """A per-request stop decision over its output tokens.
+
+    Tokens are fed to the `StopChecker` in order, each once; a request pulled
+    from a context worker arrives with its first token already in
+    `output_token_ids`, and that token is fed with the next call. Text is
+    detokenized only when the request has stop strings.
+    """
+    from engine.stop import IncrementalDetokenizer, StopChecker
+
+    params = request.params
+    checker = StopChecker(params, eos)
+    detok = (
+        IncrementalDetokenizer(
+            functools.partial(tokenizer.decode, skip_special_tokens=True),
+            request.prompt_token_ids,
+        )
+        if params.stop
+        else None
+    )
+    fed = 0
+
+    def check(req: Request) -> FinishReason | None:
+        nonlocal fed
+        decision = None
+        while fed < req.num_output_tokens:
+            token = req.output_token_ids[fed]
+            fed += 1
+            prev_len = len(detok.output_text) if detok is not None else 0
+            if detok is not None:
+                detok.add(token)
+            text = detok.output_text if detok is not None else ""
+            decision = checker.check(token, text, prev_len)
+            if decision.finished:
+                break
+        if decision is None or not decision.finished:
+            return None
+        return FinishReason.LENGTH if decision.reason == "length" else FinishReason.STOP
+
+    return check

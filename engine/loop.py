@@ -33,6 +33,7 @@ class StepStats:
 
     steps: int = 0
     tokens: int = 0
+    preemptions: int = 0
     schedule_s: float = 0.0
     build_s: float = 0.0
     forward_s: float = 0.0
@@ -41,6 +42,7 @@ class StepStats:
     def add(self, result: StepResult) -> None:
         self.steps += 1
         self.tokens += result.num_tokens
+        self.preemptions += result.num_preempted
         self.schedule_s += result.schedule_s
         self.build_s += result.timings.build_s
         self.forward_s += result.timings.forward_s

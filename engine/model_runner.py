@@ -159,7 +159,9 @@ class ModelRunner:
         for req in reqs:
             if req.request_id not in self.generators:
                 seed = getattr(req.params, "seed", None)
-                self.generators[req.request_id] = make_generator(seed) if seed is not None else None
+                self.generators[req.request_id] = (
+                    make_generator(seed, self.device) if seed is not None else None
+                )
             generators.append(self.generators[req.request_id])
         out = self.sampler.sample(
             logits.float(),
@@ -168,14 +170,11 @@ class ModelRunner:
             [r.output_token_ids for r in reqs],
             generators,
         )
-        token_ids = _to_list(out.token_ids)
-        logprobs = _to_list(out.logprobs) if out.logprobs is not None else None
-        top = out.top_logprobs
         return [
             SampledToken(
-                token_id=int(token_ids[i]),
-                logprob=float(logprobs[i]) if logprobs is not None else None,
-                top_logprobs=top[i] if top is not None else None,
+                token_id=int(out.token_ids[i]),
+                logprob=None if out.logprobs[i] is None else float(out.logprobs[i]),
+                top_logprobs=out.top_logprobs[i],
             )
             for i in range(len(reqs))
         ]
@@ -191,9 +190,3 @@ def _require_slot(addressing: CacheAddressing, request_id: str) -> int:
             f"request {request_id!r} runs on a hybrid model but holds no Mamba state slot"
         )
     return slot
-
-
-def _to_list(values: Any) -> list[Any]:
-    if isinstance(values, torch.Tensor):
-        return list(values.tolist())
-    return list(values)

@@ -13,16 +13,18 @@ def make_transceiver(config: WorkerConfig, buffers: dict[str, Any], worker_id: s
     `buffers` maps buffer names to the flat uint8 pool tensors
     (`CacheTensors.buffers()`); the transceiver registers them once.
     """
+    if config.transceiver == "nixl":
+        from transfer.nixl_transceiver import NixlTransceiver
+
+        # NIXL agents exchange metadata through the router; peers are the
+        # agents named in handles, so no shared secret is involved here.
+        return NixlTransceiver(buffers, name=worker_id)
     secret = config.cluster_secret.encode()
     if not secret:
         raise ValueError(
-            "cluster_secret is empty; transceivers authenticate peers with it, so every "
-            "worker of a disaggregated cluster needs the same non-empty secret"
+            "cluster_secret is empty; the Python transceiver authenticates peers with it, "
+            "so every worker of the cluster needs the same non-empty secret"
         )
-    if config.transceiver == "python":
-        from transfer.python_transceiver import PythonTransceiver
+    from transfer.python_transceiver import PythonTransceiver
 
-        return PythonTransceiver(buffers, secret, host=config.transfer_host)
-    from transfer.nixl_transceiver import NixlTransceiver
-
-    return NixlTransceiver(buffers, secret, name=worker_id, device=config.device)
+    return PythonTransceiver(buffers, secret, host=config.transfer_host)
