@@ -19,6 +19,8 @@ Checkpoint names: `gate.weight`, `gate.e_score_correction_bias`,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -47,6 +49,16 @@ class TopkRouter(nn.Module):
             torch.zeros(config.num_experts), requires_grad=False
         )
 
+    def _apply(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+    ) -> TopkRouter:
+        # The router stays float32 when the model is cast (as transformers keeps
+        # it): bf16 routing scores would pick different experts on near ties.
+        super()._apply(fn, recurse)
+        for param in self.parameters(recurse=False):
+            param.data = param.data.float()
+        return self
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x `[T, hidden]` -> `(expert ids [T, top_k] int64, weights [T, top_k] float32)`."""
         cfg = self.config
@@ -69,14 +81,15 @@ class TopkRouter(nn.Module):
 class NemotronHMoE(nn.Module):
     """Routed relu² experts plus the shared expert; `[T, hidden]` -> `[T, hidden]`."""
 
-    def __init__(self, hidden_size: int, config: MoEConfig, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, config: MoEConfig, shared_bias: bool = False) -> None:
         super().__init__()
         self.gate = TopkRouter(hidden_size, config)
+        # Routed experts never carry biases; the shared expert follows `mlp_bias`.
         self.experts = nn.ModuleList(
-            Relu2MLP(hidden_size, config.intermediate_size, bias) for _ in range(config.num_experts)
+            Relu2MLP(hidden_size, config.intermediate_size) for _ in range(config.num_experts)
         )
         self.shared_experts = (
-            Relu2MLP(hidden_size, config.shared_intermediate_size, bias)
+            Relu2MLP(hidden_size, config.shared_intermediate_size, shared_bias)
             if config.shared_intermediate_size > 0
             else None
         )
