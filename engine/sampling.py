@@ -1,0 +1,312 @@
+"""Token sampling for a batch of requests, as batched tensor ops.
+
+`Sampler.sample` turns one row of logits per request into one token per
+request. Every request carries its own `SamplingParams`; the per-row values
+become tensors once per call, so the work is a fixed number of batched ops
+whatever the mix of settings:
+
+    logits --penalties--> penalized --/temperature--> --min-p--> --top-k/top-p--> probs
+       |                      |                                                     |
+       |                      +--> log_softmax: the reported logprobs               |
+       +----------------------------------------------------- argmax (greedy rows)  |
+                                              argmax(probs / q), q ~ Exp(1) <-------+
+
+Sampling is an exponential race: `argmax(probs / q)` with independent
+`q ~ Exp(1)` picks token `i` with probability `probs[i]` (the minimum of
+`q_i / p_i` is attained at `i` with probability `p_i`). A request with a seed
+draws its `q` row from its own `torch.Generator`, a fixed number of draws per
+step, so its tokens do not depend on which other requests share the batch.
+
+Reported logprobs follow the OpenAI / vLLM convention: `log_softmax` of the
+penalized logits, before temperature and truncation, so they describe the
+model's distribution rather than the sampling knobs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+MAX_LOGPROBS = 20  # OpenAI's limit on top logprobs per token
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    `temperature` 0 is greedy; `top_k` 0 (or -1) and `top_p` 1 switch those
+    filters off. Penalties follow vLLM: `repetition_penalty` divides positive
+    (multiplies negative) logits of tokens seen in the prompt or the output;
+    `presence_penalty` / `frequency_penalty` subtract once / per occurrence
+    for tokens of the output. `logprobs` is how many top alternatives to
+    return besides the sampled token's logprob (None: no alternatives).
+    Invalid values raise `ValueError` naming the field.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Any sequence is accepted (JSON bodies give lists); stored as a tuple.
+    stop_token_ids: Sequence[int] = ()
+    stop: Sequence[str] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # Tuples, so params hash and compare by value.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an int >= 1")
+        _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "a float >= 0")
+        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an int >= 0 (0 or -1: off)")
+        _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
+        _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]")
+        _check(self.seed is None or _is_int(self.seed), "seed", "an int or None")
+        _check(
+            _finite(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            "a float > 0 (1: off)",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_finite(value) and -2 <= value <= 2, name, "in [-2, 2]")
+        _check(
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "non-negative ints",
+        )
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings")
+        _check(
+            self.logprobs is None
+            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"None or an int in [0, {MAX_LOGPROBS}]",
+        )
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the token is the argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check(ok: bool, field: str, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{field} must be {expected}")
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token per row, with its logprob and the requested top logprobs.
+
+    `logprobs[i]` is always set (it costs one logsumexp per row);
+    `top_logprobs[i]` is None unless row i asked for `logprobs`, and then holds
+    `params.logprobs` (token id, logprob) pairs, most likely first.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
+    """A generator seeded with `seed`, for one request's sampling noise."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+class Sampler:
+    """Samples the next token of every row of a logits batch."""
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[Sequence[int]],
+        output_token_ids: Sequence[Sequence[int]],
+        generators: Sequence[torch.Generator | None],
+    ) -> SamplerOutput:
+        """Sample from `logits` [N, V]; row i uses `params[i]` and `generators[i]`.
+
+        `prompt_token_ids[i]` / `output_token_ids[i]` feed the penalties. A
+        row's generator is used only when the row samples (temperature > 0);
+        None means the global torch RNG. `logits` is not modified.
+        """
+        rows = len(params)
+        if logits.dim() != 2 or logits.shape[0] != rows:
+            raise ValueError(f"logits must be [{rows}, vocab], got {list(logits.shape)}")
+        if not len(prompt_token_ids) == len(output_token_ids) == len(generators) == rows:
+            raise ValueError("params, token id lists and generators must have one entry per row")
+        logits = logits.float()
+        if any(p.has_penalties for p in params):
+            logits = apply_penalties(logits, params, prompt_token_ids, output_token_ids)
+        if all(p.is_greedy for p in params):
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._sample_mixed(logits, params, generators)
+        return _with_logprobs(logits, token_ids, params)
+
+    def _sample_mixed(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> torch.Tensor:
+        greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
+        # Greedy rows get temperature 1 here and their argmax afterwards.
+        temperature = _row_tensor([p.temperature or 1.0 for p in params], logits)
+        scaled = logits / temperature.unsqueeze(1)
+        if any(p.min_p > 0 for p in params):
+            scaled = apply_min_p(scaled, _row_tensor([p.min_p for p in params], logits))
+        if any(p.top_k > 0 or p.top_p < 1 for p in params):
+            top_k = torch.tensor([p.top_k for p in params], device=logits.device)
+            scaled = apply_top_k_top_p(
+                scaled, top_k, _row_tensor([p.top_p for p in params], logits)
+            )
+        probs = scaled.softmax(dim=-1)
+        noise = _exponential_noise(probs, params, generators)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """Repetition, presence and frequency penalties as batched ops; returns new logits."""
+    output_counts = _token_counts(output_token_ids, logits)
+    seen = (_token_counts(prompt_token_ids, logits) > 0) | (output_counts > 0)
+    repetition = _row_tensor([p.repetition_penalty for p in params], logits).unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalized, logits)
+    frequency = _row_tensor([p.frequency_penalty for p in params], logits).unsqueeze(1)
+    presence = _row_tensor([p.presence_penalty for p in params], logits).unsqueeze(1)
+    return logits - frequency * output_counts - presence * (output_counts > 0).to(logits.dtype)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below `min_p[row]` times the row's top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, -math.inf)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Keep each row's `top_k` best tokens (0: all), then its smallest set of mass >= `top_p`.
+
+    One descending sort serves both filters; the most likely token always
+    survives, so no row is left empty.
+    """
+    vocab = logits.shape[-1]
+    ordered, order = logits.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
+    ordered = ordered.masked_fill(rank >= k, -math.inf)
+    probs = ordered.softmax(dim=-1)
+    # A token is dropped when the mass strictly before it already reaches top_p.
+    mass_before = probs.cumsum(dim=-1) - probs
+    # Rows with top_p == 1 are exempt: rounding can push the cumulative sum
+    # past 1.0 and would otherwise clip their tail.
+    cut = (mass_before >= top_p.unsqueeze(1)) & (rank > 0) & (top_p < 1).unsqueeze(1)
+    ordered = ordered.masked_fill(cut, -math.inf)
+    return torch.full_like(logits, -math.inf).scatter(-1, order, ordered)
+
+
+def _token_counts(token_ids: Sequence[Sequence[int]], like: torch.Tensor) -> torch.Tensor:
+    """[N, V] float counts of each token id per row (ids >= V are ignored)."""
+    rows, vocab = like.shape
+    width = max((len(ids) for ids in token_ids), default=0)
+    counts = torch.zeros(rows, vocab + 1, dtype=like.dtype, device=like.device)
+    if width == 0:
+        return counts[:, :vocab]
+    padded = torch.full((rows, width), vocab, dtype=torch.int64)
+    for row, ids in enumerate(token_ids):
+        if ids:
+            padded[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
+    # Pad with (and send out-of-range ids to) the spare column `vocab`.
+    padded = padded.masked_fill((padded < 0) | (padded > vocab), vocab).to(like.device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=like.dtype))
+    return counts[:, :vocab]
+
+
+def _row_tensor(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device)
+
+
+def _exponential_noise(
+    probs: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """Exp(1) noise shaped like `probs`; seeded rows draw from their own generator."""
+    noise = torch.empty_like(probs).exponential_()
+    vocab = probs.shape[-1]
+    for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
+        if generator is None or p.is_greedy:
+            continue
+        own = torch.empty(vocab, dtype=probs.dtype, device=generator.device)
+        noise[row] = own.exponential_(generator=generator).to(probs.device)
+    # exponential_ may return exactly 0; a 0 divisor would turn a masked
+    # token's 0 probability into nan.
+    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _with_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]
+) -> SamplerOutput:
+    """Attach the sampled tokens' logprobs and the requested top logprobs."""
+    logprobs = logits.log_softmax(dim=-1)
+    sampled = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    top: list[list[tuple[int, float]] | None] = [None] * len(params)
+    most = max((p.logprobs or 0 for p in params), default=0)
+    if any(p.logprobs is not None for p in params):
+        values, indices = logprobs.topk(most, dim=-1) if most else (None, None)
+        for row, p in enumerate(params):
+            if p.logprobs is None:
+                continue
+            if values is None or indices is None or p.logprobs == 0:
+                top[row] = []
+                continue
+            pairs = zip(
+                indices[row, : p.logprobs].tolist(),
+                values[row, : p.logprobs].tolist(),
+                strict=True,
+            )
+            top[row] = [(int(t), float(v)) for t, v in pairs]
+    return SamplerOutput(
+        token_ids=[int(t) for t in token_ids.tolist()],
+        logprobs=[float(v) for v in sampled.tolist()],
+        top_logprobs=top,
+    )

@@ -1,0 +1,154 @@
+"""When a request stops, and its output text as it streams.
+
+`IncrementalDetokenizer` turns streamed token ids into text deltas.
+`StopChecker` decides after every new token whether the request is finished
+(EOS, a stop token, a stop string, or `max_tokens`) and where the text ends.
+
+Typical use per request, once per sampled token:
+
+    prev_len = len(detok.output_text)
+    detok.add(token_id)
+    decision = checker.check(token_id, detok.output_text, prev_len)
+    if decision.finished and decision.truncate_to is not None:
+        text = detok.output_text[: decision.truncate_to]
+
+A streaming caller that must never show a stop string should release text
+only up to `checker.releasable(len(text))` until the request finishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from engine.sampling import SamplingParams
+
+STOP = "stop"
+LENGTH = "length"
+# U+FFFD: what a byte-level decoder yields for a character whose bytes have
+# not all arrived yet.
+REPLACEMENT_CHAR = "\ufffd"
+# Tokens of the prompt tail decoded with the output, so the first output
+# token gets the same leading-space handling as it would mid-text.
+_PROMPT_CONTEXT_TOKENS = 5
+
+
+@dataclass(frozen=True)
+class StopDecision:
+    """Whether the request is finished after its newest token.
+
+    `reason` is "stop" or "length" when finished, else None. `truncate_to` is
+    the output text length to keep when a stop string matched (the match is
+    cut off unless `include_stop_str_in_output`); None keeps the text as is.
+    `stop_reason` is the matched stop token id or stop string, None for EOS
+    and length.
+    """
+
+    finished: bool
+    reason: str | None = None
+    truncate_to: int | None = None
+    stop_reason: int | str | None = None
+
+
+_RUNNING = StopDecision(finished=False)
+
+
+class StopChecker:
+    """Stop conditions of one request; call `check` once per generated token."""
+
+    def __init__(self, params: SamplingParams, eos_token_ids: Sequence[int]) -> None:
+        self.params = params
+        self.eos_token_ids = frozenset(() if params.ignore_eos else eos_token_ids)
+        self.stop_token_ids = frozenset(params.stop_token_ids)
+        self.max_stop_len = max((len(s) for s in params.stop), default=0)
+        self.num_tokens = 0
+
+    def check(self, new_token_id: int, text_so_far: str, prev_text_len: int) -> StopDecision:
+        """Decide after `new_token_id`; `text_so_far` is the whole output text.
+
+        `prev_text_len` is the text length before this token: only a stop
+        string ending past it can be new, so each call scans O(new text +
+        longest stop string). The first stop string to end wins.
+        """
+        self.num_tokens += 1
+        if new_token_id in self.eos_token_ids:
+            return StopDecision(finished=True, reason=STOP)
+        if new_token_id in self.stop_token_ids:
+            return StopDecision(finished=True, reason=STOP, stop_reason=new_token_id)
+        matched = self._find_stop_string(text_so_far, prev_text_len)
+        if matched is not None:
+            return matched
+        if self.num_tokens >= self.params.max_tokens:
+            return StopDecision(finished=True, reason=LENGTH)
+        return _RUNNING
+
+    def releasable(self, text_len: int) -> int:
+        """How much of a running request's text can be shown without ever showing a stop string.
+
+        The last `max_stop_len - 1` characters may be the start of a stop
+        string that the next tokens complete, so they wait.
+        """
+        return max(0, text_len - max(0, self.max_stop_len - 1))
+
+    def _find_stop_string(self, text: str, prev_text_len: int) -> StopDecision | None:
+        if not self.params.stop:
+            return None
+        # A match that ends within the old text was already found (or was not
+        # there); a new one may start up to max_stop_len - 1 characters back.
+        start = max(0, prev_text_len - self.max_stop_len + 1)
+        best: tuple[int, int, str] | None = None  # (match end, match start, stop)
+        for stop in self.params.stop:
+            at = text.find(stop, start)
+            if at != -1 and (best is None or at + len(stop) < best[0]):
+                best = (at + len(stop), at, stop)
+        if best is None:
+            return None
+        end, at, stop = best
+        keep = end if self.params.include_stop_str_in_output else at
+        return StopDecision(finished=True, reason=STOP, truncate_to=keep, stop_reason=stop)
+
+
+class IncrementalDetokenizer:
+    """Streamed token ids -> text deltas, correct for byte-level BPE.
+
+    `decode` maps token ids to text (bind `skip_special_tokens` beforehand,
+    e.g. `functools.partial(tokenizer.decode, skip_special_tokens=True)`).
+    Decoding a window of tokens and emitting only the new suffix keeps
+    tokenizer spacing rules intact; a suffix ending in U+FFFD (a character
+    whose remaining bytes are in later tokens) is held back until complete.
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], prompt_ids: Sequence[int]) -> None:
+        self._decode = decode
+        self._token_ids: list[int] = list(prompt_ids)
+        self._num_prompt = len(self._token_ids)
+        # [prefix_offset, read_offset) is text already emitted, kept as context.
+        self._prefix_offset = max(0, self._num_prompt - _PROMPT_CONTEXT_TOKENS)
+        self._read_offset = self._num_prompt
+        self.output_text = ""
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._token_ids[self._num_prompt :]
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the newly complete text (may be empty)."""
+        self._token_ids.append(token_id)
+        prefix = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._token_ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith(REPLACEMENT_CHAR):
+            return ""
+        delta = full[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._token_ids)
+        self.output_text += delta
+        return delta
+
+    def finish(self) -> str:
+        """At end of stream: the held-back text, with U+FFFD for bytes that never completed."""
+        prefix = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._token_ids[self._prefix_offset :])
+        delta = full[len(prefix) :] if len(full) > len(prefix) else ""
+        self._prefix_offset = self._read_offset = len(self._token_ids)
+        self.output_text += delta
+        return delta

@@ -1,0 +1,216 @@
+"""Batched sampling: filters, penalties, seeded draws and logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.sampling import (
+    Sampler,
+    SamplingParams,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    make_generator,
+)
+
+VOCAB = 32
+
+
+def _sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None] | None = None,
+    prompts: list[list[int]] | None = None,
+    outputs: list[list[int]] | None = None,
+) -> list[int]:
+    n = len(params)
+    out = Sampler().sample(
+        logits,
+        params,
+        prompts or [[1]] * n,
+        outputs or [[]] * n,
+        generators or [None] * n,
+    )
+    return out.token_ids
+
+
+def _logits_of(probs: list[float]) -> torch.Tensor:
+    return torch.tensor(probs).log().unsqueeze(0)
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.randn(6, VOCAB, generator=make_generator(0))
+    tokens = _sample(logits, [SamplingParams(temperature=0.0)] * 6)
+    assert tokens == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_one_is_greedy_whatever_the_temperature() -> None:
+    logits = torch.randn(8, VOCAB, generator=make_generator(1))
+    params = [SamplingParams(temperature=1.5, top_k=1)] * 8
+    generators: list[torch.Generator | None] = [make_generator(i) for i in range(8)]
+    assert _sample(logits, params, generators) == logits.argmax(dim=-1).tolist()
+
+
+def test_greedy_and_sampled_rows_mix() -> None:
+    logits = torch.randn(4, VOCAB, generator=make_generator(2))
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(top_k=1),
+        SamplingParams(),
+        SamplingParams(temperature=0.0),
+    ]
+    tokens = _sample(logits, params)
+    argmax = logits.argmax(dim=-1).tolist()
+    assert tokens[0] == argmax[0] and tokens[1] == argmax[1] and tokens[3] == argmax[3]
+
+
+def test_top_k_and_top_p_masks_per_row() -> None:
+    row = _logits_of([0.5, 0.3, 0.15, 0.05])
+    logits = row.repeat(4, 1)
+    top_k = torch.tensor([0, 2, 0, 3])
+    top_p = torch.tensor([0.75, 1.0, 1.0, 0.5])
+    kept = apply_top_k_top_p(logits, top_k, top_p).isfinite().tolist()
+    assert kept == [
+        [True, True, False, False],  # mass before token 2 is 0.8 >= 0.75
+        [True, True, False, False],  # top-2
+        [True, True, True, True],  # filters off
+        [True, False, False, False],  # top-3, then 0.5 mass reached after token 0
+    ]
+
+
+def test_top_p_keeps_the_most_likely_token_even_below_the_mass() -> None:
+    logits = _logits_of([0.4, 0.35, 0.25])
+    kept = apply_top_k_top_p(logits, torch.tensor([0]), torch.tensor([0.1])).isfinite()
+    assert kept.tolist() == [[True, False, False]]
+
+
+def test_min_p_mask() -> None:
+    logits = _logits_of([0.5, 0.3, 0.15, 0.05]).repeat(2, 1)
+    kept = apply_min_p(logits, torch.tensor([0.2, 0.5])).isfinite().tolist()
+    assert kept == [[True, True, True, False], [True, True, False, False]]
+
+
+def test_sampled_tokens_stay_inside_the_filters() -> None:
+    logits = torch.randn(1, VOCAB, generator=make_generator(3)).repeat(200, 1)
+    allowed = set(logits[0].topk(3).indices.tolist())
+    params = [SamplingParams(temperature=2.0, top_k=3)] * 200
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        tokens = _sample(logits, params)
+    assert set(tokens) <= allowed and len(set(tokens)) == 3
+
+
+def test_penalties_match_hand_computation() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    result = apply_penalties(logits, [params], [[0]], [[1, 3, 3]])
+    # token 0: prompt only -> 2/2; token 1: -1*2 - 0.25*1 - 0.5; token 3: 3/2 - 0.25*2 - 0.5
+    expected = torch.tensor([[1.0, -2.75, 0.5, 0.5, -2.0]])
+    torch.testing.assert_close(result, expected)
+
+
+def test_penalties_change_the_greedy_choice_and_logprobs() -> None:
+    logits = torch.tensor([[3.0, 2.9, 0.0, -1.0]])
+    params = [SamplingParams(temperature=0.0, frequency_penalty=1.0)]
+    out = Sampler().sample(logits, params, [[2]], [[0]], [None])
+    assert out.token_ids == [1]
+    penalized = torch.tensor([2.0, 2.9, 0.0, -1.0])
+    assert out.logprobs[0] == pytest.approx(penalized.log_softmax(-1)[1].item(), abs=1e-6)
+    assert torch.equal(logits, torch.tensor([[3.0, 2.9, 0.0, -1.0]]))  # input untouched
+
+
+def test_seeded_request_is_independent_of_batch_composition() -> None:
+    logits = torch.randn(1, VOCAB, generator=make_generator(4))
+    target = SamplingParams(temperature=1.0, top_p=0.9, seed=123)
+
+    def run(batch_size: int, position: int) -> list[int]:
+        generator = make_generator(123)
+        tokens = []
+        for step in range(12):
+            others = torch.randn(batch_size, VOCAB, generator=make_generator(100 + step))
+            others[position] = logits[0]
+            params = [SamplingParams(temperature=0.7)] * batch_size
+            generators: list[torch.Generator | None] = [make_generator(step + 9)] * batch_size
+            params[position], generators[position] = target, generator
+            if batch_size > 2:
+                params[0 if position else 1] = SamplingParams(temperature=0.0)
+            tokens.append(_sample(others, params, generators)[position])
+        return tokens
+
+    alone = run(1, 0)
+    assert run(4, 2) == alone
+    assert run(3, 0) == alone
+    assert len(set(alone)) > 1  # it really samples
+
+
+def test_seeded_draws_follow_the_distribution() -> None:
+    probs = [0.1, 0.2, 0.3, 0.4]
+    logits = _logits_of(probs)
+    generator = make_generator(2024)
+    draws = 4000
+    counts = [0] * 4
+    for _ in range(draws):
+        counts[_sample(logits, [SamplingParams(seed=2024)], [generator])[0]] += 1
+    chi2 = sum((c - draws * p) ** 2 / (draws * p) for c, p in zip(counts, probs, strict=True))
+    assert chi2 < 16.27  # 99.9% quantile, 3 degrees of freedom
+
+
+def test_temperature_sharpens_the_distribution() -> None:
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    rows = 4000
+    logits = probs.log().repeat(rows, 1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        tokens = _sample(logits, [SamplingParams(temperature=0.5)] * rows)
+    expected = probs**2 / (probs**2).sum()
+    counts = torch.bincount(torch.tensor(tokens), minlength=4).float()
+    chi2 = ((counts - rows * expected) ** 2 / (rows * expected)).sum().item()
+    assert chi2 < 16.27
+
+
+def test_logprobs_and_top_logprobs() -> None:
+    logits = torch.randn(3, VOCAB, generator=make_generator(5))
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3),
+        SamplingParams(temperature=0.0, logprobs=0),
+        SamplingParams(temperature=0.0),
+    ]
+    out = Sampler().sample(logits, params, [[1]] * 3, [[]] * 3, [None] * 3)
+    reference = logits.log_softmax(-1)
+    for row, token in enumerate(out.token_ids):
+        assert out.logprobs[row] == pytest.approx(reference[row, token].item(), abs=1e-6)
+    top = out.top_logprobs[0]
+    assert top is not None and [t for t, _ in top] == reference[0].topk(3).indices.tolist()
+    assert top[0][1] >= top[1][1] >= top[2][1]
+    assert out.top_logprobs[1] == [] and out.top_logprobs[2] is None
+
+
+def test_params_validation_names_the_field() -> None:
+    for field, value in [
+        ("temperature", -0.1),
+        ("top_p", 0.0),
+        ("min_p", 1.5),
+        ("max_tokens", 0),
+        ("repetition_penalty", 0.0),
+        ("presence_penalty", 3.0),
+        ("logprobs", 21),
+        ("stop", ("",)),
+        ("temperature", math.nan),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+def test_params_normalize_lists_and_top_k_off() -> None:
+    params = SamplingParams(stop=["a"], stop_token_ids=[7], top_k=-1)
+    assert params.stop == ("a",) and params.stop_token_ids == (7,) and params.top_k == 0
+    assert hash(params) == hash(SamplingParams(stop=("a",), stop_token_ids=(7,)))
+    assert SamplingParams(temperature=0.0).is_greedy and not SamplingParams().is_greedy
+
+
+def test_mismatched_batch_is_rejected() -> None:
+    with pytest.raises(ValueError, match="logits"):
+        Sampler().sample(torch.zeros(2, VOCAB), [SamplingParams()], [[1]], [[]], [None])

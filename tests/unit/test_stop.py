@@ -1,0 +1,121 @@
+"""Stop conditions and streaming detokenization on a real byte-level BPE."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+
+import pytest
+from tokenizers import Tokenizer
+
+from engine.sampling import SamplingParams
+from engine.stop import IncrementalDetokenizer, StopChecker
+from models.embedded.tokenizer import train_tokenizer
+
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return train_tokenizer(512)
+
+
+def _decoder(tokenizer: Tokenizer) -> partial[str]:
+    return partial(tokenizer.decode, skip_special_tokens=True)
+
+
+def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def _stream(
+    tokenizer: Tokenizer, params: SamplingParams, token_ids: Sequence[int], prompt: str = "Hi"
+) -> tuple[str, int, object]:
+    """Feed tokens until the checker stops; return (final text, tokens used, decision)."""
+    detok = IncrementalDetokenizer(_decoder(tokenizer), _ids(tokenizer, prompt))
+    checker = StopChecker(params, eos_token_ids=[EOS])
+    for used, token in enumerate(token_ids, start=1):
+        prev = len(detok.output_text)
+        detok.add(token)
+        decision = checker.check(token, detok.output_text, prev)
+        if decision.finished:
+            text = detok.output_text
+            if decision.truncate_to is not None:
+                text = text[: decision.truncate_to]
+            return text, used, decision
+    return detok.output_text + detok.finish(), len(token_ids), None
+
+
+def test_eos_stops_unless_ignored(tokenizer: Tokenizer) -> None:
+    ids = _ids(tokenizer, "the cat") + [EOS] + _ids(tokenizer, " sat")
+    text, used, decision = _stream(tokenizer, SamplingParams(max_tokens=50), ids)
+    assert (text, used) == ("the cat", len(ids) - len(_ids(tokenizer, " sat")))
+    assert getattr(decision, "reason", None) == "stop"
+    text, used, _ = _stream(tokenizer, SamplingParams(max_tokens=50, ignore_eos=True), ids)
+    assert text == "the cat sat" and used == len(ids)
+
+
+def test_stop_token_and_length(tokenizer: Tokenizer) -> None:
+    ids = _ids(tokenizer, "one two three four five")
+    params = SamplingParams(max_tokens=50, stop_token_ids=(ids[2],))
+    _, used, decision = _stream(tokenizer, params, ids)
+    assert used == 3 and getattr(decision, "stop_reason", None) == ids[2]
+    _, used, decision = _stream(tokenizer, SamplingParams(max_tokens=2), ids)
+    assert used == 2 and getattr(decision, "reason", None) == "length"
+
+
+def test_stop_string_spanning_tokens_is_cut(tokenizer: Tokenizer) -> None:
+    text = "The clockmaker opened the wooden shutters."
+    ids = _ids(tokenizer, text)
+    stop = "er ope"  # crosses the "clockmaker" / " opened" token boundary
+    assert all(stop not in tokenizer.decode([token]) for token in ids)
+    out, used, decision = _stream(tokenizer, SamplingParams(max_tokens=50, stop=(stop,)), ids)
+    assert out == "The clockmak" and getattr(decision, "stop_reason", None) == stop
+    assert used < len(ids)
+    kept, _, _ = _stream(
+        tokenizer,
+        SamplingParams(max_tokens=50, stop=(stop,), include_stop_str_in_output=True),
+        ids,
+    )
+    assert kept == "The clockmaker ope"
+
+
+def test_earliest_ending_stop_string_wins(tokenizer: Tokenizer) -> None:
+    ids = _ids(tokenizer, "abcdef")
+    params = SamplingParams(max_tokens=50, stop=("cdef", "bc"))
+    out, _, decision = _stream(tokenizer, params, ids)
+    assert out == "a" and getattr(decision, "stop_reason", None) == "bc"
+
+
+def test_releasable_holds_back_a_possible_stop_prefix() -> None:
+    checker = StopChecker(SamplingParams(stop=("STOP", "x")), eos_token_ids=[EOS])
+    assert checker.releasable(10) == 7
+    assert StopChecker(SamplingParams(), eos_token_ids=[EOS]).releasable(10) == 10
+
+
+def test_detokenizer_holds_incomplete_utf8(tokenizer: Tokenizer) -> None:
+    text = "café 你好 🙂 naïve"
+    ids = _ids(tokenizer, text)
+    # Byte-level BPE: the CJK and emoji characters span several tokens.
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
+    detok = IncrementalDetokenizer(_decoder(tokenizer), _ids(tokenizer, "Say:"))
+    deltas = [detok.add(token) for token in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text == detok.output_text
+    assert detok.output_token_ids == ids
+    assert "" in deltas  # something really was held back
+
+
+def test_detokenizer_keeps_spaces_and_skips_specials(tokenizer: Tokenizer) -> None:
+    ids = _ids(tokenizer, " hello  world\n  indented") + [EOS]
+    detok = IncrementalDetokenizer(_decoder(tokenizer), _ids(tokenizer, "Prompt text"))
+    out = "".join(detok.add(token) for token in ids)
+    assert out == " hello  world\n  indented"
+
+
+def test_finish_flushes_a_truncated_character(tokenizer: Tokenizer) -> None:
+    ids = _ids(tokenizer, "ok 🙂")
+    detok = IncrementalDetokenizer(_decoder(tokenizer), [])
+    streamed = "".join(detok.add(token) for token in ids[:-1])
+    assert "\ufffd" not in streamed
+    assert detok.finish().endswith("\ufffd")
