@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from models.batch import AttentionLayerCache, ForwardBatch
+from models.kernels import dispatch
 
 
 def write_kv(
@@ -69,11 +70,16 @@ def decode_attention(
 ) -> torch.Tensor:
     """One query per sequence, batched: q `[B, heads, head_dim]` -> same shape.
 
-    This is the one place a fused paged-decode kernel plugs in; the torch code
-    below is its reference.
+    The fused paged-decode kernel takes over wherever `models.kernels.dispatch`
+    runs Triton (CUDA tensors); the vectorized torch code below serves CPU and
+    the cases the kernel does not cover (sliding window, cache dtype != q dtype).
     """
     num_seqs, num_heads, head_dim = q.shape
     key_cache, value_cache = layer_cache.key_cache, layer_cache.value_cache
+    if sliding_window is None and q.dtype == key_cache.dtype and dispatch.use_triton(q.device):
+        return dispatch.paged_attention_decode(
+            q, key_cache, value_cache, batch.block_tables, batch.seq_lens, scale
+        )
     kv_heads, block_size = key_cache.shape[2], batch.block_size
     max_len = int(batch.seq_lens.max())
     num_blocks = -(-max_len // block_size)

@@ -30,7 +30,10 @@ LLAMA3_ROPE = {
 }
 
 
-def write_checkpoint(path: Path, **overrides: object) -> transformers.LlamaForCausalLM:
+def write_checkpoint(
+    path: Path, family: str = "Llama", **overrides: object
+) -> transformers.PreTrainedModel:
+    """Save a tiny random `<family>ForCausalLM` (Llama, Qwen2, Mistral) and return it."""
     torch.manual_seed(0)
     fields: dict[str, object] = {
         "hidden_size": 64,
@@ -43,18 +46,21 @@ def write_checkpoint(path: Path, **overrides: object) -> transformers.LlamaForCa
         "max_position_embeddings": 128,
     }
     fields.update(overrides)
-    config = transformers.LlamaConfig(**fields)
-    reference = transformers.LlamaForCausalLM(config).eval()
+    config = getattr(transformers, f"{family}Config")(**fields)
+    reference = getattr(transformers, f"{family}ForCausalLM")(config).eval()
     reference.save_pretrained(path)
     return reference
 
 
 def assert_matches_reference(
-    reference: transformers.LlamaForCausalLM, prompts: list[list[int]], trace: GenerationTrace
+    reference: transformers.PreTrainedModel,
+    prompts: list[list[int]],
+    trace: GenerationTrace,
+    decode_steps: int = DECODE_STEPS,
 ) -> None:
     for i, prompt in enumerate(prompts):
         generated = trace.generated[i]
-        assert len(generated) == DECODE_STEPS + 1
+        assert len(generated) == decode_steps + 1
         full = torch.tensor([prompt + generated[:-1]])
         with torch.no_grad():
             ref_logits = reference(full).logits[0]
@@ -113,3 +119,26 @@ def test_chunked_prefill_across_block_boundaries(tmp_path: Path, block_major: bo
     )
     assert len(trace.prompt_logits[0]) == 23
     assert_matches_reference(reference, prompts, trace)
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [("Qwen2", {}), ("Mistral", {"sliding_window": 6})],
+    ids=["qwen2-qkv-bias", "mistral-sliding-window"],
+)
+def test_other_dense_families(tmp_path: Path, family: str, overrides: dict[str, object]) -> None:
+    reference = write_checkpoint(tmp_path, family=family, **overrides)
+    model, config = load_model(tmp_path)
+    assert config.architecture == f"{family}ForCausalLM"
+    if family == "Qwen2":  # random biases, so a dropped bias would show in the logits
+        with torch.no_grad():
+            for name, param in reference.named_parameters():
+                if name.endswith("_proj.bias"):
+                    param.normal_(0.0, 0.5)
+        reference.save_pretrained(tmp_path)
+        model, config = load_model(tmp_path)
+    prompts = prompts_of([14, 4], seed=4)
+    trace = run_paged_generation(
+        model, config.cache_spec(), prompts, chunk_size=5, decode_steps=8, block_size=4
+    )
+    assert_matches_reference(reference, prompts, trace, decode_steps=8)

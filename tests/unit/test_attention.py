@@ -1,0 +1,112 @@
+"""Paged GQA attention against dense causal attention on the same K/V."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.batch import AttentionLayerCache, ForwardBatch
+from models.kernels import dispatch
+from models.layers.attention import paged_attention
+
+HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
+SCALE = DIM**-0.5
+
+
+def make_step(
+    context_lens: list[int], new_lens: list[int], num_blocks: int = 32, seed: int = 0
+) -> tuple[ForwardBatch, AttentionLayerCache, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """A step over shuffled blocks of a block-major pool whose history K/V is already cached.
+
+    Returns the batch, the cache, each sequence's full K and V (history + new),
+    and the new tokens' queries.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.zeros(num_blocks, 3, 2, BLOCK, KV_HEADS, DIM)  # [blocks, layers, 2, ...]
+    cache = AttentionLayerCache(pool[:, 1, 0], pool[:, 1, 1])
+    free = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables, slots, positions, keys, values = [], [], [], [], []
+    for ctx, new in zip(context_lens, new_lens, strict=True):
+        total = ctx + new
+        blocks = [free.pop() for _ in range(-(-total // BLOCK))]
+        tables.append(blocks)
+        k = torch.randn(total, KV_HEADS, DIM, generator=gen)
+        v = torch.randn(total, KV_HEADS, DIM, generator=gen)
+        for pos in range(ctx):  # history written by earlier steps
+            cache.key_cache[blocks[pos // BLOCK], pos % BLOCK] = k[pos]
+            cache.value_cache[blocks[pos // BLOCK], pos % BLOCK] = v[pos]
+        for pos in range(ctx, total):
+            slots.append(blocks[pos // BLOCK] * BLOCK + pos % BLOCK)
+            positions.append(pos)
+        keys.append(k)
+        values.append(v)
+    width = max(len(t) for t in tables)
+    starts = torch.tensor([0, *new_lens]).cumsum(0)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(sum(new_lens), dtype=torch.int64),
+        positions=torch.tensor(positions),
+        query_start_loc=starts,
+        seq_lens=torch.tensor(context_lens) + torch.tensor(new_lens),
+        context_lens=torch.tensor(context_lens),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        slot_mapping=torch.tensor(slots),
+        block_size=BLOCK,
+    )
+    q = torch.randn(sum(new_lens), HEADS, DIM, generator=gen)
+    return batch, cache, keys, values, q
+
+
+def dense_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int, window: int | None
+) -> torch.Tensor:
+    k = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    v = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
+    q_pos = torch.arange(ctx, ctx + q.shape[0])[:, None]
+    k_pos = torch.arange(k.shape[0])[None, :]
+    visible = k_pos <= q_pos
+    if window is not None:
+        visible &= k_pos > q_pos - window
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def run_and_compare(context_lens: list[int], new_lens: list[int], window: int | None) -> None:
+    batch, cache, keys, values, q = make_step(context_lens, new_lens)
+    new_k = torch.cat([k[c:] for k, c in zip(keys, context_lens, strict=True)])
+    new_v = torch.cat([v[c:] for v, c in zip(values, context_lens, strict=True)])
+    out = paged_attention(q, new_k, new_v, cache, batch, SCALE, window)
+    starts = batch.query_start_loc.tolist()
+    for i, ctx in enumerate(context_lens):
+        expected = dense_reference(q[starts[i] : starts[i + 1]], keys[i], values[i], ctx, window)
+        torch.testing.assert_close(out[starts[i] : starts[i + 1]], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "sliding-3"])
+def test_mixed_prefill_chunks_and_decode_tokens(window: int | None) -> None:
+    # A chunk continuing a cached prefix mid-block, a fresh prompt, a decode token.
+    run_and_compare(context_lens=[5, 0, 9], new_lens=[6, 4, 1], window=window)
+
+
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "sliding-5"])
+def test_decode_only_batch_of_uneven_lengths(window: int | None) -> None:
+    run_and_compare(context_lens=[0, 12, 3, 7], new_lens=[1, 1, 1, 1], window=window)
+
+
+def test_new_kv_lands_in_the_pool_slots() -> None:
+    batch, cache, keys, values, q = make_step([2], [3])
+    paged_attention(q, keys[0][2:], values[0][2:], cache, batch, SCALE)
+    block = int(batch.block_tables[0, 1])  # positions 4.. live in the second block
+    torch.testing.assert_close(cache.key_cache[block, 0], keys[0][4])
+    torch.testing.assert_close(cache.value_cache[block, 0], values[0][4])
+
+
+@pytest.mark.skipif(not dispatch.kernels_interpreted(), reason="kernels compiled for a GPU")
+def test_decode_through_the_triton_kernel_matches(monkeypatch: pytest.MonkeyPatch) -> None:
+    batch, cache, keys, values, q = make_step([3, 10], [1, 1])
+    new_k = torch.stack([keys[0][3], keys[1][10]])
+    new_v = torch.stack([values[0][3], values[1][10]])
+    torch_out = paged_attention(q, new_k, new_v, cache, batch, SCALE)
+    monkeypatch.setenv(dispatch.FORCE_TRITON_ENV, "1")
+    kernel_out = paged_attention(q, new_k, new_v, cache, batch, SCALE)
+    torch.testing.assert_close(kernel_out, torch_out, rtol=1e-5, atol=1e-5)
