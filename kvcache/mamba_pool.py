@@ -10,8 +10,35 @@ than reading it.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from kvcache.errors import IntegrityError, RequestStateError
+from kvcache.layout import CONV, MAMBA_KINDS, SSM
+from kvcache.spec import CacheSpec
+
+# The SSM state accumulates over the whole sequence; bf16 would drift, so it is
+# float32 whatever the KV cache dtype.
+SSM_DTYPE = "float32"
+
+
+@dataclass(frozen=True)
+class MambaStateShape:
+    """One Mamba layer's conv or SSM state in one slot."""
+
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    num_bytes: int
+
+
+def mamba_state_shape(spec: CacheSpec, kind: str) -> MambaStateShape:
+    """conv: `(conv_dim, conv_kernel - 1)` in the cache dtype; ssm: `(num_heads,
+    head_dim, state_size)` in float32."""
+    if kind == CONV:
+        return MambaStateShape(CONV, spec.dtype, spec.conv_state_shape, spec.conv_state_bytes)
+    if kind == SSM:
+        return MambaStateShape(SSM, SSM_DTYPE, spec.ssm_state_shape, spec.ssm_state_bytes)
+    raise ValueError(f"Mamba state kind must be one of {MAMBA_KINDS}, got {kind!r}")
 
 
 class MambaStatePool:

@@ -105,6 +105,15 @@ class KVCacheManager:
         return self._pool.num_free_blocks
 
     @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by requests (cached free blocks count as free)."""
+        return 1.0 - self._pool.num_free_blocks / self._pool.num_usable_blocks
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    @property
     def evictions(self) -> int:
         return self._pool.num_evictions
 

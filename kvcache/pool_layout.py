@@ -30,10 +30,10 @@ from kvcache.layout import (
     RequestRegions,
     TensorPlacement,
 )
+from kvcache.mamba_pool import SSM_DTYPE, mamba_state_shape
 from kvcache.spec import CacheSpec
 
 ALIGN_BYTES = 16
-SSM_DTYPE = "float32"
 
 
 def _align(n: int) -> int:
@@ -72,11 +72,8 @@ class CacheLayout(ABC):
 
     def mamba_state(self, kind: str) -> tuple[str, tuple[int, ...], int]:
         """(dtype, shape, bytes) of one Mamba layer's `kind` state in one slot."""
-        if kind == CONV:
-            return self.spec.dtype, self.spec.conv_state_shape, self.spec.conv_state_bytes
-        if kind == SSM:
-            return SSM_DTYPE, self.spec.ssm_state_shape, self.spec.ssm_state_bytes
-        raise ValueError(f"Mamba state kind must be one of {MAMBA_KINDS}, got {kind!r}")
+        state = mamba_state_shape(self.spec, kind)
+        return state.dtype, state.shape, state.num_bytes
 
     def signature(self) -> LayoutSignature:
         spec = self.spec

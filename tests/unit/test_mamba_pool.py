@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvcache.errors import IntegrityError, RequestStateError
-from kvcache.mamba_pool import MambaStatePool
+from kvcache.layout import CONV, SSM
+from kvcache.mamba_pool import MambaStatePool, mamba_state_shape
+from kvcache.spec import CacheSpec
 
 
 def test_one_slot_per_request_until_the_pool_is_empty() -> None:
@@ -48,3 +50,20 @@ def test_integrity_check_catches_a_slot_both_free_and_owned() -> None:
 def test_pool_needs_a_slot() -> None:
     with pytest.raises(ValueError, match="at least one slot"):
         MambaStatePool(0)
+
+
+def test_ssm_state_is_float32_even_with_a_bf16_cache() -> None:
+    spec = CacheSpec(
+        num_kv_heads=2,
+        head_dim=4,
+        attention_layers=(1,),
+        dtype="bfloat16",
+        mamba_layers=(0,),
+        conv_state_shape=(6, 3),
+        ssm_state_shape=(2, 4, 5),
+    )
+    conv, ssm = mamba_state_shape(spec, CONV), mamba_state_shape(spec, SSM)
+    assert (conv.dtype, conv.shape, conv.num_bytes) == ("bfloat16", (6, 3), 36)
+    assert (ssm.dtype, ssm.shape, ssm.num_bytes) == ("float32", (2, 4, 5), 160)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        mamba_state_shape(spec, "attention")

@@ -44,6 +44,7 @@ def test_allocate_grows_the_table_block_by_block(manager: KVCacheManagerV1) -> N
     assert manager.allocate_slots("a", 9)  # the 9th token opens block 3
     assert manager.block_table("a") == [1, 2, 4]
     assert manager.free_queue_ids() == [5, 6, 7, 8, 9, 10]
+    assert manager.num_requests == 2 and manager.usage == pytest.approx(0.4)
     manager.check_integrity()
 
 
