@@ -270,14 +270,30 @@ def _exponential_noise(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
 ) -> torch.Tensor:
-    """Exp(1) noise shaped like `probs`; seeded rows draw from their own generator."""
-    noise = torch.empty_like(probs).exponential_()
-    vocab = probs.shape[-1]
+    """Exp(1) noise shaped like `probs`; seeded rows draw from their own generator.
+
+    A seeded row draws exactly `vocab` values per step from its generator (on
+    the generator's device, then copied), whatever else is in the batch.
+    Unseeded rows share one draw from the global RNG.
+    """
+    rows, vocab = probs.shape
+    noise = torch.ones_like(probs)
+    unseeded: list[int] = []
     for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
-        if generator is None or p.is_greedy:
+        if p.is_greedy:
+            continue
+        if generator is None:
+            unseeded.append(row)
             continue
         own = torch.empty(vocab, dtype=probs.dtype, device=generator.device)
         noise[row] = own.exponential_(generator=generator).to(probs.device)
+    if len(unseeded) == rows:
+        noise.exponential_()
+    elif unseeded:
+        index = torch.tensor(unseeded, device=probs.device)
+        noise[index] = torch.empty(
+            len(unseeded), vocab, dtype=probs.dtype, device=probs.device
+        ).exponential_()
     # exponential_ may return exactly 0; a 0 divisor would turn a masked
     # token's 0 probability into nan.
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)

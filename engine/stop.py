@@ -63,14 +63,23 @@ class StopChecker:
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
         self.num_tokens = 0
 
-    def check(self, new_token_id: int, text_so_far: str, prev_text_len: int) -> StopDecision:
+    def check(
+        self,
+        new_token_id: int,
+        text_so_far: str,
+        prev_text_len: int,
+        num_output_tokens: int | None = None,
+    ) -> StopDecision:
         """Decide after `new_token_id`; `text_so_far` is the whole output text.
 
         `prev_text_len` is the text length before this token: only a stop
         string ending past it can be new, so each call scans O(new text +
         longest stop string). The first stop string to end wins.
+        `num_output_tokens` (this token included) is for callers whose
+        request got tokens elsewhere (the context worker's first token); by
+        default the checker counts its own calls.
         """
-        self.num_tokens += 1
+        self.num_tokens = self.num_tokens + 1 if num_output_tokens is None else num_output_tokens
         if new_token_id in self.eos_token_ids:
             return StopDecision(finished=True, reason=STOP)
         if new_token_id in self.stop_token_ids:

@@ -18,6 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from models.embedded.tokenizer import (
+    BOS_TOKEN,
+    IMAGE_TOKEN,
+    PAD_TOKEN,
+    SPECIAL_TOKEN_IDS,
+    STOP_TOKEN_IDS,
+)
+
 ARCHS: tuple[str, ...] = ("llama", "nemotron_h", "nemotron_vl")
 SIZES: tuple[str, ...] = ("tiny", "small")
 VL_ARCHITECTURES: tuple[str, ...] = (
@@ -35,10 +43,13 @@ VL_MODEL_TYPES: dict[str, str] = {
     "NemotronH_Omni_Reasoning_V3": "nemotron_h_omni",
 }
 
-PAD_TOKEN_ID = 0
-BOS_TOKEN_ID = 1
-EOS_TOKEN_ID = 2
-IMAGE_TOKEN_ID = 6  # `<image>` in models.embedded.tokenizer.SPECIAL_TOKENS
+PAD_TOKEN_ID = SPECIAL_TOKEN_IDS[PAD_TOKEN]
+BOS_TOKEN_ID = SPECIAL_TOKEN_IDS[BOS_TOKEN]
+# Every token that ends a generation (`</s>`, `<|im_end|>`, `<|end|>`), as a
+# list the way multi-EOS checkpoints (Llama 3, Nemotron) write it, so a chat
+# turn stops at `<|im_end|>` for loaders that read only config.json.
+EOS_TOKEN_IDS: tuple[int, ...] = STOP_TOKEN_IDS
+IMAGE_TOKEN_ID = SPECIAL_TOKEN_IDS[IMAGE_TOKEN]
 DTYPE = "float32"  # tests compare against transformers in fp32
 
 
@@ -139,7 +150,7 @@ def llama_config(size: str, initializer_range: float = DEFAULT_INITIALIZER_RANGE
         "use_cache": True,
         "pad_token_id": PAD_TOKEN_ID,
         "bos_token_id": BOS_TOKEN_ID,
-        "eos_token_id": EOS_TOKEN_ID,
+        "eos_token_id": list(EOS_TOKEN_IDS),
         "pretraining_tp": 1,
         "tie_word_embeddings": False,
         "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
@@ -174,7 +185,7 @@ def nemotron_h_config(
         "num_logits_to_keep": 1,
         "pad_token_id": PAD_TOKEN_ID,
         "bos_token_id": BOS_TOKEN_ID,
-        "eos_token_id": EOS_TOKEN_ID,
+        "eos_token_id": list(EOS_TOKEN_IDS),
         "num_attention_heads": s.num_attention_heads,
         "num_key_value_heads": s.num_key_value_heads,
         "head_dim": s.head_dim,

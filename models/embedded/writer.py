@@ -26,7 +26,7 @@ from models.embedded.configs import (
     checkpoint_config,
     language_model_config,
 )
-from models.embedded.tokenizer import STOP_TOKEN_IDS, tokenizer_files
+from models.embedded.tokenizer import tokenizer_files
 
 MANIFEST_NAME = "embedded_checkpoint.json"
 CHECKPOINT_FILES: tuple[str, ...] = (
@@ -153,7 +153,7 @@ def _write_all(out: Path, config: dict[str, Any], seed: int, progress: bool) -> 
 def _generation_config(llm: dict[str, Any]) -> dict[str, Any]:
     return {
         "bos_token_id": llm["bos_token_id"],
-        "eos_token_id": list(STOP_TOKEN_IDS),
+        "eos_token_id": list(llm["eos_token_id"]),
         "pad_token_id": llm["pad_token_id"],
         "do_sample": False,
     }

@@ -202,3 +202,16 @@ def test_safetensors_writer_matches_reference_reader(tmp_path: Path) -> None:
     assert loaded.keys() == tensors.keys()
     for name, tensor in tensors.items():
         assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+
+
+def test_small_llama_checkpoint_matches_its_config(tmp_path: Path) -> None:
+    path = write_checkpoint(tmp_path / "small", "llama", size="small")
+    config = json.loads((path / "config.json").read_text())
+    with safe_open(path / "model.safetensors", "pt") as f:
+        embed = f.get_slice("model.embed_tokens.weight").get_shape()
+        names: list[str] = list(f.keys())
+    layers = {k.split(".")[2] for k in names if k.startswith("model.layers.")}
+    assert embed == [config["vocab_size"], config["hidden_size"]] == [4096, 512]
+    assert len(layers) == config["num_hidden_layers"] >= 8
+    tokenizer = json.loads((path / "tokenizer.json").read_text())
+    assert len(tokenizer["model"]["vocab"]) == config["vocab_size"]

@@ -119,3 +119,10 @@ def test_finish_flushes_a_truncated_character(tokenizer: Tokenizer) -> None:
     streamed = "".join(detok.add(token) for token in ids[:-1])
     assert "\ufffd" not in streamed
     assert detok.finish().endswith("\ufffd")
+
+
+def test_length_counts_tokens_generated_elsewhere() -> None:
+    checker = StopChecker(SamplingParams(max_tokens=3), eos_token_ids=[EOS])
+    # The first token came from the context worker; this checker sees token 2 and 3.
+    assert not checker.check(10, "a", 0, num_output_tokens=2).finished
+    assert checker.check(11, "ab", 1).reason == "length"
