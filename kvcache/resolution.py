@@ -83,29 +83,32 @@ def resolve_cluster_managers(
     """(context manager, generation manager) for the whole cluster.
 
     Python transceiver: each side resolves on its own (it bridges V1 and V2).
-    NIXL (raw memory by descriptor): both sides get one manager. An explicit
-    setting binds an `auto` side; a V2 choice is kept, never demoted; one side
-    forced to V1 and the other to V2 raises LayoutConflictError.
+    NIXL (raw memory by descriptor): both sides get one manager, and a side
+    that resolves to V2 (explicitly or by the model's preference) is never
+    demoted: a side whose V1 came from `auto` follows it to V2, while a side
+    forced to V1 facing V2 raises LayoutConflictError naming both sections.
     """
     _check_choice("cache_transceiver.backend", transceiver, (PYTHON, NIXL))
     context = resolve_manager(context_requested, preferred)
     generation = resolve_manager(generation_requested, preferred)
     if transceiver == PYTHON or context == generation:
         return context, generation
-    explicit = {context_requested, generation_requested} - {AUTO}
-    if explicit == {V1, V2}:
+    v1_requested = context_requested if context == V1 else generation_requested
+    if v1_requested == V1:
         raise LayoutConflictError(
-            f"kv_cache.manager is {context_requested!r} on context_servers but "
-            f"{generation_requested!r} on generation_servers; the NIXL backend needs one "
-            "layout: set both to the same manager or use cache_transceiver.backend 'python'"
+            f"kv_cache.manager is {_describe(context_requested, context)} on context_servers "
+            f"but {_describe(generation_requested, generation)} on generation_servers; the "
+            "NIXL backend needs one layout and a V2 choice is never demoted: set both to the "
+            "same manager or use cache_transceiver.backend 'python'"
         )
-    # Sides differ and at most one of them is explicit: the explicit one wins;
-    # with both auto (unreachable today, one preference feeds both) keep V2.
-    chosen = explicit.pop() if explicit else V2
-    log_once(
-        f"kv_cache.manager resolved to {chosen!r} on both sides: the NIXL backend needs one layout"
-    )
-    return chosen, chosen
+    log_once("kv_cache.manager resolved to 'v2' on both sides: the NIXL backend needs one layout")
+    return V2, V2
+
+
+def _describe(requested: str, resolved: str) -> str:
+    if requested == resolved:
+        return repr(requested)
+    return f"{requested!r} (resolved to {resolved!r} by the model's preference)"
 
 
 def resolve_block_reuse(requested: bool, manager: str, is_hybrid: bool) -> bool:

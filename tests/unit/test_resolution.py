@@ -66,6 +66,15 @@ def test_explicit_side_binds_the_auto_side_on_nixl() -> None:
     assert resolve_cluster_managers("v1", "auto", DENSE_MANAGER, "nixl") == ("v1", "v1")
 
 
+@pytest.mark.parametrize(("context", "generation"), [("v1", "auto"), ("auto", "v1")])
+def test_forced_v1_facing_a_preferred_v2_is_a_conflict_on_nixl(
+    context: str, generation: str
+) -> None:
+    # The hybrid's auto side resolves to v2; demoting it to v1 is never done.
+    with pytest.raises(LayoutConflictError, match="resolved to 'v2' by the model's preference"):
+        resolve_cluster_managers(context, generation, HYBRID_MANAGER, "nixl")
+
+
 def test_explicit_v1_v2_conflict_on_nixl_names_both_sections() -> None:
     with pytest.raises(LayoutConflictError) as info:
         resolve_cluster_managers("v1", "v2", HYBRID_MANAGER, "nixl")
