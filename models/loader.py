@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,12 +45,24 @@ def load_model(
     if dtype is not None:
         config = replace(config, dtype=dtype_name(dtype))
     model_cls = model_class_for(config.architecture)
-    with torch.device(device):
+    # Build directly in the target dtype and device: no fp32 copy of the
+    # weights ever exists, so peak memory is one model.
+    with torch.device(device), _default_dtype(TORCH_DTYPES[config.dtype]):
         model: CausalLM = model_cls(config)
     model.to(dtype=TORCH_DTYPES[config.dtype])
     model.load_weights(iter_checkpoint_tensors(checkpoint_dir))
     model.eval()
     return model, config
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def dtype_name(dtype: str | torch.dtype) -> str:
