@@ -29,7 +29,7 @@ import torch
 
 from kvcache.layout import LayoutSignature, RequestRegions
 from transfer.base import BufferInfo, Transceiver, TransferHandle, check_signature
-from transfer.errors import LayoutMismatch, PeerGone
+from transfer.errors import LayoutMismatch, PeerGone, TransferError
 from transfer.nixl_descriptors import PreparedTables, group_pairs
 from transfer.plan import check_bounds
 
@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 _RELEASE = b"release"
 _LOCAL_AGENT = "NIXL_INIT_AGENT"
+# Binding exceptions (no common base class) that mean the holder is unreachable.
+_PEER_ERRORS = frozenset({"nixlRemoteDisconnectError", "nixlBackendError"})
 # The UCX progress thread sleeps this long between polls. nixl_agent() uses 0,
 # which spins one core per agent; an idle worker must not burn a core.
 DEFAULT_PROGRESS_DELAY_US = 1000
@@ -194,7 +196,7 @@ class NixlTransceiver(Transceiver):
         check_bounds(rid, dst_desc, self._sizes)
         remote = self._remote_tables(handle)
         assert self._local is not None and handle.agent_name is not None
-        xfers = []
+        xfers: list[Any] = []
         try:
             for (lkey, rkey), (lidx, ridx) in group_pairs(src_desc, dst_desc).items():
                 xfer = self._agent.make_prepped_xfer(
@@ -207,6 +209,8 @@ class NixlTransceiver(Transceiver):
         except PeerGone:
             self._forget(handle.agent_name)
             raise
+        except Exception as exc:
+            raise self._translate(handle, exc) from exc
         finally:
             for xfer in xfers:
                 with contextlib.suppress(Exception):  # an unfinished READ is aborted here
@@ -227,6 +231,17 @@ class NixlTransceiver(Transceiver):
             if pending:
                 elapsed = time.monotonic() - start
                 await asyncio.sleep(0 if elapsed < 0.002 else min(0.001, elapsed / 20))
+
+    def _translate(self, handle: TransferHandle, exc: Exception) -> Exception:
+        """NIXL binding errors as transfer errors; anything else unchanged."""
+        name = type(exc).__name__
+        if name in _PEER_ERRORS:
+            assert handle.agent_name is not None
+            self._forget(handle.agent_name)
+            return PeerGone(handle.request_id, handle.peer, f"NIXL: {name}")
+        if name.startswith("nixl"):
+            return TransferError(f"NIXL failed on request {handle.request_id!r}: {name} {exc}")
+        return exc
 
     def _remote_tables(self, handle: TransferHandle) -> PreparedTables:
         peer = handle.agent_name

@@ -1,0 +1,165 @@
+"""Transceivers between Ray actors: exact bytes for every manager pair, and faults.
+
+Two long-lived actors each host a V1 and a V2 pool on both backends; fault
+tests use throw-away actors that get `ray.kill`ed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from kvcache.spec import CacheSpec
+from transfer.bench_worker import EndpointHost, EndpointSpec
+from transfer.nixl_transceiver import nixl_available
+
+ROOT = str(Path(__file__).resolve().parents[2])
+HYBRID = CacheSpec(
+    num_kv_heads=2,
+    head_dim=16,
+    attention_layers=(1, 3, 5),
+    mamba_layers=(0, 2, 4),
+    conv_state_shape=(24, 3),
+    ssm_state_shape=(4, 8, 16),
+)
+BLOCK_SIZE = 8
+KINDS = ["python", "nixl"] if nixl_available() else ["python"]
+PAIRS = [
+    ("python", "v1", "v1"),
+    ("python", "v2", "v2"),
+    ("python", "v1", "v2"),
+    ("python", "v2", "v1"),
+    ("nixl", "v1", "v1"),
+    ("nixl", "v2", "v2"),
+]
+
+Host = Any  # a Ray actor handle of EndpointHost
+
+
+def host_specs() -> dict[str, EndpointSpec]:
+    return {
+        f"{kind}-{manager}": EndpointSpec(kind, manager, HYBRID, 32, BLOCK_SIZE)
+        for kind in KINDS
+        for manager in ("v1", "v2")
+    }
+
+
+def spawn() -> Host:
+    actor = ray.remote(num_cpus=0)(EndpointHost).remote(host_specs())
+    ray.get(actor.start.remote())
+    return actor
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[Host, Host]]:
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        runtime_env={
+            "env_vars": {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        },
+    )
+    try:
+        yield spawn(), spawn()
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.parametrize("kind,src_manager,dst_manager", PAIRS)
+def test_cache_moves_exactly_between_actors(
+    cluster: tuple[Host, Host], kind: str, src_manager: str, dst_manager: str
+) -> None:
+    if kind not in KINDS:
+        pytest.skip("nixl is not importable")
+    holder, puller = cluster
+    src, dst = f"{kind}-{src_manager}", f"{kind}-{dst_manager}"
+    rid = f"{kind}-{src_manager}-{dst_manager}"
+    free_before = ray.get(holder.state.remote(src))["free_blocks"]
+    num_tokens = 5 * BLOCK_SIZE - 3
+    sent = ray.get(holder.fill.remote(src, rid, num_tokens, seed=len(rid)))
+    handle = ray.get(holder.publish.remote(src, rid, 30.0))
+    result = ray.get(puller.pull.remote(dst, handle, num_tokens, 20.0))
+    assert result["ok"], result["message"]
+    assert ray.get(puller.digests.remote(dst, rid)) == sent
+    assert any(key.startswith("mamba/") for key in sent)
+    ray.get(puller.free.remote(dst, rid))
+    state = wait_state(holder, src, lambda s: rid in s["released"])
+    assert state["free_blocks"] == free_before and state["pinned"] == 0
+
+
+def test_nixl_refuses_a_layout_mismatch_before_moving_bytes(cluster: tuple[Host, Host]) -> None:
+    if "nixl" not in KINDS:
+        pytest.skip("nixl is not importable")
+    holder, puller = cluster
+    sent = ray.get(holder.fill.remote("nixl-v2", "mismatch", BLOCK_SIZE))
+    handle = ray.get(holder.publish.remote("nixl-v2", "mismatch", 30.0))
+    result = ray.get(puller.pull.remote("nixl-v1", handle, BLOCK_SIZE, 10.0))
+    assert result["error"] == "LayoutMismatch"
+    assert "manager" in result["message"]
+    assert ray.get(holder.state.remote("nixl-v2"))["pinned"] == 1
+    assert ray.get(holder.digests.remote("nixl-v2", "mismatch")) == sent
+    ray.get(puller.state.remote("nixl-v1"))  # the puller freed its blocks: pool consistent
+    ray.get(holder.abort.remote("nixl-v2", "mismatch"))
+    assert ray.get(holder.state.remote("nixl-v2"))["pinned"] == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_killed_puller_lease_frees_holder(cluster: tuple[Host, Host], kind: str) -> None:
+    holder, _ = cluster
+    name = f"{kind}-v2"
+    free_before = ray.get(holder.state.remote(name))["free_blocks"]
+    victim = spawn()
+    rid = f"orphan-{kind}"
+    ray.get(holder.fill.remote(name, rid, 4 * BLOCK_SIZE))
+    ray.get(holder.publish.remote(name, rid, 1.0))
+    kill(victim)
+    state = wait_state(holder, name, lambda s: rid in s["released"], timeout_s=10)
+    assert state["free_blocks"] == free_before and state["pinned"] == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_killed_holder_gives_puller_peer_gone_and_it_frees(
+    cluster: tuple[Host, Host], kind: str
+) -> None:
+    _, puller = cluster
+    name = f"{kind}-v2"
+    free_before = ray.get(puller.state.remote(name))["free_blocks"]
+    victim = spawn()
+    rid = f"lost-{kind}"
+    ray.get(victim.fill.remote(name, rid, 4 * BLOCK_SIZE))
+    handle = ray.get(victim.publish.remote(name, rid, 30.0))
+    kill(victim)
+    result = ray.get(puller.pull.remote(name, handle, 4 * BLOCK_SIZE, 5.0))
+    assert result["error"] == "PeerGone", result
+    assert result["seconds"] < 5.0
+    state = ray.get(puller.state.remote(name))
+    assert state["free_blocks"] == free_before
+
+
+def kill(actor: Host) -> None:
+    """`ray.kill` and wait until the process is really gone (kill is asynchronous)."""
+    pid = ray.get(actor.pid.remote())
+    ray.kill(actor)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"actor process {pid} still alive after ray.kill")
+
+
+def wait_state(host: Host, name: str, done: Any, timeout_s: float = 5.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = ray.get(host.state.remote(name))
+        if done(state) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.05)

@@ -1,0 +1,183 @@
+"""A cache endpoint for exercising transceivers across processes (benchmark, tests).
+
+One `CacheEndpoint` is what a worker owns for transfers: a manager, its pool
+tensors and a started transceiver. `EndpointHost` bundles endpoints by name so
+one Ray actor can host several (a V1 and a V2 pool on each backend) and be
+driven through plain, picklable arguments: ids, sizes, handle bytes and
+SHA-256 digests instead of cache contents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvcache.factory import create_manager
+from kvcache.layout import Region
+from kvcache.spec import CacheSpec
+from kvcache.tensors import allocate_cache_tensors
+from transfer.base import Transceiver, TransferHandle
+from transfer.errors import TransferError
+
+
+@dataclass(frozen=True)
+class EndpointSpec:
+    """What to build: `kind` ("python" | "nixl"), `manager` ("v1" | "v2"), pool sizes."""
+
+    kind: str
+    manager: str
+    spec: CacheSpec
+    num_blocks: int
+    block_size: int
+    num_slots: int = 4
+    secret: bytes = b"bench"
+
+
+class CacheEndpoint:
+    """A manager + pool tensors + transceiver, driven by request id."""
+
+    def __init__(self, cfg: EndpointSpec) -> None:
+        self.manager = create_manager(
+            cfg.manager, cfg.spec, cfg.num_blocks, cfg.block_size, cfg.num_slots
+        )
+        self.tensors = allocate_cache_tensors(self.manager)
+        self.xcvr = _make_transceiver(cfg, self.tensors.buffers())
+        self.released: list[str] = []
+
+    def fill(self, request_id: str, num_tokens: int, seed: int = 0) -> dict[str, str]:
+        """Allocate `num_tokens` tokens and write random bytes; returns segment digests."""
+        if not self.manager.allocate_slots(request_id, num_tokens):
+            raise RuntimeError(f"pool too small for {num_tokens} tokens")
+        generator = torch.Generator().manual_seed(seed)
+        for region in self.manager.regions(request_id).descriptors:
+            view = self.tensors.region_tensor(region)
+            view.copy_(torch.randint(0, 256, view.shape, dtype=torch.uint8, generator=generator))
+        return self.digests(request_id)
+
+    def digests(self, request_id: str) -> dict[str, str]:
+        """SHA-256 of every KV and Mamba segment, keyed by "kv/<layer>/<block>" etc."""
+        regions = self.manager.regions(request_id)
+        out = {f"kv/{o}/{b}": self._digest(r) for (o, b), r in regions.kv_segments.items()}
+        out.update(
+            {f"mamba/{o}/{k}": self._digest(r) for (o, k), r in regions.mamba_segments.items()}
+        )
+        return out
+
+    def publish(self, request_id: str, lease_s: float) -> bytes:
+        handle = self.xcvr.publish(
+            request_id,
+            self.manager.regions(request_id),
+            self.manager.layout_signature(),
+            lease_s,
+            self._on_release,
+        )
+        return handle.to_bytes()
+
+    async def pull(self, handle_bytes: bytes, num_tokens: int, timeout_s: float) -> dict[str, Any]:
+        """Allocate, pull, finish. Returns {"ok", "seconds", "error", "message"}; frees on error."""
+        handle = TransferHandle.from_bytes(handle_bytes)
+        rid = handle.request_id
+        if not self.manager.allocate_for_transfer(rid, num_tokens):
+            raise RuntimeError(f"pool too small to receive {num_tokens} tokens")
+        start = time.perf_counter()
+        try:
+            await self.xcvr.pull(
+                handle, self.manager.regions(rid), self.manager.layout_signature(), timeout_s
+            )
+        except TransferError as exc:
+            self.manager.free(rid)
+            elapsed = time.perf_counter() - start
+            return {
+                "ok": False,
+                "seconds": elapsed,
+                "error": type(exc).__name__,
+                "message": str(exc),
+            }
+        elapsed = time.perf_counter() - start
+        self.manager.finish_transfer(rid)
+        return {"ok": True, "seconds": elapsed, "error": None, "message": ""}
+
+    def state(self) -> dict[str, Any]:
+        """Free blocks, pinned requests and releases so far; raises if the pool is inconsistent."""
+        self.manager.check_integrity()
+        return {
+            "free_blocks": self.manager.num_free_blocks,
+            "pinned": self.xcvr.num_pinned,
+            "released": list(self.released),
+        }
+
+    def _on_release(self, request_id: str) -> None:
+        self.released.append(request_id)
+        self.manager.free(request_id)
+
+    def _digest(self, region: Region) -> str:
+        return hashlib.sha256(self.tensors.read_region(region)).hexdigest()
+
+
+class EndpointHost:
+    """Several named endpoints in one process (the body of a Ray actor)."""
+
+    def __init__(self, specs: dict[str, EndpointSpec]) -> None:
+        torch.set_num_threads(1)
+        self.endpoints = {name: CacheEndpoint(cfg) for name, cfg in specs.items()}
+
+    async def start(self) -> None:
+        for endpoint in self.endpoints.values():
+            await endpoint.xcvr.start()
+
+    async def close(self) -> None:
+        for endpoint in self.endpoints.values():
+            await endpoint.xcvr.close()
+
+    def fill(self, name: str, request_id: str, num_tokens: int, seed: int = 0) -> dict[str, str]:
+        return self.endpoints[name].fill(request_id, num_tokens, seed)
+
+    def digests(self, name: str, request_id: str) -> dict[str, str]:
+        return self.endpoints[name].digests(request_id)
+
+    def publish(self, name: str, request_id: str, lease_s: float) -> bytes:
+        return self.endpoints[name].publish(request_id, lease_s)
+
+    async def pull(
+        self, name: str, handle_bytes: bytes, num_tokens: int, timeout_s: float
+    ) -> dict[str, Any]:
+        return await self.endpoints[name].pull(handle_bytes, num_tokens, timeout_s)
+
+    def free(self, name: str, request_id: str) -> None:
+        self.endpoints[name].manager.free(request_id)
+
+    def abort(self, name: str, request_id: str) -> None:
+        """Abort on the endpoint's transceiver (a holder's `on_release` frees the blocks)."""
+        self.endpoints[name].xcvr.abort(request_id)
+
+    def state(self, name: str) -> dict[str, Any]:
+        return self.endpoints[name].state()
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    async def idle_cpu(self, seconds: float) -> float:
+        """Fraction of one core this process used while idle for `seconds`."""
+        import asyncio
+
+        cpu, wall = time.process_time(), time.perf_counter()
+        await asyncio.sleep(seconds)
+        return (time.process_time() - cpu) / (time.perf_counter() - wall)
+
+
+def _make_transceiver(cfg: EndpointSpec, buffers: dict[str, torch.Tensor]) -> Transceiver:
+    if cfg.kind == "python":
+        from transfer.python_transceiver import PythonTransceiver
+
+        return PythonTransceiver(buffers, cfg.secret)
+    if cfg.kind == "nixl":
+        from transfer.nixl_transceiver import NixlTransceiver
+
+        return NixlTransceiver(buffers)
+    raise ValueError(f"cache_transceiver.backend must be 'python' or 'nixl', got {cfg.kind!r}")
