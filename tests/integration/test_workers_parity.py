@@ -1,0 +1,221 @@
+"""Mode parity on a local Ray cluster: 1P1D (each transceiver, each allowed
+manager pair) == aggregated == transformers' greedy `generate`, token for token.
+
+One Ray session and one set of worker actors per module. Prompts of mixed
+lengths include ones longer than a prefill chunk, and the generation side's
+cache is small enough that decoding them together forces preemption.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from decode_worker.worker import GenerationWorker
+from engine.messages import ContextRequest, GenerationRequest, TokenEvent
+from engine.sampling import SamplingParams
+from engine.worker_config import WorkerConfig
+from models.embedded.writer import write_checkpoint
+from prefill_worker.worker import ContextWorker
+
+NEW_TOKENS = 10
+CHUNK = 16  # max_num_tokens: prompts of 23 and 37 tokens take several steps
+PROMPT_LENGTHS = (3, 9, 23, 37)
+# Generation side: 96 tokens of KV. All four requests need 72 + 4 x 10 = 112,
+# so they cannot all decode at once; the longest alone needs 47.
+GEN_MAX_TOKENS = 96
+CTX_MAX_TOKENS = 160
+SECRET = "parity-secret"
+
+# (arch, context manager, generation manager, transceiver)
+PAIRS = [
+    ("llama", "v1", "v1", "python"),
+    ("llama", "v1", "v2", "python"),
+    ("llama", "v2", "v1", "python"),
+    ("llama", "v2", "v2", "python"),
+    ("llama", "v1", "v1", "nixl"),
+    ("llama", "v2", "v2", "nixl"),
+    ("nemotron_h", "v2", "v1", "python"),
+    ("nemotron_h", "v2", "v2", "python"),
+    ("nemotron_vl", "v2", "v2", "python"),
+]
+
+
+def _worker_keys() -> set[tuple[str, str, str, str]]:
+    keys = set()
+    for arch, ctx, gen, xcvr in PAIRS:
+        keys.add(("context", arch, ctx, xcvr))
+        keys.add(("generation", arch, gen, xcvr))
+    return keys
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("parity")
+    # A wide initializer keeps logits well separated, so greedy ties cannot
+    # flip on float noise between implementations.
+    return {
+        arch: write_checkpoint(root / arch, arch, "tiny", seed=11, initializer_range=0.2)
+        for arch in ("llama", "nemotron_h", "nemotron_vl")
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(10, 500, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def ray_session() -> Any:
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def workers(ray_session: Any, checkpoints: dict[str, Path]) -> dict[tuple[str, ...], Any]:
+    actors: dict[tuple[str, ...], Any] = {}
+    for key in sorted(_worker_keys()):
+        role, arch, manager, xcvr = key
+        config = WorkerConfig(
+            checkpoint=str(checkpoints[arch]),
+            manager=manager,
+            transceiver=xcvr,
+            block_size=8,
+            max_tokens=CTX_MAX_TOKENS if role == "context" else GEN_MAX_TOKENS,
+            max_num_tokens=CHUNK,
+            max_batch_size=8,
+            lease_s=60.0,
+            transfer_timeout_s=30.0,
+            cluster_secret=SECRET,
+        )
+        cls = ContextWorker if role == "context" else GenerationWorker
+        name = "-".join(key)
+        actors[key] = ray.remote(cls).options(num_cpus=0.25, name=name).remote(config, name)
+    ray.get([actor.start.remote() for actor in actors.values()])
+    yield actors
+    ray.get([actor.shutdown.remote() for actor in actors.values()])
+    for actor in actors.values():
+        ray.kill(actor)
+
+
+def _params() -> Any:
+    return SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def _reference(checkpoint: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy generate; VL wrappers run their language model."""
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    if "llm_config" in config:
+        checkpoint = _language_model_checkpoint(checkpoint, config["llm_config"])
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    model.eval()
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                pad_token_id=0,
+            )
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+def _language_model_checkpoint(checkpoint: Path, llm_config: dict[str, Any]) -> Path:
+    """The wrapper's language model as a standalone checkpoint next to it, so
+    transformers loads it with its own name conversions."""
+    from safetensors.torch import load_file, save_file
+
+    out = checkpoint.parent / f"{checkpoint.name}-language-model"
+    out.mkdir(exist_ok=True)
+    (out / "config.json").write_text(json.dumps(llm_config))
+    prefix = "language_model."
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    save_file(
+        {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)},
+        str(out / "model.safetensors"),
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(
+    checkpoints: dict[str, Path], prompts: list[list[int]]
+) -> dict[str, list[list[int]]]:
+    """Computed per architecture on first use, then shared by its pairs."""
+    return _References(checkpoints, prompts)
+
+
+class _References(dict[str, list[list[int]]]):
+    def __init__(self, checkpoints: dict[str, Path], prompts: list[list[int]]) -> None:
+        super().__init__()
+        self._checkpoints, self._prompts = checkpoints, prompts
+
+    def __missing__(self, arch: str) -> list[list[int]]:
+        self[arch] = _reference(self._checkpoints[arch], self._prompts)
+        return self[arch]
+
+
+async def _collect(stream: Any) -> list[TokenEvent]:
+    events = []
+    async for ref in stream:
+        events.append(await ref)
+    return events
+
+
+async def _disaggregated(ctx: Any, gen: Any, rid: str, prompt: list[int]) -> list[int]:
+    result = await ctx.prefill.remote(ContextRequest(rid, prompt, _params()))
+    assert result.handle is not None and result.finish_reason is None
+    events = await _collect(gen.generate.remote(GenerationRequest(rid, prompt, _params(), result)))
+    assert events[-1].finish_reason == "length", events[-1]
+    return [result.first_token_id] + [t for e in events for t in e.token_ids]
+
+
+async def _aggregated(gen: Any, rid: str, prompt: list[int]) -> list[int]:
+    events = await _collect(gen.generate.remote(GenerationRequest(rid, prompt, _params())))
+    assert events[-1].finish_reason == "length", events[-1]
+    return [t for e in events for t in e.token_ids]
+
+
+@pytest.mark.parametrize(("arch", "ctx_mgr", "gen_mgr", "xcvr"), PAIRS)
+async def test_disaggregated_equals_aggregated_equals_transformers(
+    workers: dict[tuple[str, ...], Any],
+    references: dict[str, list[list[int]]],
+    prompts: list[list[int]],
+    arch: str,
+    ctx_mgr: str,
+    gen_mgr: str,
+    xcvr: str,
+) -> None:
+    ctx = workers[("context", arch, ctx_mgr, xcvr)]
+    gen = workers[("generation", arch, gen_mgr, xcvr)]
+    tag = f"{arch}-{ctx_mgr}-{gen_mgr}-{xcvr}"
+    preemptions_before = (await gen.step_stats.remote())["preemptions"]
+    disagg = await asyncio.gather(
+        *[_disaggregated(ctx, gen, f"d-{tag}-{i}", p) for i, p in enumerate(prompts)]
+    )
+    aggregated = await asyncio.gather(
+        *[_aggregated(gen, f"a-{tag}-{i}", p) for i, p in enumerate(prompts)]
+    )
+    assert disagg == references[arch]
+    assert aggregated == references[arch]
+    assert (await gen.step_stats.remote())["preemptions"] > preemptions_before
+    # Nothing leaks: every block is free again on both sides once pulls released.
+    for actor in (ctx, gen):
+        load = await actor.load.remote()
+        assert load.num_running == load.num_waiting == 0
+        assert load.num_free_blocks == load.num_total_blocks, load
