@@ -178,7 +178,7 @@ class Mamba2Mixer(nn.Module):
     def _step(
         self, xbc: torch.Tensor, dt_raw: torch.Tensor, slots: torch.Tensor, cache: MambaLayerCache
     ) -> torch.Tensor:
-        """b single tokens `[b, conv_dim]` -> y `[b, H, P]` (D skip included)."""
+        """b single tokens `[b, conv_dim]` -> y `[b, H, P]` float32 (D skip included)."""
         weight = self.conv1d.weight.squeeze(1)
         conv_out = causal_conv_step(xbc, cache.conv_state, slots, weight, self.conv1d.bias)
         x, B, C = self._split_xbc(conv_out)
@@ -193,4 +193,4 @@ class Mamba2Mixer(nn.Module):
             C,
             self.D,
             dt_limit=self.config.time_step_limit,
-        )
+        ).float()

@@ -199,3 +199,20 @@ def test_tied_checkpoint_without_head_uses_the_embedding(
         (name, tensor) for name, tensor in iter_checkpoint_tensors(path) if name != "lm_head.weight"
     )
     assert torch.equal(tied.lm_head.weight, model.backbone.embeddings.weight)
+
+
+def test_bfloat16_prompt_logits_track_float32(checkpoint: tuple[Path, torch.nn.Module]) -> None:
+    path, _ = checkpoint
+    prompts = prompts_of([9, 20], seed=5)
+    traces = []
+    for dtype in ("float32", "bfloat16"):
+        model, config = load_model(path, dtype=dtype)
+        traces.append(
+            run_paged_generation(model, config.cache_spec(), prompts, chunk_size=6, decode_steps=4)
+        )
+    full, half = traces
+    # Only prompt rows see identical inputs: bf16 may pick other greedy tokens.
+    for i in range(len(prompts)):
+        ref, got = full.prompt_logits[i], half.prompt_logits[i]
+        assert half.decode_logits[i].shape == full.decode_logits[i].shape
+        assert ((got - ref).abs().max() / ref.abs().max()).item() < 5e-2
