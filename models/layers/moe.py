@@ -40,13 +40,20 @@ class TopkRouter(nn.Module):
             raise ValueError(
                 f"num_experts {config.num_experts} is not divisible by n_group {config.n_group}"
             )
+        if config.num_experts // config.n_group < _EXPERTS_PER_GROUP_SCORE:
+            raise ValueError(
+                f"n_group {config.n_group} leaves fewer than {_EXPERTS_PER_GROUP_SCORE} of the "
+                f"{config.num_experts} experts per group; lower n_group"
+            )
         if config.topk_group > config.n_group:
             raise ValueError(f"topk_group {config.topk_group} exceeds n_group {config.n_group}")
         self.config = config
-        self.weight = nn.Parameter(torch.zeros(config.num_experts, hidden_size))
+        self.weight = nn.Parameter(
+            torch.zeros(config.num_experts, hidden_size, dtype=torch.float32)
+        )
         # A checkpoint tensor, so a (frozen) parameter: the loader fills parameters by name.
         self.e_score_correction_bias = nn.Parameter(
-            torch.zeros(config.num_experts), requires_grad=False
+            torch.zeros(config.num_experts, dtype=torch.float32), requires_grad=False
         )
 
     def _apply(

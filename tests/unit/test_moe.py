@@ -128,3 +128,17 @@ def test_moe_matches_transformers_module() -> None:
     x = torch.randn(17, HIDDEN)
     with torch.no_grad():
         torch.testing.assert_close(moe(x), reference(x), rtol=1e-5, atol=1e-5)
+
+
+def test_router_stays_float32_in_a_bfloat16_model() -> None:
+    moe = random_moe(moe_config()).to(torch.bfloat16)
+    assert moe.gate.weight.dtype == torch.float32
+    assert moe.gate.e_score_correction_bias.dtype == torch.float32
+    assert moe.experts[0].up_proj.weight.dtype == torch.bfloat16
+    out = moe(torch.randn(4, HIDDEN, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16
+
+
+def test_groups_of_one_expert_are_refused() -> None:
+    with pytest.raises(ValueError, match="lower n_group"):
+        NemotronHMoE(HIDDEN, moe_config(n_group=8, topk_group=2))
