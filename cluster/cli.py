@@ -18,6 +18,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "models.embedded.cli",
         "write a tiny or small Hugging Face style checkpoint, offline",
     ),
+    "serve": ("cluster.serve", "run the cluster behind an OpenAI-compatible HTTP endpoint"),
+    "bench": ("cluster.bench", "load-test any OpenAI-compatible endpoint"),
+    "demo": ("cluster.demo", "start a local 1P1D cluster, send a few completions, stop"),
 }
 
 

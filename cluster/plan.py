@@ -18,18 +18,22 @@ from pathlib import Path
 
 from cluster.config import ClusterConfig, ConfigError, KvCacheConfig, RoleSettings
 from engine.worker_config import WorkerConfig
-from kvcache.errors import ResolutionError
+from kvcache.errors import CacheSizingError, ResolutionError
 from kvcache.resolution import (
     resolve_block_reuse,
     resolve_cluster_managers,
     resolve_transceiver,
 )
+from kvcache.sizing import CacheSizing, size_cache
 from kvcache.spec import CacheSpec
 from models.config import ModelConfig
 from models.hf_config import load_model_config
 from models.registry import model_preferences
 
 DEFAULT_MAX_TOKENS = 8192
+# Workers keep as many Mamba slots again as batch slots, for pinned handoffs
+# and pulls in flight (engine.instance sizes its cache the same way).
+MAMBA_SLOTS_PER_BATCH_SLOT = 2
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class InstancePlan:
     kv_cache_memory_bytes: int | None
     memory_fraction: float | None
     num_blocks: int | None
+    num_tokens: int | None
     num_mamba_slots: int
     max_num_tokens: int
     max_batch_size: int
@@ -96,6 +101,9 @@ class ClusterPlan:
     is_hybrid: bool
     transceiver: str
     max_model_len: int
+    vocab_size: int
+    # Namespace of KV block hashes; must match the workers' managers.
+    hash_namespace: str
     instances: tuple[InstancePlan, ...]
 
     def of_role(self, role: str) -> list[InstancePlan]:
@@ -120,8 +128,9 @@ def resolve_plan(config: ClusterConfig, source: str = "<config>") -> ClusterPlan
     except ResolutionError as exc:
         raise ConfigError(f"{source}: {exc}") from exc
     spec = model_config.cache_spec(_dtype(config.dtype))
+    model_len = model_config.max_position_embeddings
     instances = tuple(
-        _instance(settings, index, manager, transceiver, spec, source)
+        _instance(settings, index, manager, transceiver, spec, model_len, source)
         for settings, manager in ((context, managers[0]), (generation, managers[1]))
         for index in range(settings.num_instances)
     )
@@ -131,6 +140,8 @@ def resolve_plan(config: ClusterConfig, source: str = "<config>") -> ClusterPlan
         is_hybrid=spec.is_hybrid,
         transceiver=transceiver,
         max_model_len=_max_model_len(model_config, instances),
+        vocab_size=model_config.vocab_size,
+        hash_namespace=f"{model_config.architecture}:{spec.dtype}",
         instances=instances,
     )
 
@@ -155,16 +166,14 @@ def _instance(
     manager: str,
     transceiver: str,
     spec: CacheSpec,
+    model_len: int,
     source: str,
 ) -> InstancePlan:
     kv = settings.kv_cache
     max_tokens, memory_bytes = _cache_budget(kv, settings, source)
-    slots = settings.max_batch_size if spec.is_hybrid else 0
-    num_blocks = None
-    if max_tokens is not None:
-        num_blocks = max_tokens // kv.block_size
-    elif memory_bytes is not None:
-        num_blocks = _blocks_in_budget(spec, kv.block_size, memory_bytes, slots)
+    sizing = None
+    if max_tokens is not None or memory_bytes is not None:
+        sizing = _size(spec, settings, max_tokens, memory_bytes, model_len, source)
     return InstancePlan(
         name=f"{settings.role}-{index}",
         role=settings.role,
@@ -175,8 +184,9 @@ def _instance(
         max_tokens=max_tokens,
         kv_cache_memory_bytes=memory_bytes,
         memory_fraction=kv.memory_fraction,
-        num_blocks=num_blocks,
-        num_mamba_slots=slots,
+        num_blocks=None if sizing is None else sizing.num_blocks,
+        num_tokens=None if sizing is None else sizing.num_tokens,
+        num_mamba_slots=0 if sizing is None else sizing.num_mamba_slots,
         max_num_tokens=settings.max_num_tokens,
         max_batch_size=settings.max_batch_size,
         dtype=_dtype(settings.dtype),
@@ -207,16 +217,33 @@ def _cache_budget(
     return DEFAULT_MAX_TOKENS, None
 
 
-def _blocks_in_budget(spec: CacheSpec, block_size: int, budget: int, slots: int) -> int:
-    per_block = spec.num_attention_layers * spec.kv_bytes_per_block_per_layer(block_size)
-    left = budget - slots * spec.mamba_bytes_per_slot
-    return max(0, left // per_block) if per_block else 0
+def _size(
+    spec: CacheSpec,
+    settings: RoleSettings,
+    max_tokens: int | None,
+    memory_bytes: int | None,
+    model_len: int,
+    source: str,
+) -> CacheSizing:
+    """The blocks and slots the worker will build, with the worker's own rule."""
+    try:
+        return size_cache(
+            spec,
+            block_size=settings.kv_cache.block_size,
+            max_model_len=min(model_len, max_tokens) if max_tokens else model_len,
+            max_batch_size=settings.max_batch_size,
+            max_tokens=max_tokens,
+            memory_bytes=memory_bytes,
+            num_mamba_slots=MAMBA_SLOTS_PER_BATCH_SLOT * settings.max_batch_size,
+        )
+    except CacheSizingError as exc:
+        raise ConfigError(f"{source}: {settings.role}_servers.kv_cache: {exc}") from exc
 
 
 def _max_model_len(model_config: ModelConfig, instances: tuple[InstancePlan, ...]) -> int:
     """Longest prompt + output one request may have: the model's limit, or the
     smallest cache of any instance it may run on, whichever is lower."""
-    sizes = [i.num_blocks * i.block_size for i in instances if i.num_blocks is not None]
+    sizes = [i.num_tokens for i in instances if i.num_tokens is not None]
     return min([model_config.max_position_embeddings, *sizes])
 
 

@@ -160,23 +160,30 @@ def test_plan_sizes_blocks_and_prints_a_table(llama_dir: Path) -> None:
     }
     plan = resolve_plan(config_from_dict(raw))
     context, generation = plan.instances
-    assert (context.num_blocks, generation.num_blocks) == (125, 8)
+    # usable blocks plus the permanent null block
+    assert (context.num_blocks, generation.num_blocks) == (126, 9)
     assert context.manager == "v1" and not context.enable_block_reuse  # reuse needs V2
     assert plan.max_model_len == 64  # the smallest cache bounds a request
     table = format_plan(plan).splitlines()
     assert table[1].split() == [
         "instance", "role", "manager", "transceiver", "block", "blocks", "slots", "device"
     ]  # fmt: skip
-    assert table[3].split() == ["generation-0", "generation", "v1", "python", "8", "8", "0", "cpu"]
+    assert table[3].split() == ["generation-0", "generation", "v1", "python", "8", "9", "0", "cpu"]
 
 
 def test_cpu_memory_fraction_needs_a_cpu_budget(llama_dir: Path) -> None:
     raw = {"model": str(llama_dir), "kv_cache": {"memory_fraction": 0.5}}
     with pytest.raises(ConfigError, match="needs kv_cache.cpu_memory_bytes"):
         resolve_plan(config_from_dict(raw))
-    raw["kv_cache"] = {"memory_fraction": 0.5, "cpu_memory_bytes": 1 << 20}
+    raw["kv_cache"] = {"memory_fraction": 0.5, "cpu_memory_bytes": 1 << 23}
     plan = resolve_plan(config_from_dict(raw))
-    assert all(i.kv_cache_memory_bytes == 1 << 19 and i.num_blocks for i in plan.instances)
+    assert all(i.kv_cache_memory_bytes == 1 << 22 and i.num_blocks for i in plan.instances)
+
+
+def test_a_cache_too_small_for_one_sequence_names_the_role(llama_dir: Path) -> None:
+    raw = {"model": str(llama_dir), "generation_servers": {"kv_cache": {"cpu_memory_bytes": 4096}}}
+    with pytest.raises(ConfigError, match="generation_servers.kv_cache: KV cache budget"):
+        resolve_plan(config_from_dict(raw))
 
 
 def test_missing_checkpoint_is_a_config_error(tmp_path: Path) -> None:

@@ -1,0 +1,94 @@
+"""OpenAI-style error responses: `{"error": {"message", "type", "param", "code"}}`.
+
+Every failure the HTTP server reports goes through `APIError`, so clients
+(the official `openai` package included) see the shape and status codes they
+expect: 400 for a bad request (validation included, naming the field), 404 for
+an unknown model or route, 503 when no worker can take the request, 500 for a
+failure inside the cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def validation_error(errors: Sequence[Any]) -> APIError:
+    """A 400 naming the first invalid field of a request body."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    # FastAPI prefixes body fields with "body"; OpenAI names the bare field.
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # Pydantic puts the union member's type name in the path; drop it.
+    loc = [p for p in loc if not p.startswith(("str", "list[", "function-"))] or loc
+    param = ".".join(loc) or None
+    msg = str(first.get("msg", "invalid value"))
+    if first.get("type") == "extra_forbidden":
+        msg = "unknown parameter"
+    elif first.get("type") == "missing":
+        msg = "missing required parameter"
+    message = f"{param}: {msg}" if param else msg
+    return APIError(400, message, param=param, code=str(first.get("type") or "invalid_value"))
+
+
+async def handle_api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def handle_validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return validation_error(exc.errors()).response()
+
+
+async def handle_http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    status = exc.status_code
+    message = str(exc.detail) if status != 404 else "no such route; see /v1/models"
+    return APIError(status, message).response()

@@ -1,0 +1,123 @@
+"""`disagg demo`: the whole path in one command, offline, on CPU.
+
+Writes the embedded tiny checkpoint if missing, starts a local 1P1D cluster
+in this process, sends a few streamed completions through the real HTTP
+endpoint, prints each with its time to first token and tokens per second,
+and shuts everything down. The model has random weights, so the text is
+gibberish; the point is the path (HTTP -> router -> context worker -> cache
+transfer -> generation worker -> HTTP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from cluster.config import ClusterConfig, ConfigError
+from cluster.plan import ClusterPlan
+from cluster.serve import DEFAULT_CHECKPOINT, default_config, ensure_embedded_checkpoint
+
+PROMPTS = (
+    "The quick brown fox",
+    "Once upon a time, in a small village at the edge of a great forest,",
+    "A computer follows instructions stored in memory.",
+)
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    prompt: str
+    text: str
+    ttft_s: float
+    tokens: int
+    elapsed_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        decode = self.elapsed_s - self.ttft_s
+        return (self.tokens - 1) / decode if self.tokens > 1 and decode > 0 else 0.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help=f"checkpoint folder (default: {DEFAULT_CHECKPOINT})")
+    parser.add_argument("--max-tokens", type=int, default=24)
+
+
+def run(args: argparse.Namespace) -> int:
+    from cluster.launcher import LaunchError
+    from cluster.plan import format_plan, resolve_plan
+
+    if args.model is None:
+        ensure_embedded_checkpoint(DEFAULT_CHECKPOINT)
+    try:
+        config = default_config(args.model).model_copy(update={"port": 0})
+        plan = resolve_plan(config, source="<demo>")
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_plan(plan), flush=True)
+    try:
+        results = asyncio.run(_demo(config, plan, args.max_tokens))
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    for result in results:
+        print(f"\nprompt: {result.prompt}\noutput: {result.text!r}")
+        print(
+            f"        {result.tokens} tokens, TTFT {result.ttft_s * 1000:.0f} ms, "
+            f"{result.tokens_per_s:.1f} tokens/s"
+        )
+    print("\ncluster stopped", flush=True)
+    return 0
+
+
+async def _demo(config: ClusterConfig, plan: ClusterPlan, max_tokens: int) -> list[DemoResult]:
+    from cluster.serving import ServingCluster
+
+    async with ServingCluster(config, plan) as serving:
+        print(f"serving at {serving.url}", flush=True)
+        async with httpx.AsyncClient(timeout=120) as client:
+            model = (await client.get(f"{serving.url}/models")).json()["data"][0]["id"]
+            return [
+                await _complete(client, serving.url, model, prompt, max_tokens)
+                for prompt in PROMPTS
+            ]
+
+
+async def _complete(
+    client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int
+) -> DemoResult:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.perf_counter()
+    first: float | None = None
+    text, tokens = "", 0
+    async with client.stream("POST", f"{url}/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk["choices"]:
+                if first is None:
+                    first = time.perf_counter()
+                text += choice["text"]
+    elapsed = time.perf_counter() - started
+    return DemoResult(prompt, text, (first or started) - started, tokens, elapsed)

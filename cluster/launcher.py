@@ -1,0 +1,273 @@
+"""Start the worker actors of a `ClusterPlan` on Ray, and stop them again.
+
+    join `address` (or start a local Ray)
+    for each instance: placement group (CPU + GPU bundle) -> actor(WorkerConfig)
+    wait until every actor started and reports healthy, within the timeout
+
+If any instance fails to come up, everything this launcher started is
+stopped (actors, placement groups, a local Ray) and `LaunchError` names the
+instance and the reason. `RunningCluster.shutdown` is idempotent and leaves
+no actor or placement group behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import ray
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.plan import ClusterPlan, InstancePlan
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_SHUTDOWN_TIMEOUT_S = 10.0
+CPUS_PER_INSTANCE = 1.0
+
+
+class LaunchError(RuntimeError):
+    """An instance did not come up; the message names it and says why."""
+
+
+@dataclass
+class LaunchedInstance:
+    plan: InstancePlan
+    actor: Any
+    placement_group: PlacementGroup
+    node_ip: str
+
+
+@dataclass
+class RunningCluster:
+    plan: ClusterPlan
+    instances: list[LaunchedInstance] = field(default_factory=list)
+    owns_ray: bool = False
+    _stopped: bool = False
+
+    def actors(self, role: str) -> list[LaunchedInstance]:
+        return [i for i in self.instances if i.plan.role == role]
+
+    async def shutdown(self) -> None:
+        """Stop every actor (gracefully, then by force), remove the placement
+        groups, and stop Ray if this process started it."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await asyncio.gather(*(_stop_actor(i) for i in self.instances))
+        for instance in self.instances:
+            await _ray_call(remove_placement_group, instance.placement_group)
+        self.instances.clear()
+        if self.owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+
+def connect_ray(address: str | None, num_instances: int) -> bool:
+    """Join `address`, or start a local Ray sized for the plan; True when started here."""
+    if ray.is_initialized():
+        return False
+    env = {"env_vars": {"PYTHONPATH": _project_root()}}
+    if address:
+        ray.init(address=address, runtime_env=env, logging_level=logging.WARNING)
+        return False
+    # A local cluster grants one CPU per instance even on a smaller machine:
+    # the grant sizes each worker's torch threads, it does not pin cores.
+    cpus = max(os.cpu_count() or 1, int(num_instances * CPUS_PER_INSTANCE))
+    ray.init(
+        num_cpus=cpus,
+        include_dashboard=False,
+        runtime_env=env,
+        logging_level=logging.WARNING,
+        log_to_driver=True,
+    )
+    return True
+
+
+async def launch(plan: ClusterPlan, timeout_s: float, owns_ray: bool = False) -> RunningCluster:
+    """Start every instance of `plan` on the connected Ray (see `connect_ray`)
+    and wait until all are healthy; `owns_ray` makes shutdown stop Ray too.
+
+    Raises `LaunchError` (after stopping everything it started) when one
+    fails or the timeout passes; cancelling the call cleans up the same way.
+    """
+    cluster = RunningCluster(plan, owns_ray=owns_ray)
+    secret = secrets.token_hex(16)
+    try:
+        await _within(_start_all(plan, secret, cluster), timeout_s, "starting the workers", plan)
+    except BaseException:
+        await asyncio.shield(cluster.shutdown())
+        raise
+    return cluster
+
+
+async def _start_all(plan: ClusterPlan, secret: str, cluster: RunningCluster) -> None:
+    """Start instances concurrently; the first failure cancels the rest, so
+    nothing is still being created when the caller cleans up."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            for instance in plan.instances:
+                group.create_task(_start_instance(plan, instance, secret, cluster))
+    except ExceptionGroup as failures:
+        raise failures.exceptions[0] from None
+
+
+async def _start_instance(
+    plan: ClusterPlan, instance: InstancePlan, secret: str, cluster: RunningCluster
+) -> None:
+    bundle = {"CPU": CPUS_PER_INSTANCE, "GPU": instance.num_gpus} if instance.num_gpus else {
+        "CPU": CPUS_PER_INSTANCE
+    }  # fmt: skip
+    group = placement_group([bundle], strategy="STRICT_PACK", name=f"disagg-{instance.name}")
+    pending = LaunchedInstance(instance, None, group, "")
+    cluster.instances.append(pending)
+    try:
+        await group.ready()
+        pending.node_ip = _node_ip(group)
+        memory = await _kv_budget(plan, instance, group)
+        config = instance.worker_config(plan.checkpoint, secret, pending.node_ip, memory)
+        pending.actor = (
+            _actor_class(instance.role)
+            .options(
+                num_cpus=CPUS_PER_INSTANCE,
+                num_gpus=instance.num_gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group),
+                name=f"disagg-{instance.name}-{secret[:8]}",
+                max_concurrency=1000,
+            )
+            .remote(config, instance.name)
+        )
+        await pending.actor.start.remote()
+        health = await pending.actor.health.remote()
+    except Exception as exc:
+        raise LaunchError(f"instance {instance.name} failed to start: {_reason(exc)}") from exc
+    if not health.healthy:
+        raise LaunchError(f"instance {instance.name} is unhealthy after start: {health.detail}")
+    logger.info("%s ready on %s", instance.name, pending.node_ip)
+
+
+def _actor_class(role: str) -> Any:
+    if role == "context":
+        from prefill_worker.worker import ContextWorker
+
+        return ray.remote(ContextWorker)
+    from decode_worker.worker import GenerationWorker
+
+    return ray.remote(GenerationWorker)
+
+
+async def _kv_budget(
+    plan: ClusterPlan, instance: InstancePlan, group: PlacementGroup
+) -> int | None:
+    """Bytes for the KV cache of an instance sized by `memory_fraction` on a GPU.
+
+    Measured on the instance's own GPU: the fraction of its total memory,
+    less the checkpoint's weights.
+    """
+    if instance.num_blocks is not None or instance.memory_fraction is None:
+        return None
+    strategy = PlacementGroupSchedulingStrategy(group)
+    probe = _gpu_total_bytes.options(num_gpus=instance.num_gpus, scheduling_strategy=strategy)
+    total = int(await probe.remote())
+    weights = sum(p.stat().st_size for p in Path(plan.checkpoint).glob("*.safetensors"))
+    budget = int(total * instance.memory_fraction) - weights
+    if budget <= 0:
+        raise LaunchError(
+            f"instance {instance.name}: kv_cache.memory_fraction {instance.memory_fraction} of "
+            f"{total} bytes leaves no room for the cache after {weights} bytes of weights; "
+            "raise memory_fraction or set kv_cache.max_tokens"
+        )
+    return budget
+
+
+@ray.remote(num_cpus=0)
+def _gpu_total_bytes() -> int:
+    import torch
+
+    return int(torch.cuda.get_device_properties(0).total_memory)
+
+
+def _node_ip(group: PlacementGroup) -> str:
+    """The IP of the node the (single-bundle) group landed on."""
+    node_id = placement_group_table(group)["bundles_to_node_id"][0]
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return str(node["NodeManagerAddress"])
+    return "127.0.0.1"
+
+
+async def _stop_actor(instance: LaunchedInstance) -> None:
+    if instance.actor is None:
+        return
+    try:
+        await asyncio.wait_for(instance.actor.shutdown.remote(), _SHUTDOWN_TIMEOUT_S)
+    except Exception as exc:  # already dead or stuck: kill it below anyway
+        logger.debug("graceful shutdown of %s failed: %s", instance.plan.name, exc)
+    await _ray_call(ray.kill, instance.actor, no_restart=True)
+
+
+async def _ray_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """A blocking Ray API call, off the event loop and bounded in time.
+
+    When Ray's control processes are already gone (a Ctrl-C that reached the
+    whole process group), these calls never return; shutdown must not hang
+    on them. A daemon thread, unlike the default executor, cannot keep the
+    process alive at exit.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def call() -> None:
+        try:
+            fn(*args, **kwargs)
+        except Exception as exc:
+            logger.debug("%s failed during shutdown: %s", fn.__name__, exc)
+        with contextlib.suppress(RuntimeError):  # the loop closed after a timeout
+            loop.call_soon_threadsafe(finish)
+
+    def finish() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    threading.Thread(target=call, daemon=True, name=f"ray-{fn.__name__}").start()
+    try:
+        await asyncio.wait_for(done, _SHUTDOWN_TIMEOUT_S)
+    except TimeoutError:
+        logger.warning("Ray did not answer %s within %.0fs", fn.__name__, _SHUTDOWN_TIMEOUT_S)
+
+
+async def _within(work: Awaitable[T], timeout_s: float, what: str, plan: ClusterPlan) -> T:
+    try:
+        return await asyncio.wait_for(work, timeout_s)
+    except TimeoutError:
+        names = ", ".join(i.name for i in plan.instances)
+        raise LaunchError(
+            f"{what} took longer than {timeout_s:.0f}s (instances: {names}); check that the "
+            "Ray cluster has the CPUs/GPUs the config asks for, or raise startup_timeout_s"
+        ) from None
+
+
+def _reason(exc: BaseException) -> str:
+    # Ray wraps actor-side errors; the last line of the cause is the useful part.
+    cause = getattr(exc, "cause", None) or exc
+    text = str(cause).strip().splitlines()
+    return text[-1] if text else type(cause).__name__
+
+
+def _project_root() -> str:
+    return str(Path(__file__).resolve().parents[1])

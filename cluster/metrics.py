@@ -1,0 +1,78 @@
+"""Prometheus metrics of the serving path, exposed at `/metrics`.
+
+Each server owns its own `CollectorRegistry`, so two servers in one process
+(tests, the demo) never collide on metric names.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Seconds; CPU tiny models sit at the low end, large GPU models further up.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServingMetrics:
+    """Every metric the router and HTTP server update."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "disagg_requests", "Finished HTTP requests.", ["endpoint", "status"], registry=r
+        )
+        self.routed = Counter(
+            "disagg_routed_requests",
+            "Requests dispatched to each worker (phase: context, generation or whole).",
+            ["worker", "phase"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "disagg_time_to_first_token_seconds",
+            "Arrival to first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "disagg_inter_token_latency_seconds",
+            "Gap between consecutive streamed tokens.",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "disagg_e2e_request_latency_seconds",
+            "Arrival to last token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "disagg_prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "disagg_generation_tokens", "Generated tokens of finished requests.", registry=r
+        )
+        self.transfer_bytes = Counter(
+            "disagg_kv_transfer_bytes", "KV cache bytes pulled by generation workers.", registry=r
+        )
+        self.transfer_seconds = Histogram(
+            "disagg_kv_transfer_seconds",
+            "Context result to first generated token of a disaggregated request.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.cache_usage = Gauge(
+            "disagg_kv_cache_usage_ratio",
+            "Used fraction of each worker's KV blocks.",
+            ["worker"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "disagg_request_retries", "Dispatches retried on another worker.", ["phase"], registry=r
+        )
+        self.in_flight = Gauge(
+            "disagg_requests_in_flight", "Requests being served right now.", registry=r
+        )
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,170 @@
+"""OpenAI response bodies: completions and chat completions, whole and chunked.
+
+Pure functions from `Delta`s to the JSON shapes OpenAI's API returns, so the
+server's routes only decide *when* to send what. Streaming chunks follow the
+official format: `text_completion` / `chat.completion.chunk` objects, a
+final chunk carrying `finish_reason`, and (with
+`stream_options.include_usage`) one more chunk with empty `choices` and the
+usage, before `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from cluster.completion import Delta
+
+
+class TokenText(Protocol):
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    """What every body of one response repeats."""
+
+    id: str
+    created: int
+    model: str
+
+
+def usage(delta: Delta) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "prompt_tokens": delta.num_prompt_tokens,
+        "completion_tokens": delta.num_output_tokens,
+        "total_tokens": delta.num_prompt_tokens + delta.num_output_tokens,
+    }
+    if delta.num_cached_tokens:
+        body["prompt_tokens_details"] = {"cached_tokens": delta.num_cached_tokens}
+    return body
+
+
+def sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def merge(deltas: Sequence[Delta]) -> Delta:
+    """All deltas of a finished request as one."""
+    last = deltas[-1]
+    logprobs = [lp for d in deltas for lp in (d.logprobs or [])]
+    tops = [t for d in deltas for t in (d.top_logprobs or [])]
+    return Delta(
+        text="".join(d.text for d in deltas),
+        token_ids=[t for d in deltas for t in d.token_ids],
+        logprobs=logprobs if any(d.logprobs for d in deltas) else None,
+        top_logprobs=tops if any(d.top_logprobs for d in deltas) else None,
+        finish_reason=last.finish_reason,
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_output_tokens=last.num_output_tokens,
+        num_cached_tokens=last.num_cached_tokens,
+    )
+
+
+# --- /v1/completions -------------------------------------------------------
+
+
+def completion_logprobs(
+    delta: Delta, tokenizer: TokenText, num_top: int, text_offset: int
+) -> dict[str, Any] | None:
+    """The legacy completions `logprobs` object for the tokens of `delta`."""
+    if delta.logprobs is None:
+        return None
+    tokens = [tokenizer.decode([t]) for t in delta.token_ids]
+    offsets, at = [], text_offset
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    tops = delta.top_logprobs or [[] for _ in tokens]
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(delta.logprobs),
+        "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in top[:num_top]} for top in tops],
+        "text_offset": offsets,
+    }
+
+
+def completion_chunk(meta: ResponseMeta, text: str, finish: str | None, logprobs: Any) -> dict:
+    return {
+        "id": meta.id,
+        "object": "text_completion",
+        "created": meta.created,
+        "model": meta.model,
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+    }
+
+
+def completion_body(meta: ResponseMeta, whole: Delta, logprobs: Any) -> dict[str, Any]:
+    body = completion_chunk(meta, whole.text, whole.finish_reason, logprobs)
+    body["usage"] = usage(whole)
+    return body
+
+
+def usage_chunk(meta: ResponseMeta, obj: str, whole: Delta) -> dict[str, Any]:
+    return {
+        "id": meta.id,
+        "object": obj,
+        "created": meta.created,
+        "model": meta.model,
+        "choices": [],
+        "usage": usage(whole),
+    }
+
+
+# --- /v1/chat/completions --------------------------------------------------
+
+
+def chat_logprobs(delta: Delta, tokenizer: TokenText, num_top: int) -> dict[str, Any] | None:
+    if delta.logprobs is None:
+        return None
+    tops = delta.top_logprobs or [[] for _ in delta.token_ids]
+    content = []
+    for token_id, lp, top in zip(delta.token_ids, delta.logprobs, tops, strict=False):
+        text = tokenizer.decode([token_id])
+        content.append(
+            {
+                "token": text,
+                "logprob": lp,
+                "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": (t := tokenizer.decode([i])), "logprob": v, "bytes": list(t.encode())}
+                    for i, v in top[:num_top]
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def chat_chunk(
+    meta: ResponseMeta, delta: dict[str, Any], finish: str | None, logprobs: Any = None
+) -> dict[str, Any]:
+    return {
+        "id": meta.id,
+        "object": "chat.completion.chunk",
+        "created": meta.created,
+        "model": meta.model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+    }
+
+
+def chat_body(meta: ResponseMeta, whole: Delta, logprobs: Any) -> dict[str, Any]:
+    return {
+        "id": meta.id,
+        "object": "chat.completion",
+        "created": meta.created,
+        "model": meta.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": whole.text},
+                "logprobs": logprobs,
+                "finish_reason": whole.finish_reason,
+            }
+        ],
+        "usage": usage(whole),
+    }

@@ -1,0 +1,296 @@
+"""The router: sends each request through a context and a generation worker.
+
+    prompt ──► policy picks a context worker ──► ContextResult (first token + handle)
+           └─► policy picks a generation worker ──► token stream ──► caller
+
+Conditional disaggregation: when the part of the prompt no generation worker
+already caches is at most `max_local_prefill_length` tokens, the context hop
+is skipped and one generation worker runs the whole request.
+
+Failure rules: a dispatch that fails before any token reached the caller is
+retried on another worker of the same pool (the failed worker is marked
+unhealthy); after that, the caller gets a final error event. When the caller
+stops iterating (client disconnect), the request is aborted on every worker
+it touched, so both sides free its blocks.
+
+Load and KV events are polled from every worker in the background; the
+router's own `tokens_in_flight` bookkeeping keeps `least_loaded` exact
+between polls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.metrics import ServingMetrics
+from cluster.policies import NoWorkerError, RoutingPolicy, WorkerState, make_policy
+from engine.messages import ContextRequest, ContextResult, GenerationRequest, TokenEvent
+from kvcache.hashing import hash_full_blocks, root_hash
+
+logger = logging.getLogger(__name__)
+
+_POLL_INTERVAL_S = 0.1
+
+
+class RequestFailedError(RuntimeError):
+    """Every worker that could serve the request failed; the message says why."""
+
+
+@dataclass
+class WorkerEndpoint:
+    """A worker actor plus the router's view of it."""
+
+    name: str
+    actor: Any  # a Ray ActorHandle of a context or generation worker
+    state: WorkerState
+
+
+@dataclass(frozen=True)
+class RoutingSettings:
+    policy: str
+    max_local_prefill_length: int
+    context_block_size: int
+    generation_block_size: int
+    max_attempts: int = 2
+    # Namespace of block hashes; workers of one cluster share it.
+    hash_namespace: str = ""
+
+
+class Router:
+    def __init__(
+        self,
+        context: Sequence[WorkerEndpoint],
+        generation: Sequence[WorkerEndpoint],
+        settings: RoutingSettings,
+        metrics: ServingMetrics,
+    ) -> None:
+        if not generation:
+            raise ValueError("the router needs at least one generation worker")
+        self.context = list(context)
+        self.generation = list(generation)
+        self.settings = settings
+        self.metrics = metrics
+        self._context_policy = make_policy(settings.policy)
+        self._generation_policy = make_policy(settings.policy)
+        self._root = root_hash(settings.hash_namespace)
+        self._poller: asyncio.Task[None] | None = None
+
+    @property
+    def workers(self) -> list[WorkerEndpoint]:
+        return self.context + self.generation
+
+    def start(self) -> None:
+        """Start polling load and KV events; call from the serving event loop."""
+        if self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+            self._poller = None
+
+    def block_hashes(self, prompt: Sequence[int], block_size: int) -> list[bytes]:
+        """Chained hashes of the prompt's full blocks, as the workers compute them."""
+        return hash_full_blocks(prompt, block_size, self._root)
+
+    def runs_locally(self, prompt: Sequence[int], hashes: Sequence[bytes]) -> bool:
+        """Conditional disaggregation: is the uncached prompt short enough?
+
+        `hashes` are the prompt's block hashes at the generation block size.
+        """
+        if not self.context:
+            return True
+        cached = max((e.state.prefix_match(hashes) for e in self.generation), default=0)
+        uncached = len(prompt) - cached * self.settings.generation_block_size
+        return uncached <= self.settings.max_local_prefill_length
+
+    async def generate(
+        self, request_id: str, prompt: list[int], params: Any
+    ) -> AsyncGenerator[TokenEvent, None]:
+        """Stream a request's `TokenEvent`s; the last one has `finish_reason` set.
+
+        Raises `RequestFailedError` (or `NoWorkerError`) only before the first
+        event; later failures arrive as a final event with `error` set.
+        """
+        hashes = self.block_hashes(prompt, self.settings.generation_block_size)
+        touched: list[WorkerEndpoint] = []
+        finished = False
+        try:
+            context: ContextResult | None = None
+            if not self.runs_locally(prompt, hashes):
+                context_hashes = hashes
+                if self.settings.context_block_size != self.settings.generation_block_size:
+                    context_hashes = self.block_hashes(prompt, self.settings.context_block_size)
+                context = await self._run_context(
+                    request_id, prompt, params, context_hashes, touched
+                )
+                first = _first_event(context)
+                yield first
+                if first.finished:
+                    finished = True
+                    return
+            request = GenerationRequest(request_id, prompt, params, context)
+            async for event in self._stream_generation(request, hashes, touched):
+                finished = event.finished
+                yield event
+        finally:
+            if not finished:
+                self._abort_everywhere(request_id, touched)
+
+    async def _run_context(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: Any,
+        hashes: Sequence[bytes],
+        touched: list[WorkerEndpoint],
+    ) -> ContextResult:
+        cost = len(prompt) + 1
+        errors: list[str] = []
+        for _ in range(self.settings.max_attempts):
+            endpoint = self._pick(self.context, self._context_policy, hashes)
+            touched.append(endpoint)
+            endpoint.state.tokens_in_flight += cost
+            self.metrics.routed.labels(endpoint.name, "context").inc()
+            try:
+                result: ContextResult = await endpoint.actor.prefill.remote(
+                    ContextRequest(request_id, prompt, params)
+                )
+                return result
+            except Exception as exc:  # a dead actor or a failed prefill: try another
+                errors.append(f"{endpoint.name}: {exc}")
+                self._mark_failed(endpoint, exc, "context")
+            finally:
+                endpoint.state.tokens_in_flight -= cost
+        raise RequestFailedError("context phase failed on every attempt: " + "; ".join(errors))
+
+    async def _stream_generation(
+        self,
+        request: GenerationRequest,
+        hashes: Sequence[bytes],
+        touched: list[WorkerEndpoint],
+    ) -> AsyncIterator[TokenEvent]:
+        cost = len(request.prompt_token_ids) + _max_tokens(request.params)
+        phase = "generation" if request.context is not None else "whole"
+        # A disaggregated request already streamed its first token, so only a
+        # whole request may move to another worker after a failure.
+        attempts = self.settings.max_attempts if request.context is None else 1
+        errors: list[str] = []
+        for _ in range(attempts):
+            endpoint = self._pick(self.generation, self._generation_policy, hashes)
+            touched.append(endpoint)
+            endpoint.state.tokens_in_flight += cost
+            self.metrics.routed.labels(endpoint.name, phase).inc()
+            streamed = False
+            started = time.perf_counter()
+            try:
+                async for ref in endpoint.actor.generate.remote(request):
+                    event: TokenEvent = await ref
+                    if not streamed and request.context is not None:
+                        self._record_transfer(request.context, started)
+                    streamed = True
+                    yield event
+                    if event.finished:
+                        return
+                raise RequestFailedError(f"{endpoint.name} ended the stream without finishing")
+            except (RequestFailedError, Exception) as exc:
+                if streamed:
+                    yield _error_event(request.request_id, f"{endpoint.name} failed: {exc}")
+                    return
+                errors.append(f"{endpoint.name}: {exc}")
+                self._mark_failed(endpoint, exc, "generation")
+            finally:
+                endpoint.state.tokens_in_flight -= cost
+        message = "generation phase failed: " + "; ".join(errors)
+        if request.context is not None:
+            yield _error_event(request.request_id, message)
+            return
+        raise RequestFailedError(message)
+
+    def _pick(
+        self, pool: list[WorkerEndpoint], policy: RoutingPolicy, hashes: Sequence[bytes]
+    ) -> WorkerEndpoint:
+        state = policy.choose([e.state for e in pool], hashes)
+        return next(e for e in pool if e.state is state)
+
+    def _record_transfer(self, context: ContextResult, started: float) -> None:
+        """The pull ends before the generation worker's first token: time it,
+        and count the bytes the handle addressed."""
+        self.metrics.transfer_seconds.observe(time.perf_counter() - started)
+        if context.handle is not None:
+            self.metrics.transfer_bytes.inc(context.handle.regions.num_bytes)
+
+    def _mark_failed(self, endpoint: WorkerEndpoint, exc: BaseException, phase: str) -> None:
+        logger.warning("worker %s failed (%s); routing around it", endpoint.name, exc)
+        endpoint.state.healthy = False
+        self.metrics.retries.labels(phase).inc()
+
+    def _abort_everywhere(self, request_id: str, touched: list[WorkerEndpoint]) -> None:
+        for endpoint in {id(e): e for e in touched}.values():
+            # Fire and forget: the caller is gone, and a dead worker's abort
+            # failing must not mask the original error.
+            endpoint.actor.abort.remote(request_id)
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.gather(*(self._poll(e) for e in self.workers))
+            await asyncio.sleep(_POLL_INTERVAL_S)
+
+    async def _poll(self, endpoint: WorkerEndpoint) -> None:
+        try:
+            load = await endpoint.actor.load.remote()
+            batch = await endpoint.actor.drain_kv_events.remote()
+        except Exception as exc:
+            if endpoint.state.healthy:
+                logger.warning("worker %s stopped answering: %s", endpoint.name, exc)
+            endpoint.state.healthy = False
+            return
+        state = endpoint.state
+        state.healthy = True
+        state.num_queued = load.num_waiting
+        state.num_free_blocks = load.num_free_blocks
+        state.num_total_blocks = load.num_total_blocks
+        if load.num_total_blocks:
+            used = 1 - load.num_free_blocks / load.num_total_blocks
+            self.metrics.cache_usage.labels(endpoint.name).set(used)
+        stored = [e.block_hash for e in batch.events if e.kind == "stored"]
+        removed = [e.block_hash for e in batch.events if e.kind == "removed"]
+        state.apply_kv_event(stored, removed)
+
+
+def _first_event(context: ContextResult) -> TokenEvent:
+    return TokenEvent(
+        request_id=context.request_id,
+        token_ids=[context.first_token_id],
+        logprobs=None if context.first_logprob is None else [context.first_logprob],
+        top_logprobs=None if context.first_top_logprobs is None else [context.first_top_logprobs],
+        finish_reason=context.finish_reason,
+        num_prompt_tokens=context.num_prompt_tokens,
+        num_cached_tokens=context.num_cached_tokens,
+        timestamp=context.first_token_time,
+    )
+
+
+def _error_event(request_id: str, message: str) -> TokenEvent:
+    return TokenEvent(request_id=request_id, token_ids=[], finish_reason="error", error=message)
+
+
+def _max_tokens(params: Any) -> int:
+    return int(getattr(params, "max_tokens", 0) or 0)
+
+
+__all__ = [
+    "NoWorkerError",
+    "RequestFailedError",
+    "Router",
+    "RoutingSettings",
+    "WorkerEndpoint",
+]

@@ -1,0 +1,107 @@
+"""`disagg serve`: run the cluster behind an OpenAI-compatible endpoint.
+
+    disagg serve -c deploy/configs/1p1d.yaml
+    disagg serve                                 # embedded 1P1D on a tiny checkpoint
+    disagg serve -c cfg.yaml --model /ckpt --port 0
+
+The config is validated and every `auto` resolved before anything starts;
+a bad config exits with status 2 and one message. Once every worker is
+healthy the URL is printed on its own line (`serving <model> at <url>`);
+SIGINT or SIGTERM shuts everything down and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from cluster.config import ClusterConfig, ConfigError, config_from_dict, load_config
+
+DEFAULT_CHECKPOINT = Path("checkpoints/tiny-llama")
+EMBEDDED_ARCH = "llama"
+
+
+def default_config(model: str | None = None) -> ClusterConfig:
+    """The embedded default: one context and one generation instance on CPU."""
+    return config_from_dict(
+        {
+            "model": model or str(DEFAULT_CHECKPOINT),
+            "cache_transceiver": {"backend": "python"},
+            "kv_cache": {"max_tokens": 4096},
+            "max_num_tokens": 512,
+            "max_batch_size": 16,
+        },
+        source="<embedded default>",
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-c", "--config", help="disagg YAML config (default: embedded 1P1D)")
+    parser.add_argument("--model", help="checkpoint folder; overrides the config's `model`")
+    parser.add_argument("--host", help="bind address; overrides the config's `hostname`")
+    parser.add_argument("--port", type=int, help="port (0 picks a free one); overrides `port`")
+    parser.add_argument("--log-level", default="warning", help="uvicorn and worker log level")
+
+
+def build_config(args: argparse.Namespace) -> ClusterConfig:
+    """The config file (or the embedded default) with command-line overrides."""
+    if args.config is None:
+        config = default_config(args.model)
+        if args.model is None:
+            ensure_embedded_checkpoint(Path(config.model))
+    else:
+        config = load_config(args.config)
+    overrides: dict[str, Any] = {}
+    if args.model is not None:
+        overrides["model"] = args.model
+    if args.host is not None:
+        overrides["hostname"] = args.host
+    if args.port is not None:
+        overrides["port"] = args.port
+    if not overrides:
+        return config
+    raw = config.model_dump(exclude_unset=True) | overrides
+    return config_from_dict(raw, source=args.config or "<embedded default>")
+
+
+def ensure_embedded_checkpoint(path: Path) -> None:
+    from models.embedded.writer import ensure_checkpoint
+
+    if not (path / "config.json").is_file():
+        print(f"writing the embedded tiny checkpoint to {path}", flush=True)
+    ensure_checkpoint(path, EMBEDDED_ARCH, "tiny")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from cluster.launcher import LaunchError
+    from cluster.plan import format_plan, resolve_plan
+
+    try:
+        config = build_config(args)
+        plan = resolve_plan(config, source=args.config or "<embedded default>")
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_plan(plan), flush=True)
+    try:
+        asyncio.run(_serve(config, plan, args.log_level))
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    print("stopped", flush=True)
+    return 0
+
+
+async def _serve(config: ClusterConfig, plan: Any, log_level: str) -> None:
+    from cluster.serving import ServingCluster
+
+    async with ServingCluster(config, plan, log_level) as serving:
+        print(f"serving {Path(plan.checkpoint).resolve().name} at {serving.url}", flush=True)
+        await serving.wait_stopped()

@@ -1,0 +1,173 @@
+"""A whole serving cluster in one object: workers, router and HTTP server.
+
+    async with ServingCluster(config, plan) as serving:
+        print(serving.url)            # every worker is healthy, the port is bound
+        await serving.wait_stopped()  # until SIGINT/SIGTERM (or stop())
+
+Leaving the block stops the HTTP server, the router's pollers, every actor
+and placement group, and a local Ray started for it. Used by `disagg serve`
+and `disagg demo`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from pathlib import Path
+from types import TracebackType
+
+import uvicorn
+
+from cluster.config import ClusterConfig
+from cluster.launcher import RunningCluster, connect_ray, launch
+from cluster.metrics import ServingMetrics
+from cluster.plan import ClusterPlan
+from cluster.policies import WorkerState
+from cluster.router import Router, RoutingSettings, WorkerEndpoint
+from cluster.server import ServedModel, build_app
+
+logger = logging.getLogger(__name__)
+
+
+class ServingCluster:
+    def __init__(
+        self, config: ClusterConfig, plan: ClusterPlan, log_level: str = "warning"
+    ) -> None:
+        self.config = config
+        self.plan = plan
+        self.log_level = log_level
+        self.metrics = ServingMetrics()
+        self.cluster: RunningCluster | None = None
+        self.router: Router | None = None
+        self._server: uvicorn.Server | None = None
+        self._server_task: asyncio.Task[None] | None = None
+        self._socket: socket.socket | None = None
+        self._stop = asyncio.Event()
+
+    @property
+    def url(self) -> str:
+        """Base URL of the OpenAI API, e.g. `http://127.0.0.1:8000/v1`."""
+        assert self._socket is not None, "the server is not started"
+        host, port = self._socket.getsockname()[:2]
+        return f"http://{host}:{port}/v1"
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def __aenter__(self) -> ServingCluster:
+        # Ray installs its own SIGTERM handler when it connects; take the
+        # signals back afterwards so a stop request always ends in `_close`.
+        owns_ray = connect_ray(self.config.address, len(self.plan.instances))
+        self._catch_signals()
+        launching = asyncio.ensure_future(
+            launch(self.plan, self.config.startup_timeout_s, owns_ray=owns_ray)
+        )
+        stopping = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait([launching, stopping], return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not launching.done():  # a signal arrived while starting: clean up, leave
+            launching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await launching
+            raise KeyboardInterrupt("interrupted while starting the workers")
+        self.cluster = launching.result()
+        try:
+            await self._start_http()
+        except BaseException:
+            await self._close()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await asyncio.shield(self._close())
+
+    async def wait_stopped(self) -> None:
+        """Return once a signal or `stop()` asks the server to stop, or it exits."""
+        assert self._server_task is not None
+        stopping = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait([self._server_task, stopping], return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+
+    def _catch_signals(self) -> None:
+        # While uvicorn runs it takes SIGINT/SIGTERM itself and re-raises them
+        # after its graceful exit; both paths end up setting `_stop`.
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(sig, self._stop.set)
+
+    async def _start_http(self) -> None:
+        assert self.cluster is not None
+        self.router = _build_router(self.cluster, self.config, self.metrics)
+        app = build_app(self.router, _served_model(self.config, self.plan), self.metrics)
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((self.config.hostname, self.config.port))
+        server_config = uvicorn.Config(
+            app, log_level=self.log_level, timeout_graceful_shutdown=5, lifespan="on"
+        )
+        self._server = uvicorn.Server(server_config)
+        self._server_task = asyncio.ensure_future(self._server.serve(sockets=[self._socket]))
+        while not self._server.started:
+            if self._server_task.done():
+                self._server_task.result()  # raises the server's startup error
+                raise RuntimeError("the HTTP server exited during startup")
+            await asyncio.sleep(0.02)
+
+    async def _close(self) -> None:
+        if self._server is not None and self._server_task is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await self._server_task
+        if self._socket is not None:
+            self._socket.close()
+        if self.router is not None:
+            await self.router.stop()
+        if self.cluster is not None:
+            await self.cluster.shutdown()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.remove_signal_handler(sig)
+
+
+def _build_router(
+    cluster: RunningCluster, config: ClusterConfig, metrics: ServingMetrics
+) -> Router:
+    def endpoints(role: str) -> list[WorkerEndpoint]:
+        return [
+            WorkerEndpoint(i.plan.name, i.actor, WorkerState(i.plan.name))
+            for i in cluster.actors(role)
+        ]
+
+    block_size = {i.role: i.block_size for i in cluster.plan.instances}
+    settings = RoutingSettings(
+        policy=config.router.type,
+        max_local_prefill_length=config.conditional_disagg.max_local_prefill_length,
+        context_block_size=block_size.get("context", block_size["generation"]),
+        generation_block_size=block_size["generation"],
+        hash_namespace=cluster.plan.hash_namespace,
+    )
+    return Router(endpoints("context"), endpoints("generation"), settings, metrics)
+
+
+def _served_model(config: ClusterConfig, plan: ClusterPlan) -> ServedModel:
+    from models.tokenizer import load_tokenizer
+
+    checkpoint = Path(plan.checkpoint)
+    aliases = (config.model, str(checkpoint.resolve()))
+    return ServedModel(
+        name=checkpoint.resolve().name,
+        tokenizer=load_tokenizer(checkpoint),
+        max_model_len=plan.max_model_len,
+        vocab_size=plan.vocab_size,
+        aliases=aliases,
+    )
