@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from models.base import CausalLM
-from models.batch import CacheViews, ForwardBatch
+from models.batch import AttentionLayerCache, CacheViews, ForwardBatch
 from models.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig
 from models.errors import ConfigError
 from models.layers.attention import paged_attention
@@ -59,13 +59,13 @@ class NemotronHAttention(nn.Module):
         self.o_proj = nn.Linear(q_size, hidden, bias=False)
 
     def forward(
-        self, hidden: torch.Tensor, batch: ForwardBatch, caches: CacheViews, ordinal: int
+        self, hidden: torch.Tensor, batch: ForwardBatch, layer_cache: AttentionLayerCache
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, caches.attention[ordinal], batch, self.scale)
+        out = paged_attention(q, k, v, layer_cache, batch, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
@@ -86,7 +86,7 @@ class NemotronHBlock(nn.Module):
         if self.kind == MAMBA:
             out = self.mixer(x, batch, caches.mamba[self.ordinal])
         elif self.kind == ATTENTION:
-            out = self.mixer(x, batch, caches, self.ordinal)
+            out = self.mixer(x, batch, caches.attention[self.ordinal])
         else:
             out = self.mixer(x)
         return hidden + out

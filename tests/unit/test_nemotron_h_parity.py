@@ -216,3 +216,19 @@ def test_bfloat16_prompt_logits_track_float32(checkpoint: tuple[Path, torch.nn.M
         ref, got = full.prompt_logits[i], half.prompt_logits[i]
         assert half.decode_logits[i].shape == full.decode_logits[i].shape
         assert ((got - ref).abs().max() / ref.abs().max()).item() < 5e-2
+
+
+def test_in_memory_prefix_and_mtp_tensors_load(checkpoint: tuple[Path, torch.nn.Module]) -> None:
+    path, _ = checkpoint
+    model, config = load_model(path)
+    renamed = [
+        (name.replace("backbone.", "model.", 1), tensor)
+        for name, tensor in iter_checkpoint_tensors(path)
+    ]
+    renamed.append(("mtp.layers.0.norm.weight", torch.ones(64)))
+    other = NemotronHForCausalLM(config)
+    other.load_weights(renamed)
+    for (name, ours), (_, theirs) in zip(
+        other.state_dict().items(), model.state_dict().items(), strict=True
+    ):
+        assert torch.equal(ours, theirs), name
