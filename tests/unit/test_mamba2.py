@@ -180,3 +180,36 @@ def test_mixer_matches_transformers_over_chunks_and_decode(n_groups: int, chunk_
         got = torch.cat(chunks)
         scale = expected[slot].abs().max()
         torch.testing.assert_close(got / scale, expected[slot] / scale, rtol=0, atol=1e-5)
+
+
+def test_time_step_limit_applies_to_prefill_and_decode_alike() -> None:
+    _, unclamped = mixer_pair(n_groups=2, chunk_size=8)
+    clamped = Mamba2Mixer(
+        HIDDEN,
+        MambaConfig(
+            num_heads=HEADS,
+            head_dim=HEAD_DIM,
+            state_size=STATE,
+            n_groups=2,
+            conv_kernel=4,
+            chunk_size=8,
+            time_step_limit=(0.4, 0.6),
+        ),
+    )
+    clamped.load_state_dict(unclamped.state_dict())
+    hidden = torch.randn(12, HIDDEN)
+
+    def run(mixer: Mamba2Mixer, token_by_token: bool) -> torch.Tensor:
+        cache = MambaLayerCache(
+            conv_state=torch.zeros(1, mixer.conv_dim, 3),
+            ssm_state=torch.zeros(1, HEADS, HEAD_DIM, STATE),
+        )
+        with torch.no_grad():
+            if not token_by_token:
+                return mixer(hidden, step_batch([(0, 0, 12)]), cache)
+            steps = [mixer(hidden[t : t + 1], step_batch([(0, t, 1)]), cache) for t in range(12)]
+            return torch.cat(steps)
+
+    prefill, decode = run(clamped, False), run(clamped, True)
+    torch.testing.assert_close(decode, prefill, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(prefill, run(unclamped, False), atol=1e-3)
