@@ -126,6 +126,16 @@ def test_single_prompt_prefill_and_decode(checkpoint: tuple[Path, torch.nn.Modul
         model, config.cache_spec(), prompts, chunk_size=64, decode_steps=DECODE_STEPS
     )
     assert_matches_reference(reference, prompts, trace)
+    # transformers' own cached generation (its one-token Mamba path) agrees too.
+    with torch.no_grad():
+        generated = reference.generate(
+            torch.tensor(prompts),
+            max_new_tokens=DECODE_STEPS + 1,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    assert generated[0, len(prompts[0]) :].tolist() == trace.generated[0]
 
 
 @pytest.mark.parametrize("block_major", [False, True], ids=["v1-layout", "v2-layout"])
