@@ -41,7 +41,7 @@ class GenerationWorker:
     def __init__(
         self, config: WorkerConfig, worker_id: str = "generation-0", role: str = "generation"
     ) -> None:
-        configure_torch_threads(config.device)
+        self.torch_threads = configure_torch_threads(config.device)
         self.config = config
         self.role = role
         self.engine = EngineInstance.build(config, role, worker_id)
@@ -51,6 +51,7 @@ class GenerationWorker:
             else None
         )
         self._pulls: dict[str, asyncio.Task[None]] = {}
+        self._active: set[str] = set()  # ids between generate() start and end
         self._started = False
 
     async def start(self) -> None:
@@ -66,6 +67,10 @@ class GenerationWorker:
             raise WorkerNotStartedError("call start() before sending requests")
         rid = request.request_id
         req = Request(rid, list(request.prompt_token_ids), request.params)
+        if rid in self._active:
+            yield _error(req, "a request with this id is already in flight on this worker")
+            return
+        self._active.add(rid)
         finished = False
         try:
             if request.context is None:
@@ -82,16 +87,22 @@ class GenerationWorker:
                 finished = event.finished
                 yield event
         finally:
+            self._active.discard(rid)
             if not finished:  # the consumer went away or the call was cancelled
                 self.abort(rid)
+                self.engine.loop.detach(rid)
 
     def abort(self, request_id: str) -> None:
-        """Cancel a request anywhere in its life; frees its blocks and slot."""
+        """Cancel a request anywhere in its life; frees its blocks and slot.
+
+        Its stream ends with a final "abort" event.
+        """
         pull = self._pulls.pop(request_id, None)
         if pull is not None:
+            if self.transceiver is not None:
+                self.transceiver.abort(request_id)  # also tells the holder to free
             pull.cancel()
         self.engine.loop.abort(request_id)
-        self.engine.loop.detach(request_id)
 
     def health(self) -> WorkerHealth:
         return WorkerHealth(
@@ -99,6 +110,7 @@ class GenerationWorker:
             role=self.role,
             healthy=self.engine.loop.healthy,
             detail="" if self.engine.loop.healthy else "engine loop stopped",
+            torch_threads=self.torch_threads,
         )
 
     def load(self) -> WorkerLoad:
@@ -133,13 +145,14 @@ class GenerationWorker:
         self._pulls[rid] = task
         try:
             await task
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, Exception) as exc:
+            aborted = rid not in self._pulls  # abort() took it out
             await self._between_steps(lambda: self.engine.manager.free(rid))
-            if rid in self._pulls:  # we were cancelled, not the pull
-                raise
-            return _error(req, "aborted while its cache was in transfer", reason="abort")
-        except Exception as exc:  # TransferTimeout, LayoutMismatch, PeerGone, ...
-            await self._between_steps(lambda: self.engine.manager.free(rid))
+            if isinstance(exc, asyncio.CancelledError) and not aborted:
+                raise  # our caller went away
+            if aborted:
+                return _error(req, "aborted while its cache was in transfer", reason="abort")
+            # TransferTimeout, LayoutMismatch, PeerGone, no free blocks in time
             return _error(req, f"cache transfer failed: {exc}")
         finally:
             self._pulls.pop(rid, None)
@@ -161,7 +174,7 @@ class GenerationWorker:
         await self.transceiver.pull(
             handle, regions, manager.layout_signature(), self.config.transfer_timeout_s
         )
-        await self._between_steps(lambda: manager.finish_transfer(rid))
+        await self._between_steps(lambda: manager.finish_transfer(rid, req.prompt_token_ids))
 
     async def _between_steps(self, fn: Callable[[], T]) -> T:
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()

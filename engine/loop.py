@@ -84,8 +84,11 @@ class EngineLoop:
         """Queue a request; returns the queue its `TokenEvent`s arrive on.
 
         `prefilled` admits it straight into the running batch (its cache was
-        pulled). Capacity errors surface as a final event with `error` set.
+        pulled). Raises ValueError for an id already in flight; capacity
+        errors surface as a final event with `error` set.
         """
+        if request.request_id in self._streams:
+            raise ValueError(f"request id {request.request_id!r} is already in flight here")
         stream: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._streams[request.request_id] = stream
 

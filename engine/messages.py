@@ -115,3 +115,4 @@ class WorkerHealth:
     role: str
     healthy: bool
     detail: str = ""
+    torch_threads: int = 0  # intra-op threads, sized from the Ray CPU grant on CPU

@@ -22,7 +22,10 @@ def granted_cpus() -> float | None:
         return None
     if not ray.is_initialized():
         return None
-    resources = ray.get_runtime_context().get_assigned_resources()
+    try:
+        resources = ray.get_runtime_context().get_assigned_resources()
+    except AssertionError:  # the driver process: Ray granted it nothing
+        return None
     cpus = resources.get("CPU")
     return float(cpus) if cpus else None
 

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 class ContextWorker:
     def __init__(self, config: WorkerConfig, worker_id: str = "context-0") -> None:
-        configure_torch_threads(config.device)
+        self.torch_threads = configure_torch_threads(config.device)
         self.config = config
         self.engine = EngineInstance.build(config, "context", worker_id)
         self.transceiver: Any = make_transceiver(config, self.engine.cache.buffers(), worker_id)
@@ -75,7 +75,7 @@ class ContextWorker:
     def abort(self, request_id: str) -> None:
         """Cancel a prompt still prefilling, or unpin one already published."""
         self.engine.loop.abort(request_id)
-        self.transceiver.release(request_id)
+        self.transceiver.abort(request_id)
 
     def health(self) -> WorkerHealth:
         return WorkerHealth(
@@ -83,6 +83,7 @@ class ContextWorker:
             role="context",
             healthy=self.engine.loop.healthy,
             detail="" if self.engine.loop.healthy else "engine loop stopped",
+            torch_threads=self.torch_threads,
         )
 
     def load(self) -> WorkerLoad:

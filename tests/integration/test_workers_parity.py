@@ -219,3 +219,85 @@ async def test_disaggregated_equals_aggregated_equals_transformers(
         load = await actor.load.remote()
         assert load.num_running == load.num_waiting == 0
         assert load.num_free_blocks == load.num_total_blocks, load
+
+
+LLAMA_CTX = ("context", "llama", "v1", "python")
+LLAMA_GEN = ("generation", "llama", "v1", "python")
+
+
+async def _assert_idle(actor: Any) -> None:
+    load = await actor.load.remote()
+    assert load.num_running == load.num_waiting == load.num_transferring == 0, load
+    assert load.num_free_blocks == load.num_total_blocks, load
+
+
+async def test_workers_are_healthy_and_size_torch_threads_from_their_cpu_grant(
+    workers: dict[tuple[str, ...], Any],
+) -> None:
+    health = await workers[LLAMA_GEN].health.remote()
+    assert health.healthy and health.role == "generation"
+    assert health.torch_threads == 1  # num_cpus=0.25 rounds to one thread
+
+
+async def test_abort_ends_the_stream_and_frees_the_cache(
+    workers: dict[tuple[str, ...], Any], prompts: list[list[int]]
+) -> None:
+    gen = workers[LLAMA_GEN]
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    stream = gen.generate.remote(GenerationRequest("abort-me", prompts[0], params))
+    first = await (await stream.__anext__())
+    assert first.token_ids and not first.finished
+    await gen.abort.remote("abort-me")
+    rest = await _collect(stream)
+    assert rest[-1].finish_reason == "abort"
+    assert 1 + sum(len(e.token_ids) for e in rest) < 80
+    await _assert_idle(gen)
+
+
+async def test_prompt_larger_than_the_cache_fails_with_a_clear_error(
+    workers: dict[tuple[str, ...], Any],
+) -> None:
+    from engine.errors import RequestFailedError
+
+    prompt = list(range(10, 10 + CTX_MAX_TOKENS + 1))
+    with pytest.raises(RequestFailedError, match="raise max_tokens"):
+        await workers[LLAMA_CTX].prefill.remote(ContextRequest("too-long-c", prompt, _params()))
+    events = await _collect(
+        workers[LLAMA_GEN].generate.remote(GenerationRequest("too-long-g", prompt, _params()))
+    )
+    assert events[-1].finish_reason == "error" and "raise max_tokens" in (events[-1].error or "")
+    await _assert_idle(workers[LLAMA_CTX])
+    await _assert_idle(workers[LLAMA_GEN])
+
+
+async def test_request_done_at_its_first_token_pins_nothing(
+    workers: dict[tuple[str, ...], Any], prompts: list[list[int]]
+) -> None:
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    result = await workers[LLAMA_CTX].prefill.remote(ContextRequest("one", prompts[2], params))
+    assert result.handle is None and result.finish_reason == "length"
+    await _assert_idle(workers[LLAMA_CTX])
+
+
+async def test_unpulled_cache_is_freed_when_its_lease_expires(
+    checkpoints: dict[str, Path], prompts: list[list[int]]
+) -> None:
+    config = WorkerConfig(
+        checkpoint=str(checkpoints["llama"]),
+        block_size=8,
+        max_tokens=CTX_MAX_TOKENS,
+        lease_s=0.3,
+        cluster_secret=SECRET,
+    )
+    ctx = ContextWorker(config, "lease-test")
+    await ctx.start()
+    try:
+        result = await ctx.prefill(ContextRequest("lease", prompts[3], _params()))
+        assert result.handle is not None
+        load = ctx.load()
+        assert load.num_transferring == 1 and load.num_free_blocks < load.num_total_blocks
+        await asyncio.sleep(0.6)
+        load = ctx.load()
+        assert load.num_transferring == 0 and load.num_free_blocks == load.num_total_blocks
+    finally:
+        await ctx.shutdown()
