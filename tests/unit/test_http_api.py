@@ -1,0 +1,203 @@
+"""Request validation and response shapes of the OpenAI-compatible API (pure)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.testclient import TestClient
+from pydantic import ValidationError
+
+from cluster.api_errors import APIError, handle_validation_error, validation_error
+from cluster.bench_stats import SLO, RequestRecord, percentile, summarize
+from cluster.completion import Delta
+from cluster.openai_format import ResponseMeta, chat_chunk, completion_logprobs, merge, usage
+from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.stop_strings import StopStringFilter
+
+
+def _errors(model: type, body: dict[str, Any]) -> list[Any]:
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    return info.value.errors()
+
+
+def test_unknown_parameter_is_a_400_naming_it() -> None:
+    error = validation_error(
+        _errors(CompletionRequest, {"model": "m", "prompt": "x", "max_tokns": 3})
+    )
+    assert error.status == 400
+    body = error.body()["error"]
+    assert body["param"] == "max_tokns"
+    assert body["type"] == "invalid_request_error"
+    assert "unknown parameter" in body["message"]
+
+
+def test_out_of_range_values_name_the_field() -> None:
+    cases = [
+        ({"temperature": 3.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 2}, "n"),
+        ({"logprobs": 99}, "logprobs"),
+    ]
+    for extra, field in cases:
+        body = {"model": "m", "prompt": "x", **extra}
+        assert validation_error(_errors(CompletionRequest, body)).param == field
+
+
+def test_missing_prompt_and_empty_prompt_are_rejected() -> None:
+    missing = validation_error(_errors(CompletionRequest, {"model": "m"}))
+    assert (missing.param, missing.code) == ("prompt", "missing")
+    empty = validation_error(_errors(CompletionRequest, {"model": "m", "prompt": ""}))
+    assert empty.param == "prompt" and "must not be empty" in empty.message
+
+
+def test_completion_prompt_may_be_token_ids() -> None:
+    request = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2, 3]})
+    assert request.prompt == [1, 2, 3]
+    assert request.max_tokens == 16  # OpenAI's default for completions
+
+
+def test_stream_options_need_stream_and_stop_accepts_str_or_list() -> None:
+    errors = _errors(
+        CompletionRequest,
+        {"model": "m", "prompt": "x", "stream_options": {"include_usage": True}},
+    )
+    assert "only allowed when stream is true" in validation_error(errors).message
+    one = CompletionRequest.model_validate({"model": "m", "prompt": "x", "stop": "END"})
+    many = CompletionRequest.model_validate({"model": "m", "prompt": "x", "stop": ["a", "b"]})
+    assert (one.stop_strings, many.stop_strings) == (["END"], ["a", "b"])
+
+
+def test_chat_messages_render_text_parts_and_take_max_completion_tokens() -> None:
+    request = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}],
+                },
+            ],
+            "max_completion_tokens": 7,
+        }
+    )
+    assert request.template_messages() == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi there"},
+    ]
+    assert request.output_limit == 7
+
+
+def test_chat_rejects_bad_roles_empty_messages_and_orphan_top_logprobs() -> None:
+    bad_role = {"model": "m", "messages": [{"role": "robot", "content": "x"}]}
+    assert validation_error(_errors(ChatCompletionRequest, bad_role)).param == "messages.0.role"
+    assert validation_error(
+        _errors(ChatCompletionRequest, {"model": "m", "messages": []})
+    ).param == ("messages")
+    orphan = {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}
+    assert "needs logprobs" in validation_error(_errors(ChatCompletionRequest, orphan)).message
+
+
+def test_fastapi_validation_errors_become_openai_400s() -> None:
+    app = FastAPI()
+    app.add_exception_handler(RequestValidationError, handle_validation_error)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> dict[str, str]:
+        return {"ok": body.model}
+
+    client = TestClient(app)
+    response = client.post("/v1/completions", json={"model": "m", "prompt": "x", "top_k": -5})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "top_k"
+    assert client.post("/v1/completions", json={"model": "m", "prompt": "x"}).status_code == 200
+
+
+def test_api_error_body_has_the_openai_shape() -> None:
+    body = APIError(404, "no such model", param="model", code="model_not_found").body()
+    assert body == {
+        "error": {
+            "message": "no such model",
+            "type": "not_found_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+
+
+def test_stop_string_split_across_deltas_is_cut_before_it() -> None:
+    stops = StopStringFilter(["END"])
+    assert [stops.add(d) for d in ("ab", "cE", "N", "D!")] == ["ab", "c", "", ""]
+    assert stops.stopped and stops.finish() == ""
+
+
+def test_stop_string_prefix_that_does_not_complete_is_released() -> None:
+    stops = StopStringFilter(["END"])
+    assert stops.add("xE") == "x"
+    assert stops.add("Nz") == "ENz"
+    assert stops.add("E") == ""
+    assert stops.finish() == "E"
+    assert not stops.stopped
+
+
+def test_include_stop_str_keeps_the_stop_string_and_earliest_stop_wins() -> None:
+    stops = StopStringFilter(["world", "lo"], include_stop=True)
+    assert stops.add("hello world") == "hello"
+    assert stops.stopped
+
+
+def test_merged_deltas_give_text_usage_and_logprob_offsets() -> None:
+    deltas = [
+        Delta("ab", [1], logprobs=[-0.5], num_prompt_tokens=4, num_output_tokens=1),
+        Delta(
+            "c",
+            [2],
+            logprobs=[-1.0],
+            finish_reason="stop",
+            num_prompt_tokens=4,
+            num_output_tokens=2,
+        ),
+    ]
+    whole = merge(deltas)
+    assert (whole.text, whole.token_ids, whole.finish_reason) == ("abc", [1, 2], "stop")
+    assert usage(whole) == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+
+    class Letters:
+        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+            return "".join("xyz"[i] for i in ids)
+
+    logprobs = completion_logprobs(whole, Letters(), 0, 10)
+    assert logprobs is not None
+    assert logprobs["tokens"] == ["y", "z"]
+    assert logprobs["token_logprobs"] == [-0.5, -1.0]
+    assert logprobs["text_offset"] == [10, 11]
+
+
+def test_chat_chunk_has_the_openai_chunk_shape() -> None:
+    chunk = chat_chunk(ResponseMeta("id-1", 5, "m"), {"content": "hi"}, None)
+    assert chunk["object"] == "chat.completion.chunk"
+    assert chunk["choices"] == [
+        {"index": 0, "delta": {"content": "hi"}, "logprobs": None, "finish_reason": None}
+    ]
+
+
+def test_bench_statistics_percentiles_tpot_and_goodput() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    fast = RequestRecord(
+        sent=0.0, output_tokens=3, chunk_times=[0.1, 0.2, 0.3], chunk_tokens=[1, 1, 1]
+    )
+    slow = RequestRecord(
+        sent=0.0, output_tokens=3, chunk_times=[2.0, 2.5, 3.0], chunk_tokens=[1, 1, 1]
+    )
+    failed = RequestRecord(sent=0.0, error="HTTP 500")
+    assert fast.tpot == pytest.approx(0.1)
+    summary = summarize([fast, slow, failed], duration_s=2.0, slo=SLO(ttft_s=0.5))
+    assert (summary["completed"], summary["failed"]) == (2, 1)
+    assert summary["goodput"] == pytest.approx(0.5)  # only `fast` meets TTFT <= 0.5 s
+    assert summary["ttft"]["p50_ms"] == pytest.approx(1050.0)
+    assert summary["output_token_throughput"] == pytest.approx(3.0)
