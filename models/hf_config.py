@@ -120,7 +120,10 @@ class _Fields:
 
 
 def _as_float(value: Any, name: str, source: str) -> float:
-    # Strings cover configs written with "Infinity"/"inf" quoted.
+    # Strings cover configs written with "Infinity"/"inf" quoted; transformers
+    # 5.x writes non-finite floats as {"__float__": "Infinity"}.
+    if isinstance(value, Mapping) and set(value) == {"__float__"}:
+        value = value["__float__"]
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ConfigError(f"{source}: field {name!r} must be a number, got {value!r}")
     try:

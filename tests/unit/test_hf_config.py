@@ -213,6 +213,16 @@ def test_time_step_limit_with_json_infinity(tmp_path: Path) -> None:
     assert parse_model_config(nemotron_h_dict(time_step_limit=[0.01, "inf"])).mamba is not None
 
 
+def test_time_step_limit_as_transformers_saves_it(tmp_path: Path) -> None:
+    """save_pretrained writes the default infinite limit as {"__float__": "Infinity"}."""
+    config = transformers.NemotronHConfig(hidden_size=64, time_step_limit=(0.0, math.inf))
+    config.architectures = ["NemotronHForCausalLM"]
+    config.save_pretrained(tmp_path)
+    assert '"__float__"' in (tmp_path / "config.json").read_text()
+    mamba = load_model_config(tmp_path).mamba
+    assert mamba is not None and mamba.time_step_limit == (0.0, math.inf)
+
+
 def test_matches_transformers_nemotron_h_config() -> None:
     """Fields as transformers itself writes them (to_dict) parse to the same values."""
     hf = transformers.NemotronHConfig(
