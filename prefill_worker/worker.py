@@ -34,6 +34,7 @@ class ContextWorker:
         self.engine = EngineInstance.build(config, "context", worker_id)
         self.transceiver: Any = make_transceiver(config, self.engine.cache.buffers(), worker_id)
         self._handles: dict[str, Any] = {}
+        self._publish_errors: dict[str, str] = {}
         self._started = False
 
     async def start(self) -> None:
@@ -60,12 +61,16 @@ class ContextWorker:
             raise
         if event.finish_reason in ("error", "abort"):
             raise RequestFailedError(request.request_id, event.error or event.finish_reason)
+        handle = self._handles.pop(request.request_id, None)
+        if event.finish_reason == "handoff" and handle is None:
+            reason = self._publish_errors.pop(request.request_id, "not published")
+            raise RequestFailedError(request.request_id, f"cache could not be published: {reason}")
         return ContextResult(
             request_id=request.request_id,
             first_token_id=event.token_ids[0],
             first_logprob=event.logprobs[0] if event.logprobs else None,
             first_top_logprobs=event.top_logprobs[0] if event.top_logprobs else None,
-            handle=self._handles.pop(request.request_id, None),
+            handle=handle,
             finish_reason=None if event.finish_reason == "handoff" else event.finish_reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
@@ -103,13 +108,18 @@ class ContextWorker:
         """Runs on the event loop between steps, right after the first token."""
         rid = request.request_id
         manager = self.engine.manager
-        self._handles[rid] = self.transceiver.publish(
-            rid,
-            manager.regions(rid),
-            manager.layout_signature(),
-            self.config.lease_s,
-            self._on_release,
-        )
+        try:
+            self._handles[rid] = self.transceiver.publish(
+                rid,
+                manager.regions(rid),
+                manager.layout_signature(),
+                self.config.lease_s,
+                self._on_release,
+            )
+        except Exception as exc:  # a broken publish must not stop the engine loop
+            logger.exception("publishing the cache of request %r failed", rid)
+            self._publish_errors[rid] = str(exc)
+            manager.free(rid)
 
     def _on_release(self, request_id: str) -> None:
         # Called by the transceiver (pulled, aborted or lease expired): free
