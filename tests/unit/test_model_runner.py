@@ -95,3 +95,28 @@ def test_chunked_steps_reproduce_transformers_logits(checkpoint: Path, manager_n
             expected = reference(ids).logits[0, -1]
         scale = expected.abs().max()
         torch.testing.assert_close(last_logits[r.request_id], expected, atol=1e-4 * scale, rtol=0)
+
+
+def test_execute_samples_only_finished_chunks_with_logprobs(checkpoint: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from engine.sampling import Sampler, SamplingParams
+
+    model, config = load_model(checkpoint)
+    manager = create_manager("v2", config.cache_spec(), 32, BLOCK)
+    runner = ModelRunner(model, allocate_cache_tensors(manager).views(), manager, BLOCK, Sampler())
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2)
+    done = Request("done", [9, 8, 7, 6, 5], params)
+    partial = Request("partial", list(range(30, 42)), params)
+    assert manager.allocate_slots("done", 5) and manager.allocate_slots("partial", 6)
+    out = runner.execute([ScheduledSequence.of(done, 5), ScheduledSequence.of(partial, 6)])
+    assert out.sampled[1] is None
+    token = out.sampled[0]
+    assert token is not None and token.top_logprobs is not None
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = reference(torch.tensor([done.prompt_token_ids])).logits[0, -1].log_softmax(-1)
+    assert token.token_id == int(expected.argmax())
+    assert token.logprob == pytest.approx(float(expected.max()), abs=1e-4)
+    assert [t for t, _ in token.top_logprobs] == expected.topk(2).indices.tolist()
+    assert out.timings.forward_s > 0 and out.timings.build_s > 0
