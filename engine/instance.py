@@ -11,15 +11,24 @@ import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from engine.core import EngineCore, StopCheck
 from engine.loop import EngineLoop
 from engine.messages import KVEventBatch, WorkerLoad
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request
+from engine.sampling import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.stop import IncrementalDetokenizer, StopChecker
 from engine.worker_config import WorkerConfig
+from kvcache.factory import create_manager
+from kvcache.manager import KVCacheManager
+from kvcache.sizing import size_cache
+from kvcache.tensors import CacheTensors, allocate_cache_tensors
+from models.base import CausalLM
+from models.config import ModelConfig
+from models.loader import load_model
+from models.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -31,11 +40,11 @@ class EngineInstance:
     config: WorkerConfig
     role: str
     worker_id: str
-    model: Any
-    model_config: Any
-    tokenizer: Any
-    manager: Any
-    cache: Any  # kvcache.tensors pool: .views(), .buffers()
+    model: CausalLM
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    manager: KVCacheManager
+    cache: CacheTensors
     runner: ModelRunner
     core: EngineCore
     loop: EngineLoop
@@ -44,10 +53,6 @@ class EngineInstance:
     def build(cls, config: WorkerConfig, role: str, worker_id: str) -> EngineInstance:
         if role not in ROLES:
             raise ValueError(f"worker role must be one of {ROLES}, got {role!r}")
-        from engine.sampling import Sampler
-        from models.loader import load_model
-        from models.tokenizer import load_tokenizer
-
         model, model_config = load_model(
             Path(config.checkpoint), dtype=config.dtype, device=config.device
         )
@@ -63,26 +68,26 @@ class EngineInstance:
             device=config.device,
             is_hybrid=spec.is_hybrid,
         )
-        scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_tokens=config.max_num_tokens,
-                max_batch_size=config.max_batch_size,
-                max_model_tokens=manager.num_usable_blocks * config.block_size,
-                enable_prefix_match=manager.enable_block_reuse,
-            ),
-            manager,
-        )
-        eos = tuple(model_config.eos_token_ids) or tuple(getattr(tokenizer, "eos_token_ids", ()))
+        eos = model_config.eos_token_ids or tokenizer.eos_token_ids
         core = EngineCore(
-            scheduler,
+            _build_scheduler(config, manager),
             runner,
             make_stop_check=lambda req: _stop_check(req, eos, tokenizer),
             context_only=role == "context",
         )
         return cls(
-            config, role, worker_id, model, model_config, tokenizer, manager, cache, runner,
-            core, EngineLoop(core),
-        )  # fmt: skip
+            config=config,
+            role=role,
+            worker_id=worker_id,
+            model=model,
+            model_config=model_config,
+            tokenizer=tokenizer,
+            manager=manager,
+            cache=cache,
+            runner=runner,
+            core=core,
+            loop=EngineLoop(core),
+        )
 
     def load(self, num_transferring: int) -> WorkerLoad:
         sched = self.core.scheduler
@@ -105,12 +110,22 @@ class EngineInstance:
         return KVEventBatch(worker_id=self.worker_id, events=list(self.manager.drain_events()))
 
 
-def _build_cache(config: WorkerConfig, model_config: Any) -> tuple[Any, Any]:
-    """Size the pools, build the manager and allocate its tensors."""
-    from kvcache.factory import create_manager
-    from kvcache.sizing import size_cache
-    from kvcache.tensors import allocate_cache_tensors
+def _build_scheduler(config: WorkerConfig, manager: KVCacheManager) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_num_tokens=config.max_num_tokens,
+            max_batch_size=config.max_batch_size,
+            max_model_tokens=manager.num_usable_blocks * config.block_size,
+            enable_prefix_match=manager.enable_block_reuse,
+        ),
+        manager,
+    )
 
+
+def _build_cache(
+    config: WorkerConfig, model_config: ModelConfig
+) -> tuple[KVCacheManager, CacheTensors]:
+    """Size the pools, build the manager and allocate its tensors."""
     spec = model_config.cache_spec(config.dtype)
     max_len = model_config.max_position_embeddings
     if config.max_tokens is not None:
@@ -139,7 +154,7 @@ def _build_cache(config: WorkerConfig, model_config: Any) -> tuple[Any, Any]:
     return manager, allocate_cache_tensors(manager, config.device)
 
 
-def _stop_check(request: Request, eos: tuple[int, ...], tokenizer: Any) -> StopCheck:
+def _stop_check(request: Request, eos: tuple[int, ...], tokenizer: Tokenizer) -> StopCheck:
     """A per-request stop decision over its output tokens.
 
     Tokens are fed to the `StopChecker` in order, each once; a request pulled
@@ -147,8 +162,6 @@ def _stop_check(request: Request, eos: tuple[int, ...], tokenizer: Any) -> StopC
     `output_token_ids`, and that token is fed with the next call. Text is
     detokenized only when the request has stop strings.
     """
-    from engine.stop import IncrementalDetokenizer, StopChecker
-
     params = request.params
     checker = StopChecker(params, eos)
     detok = (
