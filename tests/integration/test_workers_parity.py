@@ -301,3 +301,31 @@ async def test_unpulled_cache_is_freed_when_its_lease_expires(
         assert load.num_transferring == 0 and load.num_free_blocks == load.num_total_blocks
     finally:
         await ctx.shutdown()
+
+
+async def test_prefix_reuse_skips_cached_blocks_and_keeps_outputs(
+    checkpoints: dict[str, Path],
+    prompts: list[list[int]],
+    references: dict[str, list[list[int]]],
+) -> None:
+    config = WorkerConfig(
+        checkpoint=str(checkpoints["llama"]),
+        manager="v2",
+        block_size=8,
+        max_tokens=GEN_MAX_TOKENS,
+        max_num_tokens=CHUNK,
+        enable_block_reuse=True,
+    )
+    worker = GenerationWorker(config, "reuse-test", role="aggregated")
+    await worker.start()
+    try:
+        for attempt in range(2):
+            rid = f"reuse-{attempt}"
+            events = [
+                e async for e in worker.generate(GenerationRequest(rid, prompts[3], _params()))
+            ]
+            assert [t for e in events for t in e.token_ids] == references["llama"][3]
+            # 37 prompt tokens: the second run finds its 4 full blocks cached.
+            assert events[-1].num_cached_tokens == (0 if attempt == 0 else 32)
+    finally:
+        await worker.shutdown()
