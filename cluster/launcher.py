@@ -84,7 +84,14 @@ def connect_ray(address: str | None, num_instances: int) -> bool:
         return False
     env = {"env_vars": {"PYTHONPATH": _project_root()}}
     if address:
-        ray.init(address=address, runtime_env=env, logging_level=logging.WARNING)
+        try:
+            ray.init(address=address, runtime_env=env, logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise LaunchError(
+                f"cannot join the Ray cluster at address {address!r}: {exc}; start it "
+                "(`ray start --head` or `ray up deploy/ray/cluster-gpu.yaml`) or remove "
+                "`address` from the config to run a local cluster"
+            ) from exc
         return False
     # A local cluster grants one CPU per instance even on a smaller machine:
     # the grant sizes each worker's torch threads, it does not pin cores.

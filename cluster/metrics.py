@@ -67,8 +67,17 @@ class ServingMetrics:
             ["worker"],
             registry=r,
         )
-        self.retries = Counter(
-            "disagg_request_retries", "Dispatches retried on another worker.", ["phase"], registry=r
+        self.worker_requests = Gauge(
+            "disagg_worker_requests",
+            "Requests each worker holds (waiting, running or transferring), as last polled.",
+            ["worker"],
+            registry=r,
+        )
+        self.dispatch_failures = Counter(
+            "disagg_dispatch_failures",
+            "Dispatches to a worker that failed (retried elsewhere while nothing was streamed).",
+            ["phase"],
+            registry=r,
         )
         self.in_flight = Gauge(
             "disagg_requests_in_flight", "Requests being served right now.", registry=r

@@ -28,18 +28,17 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ray.exceptions import RayActorError, RayTaskError
+
 from cluster.metrics import ServingMetrics
-from cluster.policies import NoWorkerError, RoutingPolicy, WorkerState, make_policy
+from cluster.policies import RoutingPolicy, WorkerState, make_policy
+from engine.errors import RequestFailedError
 from engine.messages import ContextRequest, ContextResult, GenerationRequest, TokenEvent
 from kvcache.hashing import hash_full_blocks, root_hash
 
 logger = logging.getLogger(__name__)
 
 _POLL_INTERVAL_S = 0.1
-
-
-class RequestFailedError(RuntimeError):
-    """Every worker that could serve the request failed; the message says why."""
 
 
 @dataclass
@@ -156,7 +155,7 @@ class Router:
         cost = len(prompt) + 1
         errors: list[str] = []
         for _ in range(self.settings.max_attempts):
-            endpoint = self._pick(self.context, self._context_policy, hashes)
+            endpoint = self._pick(self.context, self._context_policy, hashes, touched)
             touched.append(endpoint)
             endpoint.state.tokens_in_flight += cost
             self.metrics.routed.labels(endpoint.name, "context").inc()
@@ -166,11 +165,10 @@ class Router:
                 )
                 return result
             except Exception as exc:  # a dead actor or a failed prefill: try another
-                errors.append(f"{endpoint.name}: {exc}")
-                self._mark_failed(endpoint, exc, "context")
+                errors.append(self._failed(endpoint, exc, "context"))
             finally:
                 endpoint.state.tokens_in_flight -= cost
-        raise RequestFailedError("context phase failed on every attempt: " + "; ".join(errors))
+        raise RequestFailedError(request_id, "context phase failed: " + "; ".join(errors))
 
     async def _stream_generation(
         self,
@@ -185,7 +183,7 @@ class Router:
         attempts = self.settings.max_attempts if request.context is None else 1
         errors: list[str] = []
         for _ in range(attempts):
-            endpoint = self._pick(self.generation, self._generation_policy, hashes)
+            endpoint = self._pick(self.generation, self._generation_policy, hashes, touched)
             touched.append(endpoint)
             endpoint.state.tokens_in_flight += cost
             self.metrics.routed.labels(endpoint.name, phase).inc()
@@ -200,26 +198,33 @@ class Router:
                     yield event
                     if event.finished:
                         return
-                raise RequestFailedError(f"{endpoint.name} ended the stream without finishing")
-            except (RequestFailedError, Exception) as exc:
+                raise RequestFailedError(request.request_id, "the stream ended unfinished")
+            except Exception as exc:
+                failure = self._failed(endpoint, exc, "generation")
                 if streamed:
-                    yield _error_event(request.request_id, f"{endpoint.name} failed: {exc}")
+                    yield _error_event(request.request_id, failure)
                     return
-                errors.append(f"{endpoint.name}: {exc}")
-                self._mark_failed(endpoint, exc, "generation")
+                errors.append(failure)
             finally:
                 endpoint.state.tokens_in_flight -= cost
         message = "generation phase failed: " + "; ".join(errors)
         if request.context is not None:
             yield _error_event(request.request_id, message)
             return
-        raise RequestFailedError(message)
+        raise RequestFailedError(request.request_id, message)
 
     def _pick(
-        self, pool: list[WorkerEndpoint], policy: RoutingPolicy, hashes: Sequence[bytes]
+        self,
+        pool: list[WorkerEndpoint],
+        policy: RoutingPolicy,
+        hashes: Sequence[bytes],
+        tried: Sequence[WorkerEndpoint],
     ) -> WorkerEndpoint:
-        state = policy.choose([e.state for e in pool], hashes)
-        return next(e for e in pool if e.state is state)
+        """The policy's choice among the pool, skipping workers this request
+        already tried while others remain."""
+        candidates = [e for e in pool if e not in tried and e.state.healthy] or pool
+        state = policy.choose([e.state for e in candidates], hashes)
+        return next(e for e in candidates if e.state is state)
 
     def _record_transfer(self, context: ContextResult, started: float) -> None:
         """The pull ends before the generation worker's first token: time it,
@@ -228,10 +233,18 @@ class Router:
         if context.handle is not None:
             self.metrics.transfer_bytes.inc(context.handle.regions.num_bytes)
 
-    def _mark_failed(self, endpoint: WorkerEndpoint, exc: BaseException, phase: str) -> None:
-        logger.warning("worker %s failed (%s); routing around it", endpoint.name, exc)
-        endpoint.state.healthy = False
-        self.metrics.retries.labels(phase).inc()
+    def _failed(self, endpoint: WorkerEndpoint, exc: BaseException, phase: str) -> str:
+        """Record a failed dispatch; returns the reason for the client.
+
+        A dead actor is routed around until it answers a poll again; a request
+        the worker refused (`RequestFailedError`) leaves the worker healthy.
+        """
+        if isinstance(exc, RayActorError):
+            logger.warning("worker %s is unreachable (%s); routing around it", endpoint.name, exc)
+            endpoint.state.healthy = False
+        self.metrics.dispatch_failures.labels(phase).inc()
+        cause = exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
+        return f"{endpoint.name}: {cause}"
 
     def _abort_everywhere(self, request_id: str, touched: list[WorkerEndpoint]) -> None:
         for endpoint in {id(e): e for e in touched}.values():
@@ -258,6 +271,8 @@ class Router:
         state.num_queued = load.num_waiting
         state.num_free_blocks = load.num_free_blocks
         state.num_total_blocks = load.num_total_blocks
+        held = load.num_waiting + load.num_running + load.num_transferring
+        self.metrics.worker_requests.labels(endpoint.name).set(held)
         if load.num_total_blocks:
             used = 1 - load.num_free_blocks / load.num_total_blocks
             self.metrics.cache_usage.labels(endpoint.name).set(used)
@@ -285,12 +300,3 @@ def _error_event(request_id: str, message: str) -> TokenEvent:
 
 def _max_tokens(params: Any) -> int:
     return int(getattr(params, "max_tokens", 0) or 0)
-
-
-__all__ = [
-    "NoWorkerError",
-    "RequestFailedError",
-    "Router",
-    "RoutingSettings",
-    "WorkerEndpoint",
-]

@@ -34,7 +34,8 @@ from cluster.completion import CompletionFailedError, Delta, PreparedRequest, st
 from cluster.metrics import ServingMetrics
 from cluster.policies import NoWorkerError
 from cluster.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
-from cluster.router import RequestFailedError, Router
+from cluster.router import Router
+from engine.errors import RequestFailedError
 from engine.sampling import SamplingParams
 
 _DISCONNECT_POLL_S = 0.25

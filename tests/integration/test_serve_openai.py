@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -227,6 +227,40 @@ def test_prefix_aware_routes_a_repeated_prefix_to_its_holder(server: Server) -> 
     }
     # Without prefix knowledge equal loads alternate; with it, one holder takes all.
     assert sorted(gains.values()) == [0, 4], gains
+
+
+def _worker_requests(server: Server) -> float:
+    text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
+    return sum(float(v) for v in re.findall(r"disagg_worker_requests\{[^}]*\} ([0-9.]+)", text))
+
+
+def _wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_client_disconnect_aborts_the_request_on_the_workers(server: Server) -> None:
+    body = {
+        "model": server.model,
+        "prompt": "A long story begins",
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", server.url + "/completions", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        assert [next(lines) for _ in range(3)]
+        assert _wait_until(lambda: _worker_requests(server) > 0, 5), "request never ran"
+    # Closing the stream must stop generation long before 3000 tokens are done.
+    assert _wait_until(lambda: _worker_requests(server) == 0, 3), "request kept running"
 
 
 def test_sigterm_stops_the_server_cleanly(server: Server) -> None:
