@@ -9,6 +9,7 @@ tiny checkpoint written here. Greedy outputs must equal transformers'
 from __future__ import annotations
 
 import asyncio
+import json
 import queue
 import re
 import signal
@@ -268,3 +269,22 @@ def test_sigterm_stops_the_server_cleanly(server: Server) -> None:
     assert server.process.wait(60) == 0
     time.sleep(0.2)
     assert any(line.startswith("stopped") for line in server.output), server.output[-10:]
+
+
+def test_a_worker_that_cannot_start_fails_startup_naming_it(tmp_path: Path) -> None:
+    from models.embedded.configs import checkpoint_config
+
+    # config.json resolves a plan, but there are no weights for the workers to load.
+    broken = tmp_path / "no-weights"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps(checkpoint_config("llama", "tiny")))
+    result = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "serve", "--model", str(broken), "--port", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert re.search(r"error: instance (context|generation)-0 failed to start: ", result.stderr)
+    assert "serving" not in result.stdout

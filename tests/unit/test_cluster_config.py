@@ -189,3 +189,21 @@ def test_a_cache_too_small_for_one_sequence_names_the_role(llama_dir: Path) -> N
 def test_missing_checkpoint_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="c.yaml:model: cannot load"):
         resolve_plan(config_from_dict({"model": str(tmp_path / "nope")}), "c.yaml")
+
+
+def test_serve_refuses_a_conflicting_config_before_starting_ray(
+    llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cluster.cli import main
+
+    path = _write(
+        tmp_path,
+        f"model: {llama_dir}\n"
+        "cache_transceiver: {backend: nixl}\n"
+        "context_servers: {kv_cache: {manager: v1}}\n"
+        "generation_servers: {kv_cache: {manager: v2}}\n",
+    )
+    assert main(["serve", "-c", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {path}: kv_cache.manager is 'v1' on context_servers")
+    assert not ray.is_initialized()
