@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.sampling import SamplingParams
+    from transfer.base import TransferHandle
 
 
 @dataclass(frozen=True)
 class ContextRequest:
-    """Context-only work: prefill `prompt_token_ids` and sample the first token.
-
-    `params` is an `engine.sampling.SamplingParams`.
-    """
+    """Context-only work: prefill `prompt_token_ids` and sample the first token."""
 
     request_id: str
     prompt_token_ids: list[int]
-    params: Any
+    params: SamplingParams
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class ContextResult:
     first_token_id: int
     first_logprob: float | None = None
     first_top_logprobs: list[tuple[int, float]] | None = None
-    handle: Any = None
+    handle: TransferHandle | None = None
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -57,7 +58,7 @@ class GenerationRequest:
 
     request_id: str
     prompt_token_ids: list[int]
-    params: Any
+    params: SamplingParams
     context: ContextResult | None = None
 
 

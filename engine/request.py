@@ -18,7 +18,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # sampling imports torch; request state stays pure Python
+    from engine.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -40,14 +43,13 @@ class FinishReason(enum.Enum):
 class Request:
     """One sequence in flight.
 
-    `params` is the request's `engine.sampling.SamplingParams`; the scheduler
-    reads only `params.max_tokens` (through the engine core), so it stays
-    usable without torch.
+    The scheduler never reads `params`, so it runs without torch; the engine
+    core and the sampler do.
     """
 
     request_id: str
     prompt_token_ids: list[int]
-    params: Any
+    params: SamplingParams
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
