@@ -69,6 +69,8 @@ def validation_error(errors: Sequence[Any]) -> APIError:
     loc = [p for p in loc if not p.startswith(("str", "list[", "function-"))] or loc
     param = ".".join(loc) or None
     msg = str(first.get("msg", "invalid value"))
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON ({msg})", code="json_invalid")
     if first.get("type") == "extra_forbidden":
         msg = "unknown parameter"
     elif first.get("type") == "missing":

@@ -89,7 +89,9 @@ def completion_logprobs(
     }
 
 
-def completion_chunk(meta: ResponseMeta, text: str, finish: str | None, logprobs: Any) -> dict:
+def completion_chunk(
+    meta: ResponseMeta, text: str, finish: str | None, logprobs: Any
+) -> dict[str, Any]:
     return {
         "id": meta.id,
         "object": "text_completion",

@@ -21,7 +21,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
+class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="forbid")
@@ -29,7 +29,7 @@ class _SamplingFields(BaseModel):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = 1
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
@@ -44,6 +44,13 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     user: str | None = None
 
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("only n=1 is supported; send several requests for several choices")
+        return value
+
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
@@ -55,7 +62,7 @@ class _SamplingFields(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> _SamplingFields:
+    def _stream_options_need_stream(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
@@ -71,7 +78,7 @@ class _SamplingFields(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     """`POST /v1/completions`: one prompt, as text or token ids."""
 
     prompt: str | list[int]
@@ -125,7 +132,7 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`: messages rendered with the checkpoint's template."""
 
     messages: list[ChatMessage] = Field(min_length=1)

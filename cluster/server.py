@@ -33,7 +33,7 @@ from cluster.api_errors import (
 from cluster.completion import CompletionFailedError, Delta, PreparedRequest, stream_completion
 from cluster.metrics import ServingMetrics
 from cluster.policies import NoWorkerError
-from cluster.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from cluster.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from cluster.router import Router
 from engine.errors import RequestFailedError
 from engine.sampling import SamplingParams
@@ -177,7 +177,7 @@ class _OpenAIRoutes:
     def _prepare(
         self,
         prefix: str,
-        body: _SamplingFields,
+        body: SamplingFields,
         prompt: list[int],
         max_tokens: int | None,
         logprobs: int | None,
@@ -222,7 +222,7 @@ class _OpenAIRoutes:
         endpoint: str,
         meta: fmt.ResponseMeta,
         prepared: PreparedRequest,
-        body: _SamplingFields,
+        body: SamplingFields,
         http: Request,
         opening: list[dict[str, Any]],
         chunk: Callable[[Delta], dict[str, Any]],
@@ -261,7 +261,7 @@ class _OpenAIRoutes:
         opening: list[dict[str, Any]],
         chunk: Callable[[Delta], dict[str, Any]],
         chunk_object: str,
-        body: _SamplingFields,
+        body: SamplingFields,
     ) -> AsyncIterator[str]:
         status = "200"
         try:
@@ -316,7 +316,7 @@ async def _collect(deltas: AsyncIterator[Delta]) -> list[Delta]:
     return [delta async for delta in deltas]
 
 
-def _sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | None) -> Any:
+def _sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> Any:
     try:
         return _build_sampling_params(body, max_tokens, logprobs)
     except ValueError as exc:  # SamplingParams names the field it rejects
@@ -324,7 +324,7 @@ def _sampling_params(body: _SamplingFields, max_tokens: int, logprobs: int | Non
 
 
 def _build_sampling_params(
-    body: _SamplingFields, max_tokens: int, logprobs: int | None
+    body: SamplingFields, max_tokens: int, logprobs: int | None
 ) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,

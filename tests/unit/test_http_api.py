@@ -24,6 +24,18 @@ def _errors(model: type, body: dict[str, Any]) -> list[Any]:
     return info.value.errors()
 
 
+def _validating_app() -> FastAPI:
+    """A FastAPI app with the server's validation handler and one body model."""
+    app = FastAPI()
+    app.add_exception_handler(RequestValidationError, handle_validation_error)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> dict[str, str]:
+        return {"ok": body.model}
+
+    return app
+
+
 def test_unknown_parameter_is_a_400_naming_it() -> None:
     error = validation_error(
         _errors(CompletionRequest, {"model": "m", "prompt": "x", "max_tokns": 3})
@@ -46,6 +58,19 @@ def test_out_of_range_values_name_the_field() -> None:
     for extra, field in cases:
         body = {"model": "m", "prompt": "x", **extra}
         assert validation_error(_errors(CompletionRequest, body)).param == field
+
+
+def test_more_than_one_choice_and_broken_json_have_clear_messages() -> None:
+    error = validation_error(_errors(CompletionRequest, {"model": "m", "prompt": "x", "n": 3}))
+    assert (error.param, error.status) == ("n", 400)
+    assert "only n=1 is supported" in error.message
+    app = _validating_app()
+    response = TestClient(app).post(
+        "/v1/completions", content=b"not json", headers={"content-type": "application/json"}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] is None
+    assert "not valid JSON" in response.json()["error"]["message"]
 
 
 def test_missing_prompt_and_empty_prompt_are_rejected() -> None:
@@ -104,13 +129,7 @@ def test_chat_rejects_bad_roles_empty_messages_and_orphan_top_logprobs() -> None
 
 
 def test_fastapi_validation_errors_become_openai_400s() -> None:
-    app = FastAPI()
-    app.add_exception_handler(RequestValidationError, handle_validation_error)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> dict[str, str]:
-        return {"ok": body.model}
-
+    app = _validating_app()
     client = TestClient(app)
     response = client.post("/v1/completions", json={"model": "m", "prompt": "x", "top_k": -5})
     assert response.status_code == 400
