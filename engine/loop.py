@@ -59,17 +59,32 @@ class EngineLoop:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
+        self._stopping = False
 
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        """Stop at the next step boundary (a step in flight finishes first),
+        apply every queued mutation, and end open streams with an error."""
+        if self._task is None:
+            return
+        self._stopping = True
+        self._wake.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = None
+        self._apply_pending()
+        for request_id in list(self._streams):
+            self._deliver(
+                TokenEvent(
+                    request_id=request_id,
+                    token_ids=[],
+                    finish_reason="error",
+                    error="the worker is shutting down; retry on another worker",
+                )
+            )
 
     @property
     def healthy(self) -> bool:
@@ -77,6 +92,9 @@ class EngineLoop:
 
     def call_between_steps(self, fn: Callable[[], None]) -> None:
         """Run `fn` on the event loop when no step is in flight."""
+        if self._stopping and self._task is None:
+            fn()  # stopped: no step will ever run again
+            return
         self._pending.append(fn)
         self._wake.set()
 
@@ -122,7 +140,7 @@ class EngineLoop:
 
     async def _run(self) -> None:
         try:
-            while True:
+            while not self._stopping:
                 self._apply_pending()
                 if not self.core.has_work():
                     self._wake.clear()

@@ -101,8 +101,9 @@ class ContextWorker:
         return dict(vars(self.engine.loop.stats))
 
     async def shutdown(self) -> None:
-        await self.engine.loop.stop()
+        """Unpin every published cache, then stop the engine; frees everything."""
         await self.transceiver.close()
+        await self.engine.loop.stop()
 
     def _publish(self, request: Request) -> None:
         """Runs on the event loop between steps, right after the first token."""

@@ -329,3 +329,32 @@ async def test_prefix_reuse_skips_cached_blocks_and_keeps_outputs(
             assert events[-1].num_cached_tokens == (0 if attempt == 0 else 32)
     finally:
         await worker.shutdown()
+
+
+async def test_failed_pull_reports_an_error_and_leaks_nothing(
+    checkpoints: dict[str, Path], prompts: list[list[int]]
+) -> None:
+    config = WorkerConfig(
+        checkpoint=str(checkpoints["llama"]),
+        block_size=8,
+        max_tokens=GEN_MAX_TOKENS,
+        transfer_timeout_s=5.0,
+        cluster_secret=SECRET,
+    )
+    ctx = ContextWorker(config, "gone-context")
+    gen = GenerationWorker(config, "pulling-generation")
+    await ctx.start()
+    await gen.start()
+    try:
+        result = await ctx.prefill(ContextRequest("orphan", prompts[2], _params()))
+        await ctx.shutdown()  # the holder goes away before the pull
+        assert ctx.load().num_free_blocks == ctx.load().num_total_blocks
+        request = GenerationRequest("orphan", prompts[2], _params(), result)
+        events = [e async for e in gen.generate(request)]
+        assert events[-1].finish_reason == "error"
+        assert "cache transfer failed" in (events[-1].error or "")
+        await asyncio.sleep(0.05)  # the free runs between engine steps
+        load = gen.load()
+        assert load.num_transferring == 0 and load.num_free_blocks == load.num_total_blocks
+    finally:
+        await gen.shutdown()
