@@ -1,7 +1,7 @@
 """`disagg bench --plot`: latency percentiles and per-request token timelines.
 
-matplotlib is optional (`pip install matplotlib`); without it `plot_run`
-raises `PlotUnavailableError` saying so.
+matplotlib is a project dependency; an environment installed without it
+gets `PlotUnavailableError` saying how to add it, not a traceback.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -220,3 +221,17 @@ def test_bench_statistics_percentiles_tpot_and_goodput() -> None:
     assert summary["goodput"] == pytest.approx(0.5)  # only `fast` meets TTFT <= 0.5 s
     assert summary["ttft"]["p50_ms"] == pytest.approx(1050.0)
     assert summary["output_token_throughput"] == pytest.approx(3.0)
+
+
+def test_bench_plot_writes_a_png(tmp_path: Path) -> None:
+    from cluster.bench_plot import plot_run
+
+    records = [
+        RequestRecord(
+            sent=0.0, output_tokens=3, chunk_times=[0.1, 0.2, 0.3], chunk_tokens=[1, 1, 1]
+        ),
+        RequestRecord(sent=0.05, error="HTTP 500"),
+    ]
+    out = tmp_path / "bench.png"
+    plot_run(records, summarize(records, 1.0, SLO()), str(out))
+    assert out.read_bytes().startswith(b"\x89PNG")
