@@ -123,6 +123,8 @@ class GenerationWorker:
         return dict(vars(self.engine.loop.stats))
 
     async def shutdown(self) -> None:
+        """Cancel pulls in flight, stop the engine (open streams end with an
+        error) and close the transceiver; frees everything."""
         for task in list(self._pulls.values()):
             task.cancel()
         await self.engine.loop.stop()
@@ -154,6 +156,10 @@ class GenerationWorker:
                 return _error(req, "aborted while its cache was in transfer", reason="abort")
             # TransferTimeout, LayoutMismatch, PeerGone, no free blocks in time
             return _error(req, f"cache transfer failed: {exc}")
+        else:
+            if rid not in self._pulls:  # aborted just as the pull completed
+                await self._between_steps(lambda: self.engine.manager.free(rid))
+                return _error(req, "aborted while its cache was in transfer", reason="abort")
         finally:
             self._pulls.pop(rid, None)
         return None
