@@ -67,6 +67,12 @@ class ServingMetrics:
             ["worker"],
             registry=r,
         )
+        self.cached_blocks = Gauge(
+            "disagg_router_cached_blocks",
+            "Reusable KV blocks the router knows each worker holds (from its KV events).",
+            ["worker"],
+            registry=r,
+        )
         self.worker_requests = Gauge(
             "disagg_worker_requests",
             "Requests each worker holds (waiting, running or transferring), as last polled.",

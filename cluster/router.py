@@ -279,6 +279,7 @@ class Router:
         stored = [e.block_hash for e in batch.events if e.kind == "stored"]
         removed = [e.block_hash for e in batch.events if e.kind == "removed"]
         state.apply_kv_event(stored, removed)
+        self.metrics.cached_blocks.labels(endpoint.name).set(len(state.cached_blocks))
 
 
 def _first_event(context: ContextResult) -> TokenEvent:

@@ -122,6 +122,27 @@ def _routed(server: Server) -> dict[tuple[str, str], float]:
     return {(w, p): float(v) for p, w, v in re.findall(pattern, text)}
 
 
+def _cached_blocks(server: Server) -> float:
+    """Blocks the router knows the context workers hold."""
+    text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
+    pattern = r'disagg_router_cached_blocks\{worker="context-\d+"\} ([0-9.]+)'
+    return sum(float(v) for v in re.findall(pattern, text))
+
+
+def _worker_requests(server: Server) -> float:
+    text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
+    return sum(float(v) for v in re.findall(r"disagg_worker_requests\{[^}]*\} ([0-9.]+)", text))
+
+
+def _wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return False
+
+
 PROMPTS = ["The quick brown fox", "Once upon a time, in a small village", "Water boils at"]
 
 
@@ -216,11 +237,14 @@ def test_prefix_aware_routes_a_repeated_prefix_to_its_holder(server: Server) -> 
     client = _client(server)
     prefix = " ".join(["The clockmaker wound every clock in the shop"] * 8)  # many full blocks
     before = _routed(server)
-    for i in range(4):
+    known = _cached_blocks(server)
+    client.completions.create(model=server.model, prompt=f"{prefix} 0", max_tokens=2, temperature=0)
+    # Wait until the router has polled the holder's KV events for the prefix.
+    assert _wait_until(lambda: _cached_blocks(server) >= known + 4, 10), "no KV events seen"
+    for i in range(1, 4):
         client.completions.create(
             model=server.model, prompt=f"{prefix} {i}", max_tokens=2, temperature=0
         )
-        time.sleep(0.5)  # let the router poll the workers' KV events
     after = _routed(server)
     gains = {
         w: after.get((w, "context"), 0) - before.get((w, "context"), 0)
@@ -228,20 +252,6 @@ def test_prefix_aware_routes_a_repeated_prefix_to_its_holder(server: Server) -> 
     }
     # Without prefix knowledge equal loads alternate; with it, one holder takes all.
     assert sorted(gains.values()) == [0, 4], gains
-
-
-def _worker_requests(server: Server) -> float:
-    text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
-    return sum(float(v) for v in re.findall(r"disagg_worker_requests\{[^}]*\} ([0-9.]+)", text))
-
-
-def _wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_client_disconnect_aborts_the_request_on_the_workers(server: Server) -> None:
