@@ -358,3 +358,31 @@ async def test_failed_pull_reports_an_error_and_leaks_nothing(
         assert load.num_transferring == 0 and load.num_free_blocks == load.num_total_blocks
     finally:
         await gen.shutdown()
+
+
+async def test_stop_tokens_and_seeded_sampling_through_the_engine(
+    checkpoints: dict[str, Path],
+    prompts: list[list[int]],
+    references: dict[str, list[list[int]]],
+) -> None:
+    config = WorkerConfig(checkpoint=str(checkpoints["llama"]), block_size=8, max_tokens=256)
+    worker = GenerationWorker(config, "sampling-test", role="aggregated")
+    await worker.start()
+
+    async def run(rid: str, params: Any) -> list[TokenEvent]:
+        request = GenerationRequest(rid, prompts[1], params)
+        return [e async for e in worker.generate(request)]
+
+    try:
+        expected = references["llama"][1]
+        stop = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, stop_token_ids=(expected[3],))
+        events = await run("stop", stop)
+        cut = expected.index(expected[3]) + 1  # the first occurrence ends it
+        assert [t for e in events for t in e.token_ids] == expected[:cut]
+        assert events[-1].finish_reason == "stop"
+        seeded = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=1234)
+        first = await run("seed-a", seeded)
+        second = await run("seed-b", seeded)
+        assert [e.token_ids for e in first] == [e.token_ids for e in second]
+    finally:
+        await worker.shutdown()
