@@ -72,6 +72,22 @@ def build_app(router: Router, model: ServedModel, metrics: ServingMetrics) -> Fa
     return app
 
 
+@dataclass(frozen=True)
+class _Shape:
+    """How one endpoint renders its output.
+
+    opening: chunks sent before the first token (chat's role chunk).
+    chunk / whole: a streamed chunk for one delta / the body for all of them.
+    """
+
+    endpoint: str
+    meta: fmt.ResponseMeta
+    opening: list[dict[str, Any]]
+    chunk: Callable[[Delta], dict[str, Any]]
+    whole: Callable[[Delta], dict[str, Any]]
+    chunk_object: str
+
+
 class _OpenAIRoutes:
     def __init__(self, router: Router, model: ServedModel, metrics: ServingMetrics) -> None:
         self.router = router
@@ -124,9 +140,8 @@ class _OpenAIRoutes:
             logprobs = fmt.completion_logprobs(delta, tokenizer, num_top, 0)
             return fmt.completion_body(meta, delta, logprobs)
 
-        return await self._respond(
-            "completions", meta, prepared, body, http, [], chunk, whole, "text_completion"
-        )
+        shape = _Shape("completions", meta, [], chunk, whole, "text_completion")
+        return await self._respond(shape, prepared, body, http)
 
     async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
         self._check_model(body.model)
@@ -146,9 +161,8 @@ class _OpenAIRoutes:
         def whole(delta: Delta) -> dict[str, Any]:
             return fmt.chat_body(meta, delta, fmt.chat_logprobs(delta, tokenizer, num_top))
 
-        return await self._respond(
-            "chat", meta, prepared, body, http, opening, chunk, whole, "chat.completion.chunk"
-        )
+        shape = _Shape("chat", meta, opening, chunk, whole, "chat.completion.chunk")
+        return await self._respond(shape, prepared, body, http)
 
     # --- request preparation -------------------------------------------------
 
@@ -218,17 +232,9 @@ class _OpenAIRoutes:
     # --- responding ------------------------------------------------------------
 
     async def _respond(
-        self,
-        endpoint: str,
-        meta: fmt.ResponseMeta,
-        prepared: PreparedRequest,
-        body: SamplingFields,
-        http: Request,
-        opening: list[dict[str, Any]],
-        chunk: Callable[[Delta], dict[str, Any]],
-        whole: Callable[[Delta], dict[str, Any]],
-        chunk_object: str,
+        self, shape: _Shape, prepared: PreparedRequest, body: SamplingFields, http: Request
     ) -> Response:
+        endpoint = shape.endpoint
         deltas = stream_completion(self.router, self.model.tokenizer, self.metrics, prepared)
         self.metrics.in_flight.inc()
         try:
@@ -242,39 +248,35 @@ class _OpenAIRoutes:
         if not body.stream:
             try:
                 rest = await self._until_disconnect(http, _collect(deltas))
-                merged = fmt.merge([first, *rest])
-            except BaseException:
-                self.metrics.in_flight.dec()
+            except APIError as exc:
+                self.metrics.requests.labels(endpoint, str(exc.status)).inc()
                 raise
-            self.metrics.in_flight.dec()
+            finally:
+                self.metrics.in_flight.dec()
             self.metrics.requests.labels(endpoint, "200").inc()
-            return JSONResponse(whole(merged))
-        events = self._sse(endpoint, meta, first, deltas, opening, chunk, chunk_object, body)
+            return JSONResponse(shape.whole(fmt.merge([first, *rest])))
+        events = self._sse(shape, first, deltas, body.include_usage)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def _sse(
         self,
-        endpoint: str,
-        meta: fmt.ResponseMeta,
+        shape: _Shape,
         first: Delta,
         deltas: AsyncGenerator[Delta, None],
-        opening: list[dict[str, Any]],
-        chunk: Callable[[Delta], dict[str, Any]],
-        chunk_object: str,
-        body: SamplingFields,
+        include_usage: bool,
     ) -> AsyncIterator[str]:
         status = "200"
         try:
-            for item in opening:
+            for item in shape.opening:
                 yield fmt.sse(item)
             last = first
-            yield fmt.sse(chunk(first))
+            yield fmt.sse(shape.chunk(first))
             if first.finish_reason is None:
                 async for delta in deltas:
                     last = delta
-                    yield fmt.sse(chunk(delta))
-            if body.include_usage:
-                yield fmt.sse(fmt.usage_chunk(meta, chunk_object, last))
+                    yield fmt.sse(shape.chunk(delta))
+            if include_usage:
+                yield fmt.sse(fmt.usage_chunk(shape.meta, shape.chunk_object, last))
         except (CompletionFailedError, RequestFailedError, NoWorkerError) as exc:
             status = "500"
             yield fmt.sse(APIError(500, str(exc), code="generation_failed").body())
@@ -283,7 +285,7 @@ class _OpenAIRoutes:
             raise
         finally:
             self.metrics.in_flight.dec()
-            self.metrics.requests.labels(endpoint, status).inc()
+            self.metrics.requests.labels(shape.endpoint, status).inc()
             await deltas.aclose()
         yield fmt.SSE_DONE
 
