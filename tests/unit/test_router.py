@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from cluster.metrics import ServingMetrics
 from cluster.policies import (
     LeastLoadedPolicy,
     NoWorkerError,
@@ -12,6 +13,7 @@ from cluster.policies import (
     WorkerState,
     make_policy,
 )
+from cluster.router import Router, RoutingSettings, WorkerEndpoint
 
 
 def _h(*ids: int) -> list[bytes]:
@@ -95,3 +97,44 @@ def test_every_policy_refuses_an_all_unhealthy_pool(name: str) -> None:
 def test_make_policy_rejects_unknown_names() -> None:
     with pytest.raises(ValueError, match="round_robin"):
         make_policy("random")
+
+
+def _router(max_local: int, block_size: int = 4) -> Router:
+    """A router over worker states only; the decisions tested here send nothing."""
+    settings = RoutingSettings(
+        policy="least_loaded",
+        max_local_prefill_length=max_local,
+        context_block_size=block_size,
+        generation_block_size=block_size,
+    )
+    context = [WorkerEndpoint("context-0", None, WorkerState("context-0"))]
+    generation = [
+        WorkerEndpoint(f"generation-{i}", None, WorkerState(f"generation-{i}")) for i in range(2)
+    ]
+    return Router(context, generation, settings, ServingMetrics())
+
+
+def test_conditional_disaggregation_runs_short_prompts_locally() -> None:
+    router = _router(max_local=6)
+    short, long = list(range(6)), list(range(7))
+    assert router.runs_locally(short, router.block_hashes(short, 4))
+    assert not router.runs_locally(long, router.block_hashes(long, 4))
+    assert not _router(max_local=0).runs_locally([1], [])
+
+
+def test_conditional_disaggregation_counts_only_the_uncached_part() -> None:
+    router = _router(max_local=4)
+    prompt = list(range(12))  # three full blocks of 4
+    hashes = router.block_hashes(prompt, 4)
+    assert len(hashes) == 3 and not router.runs_locally(prompt, hashes)
+    # A generation worker holding the first two blocks leaves 4 uncached tokens.
+    router.generation[1].state.apply_kv_event(stored=hashes[:2], removed=[])
+    assert router.runs_locally(prompt, hashes)
+
+
+def test_block_hashes_chain_over_the_prefix() -> None:
+    router = _router(max_local=0)
+    a = router.block_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
+    b = router.block_hashes([1, 2, 3, 4, 0, 6, 7, 8], 4)
+    assert len(a) == 2  # the partial third block is not hashed
+    assert a[0] == b[0] and a[1] != b[1]
