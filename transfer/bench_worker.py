@@ -67,13 +67,16 @@ class CacheEndpoint:
         )
         return out
 
-    def publish(self, request_id: str, lease_s: float) -> bytes:
+    def publish(self, request_id: str, lease_s: float, alias: str | None = None) -> bytes:
+        """Publish `request_id`'s cache; under `alias`, publish it again without
+        freeing it on release (for repeated pulls of one filled request)."""
+        on_release = self._on_release if alias is None else self.released.append
         handle = self.xcvr.publish(
-            request_id,
+            alias or request_id,
             self.manager.regions(request_id),
             self.manager.layout_signature(),
             lease_s,
-            self._on_release,
+            on_release,
         )
         return handle.to_bytes()
 
@@ -139,8 +142,10 @@ class EndpointHost:
     def digests(self, name: str, request_id: str) -> dict[str, str]:
         return self.endpoints[name].digests(request_id)
 
-    def publish(self, name: str, request_id: str, lease_s: float) -> bytes:
-        return self.endpoints[name].publish(request_id, lease_s)
+    def publish(
+        self, name: str, request_id: str, lease_s: float, alias: str | None = None
+    ) -> bytes:
+        return self.endpoints[name].publish(request_id, lease_s, alias)
 
     async def pull(
         self, name: str, handle_bytes: bytes, num_tokens: int, timeout_s: float

@@ -13,6 +13,9 @@ Each worker runs one TCP server on its own address. A pull is one connection:
       | ------- release {rid, tid} -----------> |   holder frees (on_release)
       | <------ released ---------------------- |
 
+Connections stay open after a pull (a few per holder) and carry the next
+pull or release frame, so a small transfer costs no connect or handshake.
+
 The puller maps segments by (layer, block) / (Mamba layer, kind) into its own
 layout, so V1 and V2 workers interoperate. Ranges are checked against what the
 holder published, and every `seg` frame against the size the puller asked
@@ -53,6 +56,11 @@ logger = logging.getLogger(__name__)
 
 _CHUNK_BYTES = 8 << 20  # flow-control granularity on the send side
 _HANDSHAKE_TIMEOUT_S = 10.0
+_MAX_IDLE_PER_PEER = 8  # authenticated connections kept open per holder
+
+
+class _StaleConnection(ConnectionError):
+    """A reused connection was closed before the holder answered the pull."""
 
 
 def buffer_view(tensor: torch.Tensor, name: str) -> memoryview:
@@ -101,6 +109,7 @@ class PythonTransceiver(Transceiver):
         self._accept_task: asyncio.Task[None] | None = None
         self._conn_tasks: set[asyncio.Task[None]] = set()
         self._serving: dict[str, set[asyncio.Task[Any]]] = {}
+        self._idle: dict[tuple[str, int], list[socket.socket]] = {}
 
     @property
     def endpoint(self) -> tuple[str, int]:
@@ -123,6 +132,10 @@ class PythonTransceiver(Transceiver):
         await asyncio.gather(*pending, return_exceptions=True)
         if self._listener is not None:
             self._listener.close()
+        for idle in self._idle.values():
+            for sock in idle:
+                sock.close()
+        self._idle.clear()
         self._leases.release_all()
 
     def publish(
@@ -168,17 +181,22 @@ class PythonTransceiver(Transceiver):
             task.add_done_callback(self._conn_tasks.discard)
 
     async def _serve(self, conn: socket.socket) -> None:
+        """One authenticated connection; serves requests until the peer hangs up."""
         peer = _peer_name(conn)
         try:
             await asyncio.wait_for(server_handshake(conn, self._secret), _HANDSHAKE_TIMEOUT_S)
-            request = await recv_header(conn, self._max_header)
-            if request["t"] == "pull":
-                await self._serve_pull(conn, request)
-            elif request["t"] == "release":
-                self._leases.release(str(request.get("rid")), str(request.get("tid")))
-                await send_header(conn, {"t": "released"})
-            else:
-                raise WireError(f"unexpected {request['t']!r} frame")
+            while True:
+                try:
+                    request = await recv_header(conn, self._max_header)
+                except ConnectionClosed:
+                    return  # an idle pooled connection closed by its owner
+                if request["t"] == "pull":
+                    await self._serve_pull(conn, request)
+                elif request["t"] == "release":
+                    self._leases.release(str(request.get("rid")), str(request.get("tid")))
+                    await send_header(conn, {"t": "released"})
+                else:
+                    raise WireError(f"unexpected {request['t']!r} frame")
         except (WireError, TimeoutError) as exc:
             logger.warning("dropping connection from %s: %s", peer, exc)
         except (ConnectionError, OSError) as exc:
@@ -232,13 +250,38 @@ class PythonTransceiver(Transceiver):
         check_signature(rid, handle.signature, dest.to_dict(), ignore=("manager",))
         pairs = coalesce(pair_segments(rid, handle.regions, dest_regions))
         check_bounds(rid, [d for _, d in pairs], self._sizes)
+        for attempt in range(2):
+            sock, reused = await self._checkout(handle)
+            try:
+                await self._exchange(sock, handle, pairs)
+            except _StaleConnection as exc:
+                sock.close()
+                if reused and attempt == 0:
+                    continue  # the holder dropped an idle connection; dial afresh
+                raise PeerGone(rid, handle.peer, "connection closed before any reply") from exc
+            except (ConnectionClosed, ConnectionResetError, BrokenPipeError) as exc:
+                sock.close()
+                raise PeerGone(rid, handle.peer, f"connection lost mid-transfer: {exc}") from exc
+            except BaseException:
+                sock.close()
+                raise
+            self._checkin(handle, sock)
+            return
+
+    async def _checkout(self, handle: TransferHandle) -> tuple[socket.socket, bool]:
+        """An authenticated connection to the holder: (socket, was it reused)."""
         assert handle.endpoint is not None
-        sock = await self._connect(handle)
-        try:
-            await self._exchange(sock, handle, pairs)
-        except (ConnectionClosed, ConnectionResetError, BrokenPipeError) as exc:
-            raise PeerGone(rid, handle.peer, f"connection lost mid-transfer: {exc}") from exc
-        finally:
+        idle = self._idle.get(handle.endpoint)
+        if idle:
+            return idle.pop(), True
+        return await self._connect(handle), False
+
+    def _checkin(self, handle: TransferHandle, sock: socket.socket) -> None:
+        assert handle.endpoint is not None
+        idle = self._idle.setdefault(handle.endpoint, [])
+        if len(idle) < _MAX_IDLE_PER_PEER:
+            idle.append(sock)
+        else:
             sock.close()
 
     async def _connect(self, handle: TransferHandle) -> socket.socket:
@@ -262,8 +305,12 @@ class PythonTransceiver(Transceiver):
         rid, tid = handle.request_id, handle.transfer_id
         ranges = [[s.buffer, s.offset, s.length] for s, _ in pairs]
         await send_header(sock, {"t": "pull", "rid": rid, "tid": tid, "ranges": ranges})
+        try:
+            first = await recv_header(sock, 1024)
+        except (ConnectionClosed, ConnectionResetError, BrokenPipeError) as exc:
+            raise _StaleConnection() from exc
         for i, (_, d) in enumerate(pairs):
-            header = await recv_header(sock, 1024)
+            header = first if i == 0 else await recv_header(sock, 1024)
             if header["t"] == "error":
                 if header.get("code") == "unknown":
                     raise UnknownRequest(rid, handle.peer)
@@ -275,7 +322,7 @@ class PythonTransceiver(Transceiver):
                     f"bytes where segment {i} of {d.length} bytes was declared"
                 )
             await recv_exact_into(sock, self._views[d.buffer][d.offset : d.end])
-        expect(await recv_header(sock, 1024), "end")
+        expect(first if not pairs else await recv_header(sock, 1024), "end")
         await send_header(sock, {"t": "release", "rid": rid, "tid": tid})
         expect(await recv_header(sock, 1024), "released")
 
@@ -289,12 +336,10 @@ class PythonTransceiver(Transceiver):
         with contextlib.suppress(Exception):
             async with asyncio.timeout(_HANDSHAKE_TIMEOUT_S):
                 sock = await self._connect(handle)
-                try:
+                with sock:
                     rid, tid = handle.request_id, handle.transfer_id
                     await send_header(sock, {"t": "release", "rid": rid, "tid": tid})
                     expect(await recv_header(sock, 1024), "released")
-                finally:
-                    sock.close()
 
 
 def _parse_ranges(raw: object, lease: Lease) -> list[tuple[str, int, int]]:

@@ -1,0 +1,199 @@
+"""`disagg bench transfer`: transceiver throughput and latency against raw limits.
+
+    python -m transfer.bench [--json] [--transceivers python nixl] [--managers v1 v2]
+
+For each transceiver and manager, two Ray actors on this machine each build a
+manager, its pool and a transceiver; the holder fills one request of the
+largest size once and republishes it, the puller pulls it repeatedly. Sizes:
+one block, 1 MiB, 64 MiB, 256 MiB of KV. Each line shows GB/s and median
+latency next to the raw limit measured in the same run (loopback TCP for
+Python, one big NIXL READ for NIXL) and a same-process memcpy, plus each
+worker's CPU use while idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvcache.spec import CacheSpec
+from transfer.bench_worker import EndpointSpec
+
+MIB = 1 << 20
+# 4 attention layers x [2, 16, 8, 128] bf16 = 256 KiB per block.
+BENCH_SPEC = CacheSpec(
+    num_kv_heads=8, head_dim=128, attention_layers=(0, 1, 2, 3), dtype="bfloat16"
+)
+BLOCK_SIZE = 16
+BLOCK_BYTES = BENCH_SPEC.kv_bytes_per_block_per_layer(BLOCK_SIZE) * BENCH_SPEC.num_attention_layers
+SIZES = (BLOCK_BYTES, MIB, 64 * MIB, 256 * MIB)
+EXIT_USAGE_ERROR = 1
+
+
+@dataclass(frozen=True)
+class Row:
+    transceiver: str
+    manager: str
+    size_bytes: int
+    gbps: float
+    raw_gbps: float
+    p50_ms: float
+    raw_p50_ms: float
+    memcpy_gbps: float
+    idle_cpu_holder: float
+    idle_cpu_puller: float
+
+    def as_json(self) -> dict[str, Any]:
+        out = dict(self.__dict__)
+        out["ratio"] = round(self.gbps / self.raw_gbps, 3) if self.raw_gbps else 0.0
+        return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register the bench-transfer options on `parser`."""
+    parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    parser.add_argument(
+        "--transceivers", nargs="+", default=["python", "nixl"], choices=["python", "nixl"]
+    )
+    parser.add_argument("--managers", nargs="+", default=["v1", "v2"], choices=["v1", "v2"])
+    parser.add_argument(
+        "--reps", type=int, default=0, help="repetitions per size (default: by size)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark on a private local Ray instance; print rows; 0 on success."""
+    import ray
+
+    from transfer.nixl_transceiver import nixl_available
+
+    kinds = [k for k in args.transceivers if k != "nixl" or nixl_available()]
+    if not kinds:
+        print("no usable transceiver: nixl is not importable", file=sys.stderr)
+        return EXIT_USAGE_ERROR
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    try:
+        if not args.json:
+            print(_HEADER)
+        for kind in kinds:
+            for manager in args.managers:
+                for row in _bench_pair(kind, manager, args.reps):
+                    print(json.dumps(row.as_json()) if args.json else _format(row), flush=True)
+    finally:
+        ray.shutdown()
+    return 0
+
+
+def _reps(size: int, override: int) -> int:
+    if override:
+        return override
+    return 50 if size <= MIB else (8 if size <= 64 * MIB else 4)
+
+
+def _bench_pair(kind: str, manager: str, reps_override: int) -> list[Row]:
+    import ray
+
+    from transfer.bench_raw import BenchHost
+
+    num_blocks = SIZES[-1] // BLOCK_BYTES + 2
+    spec = {"ep": EndpointSpec(kind, manager, BENCH_SPEC, num_blocks, BLOCK_SIZE)}
+    actor_class: Any = ray.remote(num_cpus=0)(BenchHost)
+    holder: Any = actor_class.remote(spec)
+    puller: Any = actor_class.remote(spec)
+    ray.get([holder.start.remote(), puller.start.remote()])
+    idle = ray.get([holder.idle_cpu.remote(2.0), puller.idle_cpu.remote(2.0)])
+    raw = _raw_prober(kind, holder, puller)
+    rows = []
+    for size in SIZES:
+        reps = _reps(size, reps_override)
+        tokens = size // BLOCK_BYTES * BLOCK_SIZE
+        ray.get(holder.fill.remote("ep", "src", tokens))
+        times = []
+        for rep in range(reps + 1):  # the first pull warms connections and tables
+            handle = ray.get(holder.publish.remote("ep", "src", 60.0, f"src-{size}-{rep}"))
+            result = ray.get(puller.pull.remote("ep", handle, tokens, 60.0))
+            if not result["ok"]:
+                raise RuntimeError(result["message"])
+            ray.get(puller.free.remote("ep", f"src-{size}-{rep}"))
+            times.append(result["seconds"])
+        ray.get(holder.free.remote("ep", "src"))
+        raw_times = raw(size, reps + 1)[1:]  # same warm-up as the transceiver
+        mem = ray.get(puller.memcpy.remote("ep", size, min(reps, 8)))
+        rows.append(_row(kind, manager, size, times[1:], raw_times, mem, idle))
+    ray.get([holder.close_raw.remote(), puller.close_raw.remote()])
+    ray.get([holder.close.remote(), puller.close.remote()])
+    for actor in (holder, puller):
+        ray.kill(actor)
+    return rows
+
+
+def _raw_prober(kind: str, holder: Any, puller: Any) -> Any:
+    """A function size, reps -> raw transfer seconds for this transceiver kind."""
+    import ray
+
+    if kind == "python":
+        endpoint = ray.get(holder.raw_tcp_listen.remote("ep"))
+        return lambda size, reps: ray.get(puller.raw_tcp_fetch.remote("ep", endpoint, size, reps))
+    metadata, address = ray.get(holder.raw_nixl_init.remote("ep"))
+    ray.get(puller.raw_nixl_init.remote("ep"))
+    return lambda size, reps: ray.get(
+        puller.raw_nixl_read.remote("ep", metadata, address, size, reps)
+    )
+
+
+def _row(
+    kind: str,
+    manager: str,
+    size: int,
+    times: list[float],
+    raw: list[float],
+    mem: list[float],
+    idle: list[float],
+) -> Row:
+    p50, raw_p50, mem_p50 = (statistics.median(t) for t in (times, raw, mem))
+    return Row(
+        transceiver=kind,
+        manager=manager,
+        size_bytes=size,
+        gbps=round(size / p50 / 1e9, 3),
+        raw_gbps=round(size / raw_p50 / 1e9, 3),
+        p50_ms=round(p50 * 1e3, 3),
+        raw_p50_ms=round(raw_p50 * 1e3, 3),
+        memcpy_gbps=round(size / mem_p50 / 1e9, 3),
+        idle_cpu_holder=round(idle[0], 3),
+        idle_cpu_puller=round(idle[1], 3),
+    )
+
+
+_HEADER = (
+    f"{'transceiver':<11} {'mgr':<3} {'size':>10} {'GB/s':>7} {'raw GB/s':>8} {'ratio':>5} "
+    f"{'p50 ms':>8} {'raw ms':>8} {'memcpy':>7} {'idle cpu (holder/puller)':>25}"
+)
+
+
+def _format(row: Row) -> str:
+    size = f"{row.size_bytes // MIB} MiB" if row.size_bytes >= MIB else f"{row.size_bytes} B"
+    ratio = row.as_json()["ratio"]
+    return (
+        f"{row.transceiver:<11} {row.manager:<3} {size:>10} {row.gbps:>7.2f} "
+        f"{row.raw_gbps:>8.2f} {ratio:>5.2f} {row.p50_ms:>8.3f} {row.raw_p50_ms:>8.3f} "
+        f"{row.memcpy_gbps:>7.2f} {row.idle_cpu_holder:>12.1%} / {row.idle_cpu_puller:.1%}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="disagg bench transfer", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
