@@ -274,6 +274,23 @@ def test_client_disconnect_aborts_the_request_on_the_workers(server: Server) -> 
     assert _wait_until(lambda: _worker_requests(server) == 0, 3), "request kept running"
 
 
+def test_bench_measures_the_endpoint(
+    server: Server, checkpoint: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cluster.cli import main
+
+    argv = ["bench", "--base-url", server.url, "--num-prompts", "8", "--input-len", "24"]
+    argv += ["--output-len", "6", "--ignore-eos", "--tokenizer", str(checkpoint)]
+    argv += ["--max-concurrency", "4", "--slo-ttft-ms", "60000", "--json", "--no-progress"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["completed"], summary["failed"]) == (8, 0)
+    assert summary["total_token_throughput"] > summary["output_token_throughput"] > 0
+    assert summary["goodput"] == pytest.approx(summary["request_throughput"])
+    assert 0 < summary["ttft"]["p50_ms"] <= summary["ttft"]["p99_ms"]
+    assert summary["tpot"]["p50_ms"] > 0
+
+
 def test_sigterm_stops_the_server_cleanly(server: Server) -> None:
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(60) == 0
