@@ -216,13 +216,14 @@ class Transceiver(ABC):
                 f"{self.kind!r}; use one backend on every instance",
             )
         rid = handle.request_id
+        # A task of its own, so `abort` can cancel the pull without cancelling
+        # the caller; awaiting it directly keeps a small pull to a few loop turns.
         task = asyncio.ensure_future(self._pull(handle, dest_regions, dest_signature))
         self._pulls[rid] = task
         try:
-            await asyncio.wait_for(asyncio.shield(task), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await task
         except TimeoutError:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
             raise TransferTimeout(rid, handle.peer, timeout_s) from None
         except asyncio.CancelledError:
             if task.cancelled() and not _current_task_cancelling():
