@@ -29,7 +29,7 @@ import torch
 
 from kvcache.layout import LayoutSignature, RequestRegions
 from transfer.base import BufferInfo, Transceiver, TransferHandle, check_signature
-from transfer.errors import LayoutMismatch, PeerGone, TransferError
+from transfer.errors import LayoutMismatch, PeerGone, TransferError, UnknownRequest
 from transfer.nixl_descriptors import PreparedTables, group_pairs
 from transfer.plan import check_bounds
 
@@ -194,6 +194,9 @@ class NixlTransceiver(Transceiver):
                 f"allocate as many blocks (and a Mamba slot) as the source holds",
             )
         check_bounds(rid, dst_desc, self._sizes)
+        # READs are one-sided: the holder cannot defer its lease while bytes
+        # move, so a READ must start and end inside the lease.
+        self._check_lease(handle)
         remote = self._remote_tables(handle)
         assert self._local is not None and handle.agent_name is not None
         xfers: list[Any] = []
@@ -215,6 +218,7 @@ class NixlTransceiver(Transceiver):
             for xfer in xfers:
                 with contextlib.suppress(Exception):  # an unfinished READ is aborted here
                     xfer.release()
+        self._check_lease(handle)
         self._agent.send_notif(
             handle.agent_name, b" ".join([_RELEASE, rid.encode(), handle.transfer_id.encode()])
         )
@@ -231,6 +235,12 @@ class NixlTransceiver(Transceiver):
             if pending:
                 elapsed = time.monotonic() - start
                 await asyncio.sleep(0 if elapsed < 0.002 else min(0.001, elapsed / 20))
+
+    @staticmethod
+    def _check_lease(handle: TransferHandle) -> None:
+        """Raise `UnknownRequest` once the holder may have freed the blocks."""
+        if time.time() >= handle.lease_expiry:
+            raise UnknownRequest(handle.request_id, handle.peer)
 
     def _translate(self, handle: TransferHandle, exc: Exception) -> Exception:
         """NIXL binding errors as transfer errors; anything else unchanged."""

@@ -14,7 +14,7 @@ from kvcache.manager import KVCacheManager
 from kvcache.spec import CacheSpec
 from kvcache.tensors import CacheTensors, allocate_cache_tensors
 from transfer.base import TransferHandle
-from transfer.errors import LayoutMismatch
+from transfer.errors import LayoutMismatch, UnknownRequest
 from transfer.nixl_transceiver import NixlTransceiver, nixl_available
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl is not importable")
@@ -147,6 +147,17 @@ async def test_lease_expiry_frees_the_holder(workers: dict[str, Worker]) -> None
     src.fill("r2", BLOCK_SIZE)
     with pytest.raises(ValueError, match="lease_s"):
         src.publish("r2", lease_s=0)
+
+
+async def test_pull_after_lease_expiry_reads_nothing(workers: dict[str, Worker]) -> None:
+    src, dst = workers["v2"], workers["v2b"]
+    src.fill("r1", BLOCK_SIZE)
+    handle = src.publish("r1", lease_s=0.05)
+    await asyncio.sleep(0.1)
+    with pytest.raises(UnknownRequest, match="lease_s"):
+        await dst.pull(handle, BLOCK_SIZE)
+    assert all(torch.count_nonzero(t) == 0 for t in dst.tensors.buffers().values())
+    dst.manager.check_integrity()
 
 
 async def test_abort_on_holder_releases_once(workers: dict[str, Worker]) -> None:
