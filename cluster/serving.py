@@ -22,7 +22,7 @@ from types import TracebackType
 import uvicorn
 
 from cluster.config import ClusterConfig
-from cluster.launcher import RunningCluster, connect_ray, launch
+from cluster.launcher import LaunchError, RunningCluster, connect_ray, launch
 from cluster.metrics import ServingMetrics
 from cluster.plan import ClusterPlan
 from cluster.policies import WorkerState
@@ -58,6 +58,22 @@ class ServingCluster:
         self._stop.set()
 
     async def __aenter__(self) -> ServingCluster:
+        # Take the port before starting any worker, so a busy port fails fast.
+        listener = _bind(self.config.hostname, self.config.port)
+        self._socket = listener
+        try:
+            self.cluster = await self._launch()
+        except BaseException:
+            listener.close()
+            raise
+        try:
+            await self._start_http(listener)
+        except BaseException:
+            await self._close()
+            raise
+        return self
+
+    async def _launch(self) -> RunningCluster:
         # Ray installs its own SIGTERM handler when it connects; take the
         # signals back afterwards so a stop request always ends in `_close`.
         owns_ray = connect_ray(self.config.address, len(self.plan.instances))
@@ -73,13 +89,7 @@ class ServingCluster:
             with contextlib.suppress(asyncio.CancelledError):
                 await launching
             raise KeyboardInterrupt("interrupted while starting the workers")
-        self.cluster = launching.result()
-        try:
-            await self._start_http()
-        except BaseException:
-            await self._close()
-            raise
-        return self
+        return launching.result()
 
     async def __aexit__(
         self,
@@ -104,18 +114,15 @@ class ServingCluster:
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.add_signal_handler(sig, self._stop.set)
 
-    async def _start_http(self) -> None:
+    async def _start_http(self, listener: socket.socket) -> None:
         assert self.cluster is not None
         self.router = _build_router(self.cluster, self.config, self.metrics)
         app = build_app(self.router, _served_model(self.config, self.plan), self.metrics)
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((self.config.hostname, self.config.port))
         server_config = uvicorn.Config(
             app, log_level=self.log_level, timeout_graceful_shutdown=5, lifespan="on"
         )
         self._server = uvicorn.Server(server_config)
-        self._server_task = asyncio.ensure_future(self._server.serve(sockets=[self._socket]))
+        self._server_task = asyncio.ensure_future(self._server.serve(sockets=[listener]))
         while not self._server.started:
             if self._server_task.done():
                 self._server_task.result()  # raises the server's startup error
@@ -137,6 +144,19 @@ class ServingCluster:
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
                 loop.remove_signal_handler(sig)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        raise LaunchError(
+            f"cannot listen on {host}:{port} ({exc.strerror}); pick another port or hostname"
+        ) from exc
+    return listener
 
 
 def _build_router(
