@@ -13,6 +13,7 @@ import json
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -315,3 +316,29 @@ def test_a_worker_that_cannot_start_fails_startup_naming_it(tmp_path: Path) -> N
     assert result.returncode == 1, result.stdout + result.stderr
     assert re.search(r"error: instance (context|generation)-0 failed to start: ", result.stderr)
     assert "serving" not in result.stdout
+
+
+def test_a_busy_port_fails_before_any_worker_starts(checkpoint: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "cluster.cli",
+                "serve",
+                "--model",
+                str(checkpoint),
+                "--port",
+                port,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "Ray" not in result.stderr  # refused before connecting to Ray
