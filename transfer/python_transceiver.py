@@ -39,14 +39,13 @@ from transfer.errors import PeerGone, UnknownRequest, WireError
 from transfer.flow import ByteBudget
 from transfer.leases import Lease
 from transfer.plan import Coverage, check_bounds, coalesce, pair_segments, segment_regions
+from transfer.socket_buffers import SocketBuffers
 from transfer.wire import (
     MAX_HEADER_BYTES,
     ConnectionClosed,
     client_handshake,
     expect,
-    recv_exact_into,
     recv_header,
-    send_bytes,
     send_header,
     server_handshake,
     tune_socket,
@@ -54,26 +53,12 @@ from transfer.wire import (
 
 logger = logging.getLogger(__name__)
 
-_CHUNK_BYTES = 8 << 20  # flow-control granularity on the send side
 _HANDSHAKE_TIMEOUT_S = 10.0
 _MAX_IDLE_PER_PEER = 8  # authenticated connections kept open per holder
 
 
 class _StaleConnection(ConnectionError):
     """A reused connection was closed before the holder answered the pull."""
-
-
-def buffer_view(tensor: torch.Tensor, name: str) -> memoryview:
-    """A writable byte view of a flat uint8 CPU buffer (no copy)."""
-    if tensor.device.type != "cpu" or tensor.dtype != torch.uint8 or tensor.dim() != 1:
-        raise ValueError(
-            f"buffer {name!r} must be a flat uint8 CPU tensor for the Python transceiver "
-            f"(got {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}); use the NIXL "
-            f"backend for GPU caches"
-        )
-    if not tensor.is_contiguous():
-        raise ValueError(f"buffer {name!r} must be contiguous")
-    return tensor.numpy().data.cast("B")
 
 
 class PythonTransceiver(Transceiver):
@@ -83,6 +68,8 @@ class PythonTransceiver(Transceiver):
     secret: shared by every worker of the cluster; peers without it are dropped.
     host/port: where to listen (the node's own address; port 0 picks one).
     max_inflight_bytes: bound on bytes being sent at once over all pulls.
+    stage_through_host: copy host buffers through staging chunks as device
+        buffers always are (off by default: host buffers go zero-copy).
     """
 
     kind = "python"
@@ -95,12 +82,13 @@ class PythonTransceiver(Transceiver):
         port: int = 0,
         max_inflight_bytes: int = 256 << 20,
         max_header_bytes: int = MAX_HEADER_BYTES,
+        stage_through_host: bool = False,
     ) -> None:
         super().__init__()
         if not secret:
             raise ValueError("cache_transceiver secret must not be empty")
-        self._views = {name: buffer_view(t, name) for name, t in buffers.items()}
-        self._sizes = {name: len(v) for name, v in self._views.items()}
+        self._buffers = SocketBuffers(buffers, stage_through_host)
+        self._sizes = self._buffers.sizes
         self._secret = secret
         self._host, self._port = host, port
         self._budget = ByteBudget(max_inflight_bytes)
@@ -219,7 +207,7 @@ class PythonTransceiver(Transceiver):
         try:
             for i, (buffer, offset, length) in enumerate(ranges):
                 await send_header(conn, {"t": "seg", "i": i, "n": length})
-                await self._send_range(conn, self._views[buffer][offset : offset + length])
+                await self._buffers.send(conn, buffer, offset, length, self._budget)
             await send_header(conn, {"t": "end"})
         finally:
             serving.discard(task)
@@ -230,15 +218,6 @@ class PythonTransceiver(Transceiver):
         if release.get("rid") == rid and release.get("tid") == tid:
             self._leases.release(rid, tid)
         await send_header(conn, {"t": "released"})
-
-    async def _send_range(self, conn: socket.socket, view: memoryview) -> None:
-        for start in range(0, len(view), _CHUNK_BYTES):
-            chunk = view[start : start + _CHUNK_BYTES]
-            taken = await self._budget.acquire(len(chunk))
-            try:
-                await send_bytes(conn, chunk)
-            finally:
-                await self._budget.release(taken)
 
     # ----------------------------------------------------------------- puller
 
@@ -321,7 +300,7 @@ class PythonTransceiver(Transceiver):
                     f"{handle.peer} sent segment {header.get('i')} of {header.get('n')} "
                     f"bytes where segment {i} of {d.length} bytes was declared"
                 )
-            await recv_exact_into(sock, self._views[d.buffer][d.offset : d.end])
+            await self._buffers.recv(sock, d)
         expect(first if not pairs else await recv_header(sock, 1024), "end")
         await send_header(sock, {"t": "release", "rid": rid, "tid": tid})
         expect(await recv_header(sock, 1024), "released")

@@ -39,10 +39,18 @@ BLOCK_SIZE = 4
 class Worker:
     """A manager, its pool tensors and a started transceiver."""
 
-    def __init__(self, manager: str, spec: CacheSpec = HYBRID, secret: bytes = SECRET) -> None:
-        self.manager: KVCacheManager = create_manager(manager, spec, 16, BLOCK_SIZE, 4)
-        self.tensors: CacheTensors = allocate_cache_tensors(self.manager)
-        self.xcvr = PythonTransceiver(self.tensors.buffers(), secret)
+    def __init__(
+        self,
+        manager: str,
+        spec: CacheSpec = HYBRID,
+        secret: bytes = SECRET,
+        device: str = "cpu",
+        stage: bool = False,
+        num_blocks: int = 16,
+    ) -> None:
+        self.manager: KVCacheManager = create_manager(manager, spec, num_blocks, BLOCK_SIZE, 4)
+        self.tensors: CacheTensors = allocate_cache_tensors(self.manager, device)
+        self.xcvr = PythonTransceiver(self.tensors.buffers(), secret, stage_through_host=stage)
         self.released: list[str] = []
 
     def fill(self, request_id: str, num_tokens: int) -> dict[object, bytes]:
@@ -118,6 +126,25 @@ async def test_moves_kv_and_mamba_bytes_exactly_between_any_managers(
     assert src.xcvr.num_pinned == 0
     src.manager.check_integrity()
     dst.manager.check_integrity()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu(1))])
+async def test_staged_buffers_cross_chunk_boundaries(device: str) -> None:
+    """Device pools (and host pools with staging forced) go through 8 MiB host chunks."""
+    big = CacheSpec(num_kv_heads=16, head_dim=256, attention_layers=(0, 1))  # 256 KiB blocks
+    src = Worker("v2", big, device=device, stage=True, num_blocks=80)
+    dst = Worker("v1", big, device=device, stage=True, num_blocks=80)
+    await src.xcvr.start()
+    await dst.xcvr.start()
+    try:
+        num_tokens = 70 * BLOCK_SIZE  # ~17.5 MiB in one coalesced V2 range: three chunks
+        sent = src.fill("r1", num_tokens)
+        await dst.pull(src.publish("r1"), num_tokens)
+        assert dst.segments("r1") == sent
+        assert src.released == ["r1"]
+    finally:
+        await dst.xcvr.close()
+        await src.xcvr.close()
 
 
 async def test_many_concurrent_pulls_share_the_byte_budget(pair: tuple[Worker, Worker]) -> None:
