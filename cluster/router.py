@@ -273,9 +273,8 @@ class Router:
         state.num_total_blocks = load.num_total_blocks
         held = load.num_waiting + load.num_running + load.num_transferring
         self.metrics.worker_requests.labels(endpoint.name).set(held)
-        usable = load.num_total_blocks - 1  # block 0 is the permanent null block
-        if usable > 0:
-            used = 1 - load.num_free_blocks / usable
+        if load.num_total_blocks:
+            used = 1 - load.num_free_blocks / load.num_total_blocks
             self.metrics.cache_usage.labels(endpoint.name).set(used)
         stored = [e.block_hash for e in batch.events if e.kind == "stored"]
         removed = [e.block_hash for e in batch.events if e.kind == "removed"]

@@ -135,6 +135,14 @@ def _worker_requests(server: Server) -> float:
     return sum(float(v) for v in re.findall(r"disagg_worker_requests\{[^}]*\} ([0-9.]+)", text))
 
 
+def _cache_usage(server: Server) -> float:
+    """Used fraction of KV blocks, summed over every worker."""
+    text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
+    return sum(
+        float(v) for v in re.findall(r"disagg_kv_cache_usage_ratio\{[^}]*\} ([0-9.e-]+)", text)
+    )
+
+
 def _wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -271,8 +279,11 @@ def test_client_disconnect_aborts_the_request_on_the_workers(server: Server) -> 
         lines = response.iter_lines()
         assert [next(lines) for _ in range(3)]
         assert _wait_until(lambda: _worker_requests(server) > 0, 5), "request never ran"
-    # Closing the stream must stop generation long before 3000 tokens are done.
+        assert _wait_until(lambda: _cache_usage(server) > 0, 5), "no blocks in use"
+    # Closing the stream must stop generation long before 3000 tokens are done,
+    # and every block (context and generation side) must be free again.
     assert _wait_until(lambda: _worker_requests(server) == 0, 3), "request kept running"
+    assert _wait_until(lambda: _cache_usage(server) == 0, 3), "blocks leaked"
 
 
 def test_bench_measures_the_endpoint(
