@@ -9,7 +9,9 @@ tiny checkpoint written here. Greedy outputs must equal transformers'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import queue
 import re
 import signal
@@ -301,6 +303,40 @@ def test_bench_measures_the_endpoint(
     assert summary["goodput"] == pytest.approx(summary["request_throughput"])
     assert 0 < summary["ttft"]["p50_ms"] <= summary["ttft"]["p99_ms"]
     assert summary["tpot"]["p50_ms"] > 0
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """pid -> command line of every process below `root` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = {}, [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            with contextlib.suppress(OSError):
+                found[child] = (Path("/proc") / str(child) / "cmdline").read_bytes().decode()
+            todo.append(child)
+    return found
+
+
+def test_a_killed_context_worker_is_routed_around(server: Server) -> None:
+    workers = [
+        pid for pid, cmd in _descendants(server.process.pid).items() if "ContextWorker" in cmd
+    ]
+    assert len(workers) == 2, "expected two context worker processes"
+    os.kill(workers[0], signal.SIGKILL)
+    client = _client(server)
+    for i in range(4):  # some would land on the dead worker without retry / health polling
+        reply = client.completions.create(
+            model=server.model, prompt=f"after the failure {i}", max_tokens=3, temperature=0
+        )
+        assert reply.choices[0].finish_reason == "length"
+    health = httpx.get(server.url.removesuffix("/v1") + "/health").json()
+    assert health["healthy_workers"] == {"context": 1, "generation": 2}
 
 
 def test_sigterm_stops_the_server_cleanly(server: Server) -> None:
