@@ -5,6 +5,8 @@
 - raw NIXL: one READ of the whole size as a single descriptor between two
   agents created just for this (same progress-thread pacing);
 - memcpy: `Tensor.copy_` of the same size inside one process.
+
+Raw transfers use a scratch buffer as large as the pool, not the pool itself.
 """
 
 from __future__ import annotations
@@ -30,11 +32,14 @@ class BenchHost(EndpointHost):
         self._listener: socket.socket | None = None
         self._raw_agent: Any = None
         self._raw_regs: list[Any] = []
+        self._scratch_buffer: torch.Tensor | None = None
 
     def _scratch(self, name: str) -> torch.Tensor:
-        """The endpoint's largest pool buffer: raw transfers reuse that memory."""
-        buffers = self.endpoints[name].tensors.buffers()
-        return max(buffers.values(), key=lambda t: t.numel())
+        """A buffer as large as the endpoint's whole pool, for raw transfers."""
+        if self._scratch_buffer is None:
+            size = sum(t.numel() for t in self.endpoints[name].tensors.buffers().values())
+            self._scratch_buffer = torch.ones(size, dtype=torch.uint8)
+        return self._scratch_buffer
 
     # ---------------------------------------------------------------- TCP
 

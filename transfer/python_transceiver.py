@@ -7,9 +7,11 @@ Each worker runs one TCP server on its own address. A pull is one connection:
       | ------- auth (HMAC) ------------------> |
       | <------ welcome ----------------------- |
       | ------- pull {rid, tid, ranges} ------> |   ranges: coalesced source spans
-      | <------ seg {i, n} + n raw bytes ------ |   x len(ranges), sent from
-      |                ...                      |   memoryviews of the pool,
-      | <------ end --------------------------- |   received with recv_into
+      | <------ data {n} + n raw bytes -------- |   n = sum of the ranges, sent
+      |                                         |   from memoryviews of the pool
+      |                                         |   (adjacent ranges in one send),
+      |                                         |   received with recv_into
+      |                                         |   straight into each segment
       | ------- release {rid, tid} -----------> |   holder frees (on_release)
       | <------ released ---------------------- |
 
@@ -18,7 +20,7 @@ pull or release frame, so a small transfer costs no connect or handshake.
 
 The puller maps segments by (layer, block) / (Mamba layer, kind) into its own
 layout, so V1 and V2 workers interoperate. Ranges are checked against what the
-holder published, and every `seg` frame against the size the puller asked
+holder published, and the `data` frame against the size the puller asked
 for; a protocol violation closes that connection only.
 """
 
@@ -205,10 +207,9 @@ class PythonTransceiver(Transceiver):
         serving.add(task)
         self._leases.begin_stream(lease)
         try:
-            for i, (buffer, offset, length) in enumerate(ranges):
-                await send_header(conn, {"t": "seg", "i": i, "n": length})
+            await send_header(conn, {"t": "data", "n": sum(n for _, _, n in ranges)})
+            for buffer, offset, length in _merge_adjacent(ranges):
                 await self._buffers.send(conn, buffer, offset, length, self._budget)
-            await send_header(conn, {"t": "end"})
         finally:
             serving.discard(task)
             if not serving and self._serving.get(rid) is serving:
@@ -288,20 +289,16 @@ class PythonTransceiver(Transceiver):
             first = await recv_header(sock, 1024)
         except (ConnectionClosed, ConnectionResetError, BrokenPipeError) as exc:
             raise _StaleConnection() from exc
-        for i, (_, d) in enumerate(pairs):
-            header = first if i == 0 else await recv_header(sock, 1024)
-            if header["t"] == "error":
-                if header.get("code") == "unknown":
-                    raise UnknownRequest(rid, handle.peer)
-                raise WireError(f"{handle.peer} refused request {rid!r}: {header}")
-            expect(header, "seg")
-            if header.get("i") != i or header.get("n") != d.length:
-                raise WireError(
-                    f"{handle.peer} sent segment {header.get('i')} of {header.get('n')} "
-                    f"bytes where segment {i} of {d.length} bytes was declared"
-                )
+        if first["t"] == "error" and first.get("code") == "unknown":
+            raise UnknownRequest(rid, handle.peer)
+        declared = sum(d.length for _, d in pairs)
+        if expect(first, "data").get("n") != declared:
+            raise WireError(
+                f"{handle.peer} announced {first.get('n')} bytes for request {rid!r} "
+                f"where {declared} bytes were declared"
+            )
+        for _, d in pairs:
             await self._buffers.recv(sock, d)
-        expect(first if not pairs else await recv_header(sock, 1024), "end")
         await send_header(sock, {"t": "release", "rid": rid, "tid": tid})
         expect(await recv_header(sock, 1024), "released")
 
@@ -343,6 +340,17 @@ def _parse_ranges(raw: object, lease: Lease) -> list[tuple[str, int, int]]:
             )
         ranges.append((buffer, offset, length))
     return ranges
+
+
+def _merge_adjacent(ranges: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """Join consecutive ranges that continue each other in one buffer (fewer sends)."""
+    merged: list[tuple[str, int, int]] = []
+    for buffer, offset, length in ranges:
+        if merged and merged[-1][0] == buffer and sum(merged[-1][1:]) == offset:
+            merged[-1] = (buffer, merged[-1][1], merged[-1][2] + length)
+        else:
+            merged.append((buffer, offset, length))
+    return merged
 
 
 def _peer_name(conn: socket.socket) -> str:

@@ -166,7 +166,7 @@ async def test_segment_larger_than_declared_is_rejected_by_puller(holder: Holder
         with conn:
             await server_handshake(conn, SECRET)
             await recv_header(conn)
-            await send_bytes(conn, pack_header({"t": "seg", "i": 0, "n": 1 << 30}))
+            await send_bytes(conn, pack_header({"t": "data", "n": 1 << 30}))
             await asyncio.sleep(1)
 
     server = asyncio.create_task(lying_holder())
