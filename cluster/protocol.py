@@ -87,6 +87,18 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        is_ids = isinstance(value, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value
+        )
+        if not isinstance(value, str) and not is_ids:
+            raise ValueError(
+                "prompt must be one string or one list of token ids; send one request per prompt"
+            )
+        return value
+
     @field_validator("prompt")
     @classmethod
     def _non_empty_prompt(cls, value: str | list[int]) -> str | list[int]:

@@ -81,6 +81,12 @@ def test_missing_prompt_and_empty_prompt_are_rejected() -> None:
     assert empty.param == "prompt" and "must not be empty" in empty.message
 
 
+def test_a_batch_of_prompts_is_refused_with_a_clear_message() -> None:
+    error = validation_error(_errors(CompletionRequest, {"model": "m", "prompt": ["a", "b"]}))
+    assert error.param == "prompt"
+    assert "one request per prompt" in error.message
+
+
 def test_completion_prompt_may_be_token_ids() -> None:
     request = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2, 3]})
     assert request.prompt == [1, 2, 3]
