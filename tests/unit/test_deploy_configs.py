@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,8 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from cluster.config import load_config
+from cluster.config import config_from_dict, load_config
+from cluster.plan import resolve_plan
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 CLUSTER_YAMLS = sorted((DEPLOY / "ray").glob("*.yaml"))
@@ -65,3 +67,33 @@ def test_disagg_config_loads(path: Path) -> None:
     config = load_config(path)
     for role in ("context_servers", "generation_servers"):
         assert config.role_settings(role).num_instances >= 1
+
+
+@pytest.fixture(scope="module")
+def config_only_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """config.json-only folders per embedded architecture: enough to resolve a plan."""
+    from models.embedded.configs import checkpoint_config
+
+    folders = {}
+    for arch in ("llama", "nemotron_h"):
+        folder = tmp_path_factory.mktemp(arch)
+        (folder / "config.json").write_text(json.dumps(checkpoint_config(arch, "tiny")))
+        folders[arch] = folder
+    return folders
+
+
+@pytest.mark.parametrize("path", DISAGG_CONFIGS, ids=lambda p: p.name)
+def test_disagg_config_resolves_a_plan(
+    path: Path, config_only_checkpoints: dict[str, Path]
+) -> None:
+    raw = yaml.safe_load(path.read_text())
+    arch = "nemotron_h" if "nemotron" in raw["model"] else "llama"
+    raw["model"] = str(config_only_checkpoints[arch])
+    plan = resolve_plan(config_from_dict(raw, source=str(path)), source=str(path))
+    roles = [i.role for i in plan.instances]
+    assert roles.count("context") == raw["context_servers"]["num_instances"]
+    assert roles.count("generation") == raw["generation_servers"]["num_instances"]
+    if raw["cache_transceiver"]["backend"] == "nixl":
+        assert len({i.manager for i in plan.instances}) == 1
+    if arch == "nemotron_h":
+        assert plan.is_hybrid and {i.manager for i in plan.instances} == {"v2"}
