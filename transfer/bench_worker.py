@@ -22,6 +22,7 @@ from kvcache.spec import CacheSpec
 from kvcache.tensors import allocate_cache_tensors
 from transfer.base import Transceiver, TransferHandle
 from transfer.errors import TransferError
+from transfer.factory import create_transceiver
 
 
 @dataclass(frozen=True)
@@ -177,12 +178,4 @@ class EndpointHost:
 
 
 def _make_transceiver(cfg: EndpointSpec, buffers: dict[str, torch.Tensor]) -> Transceiver:
-    if cfg.kind == "python":
-        from transfer.python_transceiver import PythonTransceiver
-
-        return PythonTransceiver(buffers, cfg.secret)
-    if cfg.kind == "nixl":
-        from transfer.nixl_transceiver import NixlTransceiver
-
-        return NixlTransceiver(buffers)
-    raise ValueError(f"cache_transceiver.backend must be 'python' or 'nixl', got {cfg.kind!r}")
+    return create_transceiver(cfg.kind, buffers, secret=cfg.secret)

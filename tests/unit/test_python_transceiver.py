@@ -22,6 +22,7 @@ from transfer.errors import (
     UnknownRequest,
     WireError,
 )
+from transfer.factory import create_transceiver
 from transfer.python_transceiver import PythonTransceiver
 
 SECRET = b"cluster-secret"
@@ -247,3 +248,10 @@ async def test_abort_on_puller_cancels_its_pull(pair: tuple[Worker, Worker]) -> 
             await pull
     assert not dst.manager.has_request("r1")
     dst.manager.check_integrity()
+
+
+def test_factory_refuses_an_unresolved_backend() -> None:
+    buffers = allocate_cache_tensors(create_manager("v2", HYBRID, 4, BLOCK_SIZE, 1)).buffers()
+    assert isinstance(create_transceiver("python", buffers, secret=SECRET), PythonTransceiver)
+    with pytest.raises(ValueError, match="cache_transceiver.backend"):
+        create_transceiver("auto", buffers, secret=SECRET)
