@@ -12,6 +12,11 @@
 NIXL moves raw memory by descriptor, so both sides must lay their cache out
 identically (same manager, dtype, block size, heads, layers): the signature is
 compared before any byte moves. V1 <-> V2 needs the Python transceiver.
+
+READs are one-sided, so the holder cannot see them: a pull must start and
+finish inside the lease (the puller checks the handle's expiry before and
+after its READs), and a holder that aborts a request while a READ is in
+flight cannot stop it; keep `cache_transceiver.lease_s` above `timeout_s`.
 """
 
 from __future__ import annotations

@@ -64,9 +64,10 @@ class _StaleConnection(ConnectionError):
 
 
 class PythonTransceiver(Transceiver):
-    """TCP transceiver over the worker's registered CPU buffers.
+    """TCP transceiver over the worker's registered pool buffers.
 
-    buffers: name -> flat uint8 CPU tensor (`CacheTensors.buffers()`).
+    buffers: name -> flat uint8 tensor (`CacheTensors.buffers()`); host buffers
+        move zero-copy, device buffers through host staging chunks.
     secret: shared by every worker of the cluster; peers without it are dropped.
     host/port: where to listen (the node's own address; port 0 picks one).
     max_inflight_bytes: bound on bytes being sent at once over all pulls.
