@@ -136,7 +136,11 @@ def check_signature(
     request_id: str, source: dict[str, Any], dest: dict[str, Any], ignore: tuple[str, ...] = ()
 ) -> None:
     """Raise `LayoutMismatch` naming every differing field (except `ignore`)."""
-    differing = LayoutSignature.from_dict(source).diff(LayoutSignature.from_dict(dest), ignore)
+    try:
+        theirs = LayoutSignature.from_dict(source)
+    except (TypeError, ValueError) as exc:  # a holder running another version
+        raise LayoutMismatch(request_id, ["signature"], f"unreadable signature: {exc}") from exc
+    differing = theirs.diff(LayoutSignature.from_dict(dest), ignore)
     if differing:
         raise LayoutMismatch(request_id, differing)
 
