@@ -29,6 +29,11 @@ class BenchHost(EndpointHost):
 
     def __init__(self, specs: dict[str, EndpointSpec]) -> None:
         super().__init__(specs)
+        # Fault every pool page in now, as the raw scratch buffers are, so first
+        # touches of fresh blocks do not count against the transceivers.
+        for endpoint in self.endpoints.values():
+            for buffer in endpoint.tensors.buffers().values():
+                buffer.fill_(0)
         self._listener: socket.socket | None = None
         self._raw_agent: Any = None
         self._raw_regs: list[Any] = []

@@ -87,11 +87,10 @@ class CacheEndpoint:
         rid = handle.request_id
         if not self.manager.allocate_for_transfer(rid, num_tokens):
             raise RuntimeError(f"pool too small to receive {num_tokens} tokens")
-        start = time.perf_counter()
+        regions, signature = self.manager.regions(rid), self.manager.layout_signature()
+        start = time.perf_counter()  # "seconds" is the transceiver's time alone
         try:
-            await self.xcvr.pull(
-                handle, self.manager.regions(rid), self.manager.layout_signature(), timeout_s
-            )
+            await self.xcvr.pull(handle, regions, signature, timeout_s)
         except TransferError as exc:
             self.manager.free(rid)
             elapsed = time.perf_counter() - start

@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 _RELEASE = b"release"
 _LOCAL_AGENT = "NIXL_INIT_AGENT"
 # Binding exceptions (no common base class) that mean the holder is unreachable.
+_BUSY_POLL_S = 1.0  # poll without sleeping for this long, then every 0.5 ms
 _PEER_ERRORS = frozenset({"nixlRemoteDisconnectError", "nixlBackendError"})
 # The UCX progress thread sleeps this long between polls. nixl_agent() uses 0,
 # which spins one core per agent; an idle worker must not burn a core.
@@ -238,8 +239,9 @@ class NixlTransceiver(Transceiver):
                 raise PeerGone(handle.request_id, handle.peer, "a NIXL READ failed")
             pending = [x for x, s in zip(pending, states, strict=True) if s != "DONE"]
             if pending:
+                # Yield-only while a transfer is young (throughput), then back off (CPU).
                 elapsed = time.monotonic() - start
-                await asyncio.sleep(0 if elapsed < 0.002 else min(0.001, elapsed / 20))
+                await asyncio.sleep(0 if elapsed < _BUSY_POLL_S else 0.0005)
 
     @staticmethod
     def _check_lease(handle: TransferHandle) -> None:
