@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 _RELEASE = b"release"
 _LOCAL_AGENT = "NIXL_INIT_AGENT"
 # Binding exceptions (no common base class) that mean the holder is unreachable.
-_BUSY_POLL_S = 1.0  # poll without sleeping for this long, then every 0.5 ms
+_BUSY_POLL_S = 0.05  # poll without sleeping for this long, then every 0.5 ms
 _PEER_ERRORS = frozenset({"nixlRemoteDisconnectError", "nixlBackendError"})
 # The UCX progress thread sleeps this long between polls. nixl_agent() uses 0,
 # which spins one core per agent; an idle worker must not burn a core.
