@@ -64,7 +64,9 @@ class BenchPrompt:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    parser.add_argument(
+        "--base-url", default="http://127.0.0.1:8000/v1", help="server URL, with or without /v1"
+    )
     parser.add_argument("--model", help="model id (default: the first of /v1/models)")
     parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     parser.add_argument("--num-prompts", type=int, default=100)
@@ -185,9 +187,10 @@ async def run_benchmark(
     timeout = httpx.Timeout(args.timeout, connect=30.0)
     gate = asyncio.Semaphore(args.max_concurrency or len(prompts) or 1)
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        model = args.model or await _first_model(client, args.base_url)
+        base = api_base(args.base_url)
+        model = args.model or await _first_model(client, base)
         path = "/chat/completions" if args.endpoint == "chat" else "/completions"
-        url = args.base_url.rstrip("/") + path
+        url = base + path
         bar = tqdm(total=len(prompts), disable=args.no_progress, file=sys.stderr, unit="req")
 
         async def send(prompt: BenchPrompt) -> RequestRecord:
@@ -208,8 +211,14 @@ async def run_benchmark(
     return records, duration
 
 
+def api_base(url: str) -> str:
+    """The OpenAI API root of `url`: `http://host:8000` and `.../v1/` both mean `.../v1`."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
 async def _first_model(client: httpx.AsyncClient, base_url: str) -> str:
-    response = await client.get(base_url.rstrip("/") + "/models")
+    response = await client.get(base_url + "/models")
     response.raise_for_status()
     return str(response.json()["data"][0]["id"])
 

@@ -181,32 +181,33 @@ def _actor_class(role: str) -> Any:
 async def _kv_budget(
     plan: ClusterPlan, instance: InstancePlan, group: PlacementGroup
 ) -> int | None:
-    """Bytes for the KV cache of an instance sized by `memory_fraction` on a GPU.
+    """Bytes for the KV cache of an instance sized by `memory_fraction` on a GPU:
+    that fraction of the GPU's free memory once the checkpoint's weights are in.
 
-    Measured on the instance's own GPU: the fraction of its total memory,
-    less the checkpoint's weights.
+    Measured on the instance's own GPU before its worker starts.
     """
     if instance.num_blocks is not None or instance.memory_fraction is None:
         return None
     strategy = PlacementGroupSchedulingStrategy(group)
-    probe = _gpu_total_bytes.options(num_gpus=instance.num_gpus, scheduling_strategy=strategy)
-    total = int(await probe.remote())
+    probe = _gpu_free_bytes.options(num_gpus=instance.num_gpus, scheduling_strategy=strategy)
+    free = int(await probe.remote())
     weights = sum(p.stat().st_size for p in Path(plan.checkpoint).glob("*.safetensors"))
-    budget = int(total * instance.memory_fraction) - weights
+    budget = int((free - weights) * instance.memory_fraction)
     if budget <= 0:
         raise LaunchError(
-            f"instance {instance.name}: kv_cache.memory_fraction {instance.memory_fraction} of "
-            f"{total} bytes leaves no room for the cache after {weights} bytes of weights; "
-            "raise memory_fraction or set kv_cache.max_tokens"
+            f"instance {instance.name}: the GPU has {free} bytes free, which the "
+            f"{weights} bytes of weights leave no room for a KV cache; use a larger GPU "
+            "or a smaller checkpoint"
         )
     return budget
 
 
 @ray.remote(num_cpus=0)
-def _gpu_total_bytes() -> int:
+def _gpu_free_bytes() -> int:
     import torch
 
-    return int(torch.cuda.get_device_properties(0).total_memory)
+    free, _total = torch.cuda.mem_get_info()
+    return int(free)
 
 
 def _node_ip(group: PlacementGroup) -> str:

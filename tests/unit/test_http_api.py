@@ -241,3 +241,10 @@ def test_bench_plot_writes_a_png(tmp_path: Path) -> None:
     out = tmp_path / "bench.png"
     plot_run(records, summarize(records, 1.0, SLO()), str(out))
     assert out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_bench_accepts_the_server_root_or_the_api_root() -> None:
+    from cluster.bench import api_base
+
+    for url in ("http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"):
+        assert api_base(url) == "http://h:8000/v1"
