@@ -137,10 +137,12 @@ async def _start_all(plan: ClusterPlan, secret: str, cluster: RunningCluster) ->
 async def _start_instance(
     plan: ClusterPlan, instance: InstancePlan, secret: str, cluster: RunningCluster
 ) -> None:
-    bundle = {"CPU": CPUS_PER_INSTANCE, "GPU": instance.num_gpus} if instance.num_gpus else {
-        "CPU": CPUS_PER_INSTANCE
-    }  # fmt: skip
-    group = placement_group([bundle], strategy="STRICT_PACK", name=f"disagg-{instance.name}")
+    bundle = {"CPU": CPUS_PER_INSTANCE}
+    if instance.num_gpus:
+        bundle["GPU"] = instance.num_gpus
+    # The secret's prefix keeps two deployments on one Ray cluster apart.
+    label = f"disagg-{instance.name}-{secret[:8]}"
+    group = placement_group([bundle], strategy="STRICT_PACK", name=label)
     pending = LaunchedInstance(instance, None, group, "")
     cluster.instances.append(pending)
     try:
@@ -154,7 +156,7 @@ async def _start_instance(
                 num_cpus=CPUS_PER_INSTANCE,
                 num_gpus=instance.num_gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group),
-                name=f"disagg-{instance.name}-{secret[:8]}",
+                name=label,
                 max_concurrency=1000,
             )
             .remote(config, instance.name)
