@@ -4,13 +4,16 @@
 `TokenEvent`s. With a context result attached it allocates blocks (and a
 Mamba slot), pulls the prompt's cache through the transceiver in its own
 task — the running batch keeps stepping meanwhile — and then joins the
-running batch; its stream starts at the *second* token (the first one came
-with the `ContextResult`). Without one it runs the whole request locally
+running batch; its stream starts with one `cache_ready` event (no tokens)
+once the pull completed, then the *second* token (the first one came with
+the `ContextResult`). Without one it runs the whole request locally
 (aggregated mode and conditional disaggregation) and streams from the first
 token.
 
 Run as a Ray actor: `ray.remote(GenerationWorker).options(num_cpus=...).remote(config, id, role)`;
-iterate `actor.generate.remote(req)` as a streaming generator.
+iterate `actor.generate.remote(req)` as a streaming generator. An actor Ray
+restarts after a crash is rebuilt from the same arguments and starts itself
+on its first request.
 """
 
 from __future__ import annotations
@@ -21,9 +24,15 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from engine.errors import WorkerNotStartedError
 from engine.instance import EngineInstance
-from engine.messages import GenerationRequest, KVEventBatch, TokenEvent, WorkerHealth, WorkerLoad
+from engine.messages import (
+    GenerationRequest,
+    KVEventBatch,
+    TokenEvent,
+    WorkerHealth,
+    WorkerIntegrity,
+    WorkerLoad,
+)
 from engine.request import Request
 from engine.threads import configure_torch_threads
 from engine.transceivers import make_transceiver
@@ -52,19 +61,23 @@ class GenerationWorker:
         )
         self._pulls: dict[str, asyncio.Task[None]] = {}
         self._active: set[str] = set()  # ids between generate() start and end
-        self._started = False
+        self._starting: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Start the transceiver (if any) and the engine loop; call once, before requests."""
+        """Start the transceiver (if any) and the engine loop; idempotent (later
+        calls wait for the first), and run by the first request if nobody called it."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._starting)
+
+    async def _start(self) -> None:
         if self.transceiver is not None:
             await self.transceiver.start()
         self.engine.loop.start()
-        self._started = True
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """Stream a request's tokens; the last event has `finish_reason` set."""
-        if not self._started:
-            raise WorkerNotStartedError("call start() before sending requests")
+        await self.start()
         rid = request.request_id
         req = Request(rid, list(request.prompt_token_ids), request.params)
         if rid in self._active:
@@ -82,6 +95,7 @@ class GenerationWorker:
                     yield error
                     return
                 stream = self.engine.loop.submit(req, prefilled=True)
+                yield TokenEvent(rid, [], num_prompt_tokens=req.num_prompt_tokens, cache_ready=True)
             while not finished:
                 event = await stream.get()
                 finished = event.finished
@@ -115,6 +129,14 @@ class GenerationWorker:
 
     def load(self) -> WorkerLoad:
         return self.engine.load(num_transferring=len(self._pulls))
+
+    async def integrity(self) -> WorkerIntegrity:
+        """Cache integrity and free blocks/slots, read between engine steps."""
+        await self.start()
+        pinned = self.transceiver.num_pinned if self.transceiver is not None else 0
+        return await self.engine.loop.run_between_steps(
+            lambda: self.engine.integrity(len(self._pulls), pinned)
+        )
 
     def drain_kv_events(self) -> KVEventBatch:
         return self.engine.drain_kv_events()
@@ -183,16 +205,7 @@ class GenerationWorker:
         await self._between_steps(lambda: manager.finish_transfer(rid, req.prompt_token_ids))
 
     async def _between_steps(self, fn: Callable[[], T]) -> T:
-        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-
-        def run() -> None:
-            try:
-                future.set_result(fn())
-            except Exception as exc:
-                future.set_exception(exc)
-
-        self.engine.loop.call_between_steps(run)
-        return await future
+        return await self.engine.loop.run_between_steps(fn)
 
 
 def _error(req: Request, message: str, reason: str = "error") -> TokenEvent:

@@ -14,13 +14,14 @@ from pathlib import Path
 
 from engine.core import EngineCore, StopCheck
 from engine.loop import EngineLoop
-from engine.messages import KVEventBatch, WorkerLoad
+from engine.messages import KVEventBatch, WorkerIntegrity, WorkerLoad
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request
 from engine.sampling import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stop import IncrementalDetokenizer, StopChecker
 from engine.worker_config import WorkerConfig
+from kvcache.errors import IntegrityError
 from kvcache.factory import create_manager
 from kvcache.manager import KVCacheManager
 from kvcache.sizing import size_cache
@@ -104,6 +105,28 @@ class EngineInstance:
                 self.manager.mamba_pool.num_free_slots if self.manager.mamba_pool else 0
             ),
             num_tokens_in_flight=in_flight,
+        )
+
+    def integrity(self, num_in_transfer: int, num_pinned: int) -> WorkerIntegrity:
+        """The cache manager's integrity and free counts; call between steps
+        (`EngineLoop.run_between_steps`) so no step mutates them meanwhile."""
+        try:
+            self.manager.check_integrity()
+            problems: list[str] = []
+        except IntegrityError as error:
+            problems = list(error.problems)
+        sched = self.core.scheduler
+        mamba = self.manager.mamba_pool
+        return WorkerIntegrity(
+            worker_id=self.worker_id,
+            ok=not problems,
+            problems=problems,
+            num_free_blocks=self.manager.num_free_blocks,
+            num_usable_blocks=self.manager.num_usable_blocks,
+            num_free_mamba_slots=mamba.num_free_slots if mamba else 0,
+            num_mamba_slots=mamba.num_slots if mamba else 0,
+            num_requests=len(sched.waiting) + len(sched.running) + num_in_transfer,
+            num_pinned=num_pinned,
         )
 
     def drain_kv_events(self) -> KVEventBatch:

@@ -15,12 +15,15 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from engine.core import EngineCore, StepResult
 from engine.messages import TokenEvent
 from engine.request import Request
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # When work is queued but nothing could be scheduled (all blocks pinned by
 # handoffs or pulls), retry after this long instead of spinning.
@@ -97,6 +100,19 @@ class EngineLoop:
             return
         self._pending.append(fn)
         self._wake.set()
+
+    async def run_between_steps(self, fn: Callable[[], T]) -> T:
+        """Run `fn` like `call_between_steps` and return its result (or raise its error)."""
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+
+        self.call_between_steps(run)
+        return await future
 
     def submit(self, request: Request, prefilled: bool = False) -> asyncio.Queue[TokenEvent]:
         """Queue a request; returns the queue its `TokenEvent`s arrive on.

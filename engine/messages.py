@@ -68,6 +68,10 @@ class TokenEvent:
 
     The last event of a stream has `finish_reason` set ("stop", "length",
     "abort" or "error"); with "error", `error` says what to change.
+
+    A generation worker that pulls a cache first sends one event with no
+    tokens and no `finish_reason` once the pull completed (`cache_ready`): up
+    to then the request can still be re-run from its prefill elsewhere.
     """
 
     request_id: str
@@ -80,6 +84,7 @@ class TokenEvent:
     num_cached_tokens: int = 0
     # Wall-clock (time.time()) when these tokens were sampled.
     timestamp: float = field(default_factory=time.time)
+    cache_ready: bool = False
 
     @property
     def finished(self) -> bool:
@@ -117,3 +122,33 @@ class WorkerHealth:
     healthy: bool
     detail: str = ""
     torch_threads: int = 0  # intra-op threads, sized from the Ray CPU grant on CPU
+
+
+@dataclass(frozen=True)
+class WorkerIntegrity:
+    """A worker's cache bookkeeping, checked between engine steps.
+
+    `ok` is False when the manager's `check_integrity()` found problems
+    (listed in `problems`). An idle worker holds no request and no pin, and
+    has `num_free_blocks == num_usable_blocks` and every Mamba slot free.
+    """
+
+    worker_id: str
+    ok: bool
+    problems: list[str]
+    num_free_blocks: int
+    num_usable_blocks: int
+    num_free_mamba_slots: int
+    num_mamba_slots: int
+    num_requests: int  # queued or running in the engine, or in transfer
+    num_pinned: int  # caches published and not yet released (context side)
+
+    @property
+    def idle(self) -> bool:
+        return (
+            self.ok
+            and self.num_requests == 0
+            and self.num_pinned == 0
+            and self.num_free_blocks == self.num_usable_blocks
+            and self.num_free_mamba_slots == self.num_mamba_slots
+        )

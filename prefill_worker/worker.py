@@ -8,6 +8,9 @@ lease; they are freed exactly once, when the puller releases them or the
 lease runs out (whichever comes first).
 
 Run as a Ray actor: `ray.remote(ContextWorker).options(num_cpus=...).remote(config, id)`.
+An actor Ray restarts after a crash is rebuilt from the same arguments and
+starts itself on its first request, so the router can use it again as soon
+as it answers polls.
 """
 
 from __future__ import annotations
@@ -16,9 +19,16 @@ import asyncio
 import logging
 from typing import Any
 
-from engine.errors import RequestFailedError, WorkerNotStartedError
+from engine.errors import RequestFailedError
 from engine.instance import EngineInstance
-from engine.messages import ContextRequest, ContextResult, KVEventBatch, WorkerHealth, WorkerLoad
+from engine.messages import (
+    ContextRequest,
+    ContextResult,
+    KVEventBatch,
+    WorkerHealth,
+    WorkerIntegrity,
+    WorkerLoad,
+)
 from engine.request import Request
 from engine.threads import configure_torch_threads
 from engine.transceivers import make_transceiver
@@ -35,14 +45,19 @@ class ContextWorker:
         self.transceiver: Any = make_transceiver(config, self.engine.cache.buffers(), worker_id)
         self._handles: dict[str, Any] = {}
         self._publish_errors: dict[str, str] = {}
-        self._started = False
+        self._starting: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Start the transceiver and the engine loop; call once, before requests."""
+        """Start the transceiver and the engine loop; idempotent (later calls
+        wait for the first), and run by the first request if nobody called it."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._start())
+        await asyncio.shield(self._starting)
+
+    async def _start(self) -> None:
         await self.transceiver.start()
         self.engine.loop.on_handoff = self._publish
         self.engine.loop.start()
-        self._started = True
 
     async def prefill(self, request: ContextRequest) -> ContextResult:
         """Prefill one prompt and sample its first token.
@@ -50,8 +65,7 @@ class ContextWorker:
         Raises `RequestFailedError` when the prompt cannot run here (too long
         for the cache) or was aborted.
         """
-        if not self._started:
-            raise WorkerNotStartedError("call start() before sending requests")
+        await self.start()
         req = Request(request.request_id, list(request.prompt_token_ids), request.params)
         stream = self.engine.loop.submit(req)
         try:
@@ -93,6 +107,13 @@ class ContextWorker:
 
     def load(self) -> WorkerLoad:
         return self.engine.load(num_transferring=self.transceiver.num_pinned)
+
+    async def integrity(self) -> WorkerIntegrity:
+        """Cache integrity and free blocks/slots, read between engine steps."""
+        await self.start()
+        return await self.engine.loop.run_between_steps(
+            lambda: self.engine.integrity(0, self.transceiver.num_pinned)
+        )
 
     def drain_kv_events(self) -> KVEventBatch:
         return self.engine.drain_kv_events()
