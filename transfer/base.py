@@ -12,7 +12,9 @@ Generation side (puller)::
 The holder keeps the request's blocks (and Mamba slot) pinned until the puller
 releases them after a complete pull, the holder aborts, or the lease expires;
 each ends in exactly one `on_release(request_id)` call, so the worker frees
-once. The puller frees its own destination blocks when `pull` raises.
+once. The puller frees its own destination blocks when `pull` raises; a pull
+that fails, times out or is cancelled also tells the holder (best effort) to
+release at once rather than at lease expiry.
 Signatures are compared before any byte moves.
 """
 
@@ -28,7 +30,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from kvcache.layout import LayoutSignature, Region, RequestRegions
-from transfer.errors import LayoutMismatch, TransferAborted, TransferTimeout
+from transfer.errors import LayoutMismatch, TransferAborted, TransferTimeout, UnknownRequest
 from transfer.leases import LeaseTable
 
 
@@ -228,12 +230,22 @@ class Transceiver(ABC):
             async with asyncio.timeout(timeout_s):
                 await task
         except TimeoutError:
+            # The holder may only be stalled: have it free now, not at lease end.
+            self._notify_abort(handle)
             raise TransferTimeout(rid, handle.peer, timeout_s) from None
         except asyncio.CancelledError:
             if task.cancelled() and not _current_task_cancelling():
                 self._notify_abort(handle)
                 raise TransferAborted(rid, "aborted on the generation side") from None
             task.cancel()
+            self._notify_abort(handle)  # our caller went away: free the holder too
+            raise
+        except UnknownRequest:
+            raise  # the holder already freed it
+        except Exception:
+            # A failed pull (layout mismatch, broken connection, NIXL error)
+            # releases the holder promptly instead of at lease expiry.
+            self._notify_abort(handle)
             raise
         finally:
             if self._pulls.get(rid) is task:

@@ -112,6 +112,7 @@ class NixlTransceiver(Transceiver):
         self._mem_type = _mem_type(self._tensors)
         self._local: PreparedTables | None = None
         self._remote: dict[str, PreparedTables] = {}
+        self._remote_metadata: dict[str, bytes] = {}
         self._poller: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -265,6 +266,10 @@ class NixlTransceiver(Transceiver):
         if peer is None or handle.agent_metadata is None:
             raise LayoutMismatch(handle.request_id, ["agent_name"], "handle has no NIXL agent")
         tables = self._remote.get(peer)
+        if tables is not None and self._remote_metadata.get(peer) != handle.agent_metadata:
+            # The same agent name with new metadata: the holder was restarted.
+            self._forget(peer)
+            tables = None
         if tables is None:
             try:
                 self._agent.add_remote_agent(handle.agent_metadata)
@@ -272,11 +277,13 @@ class NixlTransceiver(Transceiver):
                 raise PeerGone(handle.request_id, handle.peer, f"bad metadata: {exc}") from exc
             tables = PreparedTables(handle.buffers, self._prepare(peer))
             self._remote[peer] = tables
+            self._remote_metadata[peer] = handle.agent_metadata
         return tables
 
     def _forget(self, peer: str) -> None:
         """Drop a peer's prepared lists and metadata (it died or we are closing)."""
         tables = self._remote.pop(peer, None)
+        self._remote_metadata.pop(peer, None)
         if tables is not None:
             with contextlib.suppress(Exception):
                 tables.release()
