@@ -40,6 +40,11 @@ T = TypeVar("T")
 
 _SHUTDOWN_TIMEOUT_S = 10.0
 CPUS_PER_INSTANCE = 1.0
+# A worker process that dies (OOM, a crash, a killed node) is restarted by Ray
+# this many times, in its placement group; the router routes around it until
+# it answers polls again. Calls in flight when it died fail (no task retries):
+# the router decides whether a request may run again.
+MAX_RESTARTS = 4
 
 
 class LaunchError(RuntimeError):
@@ -158,6 +163,7 @@ async def _start_instance(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group),
                 name=label,
                 max_concurrency=1000,
+                max_restarts=MAX_RESTARTS,
             )
             .remote(config, instance.name)
         )
