@@ -8,10 +8,15 @@ already caches is at most `max_local_prefill_length` tokens, the context hop
 is skipped and one generation worker runs the whole request.
 
 Failure rules: a dispatch that fails before any token reached the caller is
-retried on another worker of the same pool (the failed worker is marked
-unhealthy); after that, the caller gets a final error event. When the caller
-stops iterating (client disconnect), the request is aborted on every worker
-it touched, so both sides free its blocks.
+retried on another worker of the same pool (a dead worker is marked
+unhealthy until it answers polls again, e.g. after Ray restarted it); after
+that, the caller gets a final error event. A disaggregated request's first
+token is held back until the generation worker reports its pull complete
+(`cache_ready`): a pull that fails before then (the context worker died,
+stalled or the transfer timed out) re-runs the request from its prefill on
+another context worker. When the caller stops iterating (client
+disconnect), the request is aborted on every worker it touched, so both
+sides free its blocks.
 
 Load and KV events are polled from every worker in the background; the
 router's own `tokens_in_flight` bookkeeping keeps `least_loaded` exact
@@ -123,26 +128,53 @@ class Router:
         touched: list[WorkerEndpoint] = []
         finished = False
         try:
-            context: ContextResult | None = None
-            if not self.runs_locally(prompt, hashes):
-                context_hashes = hashes
-                if self.settings.context_block_size != self.settings.generation_block_size:
-                    context_hashes = self.block_hashes(prompt, self.settings.context_block_size)
-                context = await self._run_context(
-                    request_id, prompt, params, context_hashes, touched
+            if self.runs_locally(prompt, hashes):
+                events = self._stream_generation(
+                    GenerationRequest(request_id, prompt, params), hashes, touched
                 )
-                first = _first_event(context)
-                yield first
-                if first.finished:
-                    finished = True
-                    return
-            request = GenerationRequest(request_id, prompt, params, context)
-            async for event in self._stream_generation(request, hashes, touched):
+            else:
+                events = self._disaggregated(request_id, prompt, params, hashes, touched)
+            async for event in events:
                 finished = event.finished
                 yield event
         finally:
             if not finished:
                 self._abort_everywhere(request_id, touched)
+
+    async def _disaggregated(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: Any,
+        hashes: Sequence[bytes],
+        touched: list[WorkerEndpoint],
+    ) -> AsyncIterator[TokenEvent]:
+        """Context, then generation; the whole pair runs again while no token
+        reached the caller (the first token waits for `cache_ready`)."""
+        context_hashes = hashes
+        if self.settings.context_block_size != self.settings.generation_block_size:
+            context_hashes = self.block_hashes(prompt, self.settings.context_block_size)
+        errors: list[str] = []
+        for _ in range(self.settings.max_attempts):
+            context = await self._run_context(request_id, prompt, params, context_hashes, touched)
+            holder = touched[-1]
+            first = _first_event(context)
+            if first.finished:
+                yield first
+                return
+            request = GenerationRequest(request_id, prompt, params, context)
+            try:
+                async for event in self._stream_generation(request, hashes, touched):
+                    if event.cache_ready:
+                        yield first
+                    else:
+                        yield event
+                return
+            except _PullFailed as failure:
+                errors.append(str(failure))
+                # The holder may still pin the cache (the puller died): free it.
+                self._abort_everywhere(request_id, [holder])
+        raise RequestFailedError(request_id, "cache transfer failed: " + "; ".join(errors))
 
     async def _run_context(
         self,
@@ -176,10 +208,12 @@ class Router:
         hashes: Sequence[bytes],
         touched: list[WorkerEndpoint],
     ) -> AsyncIterator[TokenEvent]:
+        """Stream from a generation worker. A whole request moves to another
+        worker while nothing was streamed; a disaggregated one raises
+        `_PullFailed` until its `cache_ready` event (its cache is gone then,
+        so only a new prefill can run it), and ends with an error event after."""
         cost = len(request.prompt_token_ids) + _max_tokens(request.params)
         phase = "generation" if request.context is not None else "whole"
-        # A disaggregated request already streamed its first token, so only a
-        # whole request may move to another worker after a failure.
         attempts = self.settings.max_attempts if request.context is None else 1
         errors: list[str] = []
         for _ in range(attempts):
@@ -192,7 +226,9 @@ class Router:
             try:
                 async for ref in endpoint.actor.generate.remote(request):
                     event: TokenEvent = await ref
-                    if not streamed and request.context is not None:
+                    if not streamed and event.error is not None and request.context is not None:
+                        raise RequestFailedError(request.request_id, event.error)
+                    if event.cache_ready and request.context is not None:
                         self._record_transfer(request.context, started)
                     streamed = True
                     yield event
@@ -204,14 +240,14 @@ class Router:
                 if streamed:
                     yield _error_event(request.request_id, failure)
                     return
+                if request.context is not None:
+                    raise _PullFailed(failure) from exc
                 errors.append(failure)
             finally:
                 endpoint.state.tokens_in_flight -= cost
-        message = "generation phase failed: " + "; ".join(errors)
-        if request.context is not None:
-            yield _error_event(request.request_id, message)
-            return
-        raise RequestFailedError(request.request_id, message)
+        raise RequestFailedError(
+            request.request_id, "generation phase failed: " + "; ".join(errors)
+        )
 
     def _pick(
         self,
@@ -280,6 +316,11 @@ class Router:
         removed = [e.block_hash for e in batch.events if e.kind == "removed"]
         state.apply_kv_event(stored, removed)
         self.metrics.cached_blocks.labels(endpoint.name).set(len(state.cached_blocks))
+
+
+class _PullFailed(Exception):
+    """A disaggregated request failed before its cache arrived on the
+    generation side; its prefill may run again."""
 
 
 def _first_event(context: ContextResult) -> TokenEvent:
