@@ -2,9 +2,10 @@
 
 Every failure the HTTP server reports goes through `APIError`, so clients
 (the official `openai` package included) see the shape and status codes they
-expect: 400 for a bad request (validation included, naming the field), 404 for
-an unknown model or route, 503 when no worker can take the request, 500 for a
-failure inside the cluster.
+expect: 400 for a bad request (validation included, naming the field), 401
+without the API key, 404 for an unknown model or route, 413 for a body over
+the size limit, 429 (with `Retry-After`) when the server is full, 503 when no
+worker can take the request, 500 for a failure inside the cluster.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 _TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable",
 }
@@ -33,18 +37,20 @@ class APIError(Exception):
         message: str,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def error_body(
@@ -93,4 +99,8 @@ async def handle_http_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     status = exc.status_code
     message = str(exc.detail) if status != 404 else "no such route; see /v1/models"
-    return APIError(status, message).response()
+    code = "request_too_large" if status == 413 else None
+    if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's body parse failure
+        message = f"the request body is not valid UTF-8 ({exc.__cause__.reason}); send UTF-8 JSON"
+        code = "json_invalid"
+    return APIError(status, message, code=code).response()

@@ -40,6 +40,9 @@ class _Strict(BaseModel):
 
 class RouterConfig(_Strict):
     type: Literal["round_robin", "least_loaded", "prefix_aware"] = "round_robin"
+    # Completions the server holds at once (running or waiting on a worker);
+    # past it new requests get 429 with Retry-After instead of queueing.
+    max_queued_requests: int = Field(default=256, gt=0)
 
 
 class ConditionalDisaggConfig(_Strict):
@@ -113,6 +116,9 @@ class ClusterConfig(_Strict):
     port: int = Field(default=8000, ge=0, le=65535)
     address: str | None = None
     startup_timeout_s: float = Field(default=300.0, gt=0)
+    # Bearer token the /v1 routes require; None leaves the API open.
+    api_key: str | None = Field(default=None, min_length=1)
+    max_request_body_bytes: int = Field(default=1 << 20, gt=0)
     router: RouterConfig = RouterConfig()
     conditional_disagg: ConditionalDisaggConfig = ConditionalDisaggConfig()
     cache_transceiver: CacheTransceiverConfig = CacheTransceiverConfig()

@@ -86,6 +86,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -113,6 +114,13 @@ class CompletionRequest(SamplingFields):
     def _no_echo(cls, value: bool) -> bool:
         if value:
             raise ValueError("echo is not supported; send the prompt without echo")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_candidate(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError("only best_of=1 is supported; send several requests and rank them")
         return value
 
     @field_validator("suffix")

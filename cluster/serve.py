@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 from cluster.config import ClusterConfig, ConfigError, config_from_dict, load_config
 
 DEFAULT_CHECKPOINT = Path("checkpoints/tiny-llama")
+API_KEY_ENV = "DISAGG_API_KEY"
 EMBEDDED_ARCH = "llama"
 
 
@@ -44,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="checkpoint folder; overrides the config's `model`")
     parser.add_argument("--host", help="bind address; overrides the config's `hostname`")
     parser.add_argument("--port", type=int, help="port (0 picks a free one); overrides `port`")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"bearer token the /v1 API requires (default: ${API_KEY_ENV}); overrides `api_key`",
+    )
     parser.add_argument("--log-level", default="warning", help="uvicorn and worker log level")
 
 
@@ -62,6 +69,8 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
         overrides["hostname"] = args.host
     if args.port is not None:
         overrides["port"] = args.port
+    if getattr(args, "api_key", None) is not None:
+        overrides["api_key"] = args.api_key
     if not overrides:
         return config
     raw = config.model_dump(exclude_unset=True) | overrides
@@ -79,11 +88,13 @@ def ensure_embedded_checkpoint(path: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     from cluster.launcher import LaunchError
-    from cluster.plan import format_plan, resolve_plan
+    from cluster.plan import check_checkpoint_files, format_plan, resolve_plan
 
+    source = args.config or "<embedded default>"
     try:
         config = build_config(args)
-        plan = resolve_plan(config, source=args.config or "<embedded default>")
+        plan = resolve_plan(config, source=source)
+        check_checkpoint_files(plan.checkpoint, source)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import openai_format as fmt
+from cluster.admission import DEFAULT_MAX_QUEUED_REQUESTS, Admission
 from cluster.api_errors import (
     APIError,
     handle_api_error,
@@ -31,6 +32,7 @@ from cluster.api_errors import (
     handle_validation_error,
 )
 from cluster.completion import CompletionFailedError, Delta, PreparedRequest, stream_completion
+from cluster.http_guards import DEFAULT_MAX_BODY_BYTES, RequestGuard
 from cluster.metrics import ServingMetrics
 from cluster.policies import NoWorkerError
 from cluster.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -57,10 +59,28 @@ class ServedModel:
     aliases: tuple[str, ...] = ()
 
 
-def build_app(router: Router, model: ServedModel, metrics: ServingMetrics) -> FastAPI:
+@dataclass(frozen=True)
+class ServerLimits:
+    """What the HTTP edge refuses before any worker sees a request.
+
+    api_key: bearer token the `/v1` routes require; None leaves them open.
+    max_body_bytes: larger request bodies get 413.
+    max_queued_requests: completions in flight at once; more get 429.
+    """
+
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+
+
+def build_app(
+    router: Router, model: ServedModel, metrics: ServingMetrics, limits: ServerLimits | None = None
+) -> FastAPI:
     """The FastAPI app; the router's pollers start and stop with it."""
-    api = _OpenAIRoutes(router, model, metrics)
+    limits = limits or ServerLimits()
+    api = _OpenAIRoutes(router, model, metrics, Admission(limits.max_queued_requests))
     app = FastAPI(title="disagg", lifespan=api.lifespan)
+    app.add_middleware(RequestGuard, api_key=limits.api_key, max_body_bytes=limits.max_body_bytes)
     app.add_exception_handler(APIError, handle_api_error)
     app.add_exception_handler(RequestValidationError, handle_validation_error)
     app.add_exception_handler(StarletteHTTPException, handle_http_error)
@@ -89,10 +109,13 @@ class _Shape:
 
 
 class _OpenAIRoutes:
-    def __init__(self, router: Router, model: ServedModel, metrics: ServingMetrics) -> None:
+    def __init__(
+        self, router: Router, model: ServedModel, metrics: ServingMetrics, admission: Admission
+    ) -> None:
         self.router = router
         self.model = model
         self.metrics = metrics
+        self.admission = admission
         self.created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -235,6 +258,11 @@ class _OpenAIRoutes:
         self, shape: _Shape, prepared: PreparedRequest, body: SamplingFields, http: Request
     ) -> Response:
         endpoint = shape.endpoint
+        try:
+            self.admission.acquire()
+        except APIError:
+            self.metrics.requests.labels(endpoint, "429").inc()
+            raise
         deltas = stream_completion(self.router, self.model.tokenizer, self.metrics, prepared)
         self.metrics.in_flight.inc()
         try:
@@ -242,7 +270,7 @@ class _OpenAIRoutes:
             # worker can take still gets a proper status code.
             first = await self._guard(endpoint, anext(deltas))
         except BaseException:
-            self.metrics.in_flight.dec()
+            self._finished()
             await deltas.aclose()
             raise
         if not body.stream:
@@ -252,7 +280,7 @@ class _OpenAIRoutes:
                 self.metrics.requests.labels(endpoint, str(exc.status)).inc()
                 raise
             finally:
-                self.metrics.in_flight.dec()
+                self._finished()
             self.metrics.requests.labels(endpoint, "200").inc()
             return JSONResponse(shape.whole(fmt.merge([first, *rest])))
         events = self._sse(shape, first, deltas, body.include_usage)
@@ -284,10 +312,15 @@ class _OpenAIRoutes:
             status = "499"  # the client went away
             raise
         finally:
-            self.metrics.in_flight.dec()
+            self._finished()
             self.metrics.requests.labels(shape.endpoint, status).inc()
             await deltas.aclose()
         yield fmt.SSE_DONE
+
+    def _finished(self) -> None:
+        """A request admitted by `_respond` is over: free its admission slot."""
+        self.metrics.in_flight.dec()
+        self.admission.release()
 
     async def _guard(self, endpoint: str, step: Awaitable[Delta]) -> Delta:
         """Await the first delta, mapping cluster failures to OpenAI errors."""

@@ -27,7 +27,7 @@ from cluster.metrics import ServingMetrics
 from cluster.plan import ClusterPlan
 from cluster.policies import WorkerState
 from cluster.router import Router, RoutingSettings, WorkerEndpoint
-from cluster.server import ServedModel, build_app
+from cluster.server import ServedModel, ServerLimits, build_app
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,12 @@ class ServingCluster:
     async def _start_http(self, listener: socket.socket) -> None:
         assert self.cluster is not None
         self.router = _build_router(self.cluster, self.config, self.metrics)
-        app = build_app(self.router, _served_model(self.config, self.plan), self.metrics)
+        limits = ServerLimits(
+            api_key=self.config.api_key,
+            max_body_bytes=self.config.max_request_body_bytes,
+            max_queued_requests=self.config.router.max_queued_requests,
+        )
+        app = build_app(self.router, _served_model(self.config, self.plan), self.metrics, limits)
         server_config = uvicorn.Config(
             app, log_level=self.log_level, timeout_graceful_shutdown=5, lifespan="on"
         )
