@@ -146,22 +146,6 @@ def resolve_plan(config: ClusterConfig, source: str = "<config>") -> ClusterPlan
     )
 
 
-def check_checkpoint_files(checkpoint: str | Path, source: str = "<config>") -> None:
-    """Raise `ConfigError` unless the weights and a loadable tokenizer are there.
-
-    Run before any worker starts; the weights' contents (tensor names and
-    shapes) are checked by the workers as they load them.
-    """
-    from models.loader import checkpoint_files
-    from models.tokenizer import load_tokenizer
-
-    try:
-        checkpoint_files(Path(checkpoint))
-        load_tokenizer(checkpoint)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{source}:model: {exc}") from exc
-
-
 def _one_transceiver(context: RoleSettings, generation: RoleSettings, preferred: str | None) -> str:
     chosen = {
         role.role: resolve_transceiver(role.cache_transceiver.backend, preferred)

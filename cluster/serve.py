@@ -87,14 +87,15 @@ def ensure_embedded_checkpoint(path: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from cluster.checkpoint_check import check_checkpoint
     from cluster.launcher import LaunchError
-    from cluster.plan import check_checkpoint_files, format_plan, resolve_plan
+    from cluster.plan import format_plan, resolve_plan
 
     source = args.config or "<embedded default>"
     try:
         config = build_config(args)
         plan = resolve_plan(config, source=source)
-        check_checkpoint_files(plan.checkpoint, source)
+        check_checkpoint(plan.checkpoint, source)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
