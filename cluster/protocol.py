@@ -1,7 +1,8 @@
 """OpenAI-compatible request bodies, validated at the HTTP edge.
 
-Bodies are strict (`extra="forbid"`): a misspelt parameter is a 400 that names
-it, never silently ignored. Besides OpenAI's own fields, the vLLM-style
+Bodies are strict (`extra="forbid"`, `strict=True`): a misspelt parameter or
+a value of the wrong JSON type (`"stream": "yes"`, `"temperature": "0.5"`) is
+a 400 that names it, never silently ignored or coerced. Besides OpenAI's own fields, the vLLM-style
 sampling extensions `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
 `stop_token_ids` and `include_stop_str_in_output` are accepted.
 """
@@ -17,14 +18,14 @@ MAX_TOP_LOGPROBS = 20
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     stream: bool = False
@@ -132,13 +133,13 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
