@@ -17,6 +17,7 @@ Physical block 0 is the permanent null block; tables are padded with it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -83,3 +84,16 @@ class ForwardBatch:
     @property
     def is_decode_only(self) -> bool:
         return self.num_tokens == self.num_seqs
+
+    # Derived once per step and shared by every attention layer. The batch is
+    # never mutated after the runner builds it, so caching is safe.
+
+    @functools.cached_property
+    def slot_blocks_offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(block, offset)` of every new token's slot: `slot_mapping` split."""
+        blocks = torch.div(self.slot_mapping, self.block_size, rounding_mode="floor")
+        return blocks, self.slot_mapping - blocks * self.block_size
+
+    @functools.cached_property
+    def max_seq_len(self) -> int:
+        return int(self.seq_lens.max()) if self.num_seqs else 0

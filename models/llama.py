@@ -8,6 +8,8 @@ mlp.{gate,up,down}_proj, input_layernorm, post_attention_layernorm}`,
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from models.base import CausalLM
@@ -15,13 +17,19 @@ from models.batch import AttentionLayerCache, CacheViews, ForwardBatch
 from models.config import DECODER, ModelConfig, RopeConfig
 from models.errors import ConfigError
 from models.layers.attention import paged_attention
+from models.layers.fused_linear import FusedLinear
 from models.layers.linear_mlp import SwiGLUMLP
 from models.layers.norm import RMSNorm
 from models.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(torch.nn.Module):
-    """Rotary GQA self-attention whose K/V live in the paged cache."""
+    """Rotary GQA self-attention whose K/V live in the paged cache.
+
+    `fuse_projections()` (called once the weights are loaded) runs Q/K/V as
+    one matmul and rotates Q and K in one call; until then, or if the fusion
+    went stale, the projections run apart.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -40,6 +48,10 @@ class LlamaAttention(torch.nn.Module):
         self.k_proj = torch.nn.Linear(hidden, kv_size, bias=qkv_bias)
         self.v_proj = torch.nn.Linear(hidden, kv_size, bias=qkv_bias)
         self.o_proj = torch.nn.Linear(q_size, hidden, bias=out_bias)
+        self.qkv: FusedLinear | None = None
+
+    def fuse_projections(self) -> None:
+        self.qkv = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
         self,
@@ -49,14 +61,28 @@ class LlamaAttention(torch.nn.Module):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
         cos, sin = cos_sin
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        if self.qkv is not None and self.qkv.is_current():
+            q, k, v = self._fused_qkv(hidden, cos, sin)
+        else:
+            q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+            k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
         out = paged_attention(q, k, v, layer_cache, batch, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def _fused_qkv(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q, K (rotated) and V from one matmul; Q and K heads rotate together."""
+        assert self.qkv is not None
+        num_tokens, d = hidden.shape[0], self.head_dim
+        qkv = self.qkv(hidden).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, d)
+        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return q, k, qkv[:, self.num_heads + self.num_kv_heads :]
 
 
 class LlamaDecoderLayer(torch.nn.Module):
@@ -126,6 +152,13 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load by checkpoint name, then fuse Q/K/V and gate/up (see `FusedLinear`)."""
+        super().load_weights(weights)
+        for module in self.modules():
+            if isinstance(module, LlamaAttention | SwiGLUMLP):
+                module.fuse_projections()
 
     def checkpoint_name(self, disk_name: str) -> str | None:
         # Tied checkpoints may still carry a copy of the embedding as lm_head.

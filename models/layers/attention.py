@@ -11,8 +11,10 @@ sequence's cached tokens, read back through the block table:
     query at pos 5 sees k0..k5, query at pos 6 sees k0..k6
 
 A decode-only step (one token per sequence) runs as one batched computation
-over the longest context, masking each row past its own length; steps that
-carry prefill chunks loop over sequences.
+over the longest context, masking each row past its own length (one
+`scaled_dot_product_attention` call, the queries of a KV head grouped as its
+query rows so K/V are never repeated per head); steps that carry prefill
+chunks loop over sequences.
 
 Shapes: q `[T, heads, head_dim]`, k/v `[T, kv_heads, head_dim]`; query head
 `h` reads kv head `h // (heads // kv_heads)`.
@@ -21,6 +23,7 @@ Shapes: q `[T, heads, head_dim]`, k/v `[T, kv_heads, head_dim]`; query head
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from models.batch import AttentionLayerCache, ForwardBatch
 from models.kernels import dispatch
@@ -34,8 +37,7 @@ def write_kv(
     Indexes `[block, offset]` rather than a flattened view because the cache may
     be a strided view into a block-major pool, which cannot be flattened.
     """
-    blocks = torch.div(batch.slot_mapping, batch.block_size, rounding_mode="floor")
-    offsets = batch.slot_mapping % batch.block_size
+    blocks, offsets = batch.slot_blocks_offsets
     layer_cache.key_cache[blocks, offsets] = k.to(layer_cache.key_cache.dtype)
     layer_cache.value_cache[blocks, offsets] = v.to(layer_cache.value_cache.dtype)
 
@@ -81,23 +83,28 @@ def decode_attention(
             q, key_cache, value_cache, batch.block_tables, batch.seq_lens, scale
         )
     kv_heads, block_size = key_cache.shape[2], batch.block_size
-    max_len = int(batch.seq_lens.max())
-    num_blocks = -(-max_len // block_size)
-    tables = batch.block_tables[:, :num_blocks]
+    num_blocks = -(-batch.max_seq_len // block_size)
+    # index_select over the flattened table: several times faster on CPU than
+    # advanced indexing of the (strided) cache view.
+    blocks = batch.block_tables[:, :num_blocks].reshape(-1)
     span = num_blocks * block_size
-    keys = key_cache[tables].reshape(num_seqs, span, kv_heads, head_dim).to(q.dtype)
-    values = value_cache[tables].reshape(num_seqs, span, kv_heads, head_dim).to(q.dtype)
-
+    # [B, span, kv_heads, d] -> [B, kv_heads, span, d]: a KV head is SDPA's head
+    # and its `heads // kv_heads` queries are SDPA's query rows.
+    keys = key_cache.index_select(0, blocks).view(num_seqs, span, kv_heads, head_dim)
+    values = value_cache.index_select(0, blocks).view(num_seqs, span, kv_heads, head_dim)
     grouped = q.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
-    scores = torch.einsum("bkgd,bskd->bkgs", grouped, keys) * scale
     key_pos = torch.arange(span, device=q.device)[None, :]
     last = (batch.seq_lens - 1)[:, None]
     visible = key_pos <= last
     if sliding_window is not None:
         visible &= key_pos > last - sliding_window
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores.to(torch.float32), dim=-1).to(q.dtype)
-    out = torch.einsum("bkgs,bskd->bkgd", probs, values)
+    out = F.scaled_dot_product_attention(
+        grouped,
+        keys.transpose(1, 2).to(q.dtype),
+        values.transpose(1, 2).to(q.dtype),
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+    )
     return out.reshape(num_seqs, num_heads, head_dim)
 
 

@@ -5,15 +5,29 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from models.layers.fused_linear import FusedLinear
+
 
 class SwiGLUMLP(torch.nn.Module):
-    """`down_proj(silu(gate_proj(x)) * up_proj(x))`, Hugging Face parameter names."""
+    """`down_proj(silu(gate_proj(x)) * up_proj(x))`, Hugging Face parameter names.
+
+    `fuse_projections()` (called once the weights are loaded) runs gate and up
+    as one matmul; until then, or if the fusion went stale, they run apart.
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.gate_proj = torch.nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = torch.nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up: FusedLinear | None = None
+
+    def fuse_projections(self) -> None:
+        self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None and self.gate_up.is_current():
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)

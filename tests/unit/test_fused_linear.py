@@ -1,0 +1,52 @@
+"""FusedLinear: one matmul equal to the separate layers, sharing their storage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.layers.fused_linear import FusedLinear
+from models.layers.linear_mlp import SwiGLUMLP
+
+
+def _layers(bias: bool) -> list[torch.nn.Linear]:
+    torch.manual_seed(0)
+    return [torch.nn.Linear(16, rows, bias=bias) for rows in (12, 4, 4)]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_output_is_the_layers_outputs_side_by_side(bias: bool) -> None:
+    layers = _layers(bias)
+    x = torch.randn(5, 16)
+    want = torch.cat([layer(x) for layer in layers], dim=-1)
+    fused = FusedLinear(layers)
+    assert fused.is_current()
+    torch.testing.assert_close(fused(x), want)
+    # The layers themselves still compute the same thing from the shared storage.
+    torch.testing.assert_close(torch.cat([layer(x) for layer in layers], dim=-1), want)
+
+
+def test_writes_through_a_layer_reach_the_fused_weight() -> None:
+    layers = _layers(bias=False)
+    fused = FusedLinear(layers)
+    with torch.no_grad():
+        layers[1].weight.copy_(torch.ones(4, 16))
+    assert torch.equal(fused.weight[12:16], torch.ones(4, 16))
+    assert dict(layers[1].named_parameters())["weight"].shape == (4, 16)
+
+
+def test_a_dtype_change_makes_the_fusion_stale_and_the_mlp_still_correct() -> None:
+    torch.manual_seed(0)
+    mlp = SwiGLUMLP(16, 32)
+    x = torch.randn(3, 16)
+    want = mlp(x)
+    mlp.fuse_projections()
+    torch.testing.assert_close(mlp(x), want)
+    mlp.to(torch.float64)
+    assert mlp.gate_up is not None and not mlp.gate_up.is_current()
+    torch.testing.assert_close(mlp(x.double()), want.double())
+
+
+def test_layers_that_do_not_share_an_input_are_refused() -> None:
+    with pytest.raises(ValueError, match="in_features"):
+        FusedLinear([torch.nn.Linear(16, 4), torch.nn.Linear(8, 4)])
