@@ -1,0 +1,80 @@
+"""Overload at the HTTP edge: past `router.max_queued_requests` the server says 429.
+
+A short version of `benchmarks/overload.py` against a 1P1D tiny server with
+room for 4 requests: twice the sustainable rate for a few seconds must give
+429s carrying `Retry-After`, every accepted request must complete with all
+its tokens, and the process tree's memory must stay (loosely) flat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import yaml
+
+from benchmarks.overload import run_overload
+from benchmarks.serve_process import ServeProcess
+
+MAX_QUEUED = 4
+MAX_TOKENS = 8
+# Loose: Ray's own processes move by tens of MiB on their own.
+MAX_RSS_GROWTH_MIB = 300.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    from models.embedded.writer import ensure_checkpoint
+
+    folder = tmp_path_factory.mktemp("overload")
+    checkpoint = ensure_checkpoint(folder / "tiny-llama", "llama", "tiny")
+    raw = {
+        "model": str(checkpoint),
+        "port": 0,
+        "cache_transceiver": {"backend": "python"},
+        "kv_cache": {"max_tokens": 2048},
+        "max_num_tokens": 256,
+        "router": {"max_queued_requests": MAX_QUEUED},
+    }
+    config = folder / "cluster.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    with ServeProcess(config) as running:
+        yield running
+
+
+def test_twice_the_sustainable_rate_is_refused_with_429_and_loses_nothing(
+    server: ServeProcess,
+) -> None:
+    report = asyncio.run(
+        run_overload(
+            server.url,
+            server.pid,
+            max_tokens=MAX_TOKENS,
+            probe_concurrency=MAX_QUEUED,
+            probe_s=2.0,
+            factor=2.0,
+            duration_s=6.0,
+            drain_timeout_s=60.0,
+        )
+    )
+    assert report.rejected > 0, report
+    assert report.rejected_without_retry_after == 0, report
+    assert set(report.statuses) <= {"200", "429"}, report
+    assert report.accepted > 0 and report.lost == 0 and report.failed == 0, report
+    growth = report.rss_mib["end"] - report.rss_mib["start"]
+    assert growth < MAX_RSS_GROWTH_MIB, report
+
+
+def test_the_refusals_are_counted_and_the_server_recovers(server: ServeProcess) -> None:
+    root = server.url.removesuffix("/v1")
+    with httpx.Client(timeout=60) as client:
+        metrics = client.get(root + "/metrics").text
+        refused = [
+            line for line in metrics.splitlines() if 'status="429"' in line and "_total" in line
+        ]
+        assert refused and float(refused[0].split()[-1]) > 0, metrics[:2000]
+        model = client.get(server.url + "/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "Hello", "max_tokens": 2}
+        assert client.post(server.url + "/completions", json=body).status_code == 200
