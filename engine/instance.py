@@ -140,6 +140,7 @@ def _build_scheduler(config: WorkerConfig, manager: KVCacheManager) -> Scheduler
             max_batch_size=config.max_batch_size,
             max_model_tokens=manager.num_usable_blocks * config.block_size,
             enable_prefix_match=manager.enable_block_reuse,
+            max_num_waiting=config.max_num_waiting,
         ),
         manager,
     )

@@ -54,6 +54,9 @@ class SchedulerConfig:
     # Total KV capacity in tokens: a prompt longer than this fails at once.
     max_model_tokens: int
     enable_prefix_match: bool = False
+    # Most requests waiting for their first step; None = no bound. The
+    # router's admission bound normally keeps queues far below it.
+    max_num_waiting: int | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,10 @@ class CapacityError(RuntimeError):
     """A request needs more KV cache than this worker has in total."""
 
 
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `max_num_waiting`; another worker may take the request."""
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, manager: BlockManager) -> None:
         self.config = config
@@ -106,12 +113,19 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queue a request for prefill. Raises CapacityError if its prompt can
-        never fit in this worker's cache."""
+        never fit in this worker's cache, QueueFullError if the waiting queue
+        is at its bound."""
         if request.num_tokens > self.config.max_model_tokens:
             raise CapacityError(
                 f"request {request.request_id!r} has {request.num_tokens} tokens but the KV "
                 f"cache holds {self.config.max_model_tokens}; raise max_tokens or shorten "
                 f"the prompt"
+            )
+        limit = self.config.max_num_waiting
+        if limit is not None and len(self.waiting) >= limit:
+            raise QueueFullError(
+                f"request {request.request_id!r} refused: {limit} requests already wait "
+                "on this worker (max_num_waiting); retry later or add instances"
             )
         request.status = RequestStatus.WAITING
         self.waiting.append(request)

@@ -35,6 +35,8 @@ class WorkerConfig:
     max_num_tokens: per-step token budget (decode tokens + prefill chunks).
     max_batch_size: most sequences in one step; also the number of Mamba
         state slots a hybrid model gets.
+    max_num_waiting: most requests queued for prefill on this worker; more
+        are refused at once (the router then tries another worker).
     enable_block_reuse: prefix reuse (V2 only; ignored with a warning for
         hybrid models, whose reuse needs Mamba state snapshots).
     lease_s: how long a context worker keeps a finished prompt's blocks
@@ -54,6 +56,7 @@ class WorkerConfig:
     kv_cache_memory_bytes: int | None = None
     max_num_tokens: int = 512
     max_batch_size: int = 64
+    max_num_waiting: int = 1024
     enable_block_reuse: bool = False
     lease_s: float = 30.0
     transfer_timeout_s: float = 30.0
@@ -78,6 +81,7 @@ class WorkerConfig:
         _require_positive("block_size", self.block_size)
         _require_positive("max_num_tokens", self.max_num_tokens)
         _require_positive("max_batch_size", self.max_batch_size)
+        _require_positive("max_num_waiting", self.max_num_waiting)
         _require_positive("lease_s", self.lease_s)
         _require_positive("transfer_timeout_s", self.transfer_timeout_s)
         if self.max_tokens is not None and self.max_tokens < self.block_size:
