@@ -1,0 +1,314 @@
+"""Faults on a local Ray cluster: killed, paused and disconnected parties.
+
+Two 2P2D clusters (Python and NIXL transceivers) started by the launcher
+(actors restart after a crash) share one Ray session. Each test drives a
+router over them, injects one fault (`ray.kill`, SIGSTOP/SIGCONT of an
+actor's process, a client that stops reading) and checks the outcome: the
+affected request is re-run when no token reached the caller, or ends with a
+clear error; every other request returns the fault-free tokens; every
+surviving (or restarted) worker passes its integrity check with all blocks
+free again.
+
+Pausing both generation workers before a request lets a test act at one
+exact point: the prefill ran, its cache is pinned on the holder, and the
+generation call waits in a paused process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from cluster.config import config_from_dict
+from cluster.launcher import RunningCluster, launch
+from cluster.metrics import ServingMetrics
+from cluster.plan import resolve_plan
+from cluster.policies import WorkerState
+from cluster.router import Router, RoutingSettings, WorkerEndpoint
+from engine.messages import TokenEvent, WorkerIntegrity
+from engine.sampling import SamplingParams
+from models.embedded.writer import write_checkpoint
+
+KINDS = ("python", "nixl")
+TIMEOUT_S = 2.0  # cache_transceiver.timeout_s: a paused holder trips it quickly
+PROMPTS = [[10 + (7 * i + j) % 400 for j in range(13 + 5 * i)] for i in range(4)]
+LONG_TOKENS = 120  # long enough to kill a worker while it streams
+
+
+@pytest.fixture(scope="module")
+def clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningCluster]]:
+    checkpoint = write_checkpoint(tmp_path_factory.mktemp("faults") / "llama", "llama", "tiny")
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    plans = {kind: resolve_plan(config_from_dict(_config(checkpoint, kind))) for kind in KINDS}
+
+    async def start() -> list[RunningCluster]:
+        return list(await asyncio.gather(*(launch(plans[k], 120) for k in KINDS)))
+
+    running = dict(zip(KINDS, asyncio.run(start()), strict=True))
+    try:
+        yield running
+    finally:
+
+        async def stop() -> None:
+            await asyncio.gather(*(c.shutdown() for c in running.values()))
+
+        asyncio.run(stop())
+        ray.shutdown()
+
+
+def _config(checkpoint: Path, kind: str) -> dict[str, Any]:
+    return {
+        "model": str(checkpoint),
+        "port": 0,
+        "dtype": "float32",
+        "cache_transceiver": {"backend": kind, "timeout_s": TIMEOUT_S, "lease_s": 60},
+        "kv_cache": {"manager": "v1", "block_size": 8, "max_tokens": 1024},
+        "max_num_tokens": 64,
+        "max_batch_size": 8,
+        "context_servers": {"num_instances": 2},
+        "generation_servers": {"num_instances": 2},
+    }
+
+
+class Harness:
+    """A router over one launched cluster, plus the fault injectors."""
+
+    def __init__(self, cluster: RunningCluster) -> None:
+        self.cluster = cluster
+        self.metrics = ServingMetrics()
+
+        def endpoints(role: str) -> list[WorkerEndpoint]:
+            return [
+                WorkerEndpoint(i.plan.name, i.actor, WorkerState(i.plan.name))
+                for i in cluster.actors(role)
+            ]
+
+        settings = RoutingSettings("round_robin", 0, 8, 8, hash_namespace="")
+        self.router = Router(endpoints("context"), endpoints("generation"), settings, self.metrics)
+
+    def endpoint(self, name: str) -> WorkerEndpoint:
+        return next(e for e in self.router.workers if e.name == name)
+
+    def routed(self, name: str, phase: str) -> float:
+        value = self.metrics.registry.get_sample_value(
+            "disagg_routed_requests_total", {"worker": name, "phase": phase}
+        )
+        return value or 0.0
+
+    async def wait_routed(self, role: str, phase: str, before: dict[str, float]) -> str:
+        """The worker of `role` whose `phase` count grew past `before`."""
+        for _ in range(400):
+            for e in getattr(self.router, role):
+                if self.routed(e.name, phase) > before.get(e.name, 0.0):
+                    return str(e.name)
+            await asyncio.sleep(0.025)
+        raise AssertionError(f"no {role} worker got a {phase} request")
+
+    def counts(self, role: str, phase: str) -> dict[str, float]:
+        return {e.name: self.routed(e.name, phase) for e in getattr(self.router, role)}
+
+    async def run(self, rid: str, prompt: list[int], max_tokens: int) -> list[TokenEvent]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return [event async for event in self.router.generate(rid, prompt, params)]
+
+    async def all_idle(self, timeout_s: float = 30.0) -> None:
+        """Every worker (restarted ones included) answers integrity() idle."""
+        await asyncio.gather(*(wait_idle(e.actor, timeout_s) for e in self.router.workers))
+
+
+async def wait_idle(actor: Any, timeout_s: float) -> WorkerIntegrity:
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = await actor.integrity.remote()
+        except ray.exceptions.RayActorError as exc:  # restarting: ask again
+            last = exc
+        else:
+            assert last.ok, last.problems
+            if last.idle:
+                return last  # type: ignore[no-any-return]
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"worker not idle within {timeout_s}s: {last}")
+
+
+async def pid_of(actor: Any) -> int:
+    return int(await actor.__ray_call__.remote(lambda _self: os.getpid()))
+
+
+def tokens(events: list[TokenEvent]) -> list[int]:
+    return [t for e in events for t in e.token_ids]
+
+
+@pytest.fixture(params=KINDS)
+async def harness(
+    request: pytest.FixtureRequest, clusters: dict[str, RunningCluster]
+) -> AsyncIterator[Harness]:
+    h = Harness(clusters[request.param])
+    await h.all_idle()  # a previous test's restarts are complete
+    h.router.start()
+    try:
+        yield h
+    finally:
+        await h.router.stop()
+
+
+async def _expected(h: Harness, max_tokens: int) -> list[list[int]]:
+    runs = [h.run(f"ref-{i}-{time.monotonic_ns()}", p, max_tokens) for i, p in enumerate(PROMPTS)]
+    results = await asyncio.gather(*runs)
+    assert all(r[-1].finish_reason == "length" for r in results)
+    return [tokens(r) for r in results]
+
+
+async def _paused_at_pull(
+    h: Harness, rid: str, prompt: list[int]
+) -> tuple[asyncio.Task[list[TokenEvent]], str, str, dict[str, int]]:
+    """Pause both generation workers and send a request: returns its task,
+    the context worker holding its cache, the generation worker waiting to
+    pull it, and every worker's pid (the caller resumes the generation ones)."""
+    pids = {e.name: await pid_of(e.actor) for e in h.router.workers}
+    before_ctx = h.counts("context", "context")
+    before_gen = h.counts("generation", "generation")
+    for e in h.router.generation:
+        os.kill(pids[e.name], signal.SIGSTOP)
+    task = asyncio.ensure_future(h.run(rid, prompt, 8))
+    holder = await h.wait_routed("context", "context", before_ctx)
+    puller = await h.wait_routed("generation", "generation", before_gen)
+    return task, holder, puller, pids
+
+
+def _resume_generation(h: Harness, pids: dict[str, int], skip: str = "") -> None:
+    for e in h.router.generation:
+        if e.name != skip:
+            os.kill(pids[e.name], signal.SIGCONT)
+
+
+async def test_killed_context_holder_is_retried_on_the_other_context_worker(
+    harness: Harness,
+) -> None:
+    """The holder dies after its prefill, before the pull: the puller gets
+    PeerGone (or times out), frees its blocks, and the router re-runs the
+    prefill elsewhere; the caller sees only the fault-free tokens."""
+    h = harness
+    [expected] = [tokens(await h.run("ref-holder", PROMPTS[1], 8))]
+    task, holder, _puller, pids = await _paused_at_pull(h, "holder-dies", PROMPTS[1])
+    os.kill(pids[holder], signal.SIGKILL)
+    _resume_generation(h, pids)
+    events = await asyncio.wait_for(task, 4 * TIMEOUT_S)
+    assert events[-1].finish_reason == "length", events[-1]
+    assert tokens(events) == expected
+    assert h.metrics.registry.get_sample_value(
+        "disagg_dispatch_failures_total", {"phase": "generation"}
+    )
+    await h.all_idle()  # the killed holder came back (restarted) with nothing pinned
+
+
+async def test_killed_puller_releases_the_holder_and_the_request_reruns(
+    harness: Harness,
+) -> None:
+    h = harness
+    expected = tokens(await h.run("ref-puller", PROMPTS[2], 8))
+    task, holder, puller, pids = await _paused_at_pull(h, "puller-dies", PROMPTS[2])
+    os.kill(pids[puller], signal.SIGKILL)
+    _resume_generation(h, pids, skip=puller)
+    events = await asyncio.wait_for(task, 4 * TIMEOUT_S)
+    assert tokens(events) == expected and events[-1].finish_reason == "length"
+    # The holder of the first attempt was released by the router's abort,
+    # long before its 60 s lease.
+    await wait_idle(h.endpoint(holder).actor, 5.0)
+    await h.all_idle()
+
+
+async def test_stalled_holder_times_out_then_the_request_reruns_and_both_sides_free(
+    harness: Harness,
+) -> None:
+    """A paused holder: the pull stalls past cache_transceiver.timeout_s
+    (Python; NIXL READs are one-sided and may complete from a paused
+    process), the puller frees, the request re-runs; once resumed, the
+    holder frees at once, not at lease expiry."""
+    h = harness
+    expected = tokens(await h.run("ref-stall", PROMPTS[3], 8))
+    task, holder, _puller, pids = await _paused_at_pull(h, "holder-stalls", PROMPTS[3])
+    holder_pid = pids[holder]
+    os.kill(holder_pid, signal.SIGSTOP)
+    try:
+        _resume_generation(h, pids)
+        events = await asyncio.wait_for(task, 4 * TIMEOUT_S)
+    finally:
+        os.kill(holder_pid, signal.SIGCONT)
+    assert tokens(events) == expected and events[-1].finish_reason == "length"
+    failures = h.metrics.registry.get_sample_value(
+        "disagg_dispatch_failures_total", {"phase": "generation"}
+    )
+    if h.cluster.plan.transceiver == "python":
+        assert failures, "the stalled pull should have failed with TransferTimeout"
+    await wait_idle(h.endpoint(holder).actor, 5.0)
+    await h.all_idle()
+
+
+async def test_killed_generation_worker_fails_its_streams_others_complete_and_it_returns(
+    harness: Harness,
+) -> None:
+    h = harness
+    expected = await _expected(h, LONG_TOKENS)
+    victim = h.router.generation[0]
+    streams = [h.router.generate(f"long-{i}", p, _long()) for i, p in enumerate(PROMPTS)]
+    firsts = await asyncio.gather(*(anext(s) for s in streams))  # every one is streaming
+    ray.kill(victim.actor, no_restart=False)
+    results = await asyncio.gather(*(_drain(s) for s in streams))
+    failed = 0
+    for first, rest, want in zip(firsts, results, expected, strict=True):
+        got = tokens([first, *rest])
+        if rest[-1].finish_reason == "error":
+            failed += 1
+            assert victim.name in (rest[-1].error or ""), rest[-1]
+            assert got == want[: len(got)]
+        else:
+            assert rest[-1].finish_reason == "length" and got == want
+    assert 0 < failed < len(PROMPTS)
+    assert not victim.state.healthy  # routed around until it answers again
+    await h.all_idle()  # Ray restarted it; the others freed everything
+    for _ in range(100):
+        if victim.state.healthy:
+            break
+        await asyncio.sleep(0.1)
+    assert victim.state.healthy, "the restarted worker should be polled healthy again"
+    before = h.routed(victim.name, "generation")
+    again = await asyncio.gather(*(h.run(f"again-{i}", p, 8) for i, p in enumerate(PROMPTS)))
+    assert all(r[-1].finish_reason == "length" for r in again)
+    assert h.routed(victim.name, "generation") > before
+
+
+async def test_client_disconnect_mid_stream_frees_both_sides(harness: Harness) -> None:
+    h = harness
+    stream = h.router.generate("goes-away", PROMPTS[0], _long())
+    for _ in range(3):
+        await anext(stream)
+    await stream.aclose()  # what the server does when the client disconnects
+    await h.all_idle(10.0)
+
+
+async def test_client_disconnect_during_the_pull_frees_both_sides(harness: Harness) -> None:
+    h = harness
+    task, _holder, _puller, pids = await _paused_at_pull(h, "gone-early", PROMPTS[0])
+    task.cancel()
+    _resume_generation(h, pids)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await h.all_idle(10.0)
+
+
+def _long() -> SamplingParams:
+    return SamplingParams(max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+async def _drain(stream: AsyncIterator[TokenEvent]) -> list[TokenEvent]:
+    return [event async for event in stream]
