@@ -283,8 +283,9 @@ class _OpenAIRoutes:
                 self._finished()
             self.metrics.requests.labels(endpoint, "200").inc()
             return JSONResponse(shape.whole(fmt.merge([first, *rest])))
-        events = self._sse(shape, first, deltas, body.include_usage)
-        return StreamingResponse(events, media_type="text/event-stream")
+        finish = _Once(self._finished)
+        events = self._sse(shape, first, deltas, body.include_usage, finish)
+        return _ClosingStream(events, finish, media_type="text/event-stream")
 
     async def _sse(
         self,
@@ -292,6 +293,7 @@ class _OpenAIRoutes:
         first: Delta,
         deltas: AsyncGenerator[Delta, None],
         include_usage: bool,
+        finish: Callable[[], None],
     ) -> AsyncIterator[str]:
         status = "200"
         try:
@@ -312,7 +314,7 @@ class _OpenAIRoutes:
             status = "499"  # the client went away
             raise
         finally:
-            self._finished()
+            finish()
             self.metrics.requests.labels(shape.endpoint, status).inc()
             await deltas.aclose()
         yield fmt.SSE_DONE
@@ -345,6 +347,39 @@ class _OpenAIRoutes:
             return task.result()
         except (CompletionFailedError, RequestFailedError, NoWorkerError) as exc:
             raise APIError(500, str(exc), code="generation_failed") from exc
+
+
+class _Once:
+    """Calls `fn` on the first call only."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn: Callable[[], None] | None = fn
+
+    def __call__(self) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()
+
+
+class _ClosingStream(StreamingResponse):
+    """A streaming response that runs `on_close` however it ends.
+
+    A client that disconnects before the first chunk means the body
+    generator never starts, so its `finally` never runs; this frees the
+    request's admission slot in that case too (`on_close` is idempotent).
+    """
+
+    def __init__(
+        self, content: AsyncIterator[str], on_close: Callable[[], None], media_type: str
+    ) -> None:
+        super().__init__(content, media_type=media_type)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 async def _collect(deltas: AsyncIterator[Delta]) -> list[Delta]:

@@ -164,6 +164,10 @@ def test_the_server_keeps_serving_after_bad_requests(
         model=limits["model"], prompt="The capital of France is", max_tokens=4, temperature=0
     )
     assert completion.usage is not None and completion.usage.completion_tokens == 4
+    stream = client.completions.create(
+        model=limits["model"], prompt="Hello", max_tokens=3, stream=True, temperature=0
+    )
+    assert [c.choices[0].finish_reason for c in stream][-1] == "length"
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=limits["model"], prompt="x", max_tokens=2, top_p=2.0)
     assert info.value.body is not None and info.value.body["param"] == "top_p"  # type: ignore[index]

@@ -9,6 +9,7 @@ its tokens, and the process tree's memory must stay (loosely) flat.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -76,5 +77,14 @@ def test_the_refusals_are_counted_and_the_server_recovers(server: ServeProcess) 
         ]
         assert refused and float(refused[0].split()[-1]) > 0, metrics[:2000]
         model = client.get(server.url + "/models").json()["data"][0]["id"]
+        # Streams the client drops after the headers give their slots back.
+        stream = {"model": model, "prompt": "Hello", "max_tokens": 64, "stream": True}
+        for _ in range(2 * MAX_QUEUED):
+            with client.stream("POST", server.url + "/completions", json=stream) as response:
+                assert response.status_code == 200
         body = {"model": model, "prompt": "Hello", "max_tokens": 2}
-        assert client.post(server.url + "/completions", json=body).status_code == 200
+        deadline = time.monotonic() + 10
+        while (status := client.post(server.url + "/completions", json=body).status_code) == 429:
+            assert time.monotonic() < deadline, "admission slots leaked"
+            time.sleep(0.2)
+        assert status == 200
