@@ -135,12 +135,22 @@ def test_a_broken_checkpoint_fails_before_anything_starts(
     _assert_one_clear_error(_serve_in_process(broken, tmp_path, capsys), *needles)
 
 
+@pytest.mark.parametrize(
+    ("budget", "needle"),
+    [
+        ({"cpu_memory_bytes": 1024}, "kv_cache"),
+        ({"max_tokens": 8}, "raise max_tokens to at least 16"),
+    ],
+)
 def test_a_cache_too_small_for_one_block_fails_before_anything_starts(
-    good_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    budget: dict[str, int],
+    needle: str,
+    good_checkpoint: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    budget = {"cpu_memory_bytes": 1024}
     result = _serve_in_process(good_checkpoint, tmp_path, capsys, kv_cache=budget)
-    _assert_one_clear_error(result, "kv_cache")
+    _assert_one_clear_error(result, needle)
 
 
 def test_the_command_exits_non_zero_with_one_line_for_wrong_tensor_shapes(
