@@ -63,6 +63,8 @@ class InstancePlan:
     num_gpus: float
     lease_s: float
     transfer_timeout_s: float
+    # A worker never needs to queue more than the whole cluster admits.
+    max_num_waiting: int = 1024
 
     @property
     def device(self) -> str:
@@ -86,6 +88,7 @@ class InstancePlan:
             kv_cache_memory_bytes=kv_cache_memory_bytes or self.kv_cache_memory_bytes,
             max_num_tokens=self.max_num_tokens,
             max_batch_size=self.max_batch_size,
+            max_num_waiting=self.max_num_waiting,
             enable_block_reuse=self.enable_block_reuse,
             lease_s=self.lease_s,
             transfer_timeout_s=self.transfer_timeout_s,
@@ -129,8 +132,9 @@ def resolve_plan(config: ClusterConfig, source: str = "<config>") -> ClusterPlan
         raise ConfigError(f"{source}: {exc}") from exc
     spec = model_config.cache_spec(_dtype(config.dtype))
     model_len = model_config.max_position_embeddings
+    max_waiting = config.router.max_queued_requests
     instances = tuple(
-        _instance(settings, index, manager, transceiver, spec, model_len, source)
+        _instance(settings, index, manager, transceiver, spec, model_len, source, max_waiting)
         for settings, manager in ((context, managers[0]), (generation, managers[1]))
         for index in range(settings.num_instances)
     )
@@ -168,6 +172,7 @@ def _instance(
     spec: CacheSpec,
     model_len: int,
     source: str,
+    max_num_waiting: int,
 ) -> InstancePlan:
     kv = settings.kv_cache
     max_tokens, memory_bytes = _cache_budget(kv, settings, source)
@@ -193,6 +198,7 @@ def _instance(
         num_gpus=settings.num_gpus,
         lease_s=settings.cache_transceiver.lease_s,
         transfer_timeout_s=settings.cache_transceiver.timeout_s,
+        max_num_waiting=max_num_waiting,
     )
 
 

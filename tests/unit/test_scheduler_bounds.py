@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from engine.request import Request
@@ -57,3 +60,15 @@ def test_no_bound_by_default_and_worker_config_requires_a_positive_one() -> None
     assert WorkerConfig(checkpoint="unused").max_num_waiting > 0
     with pytest.raises(WorkerConfigError, match="max_num_waiting"):
         WorkerConfig(checkpoint="unused", max_num_waiting=0)
+
+
+def test_each_worker_may_queue_as_many_requests_as_the_cluster_admits(tmp_path: Path) -> None:
+    from cluster.config import config_from_dict
+    from cluster.plan import resolve_plan
+    from models.embedded.configs import checkpoint_config
+
+    (tmp_path / "config.json").write_text(json.dumps(checkpoint_config("llama", "tiny")))
+    raw = {"model": str(tmp_path), "router": {"max_queued_requests": 7}}
+    plan = resolve_plan(config_from_dict(raw | {"cache_transceiver": {"backend": "python"}}))
+    configs = [i.worker_config("ckpt", "secret", "127.0.0.1") for i in plan.instances]
+    assert [c.max_num_waiting for c in configs] == [7, 7]
