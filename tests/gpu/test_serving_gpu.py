@@ -1,0 +1,106 @@
+"""1P1D on GPUs through the launcher and router: disaggregated == aggregated.
+
+Each cluster is launched from a config as `disagg serve` would (placement
+groups with GPU bundles; a worker's device is "cuda" when its `num_gpus` is
+positive), and the same prompts run twice through a router: disaggregated
+(prefill on the context worker, the cache pulled by the generation worker)
+and whole on the generation worker. Greedy outputs must be equal token for
+token, and both workers must end with every block free.
+
+GPUs needed: `test_1p1d_one_gpu_per_worker` 2 (one per worker), for NIXL
+(pools registered as VRAM) and the Python transceiver (device pools staged
+through host chunks); `test_1p1d_sharing_one_gpu` 1 (`num_gpus: 0.5` each).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from cluster.config import config_from_dict
+from cluster.launcher import RunningCluster, launch
+from cluster.metrics import ServingMetrics
+from cluster.plan import resolve_plan
+from cluster.policies import WorkerState
+from cluster.router import Router, RoutingSettings, WorkerEndpoint
+from engine.sampling import SamplingParams
+from models.embedded.writer import write_checkpoint
+
+PROMPTS = [[11 + (5 * i + j) % 450 for j in range(9 + 17 * i)] for i in range(4)]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = write_checkpoint(tmp_path_factory.mktemp("gpu") / "llama", "llama", "tiny", seed=3)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        yield path
+    finally:
+        ray.shutdown()
+
+
+def _config(checkpoint: Path, backend: str, num_gpus: float) -> dict[str, Any]:
+    return {
+        "model": str(checkpoint),
+        "port": 0,
+        "dtype": "float32",
+        "cache_transceiver": {"backend": backend, "timeout_s": 30},
+        "kv_cache": {"manager": "v1", "block_size": 16, "max_tokens": 2048},
+        "context_servers": {"num_instances": 1, "num_gpus": num_gpus},
+        "generation_servers": {"num_instances": 1, "num_gpus": num_gpus},
+    }
+
+
+def _router(cluster: RunningCluster, max_local_prefill_length: int) -> Router:
+    def endpoints(role: str) -> list[WorkerEndpoint]:
+        return [
+            WorkerEndpoint(i.plan.name, i.actor, WorkerState(i.plan.name))
+            for i in cluster.actors(role)
+        ]
+
+    settings = RoutingSettings("round_robin", max_local_prefill_length, 16, 16)
+    return Router(endpoints("context"), endpoints("generation"), settings, ServingMetrics())
+
+
+async def _outputs(router: Router, tag: str) -> list[list[int]]:
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+    async def one(i: int, prompt: list[int]) -> list[int]:
+        events = [e async for e in router.generate(f"{tag}-{i}", prompt, params)]
+        assert events[-1].finish_reason == "length", events[-1]
+        return [t for e in events for t in e.token_ids]
+
+    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
+
+
+async def _disaggregated_equals_aggregated(checkpoint: Path, backend: str, gpus: float) -> None:
+    plan = resolve_plan(config_from_dict(_config(checkpoint, backend, gpus)))
+    assert {i.device for i in plan.instances} == {"cuda"}
+    cluster = await launch(plan, 300)
+    try:
+        disaggregated = await _outputs(_router(cluster, 0), f"disagg-{backend}-{gpus}")
+        aggregated = await _outputs(_router(cluster, 1 << 20), f"whole-{backend}-{gpus}")
+        assert disaggregated == aggregated
+        for instance in cluster.instances:
+            integrity = await instance.actor.integrity.remote()
+            assert integrity.idle, integrity
+    finally:
+        await cluster.shutdown()
+
+
+@pytest.mark.gpu(2)
+@pytest.mark.parametrize("backend", ["nixl", "python"])
+async def test_1p1d_one_gpu_per_worker(checkpoint: Path, backend: str) -> None:
+    await _disaggregated_equals_aggregated(checkpoint, backend, 1.0)
+
+
+@pytest.mark.gpu(1)
+@pytest.mark.parametrize("backend", ["nixl", "python"])
+async def test_1p1d_sharing_one_gpu(checkpoint: Path, backend: str) -> None:
+    await _disaggregated_equals_aggregated(checkpoint, backend, 0.5)
