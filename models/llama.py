@@ -27,8 +27,9 @@ class LlamaAttention(torch.nn.Module):
     """Rotary GQA self-attention whose K/V live in the paged cache.
 
     `fuse_projections()` (called once the weights are loaded) runs Q/K/V as
-    one matmul and rotates Q and K in one call; until then, or if the fusion
-    went stale, the projections run apart.
+    one matmul, rotates Q and K in one call and prepacks o_proj (see
+    `FusedLinear`); until then, or if the fusion went stale, the plain layers
+    run.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -49,9 +50,11 @@ class LlamaAttention(torch.nn.Module):
         self.v_proj = torch.nn.Linear(hidden, kv_size, bias=qkv_bias)
         self.o_proj = torch.nn.Linear(q_size, hidden, bias=out_bias)
         self.qkv: FusedLinear | None = None
+        self.out: FusedLinear | None = None
 
     def fuse_projections(self) -> None:
         self.qkv = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
+        self.out = FusedLinear([self.o_proj])
 
     def forward(
         self,
@@ -71,7 +74,10 @@ class LlamaAttention(torch.nn.Module):
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
         out = paged_attention(q, k, v, layer_cache, batch, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        out = out.reshape(num_tokens, self.num_heads * self.head_dim)
+        if self.out is not None and self.out.is_current():
+            return self.out(out)
+        return self.o_proj(out)
 
     def _fused_qkv(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -141,6 +147,7 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.logits_head: FusedLinear | None = None
 
     def forward(self, batch: ForwardBatch, caches: CacheViews) -> torch.Tensor:
         if len(caches.attention) != self.config.num_hidden_layers:
@@ -151,11 +158,15 @@ class LlamaForCausalLM(CausalLM):
         return self.model(batch, caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.logits_head is not None and self.logits_head.is_current():
+            return self.logits_head(hidden)
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load by checkpoint name, then fuse Q/K/V and gate/up (see `FusedLinear`)."""
+        """Load by checkpoint name, then fuse Q/K/V and gate/up and prepack the
+        other projections and the head (see `FusedLinear`)."""
         super().load_weights(weights)
+        self.logits_head = FusedLinear([self.lm_head])
         for module in self.modules():
             if isinstance(module, LlamaAttention | SwiGLUMLP):
                 module.fuse_projections()

@@ -13,8 +13,10 @@ sequence's cached tokens, read back through the block table:
 A decode-only step (one token per sequence) runs as one batched computation
 over the longest context, masking each row past its own length (one
 `scaled_dot_product_attention` call, the queries of a KV head grouped as its
-query rows so K/V are never repeated per head); steps that carry prefill
-chunks loop over sequences.
+query rows so K/V are never repeated per head). A step where every sequence
+starts at position 0 (fresh prompts) attends over its own new K/V, padded to
+the longest prompt, in one call; other steps that carry prefill chunks loop
+over sequences.
 
 Shapes: q `[T, heads, head_dim]`, k/v `[T, kv_heads, head_dim]`; query head
 `h` reads kv head `h // (heads // kv_heads)`.
@@ -60,6 +62,8 @@ def paged_attention(
     write_kv(k, v, layer_cache, batch)
     if batch.is_decode_only:
         return decode_attention(q, layer_cache, batch, scale, sliding_window)
+    if batch.padded_prefill_layout is not None:
+        return _fresh_prefill_attention(q, k, v, batch.padded_prefill_layout, scale, sliding_window)
     return _chunked_prefill_attention(q, layer_cache, batch, scale, sliding_window)
 
 
@@ -119,6 +123,31 @@ def gather_kv(
     return keys, values
 
 
+def _fresh_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: tuple[torch.Tensor, torch.Tensor],
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Every sequence starts at position 0, so its keys are this step's own
+    K/V: one padded SDPA call `[B, heads, L, d]` instead of a loop."""
+    rows, valid = layout
+    width = rows.shape[1]
+    q_p, k_p, v_p = (t[rows].transpose(1, 2) for t in (q, k, v))
+    pos = torch.arange(width, device=q.device)
+    visible = pos[None, :] <= pos[:, None]
+    if sliding_window is not None:
+        visible &= pos[None, :] > pos[:, None] - sliding_window
+    # Padded query rows still see key 0, so no row is all -inf; they are dropped.
+    mask = visible[None, None, :, :] & valid[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q_p, k_p.to(q.dtype), v_p.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2)[valid]
+
+
 def _chunked_prefill_attention(
     q: torch.Tensor,
     layer_cache: AttentionLayerCache,
@@ -156,16 +185,23 @@ def _causal_attention(
 ) -> torch.Tensor:
     """Queries `[n, heads, d]` at positions `context_len ..< context_len + n`
     over keys/values `[context_len + n, kv_heads, d]`."""
-    num_queries, num_heads, head_dim = q.shape
-    num_keys, kv_heads = keys.shape[0], keys.shape[1]
-    grouped = q.view(num_queries, kv_heads, num_heads // kv_heads, head_dim)
-    scores = torch.einsum("nkgd,skd->kgns", grouped, keys) * scale
-    query_pos = torch.arange(context_len, context_len + num_queries, device=q.device)[:, None]
-    key_pos = torch.arange(num_keys, device=q.device)[None, :]
-    visible = key_pos <= query_pos
-    if sliding_window is not None:
-        visible &= key_pos > query_pos - sliding_window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores.to(torch.float32), dim=-1).to(q.dtype)
-    out = torch.einsum("kgns,skd->nkgd", probs, values)
-    return out.reshape(num_queries, num_heads, head_dim)
+    num_queries = q.shape[0]
+    num_keys = keys.shape[0]
+    # [1, heads, n, d] / [1, kv_heads, S, d]: SDPA's GQA maps query head h to
+    # kv head h // (heads // kv_heads), as this module does.
+    q_h, k_h, v_h = (t.transpose(0, 1).unsqueeze(0) for t in (q, keys, values))
+    if sliding_window is None and context_len == 0:
+        # Queries and keys start together: SDPA's top-left causal mask is ours.
+        out = F.scaled_dot_product_attention(
+            q_h, k_h, v_h, is_causal=True, scale=scale, enable_gqa=True
+        )
+    else:
+        query_pos = torch.arange(context_len, context_len + num_queries, device=q.device)[:, None]
+        key_pos = torch.arange(num_keys, device=q.device)[None, :]
+        visible = key_pos <= query_pos
+        if sliding_window is not None:
+            visible &= key_pos > query_pos - sliding_window
+        out = F.scaled_dot_product_attention(
+            q_h, k_h, v_h, attn_mask=visible, scale=scale, enable_gqa=True
+        )
+    return out[0].transpose(0, 1)

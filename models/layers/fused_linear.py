@@ -1,4 +1,4 @@
-"""Several `nn.Linear` layers over the same input, run as one matmul.
+"""`nn.Linear` layers over the same input, run as one (prepacked) matmul.
 
 Checkpoints store Q/K/V (and gate/up) as separate tensors and the modules keep
 their Hugging Face names so weights load by name. After loading, `FusedLinear`
@@ -10,9 +10,17 @@ parameter (a later `load_weights`) still land in the fused tensor.
     fused weight  [ q rows | k rows | v rows ]
     q_proj.weight = fused[0:q]   k_proj.weight = fused[q:q+k]   ...   (views)
 
+A single layer is wrapped as is (its weight is not moved, so a tied
+`lm_head` stays tied). On CPU in bf16/fp16 the fused weight is also reordered
+once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`),
+which streams from memory far better than the row-major layout when a decode
+step reads every weight once: about 1.5x faster matmuls on a small model. The
+blocked copy costs a second copy of those weights in host memory.
+
 Anything that gives a layer a new tensor (`model.to(...)` across dtypes or
-devices, assigning a parameter) breaks the sharing; `is_current()` detects it
-and callers then run the layers one by one, which is always correct.
+devices, assigning a parameter) or writes into a weight after packing makes
+the fusion stale; `is_current()` detects it and callers then run the layers
+one by one, which is always correct.
 """
 
 from __future__ import annotations
@@ -21,6 +29,13 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+
+# Dtypes whose prepacked oneDNN matmul gives the same values as `F.linear`
+# (fp32 packing takes another accumulation order, so it stays unpacked and
+# fp32 parity with the reference models stays exact).
+_PACKED_DTYPES = (torch.bfloat16, torch.float16)
+# The step size the blocked layout is tuned for; any row count still works.
+_PACK_BATCH_HINT = 32
 
 
 class FusedLinear:
@@ -43,14 +58,22 @@ class FusedLinear:
             )
         self.linears = list(linears)
         self.out_features = [layer.out_features for layer in linears]
+        self.bias: torch.Tensor | None
         with torch.no_grad():
-            self.weight = torch.cat([layer.weight.detach() for layer in linears])
-            self.bias = (
-                torch.cat([layer.bias.detach() for layer in linears if layer.bias is not None])
-                if has_bias == {True}
-                else None
-            )
-            self._point_layers_at_fused_storage()
+            if len(linears) == 1:
+                self.weight = linears[0].weight.detach()
+                bias = linears[0].bias
+                self.bias = bias.detach() if bias is not None else None
+            else:
+                self.weight = torch.cat([layer.weight.detach() for layer in linears])
+                self.bias = (
+                    torch.cat([lin.bias.detach() for lin in linears if lin.bias is not None])
+                    if has_bias == {True}
+                    else None
+                )
+                self._point_layers_at_fused_storage()
+            self.packed = _pack_for_cpu(self.weight)
+        self._versions = [layer.weight._version for layer in self.linears]
 
     def _point_layers_at_fused_storage(self) -> None:
         start = 0
@@ -61,15 +84,38 @@ class FusedLinear:
             start += rows
 
     def is_current(self) -> bool:
-        """Whether every layer's weight still views the fused tensor, at its rows."""
+        """Whether every layer's weight still views the fused tensor, at its
+        rows, unchanged since fusion (the packed copy is a snapshot)."""
         row_bytes = self.weight.stride(0) * self.weight.element_size()
         expected = self.weight.data_ptr()
-        for layer, rows in zip(self.linears, self.out_features, strict=True):
-            if layer.weight.data_ptr() != expected or layer.weight.dtype != self.weight.dtype:
+        for layer, rows, version in zip(
+            self.linears, self.out_features, self._versions, strict=True
+        ):
+            weight = layer.weight
+            if weight.data_ptr() != expected or weight.dtype != self.weight.dtype:
+                return False
+            if self.packed is not None and weight._version != version:
                 return False
             expected += rows * row_bytes
         return True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`[..., sum(out_features)]`: the layers' outputs side by side, in order."""
+        if self.packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def _pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked copy of `weight`, or None where it does not apply."""
+    if (
+        weight.device.type != "cpu"
+        or weight.dtype not in _PACKED_DTYPES
+        or not torch.backends.mkldnn.is_available()
+    ):
+        return None
+    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    if weight.dtype == torch.float16 and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)

@@ -12,7 +12,8 @@ class SwiGLUMLP(torch.nn.Module):
     """`down_proj(silu(gate_proj(x)) * up_proj(x))`, Hugging Face parameter names.
 
     `fuse_projections()` (called once the weights are loaded) runs gate and up
-    as one matmul; until then, or if the fusion went stale, they run apart.
+    as one matmul and prepacks down (see `FusedLinear`); until then, or if the
+    fusion went stale, the plain layers run.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
@@ -21,13 +22,18 @@ class SwiGLUMLP(torch.nn.Module):
         self.up_proj = torch.nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = torch.nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.gate_up: FusedLinear | None = None
+        self.down: FusedLinear | None = None
 
     def fuse_projections(self) -> None:
         self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
+        self.down = FusedLinear([self.down_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None and self.gate_up.is_current():
             gate, up = self.gate_up(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        hidden = F.silu(gate) * up
+        if self.down is not None and self.down.is_current():
+            return self.down(hidden)
+        return self.down_proj(hidden)

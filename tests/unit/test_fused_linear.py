@@ -50,3 +50,19 @@ def test_a_dtype_change_makes_the_fusion_stale_and_the_mlp_still_correct() -> No
 def test_layers_that_do_not_share_an_input_are_refused() -> None:
     with pytest.raises(ValueError, match="in_features"):
         FusedLinear([torch.nn.Linear(16, 4), torch.nn.Linear(8, 4)])
+
+
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 on this CPU"
+)
+def test_bf16_layers_are_prepacked_and_a_later_write_falls_back() -> None:
+    layers = [layer.to(torch.bfloat16) for layer in _layers(bias=True)]
+    x = torch.randn(7, 16, dtype=torch.bfloat16)
+    want = torch.cat([layer(x) for layer in layers], dim=-1)
+    fused = FusedLinear(layers)
+    assert fused.packed is not None
+    torch.testing.assert_close(fused(x), want)
+    with torch.no_grad():
+        layers[0].weight.zero_()
+    # The blocked copy is a snapshot: after a write the fusion is stale.
+    assert not fused.is_current()
