@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+from engine.aborts import AbortedIds
 from engine.instance import EngineInstance
 from engine.messages import (
     GenerationRequest,
@@ -61,6 +62,7 @@ class GenerationWorker:
         )
         self._pulls: dict[str, asyncio.Task[None]] = {}
         self._active: set[str] = set()  # ids between generate() start and end
+        self._aborted = AbortedIds()  # aborts that arrived before their generate()
         self._starting: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -82,6 +84,9 @@ class GenerationWorker:
         req = Request(rid, list(request.prompt_token_ids), request.params)
         if rid in self._active:
             yield _error(req, "a request with this id is already in flight on this worker")
+            return
+        if self._aborted.take(rid):
+            yield _error(req, "aborted before it reached this worker", reason="abort")
             return
         self._active.add(rid)
         finished = False
@@ -109,8 +114,12 @@ class GenerationWorker:
     def abort(self, request_id: str) -> None:
         """Cancel a request anywhere in its life; frees its blocks and slot.
 
-        Its stream ends with a final "abort" event.
+        Its stream ends with a final "abort" event. An abort that arrives
+        before its `generate` call (Ray does not order calls to an async
+        actor) makes that call end at once with "abort".
         """
+        if request_id not in self._active:
+            self._aborted.add(request_id)
         pull = self._pulls.pop(request_id, None)
         if pull is not None:
             if self.transceiver is not None:

@@ -17,6 +17,7 @@ generation call waits in a paused process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -84,6 +85,7 @@ class Harness:
     def __init__(self, cluster: RunningCluster) -> None:
         self.cluster = cluster
         self.metrics = ServingMetrics()
+        self.paused: set[int] = set()  # resumed at teardown if a test failed midway
 
         def endpoints(role: str) -> list[WorkerEndpoint]:
             return [
@@ -158,6 +160,9 @@ async def harness(
     try:
         yield h
     finally:
+        for pid in h.paused:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         await h.router.stop()
 
 
@@ -178,6 +183,7 @@ async def _paused_at_pull(
     before_ctx = h.counts("context", "context")
     before_gen = h.counts("generation", "generation")
     for e in h.router.generation:
+        h.paused.add(pids[e.name])
         os.kill(pids[e.name], signal.SIGSTOP)
     task = asyncio.ensure_future(h.run(rid, prompt, 8))
     holder = await h.wait_routed("context", "context", before_ctx)
@@ -189,6 +195,7 @@ def _resume_generation(h: Harness, pids: dict[str, int], skip: str = "") -> None
     for e in h.router.generation:
         if e.name != skip:
             os.kill(pids[e.name], signal.SIGCONT)
+        h.paused.discard(pids[e.name])
 
 
 async def test_killed_context_holder_is_retried_on_the_other_context_worker(
