@@ -99,16 +99,20 @@ class ForwardBatch:
         return int(self.seq_lens.max()) if self.num_seqs else 0
 
     @functools.cached_property
-    def padded_prefill_layout(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def padded_prefill_layout(self) -> tuple[torch.Tensor | None, torch.Tensor] | None:
         """For a step whose every sequence starts at position 0 (whole prompts
         or first chunks): `(rows, valid)`, both `[B, L]` with `L` the longest
         chunk; `rows[i, j]` is the flattened token index of position `j` of
         sequence `i` (0 where padded) and `valid[i, j]` is `j < seq_lens[i]`.
-        None when some sequence already has tokens in the cache."""
+        `rows` is None when every chunk has length `L` (the tokens then
+        reshape to `[B, L]` as they are). None when some sequence already has
+        tokens in the cache."""
         if self.num_seqs == 0 or bool(self.context_lens.any()):
             return None
         width = self.max_seq_len
         cols = torch.arange(width, device=self.seq_lens.device)[None, :]
         valid = cols < self.seq_lens[:, None]
+        if self.num_tokens == self.num_seqs * width:
+            return None, valid
         rows = torch.where(valid, self.query_start_loc[:-1, None] + cols, 0)
         return rows, valid

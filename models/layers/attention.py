@@ -127,15 +127,20 @@ def _fresh_prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    layout: tuple[torch.Tensor, torch.Tensor],
+    layout: tuple[torch.Tensor | None, torch.Tensor],
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
     """Every sequence starts at position 0, so its keys are this step's own
     K/V: one padded SDPA call `[B, heads, L, d]` instead of a loop."""
     rows, valid = layout
-    width = rows.shape[1]
-    q_p, k_p, v_p = (t[rows].transpose(1, 2) for t in (q, k, v))
+    num_seqs, width = valid.shape
+    if rows is None:  # equal lengths: no padding, no gather
+        q_p, k_p, v_p = (
+            t.reshape(num_seqs, width, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)
+        )
+    else:
+        q_p, k_p, v_p = (t[rows].transpose(1, 2) for t in (q, k, v))
     pos = torch.arange(width, device=q.device)
     visible = pos[None, :] <= pos[:, None]
     if sliding_window is not None:
@@ -145,6 +150,8 @@ def _fresh_prefill_attention(
     out = F.scaled_dot_product_attention(
         q_p, k_p.to(q.dtype), v_p.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
     )
+    if rows is None:
+        return out.transpose(1, 2).reshape(q.shape)
     return out.transpose(1, 2)[valid]
 
 

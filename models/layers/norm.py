@@ -15,7 +15,8 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused kernel for the float32 statistic and scaling (the reference
-        # models' five elementwise ops), then the cast and the weight as they do.
-        normed = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        # One fused kernel for the statistic and scaling (the reference models'
+        # five elementwise ops); on bf16/fp16 input it accumulates in float32
+        # and rounds once to the input dtype, as the reference's explicit
+        # float32 round trip does. Then the weight, as they apply it.
+        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)

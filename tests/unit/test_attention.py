@@ -110,3 +110,11 @@ def test_decode_through_the_triton_kernel_matches(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv(dispatch.FORCE_TRITON_ENV, "1")
     kernel_out = paged_attention(q, new_k, new_v, cache, batch, SCALE)
     torch.testing.assert_close(kernel_out, torch_out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "sliding-3"])
+@pytest.mark.parametrize("new_lens", [[6, 2, 9], [5, 5, 5]], ids=["uneven", "equal"])
+def test_fresh_prompts_attend_in_one_padded_call(new_lens: list[int], window: int | None) -> None:
+    # Every sequence starts at position 0: the padded (or, equal lengths, plain
+    # reshaped) batch path; padding must not leak into any sequence.
+    run_and_compare(context_lens=[0] * len(new_lens), new_lens=new_lens, window=window)
