@@ -319,3 +319,28 @@ def _long() -> SamplingParams:
 
 async def _drain(stream: AsyncIterator[TokenEvent]) -> list[TokenEvent]:
     return [event async for event in stream]
+
+
+@pytest.mark.parametrize("victim", ["holder", "puller"])
+async def test_a_side_killed_mid_transfer_reruns_the_request_and_frees_the_other(
+    harness: Harness, victim: str
+) -> None:
+    """The holder is paused once the pull started, so the transfer hangs
+    half-way; then one side is killed. The survivor frees its blocks (the
+    puller on PeerGone within its timeout, the holder on the router's abort
+    and the puller's release) and the request re-runs on the other pair."""
+    h = harness
+    expected = tokens(await h.run(f"ref-mid-{victim}", PROMPTS[2], 8))
+    task, holder, puller, pids = await _paused_at_pull(h, f"mid-{victim}", PROMPTS[2])
+    os.kill(pids[holder], signal.SIGSTOP)
+    try:
+        _resume_generation(h, pids)
+        await asyncio.sleep(TIMEOUT_S / 4)  # the pull is under way and stuck
+        os.kill(pids[holder if victim == "holder" else puller], signal.SIGKILL)
+    finally:
+        os.kill(pids[holder], signal.SIGCONT)
+    events = await asyncio.wait_for(task, 4 * TIMEOUT_S)
+    assert tokens(events) == expected and events[-1].finish_reason == "length"
+    survivor = puller if victim == "holder" else holder
+    await wait_idle(h.endpoint(survivor).actor, 5.0)
+    await h.all_idle()
