@@ -19,6 +19,7 @@ from pathlib import Path
 from cluster.config import ClusterConfig, ConfigError, KvCacheConfig, RoleSettings
 from engine.worker_config import WorkerConfig
 from kvcache.errors import CacheSizingError, ResolutionError
+from kvcache.hashing import cache_namespace
 from kvcache.resolution import (
     resolve_block_reuse,
     resolve_cluster_managers,
@@ -145,7 +146,7 @@ def resolve_plan(config: ClusterConfig, source: str = "<config>") -> ClusterPlan
         transceiver=transceiver,
         max_model_len=_max_model_len(model_config, instances),
         vocab_size=model_config.vocab_size,
-        hash_namespace=f"{model_config.architecture}:{spec.dtype}",
+        hash_namespace=cache_namespace(model_config.architecture, spec.dtype),
         instances=instances,
     )
 

@@ -23,6 +23,7 @@ from engine.stop import IncrementalDetokenizer, StopChecker
 from engine.worker_config import WorkerConfig
 from kvcache.errors import IntegrityError
 from kvcache.factory import create_manager
+from kvcache.hashing import cache_namespace
 from kvcache.manager import KVCacheManager
 from kvcache.sizing import size_cache
 from kvcache.tensors import CacheTensors, allocate_cache_tensors
@@ -173,7 +174,7 @@ def _build_cache(
         config.block_size,
         sizing.num_mamba_slots,
         enable_block_reuse=config.enable_block_reuse,
-        hash_namespace=f"{model_config.architecture}:{spec.dtype}",
+        hash_namespace=cache_namespace(model_config.architecture, spec.dtype),
     )
     return manager, allocate_cache_tensors(manager, config.device)
 

@@ -27,6 +27,12 @@ ExtraKeys = tuple[ExtraKey, ...]
 _ROOT_TAG = b"disagg.kvcache.block-hash.v1"
 
 
+def cache_namespace(architecture: str, dtype: str) -> str:
+    """The hash namespace of a model's cache: workers and the prefix-aware
+    router must agree on it, so both derive it here."""
+    return f"{architecture}:{dtype}"
+
+
 def root_hash(namespace: str = "") -> BlockHash:
     """The parent hash of a sequence's first block.
 
