@@ -142,7 +142,7 @@ class VllmProcess:
 
     async def start(self, workload: Workload) -> None:
         env = {
-            **os.environ,
+            **{k: v for k, v in os.environ.items() if k != "GOMP_CPU_AFFINITY"},
             "VLLM_CPU_OMP_THREADS_BIND": self.cpus,
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "OMP_NUM_THREADS": str(self.threads),
