@@ -102,14 +102,23 @@ class EngineLoop:
         self._wake.set()
 
     async def run_between_steps(self, fn: Callable[[], T]) -> T:
-        """Run `fn` like `call_between_steps` and return its result (or raise its error)."""
+        """Run `fn` like `call_between_steps` and return its result (or raise its error).
+
+        `fn` runs even if the caller is cancelled meanwhile (its result is then
+        dropped): callers free what `fn` allocated by the request id anyway, and
+        a cancelled waiter must never break the engine loop.
+        """
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
 
         def run() -> None:
             try:
-                future.set_result(fn())
+                result = fn()
             except Exception as exc:
-                future.set_exception(exc)
+                if not future.done():
+                    future.set_exception(exc)
+                return
+            if not future.done():
+                future.set_result(result)
 
         self.call_between_steps(run)
         return await future

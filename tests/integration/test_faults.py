@@ -131,15 +131,19 @@ async def wait_idle(actor: Any, timeout_s: float) -> WorkerIntegrity:
     last: Any = None
     while time.monotonic() < deadline:
         try:
-            last = await actor.integrity.remote()
+            last = await asyncio.wait_for(
+                actor.integrity.remote(), max(0.1, deadline - time.monotonic())
+            )
         except ray.exceptions.RayActorError as exc:  # restarting: ask again
             last = exc
+        except TimeoutError:
+            break
         else:
             assert last.ok, last.problems
             if last.idle:
                 return last  # type: ignore[no-any-return]
         await asyncio.sleep(0.1)
-    raise AssertionError(f"worker not idle within {timeout_s}s: {last}")
+    raise AssertionError(f"worker {actor} not idle within {timeout_s}s: {last}")
 
 
 async def pid_of(actor: Any) -> int:
