@@ -49,7 +49,9 @@ from engine.worker_config import WorkerConfig
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 
 # Runs under vLLM's interpreter. No tokenizer: prompts are token ids and
-# nothing is detokenized, as on our side.
+# nothing is detokenized, as on our side. Prefix caching is off, as ours is
+# by default: every run repeats the same prompts, and with it on vLLM would
+# skip every prefill after the warm-up.
 READY_LINE = "VLLM_COMPARE_READY"
 RESULT_MARKER = "VLLM_COMPARE_RESULT "
 VLLM_SCRIPT = r"""
@@ -60,7 +62,7 @@ from vllm.inputs import TokensPrompt
 llm = LLM(model=job["checkpoint"], dtype=job["dtype"], skip_tokenizer_init=True,
           max_model_len=job["max_model_len"], max_num_seqs=job["batch"],
           max_num_batched_tokens=job["max_num_batched_tokens"], seed=0,
-          gpu_memory_utilization=0.3)
+          gpu_memory_utilization=0.3, enable_prefix_caching=False)
 params = SamplingParams(max_tokens=job["new_tokens"], temperature=0.0, ignore_eos=True,
                         detokenize=False)
 prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
