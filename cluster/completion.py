@@ -102,7 +102,7 @@ async def stream_completion(
             if stops.stopped:
                 finish = "stop"
             elif finish is not None:
-                text += stops.add(_held_back(tokenizer, detokenizer.text, output_ids))
+                text += stops.add(detokenizer.finish())
                 text += stops.finish()
             yield Delta(
                 text=text,
@@ -122,14 +122,3 @@ async def stream_completion(
         raise CompletionFailedError("the token stream ended without a finish reason")
     finally:
         await events.aclose()
-
-
-def _held_back(tokenizer: Any, streamed: str, output_ids: list[int]) -> str:
-    """Text the incremental decoder still holds when the stream ends.
-
-    It holds back a trailing incomplete UTF-8 sequence in case later tokens
-    complete it; at the end the full decode renders it (as U+FFFD), exactly
-    as a one-shot `decode` of the output would.
-    """
-    full = tokenizer.decode(output_ids)
-    return full[len(streamed) :] if full.startswith(streamed) else ""

@@ -7,7 +7,6 @@ asyncio loop that drives it. The three worker kinds differ only in `role`.
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request
 from engine.sampling import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.stop import IncrementalDetokenizer, StopChecker
+from engine.stop import StopChecker
 from engine.worker_config import WorkerConfig
 from kvcache.errors import IntegrityError
 from kvcache.factory import create_manager
@@ -189,14 +188,7 @@ def _stop_check(request: Request, eos: tuple[int, ...], tokenizer: Tokenizer) ->
     """
     params = request.params
     checker = StopChecker(params, eos)
-    detok = (
-        IncrementalDetokenizer(
-            functools.partial(tokenizer.decode, skip_special_tokens=True),
-            request.prompt_token_ids,
-        )
-        if params.stop
-        else None
-    )
+    detok = tokenizer.detokenizer(request.prompt_token_ids) if params.stop else None
     fed = 0
 
     def check(req: Request) -> FinishReason | None:
@@ -205,10 +197,10 @@ def _stop_check(request: Request, eos: tuple[int, ...], tokenizer: Tokenizer) ->
         while fed < req.num_output_tokens:
             token = req.output_token_ids[fed]
             fed += 1
-            prev_len = len(detok.output_text) if detok is not None else 0
+            prev_len = len(detok.text) if detok is not None else 0
             if detok is not None:
-                detok.add(token)
-            text = detok.output_text if detok is not None else ""
+                detok.push(token)
+            text = detok.text if detok is not None else ""
             decision = checker.check(token, text, prev_len)
             if decision.finished:
                 break

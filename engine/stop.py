@@ -1,16 +1,16 @@
-"""When a request stops, and its output text as it streams.
+"""When a request stops.
 
-`IncrementalDetokenizer` turns streamed token ids into text deltas.
 `StopChecker` decides after every new token whether the request is finished
 (EOS, a stop token, a stop string, or `max_tokens`) and where the text ends.
 
-Typical use per request, once per sampled token:
+Typical use per request, once per sampled token, with the tokenizer's
+streaming decoder (`models.tokenizer.Tokenizer.detokenizer`):
 
-    prev_len = len(detok.output_text)
-    detok.add(token_id)
-    decision = checker.check(token_id, detok.output_text, prev_len)
+    prev_len = len(detok.text)
+    detok.push(token_id)
+    decision = checker.check(token_id, detok.text, prev_len)
     if decision.finished and decision.truncate_to is not None:
-        text = detok.output_text[: decision.truncate_to]
+        text = detok.text[: decision.truncate_to]
 
 A streaming caller that must never show a stop string should release text
 only up to `checker.releasable(len(text))` until the request finishes.
@@ -18,19 +18,13 @@ only up to `checker.releasable(len(text))` until the request finishes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.sampling import SamplingParams
 
 STOP = "stop"
 LENGTH = "length"
-# U+FFFD: what a byte-level decoder yields for a character whose bytes have
-# not all arrived yet.
-REPLACEMENT_CHAR = "\ufffd"
-# Tokens of the prompt tail decoded with the output, so the first output
-# token gets the same leading-space handling as it would mid-text.
-_PROMPT_CONTEXT_TOKENS = 5
 
 
 @dataclass(frozen=True)
@@ -115,49 +109,3 @@ class StopChecker:
         end, at, stop = best
         keep = end if self.params.include_stop_str_in_output else at
         return StopDecision(finished=True, reason=STOP, truncate_to=keep, stop_reason=stop)
-
-
-class IncrementalDetokenizer:
-    """Streamed token ids -> text deltas, correct for byte-level BPE.
-
-    `decode` maps token ids to text (bind `skip_special_tokens` beforehand,
-    e.g. `functools.partial(tokenizer.decode, skip_special_tokens=True)`).
-    Decoding a window of tokens and emitting only the new suffix keeps
-    tokenizer spacing rules intact; a suffix ending in U+FFFD (a character
-    whose remaining bytes are in later tokens) is held back until complete.
-    """
-
-    def __init__(self, decode: Callable[[Sequence[int]], str], prompt_ids: Sequence[int]) -> None:
-        self._decode = decode
-        self._token_ids: list[int] = list(prompt_ids)
-        self._num_prompt = len(self._token_ids)
-        # [prefix_offset, read_offset) is text already emitted, kept as context.
-        self._prefix_offset = max(0, self._num_prompt - _PROMPT_CONTEXT_TOKENS)
-        self._read_offset = self._num_prompt
-        self.output_text = ""
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self._token_ids[self._num_prompt :]
-
-    def add(self, token_id: int) -> str:
-        """Append one token; return the newly complete text (may be empty)."""
-        self._token_ids.append(token_id)
-        prefix = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self._token_ids[self._prefix_offset :])
-        if len(full) <= len(prefix) or full.endswith(REPLACEMENT_CHAR):
-            return ""
-        delta = full[len(prefix) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._token_ids)
-        self.output_text += delta
-        return delta
-
-    def finish(self) -> str:
-        """At end of stream: the held-back text, with U+FFFD for bytes that never completed."""
-        prefix = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self._token_ids[self._prefix_offset :])
-        delta = full[len(prefix) :] if len(full) > len(prefix) else ""
-        self._prefix_offset = self._read_offset = len(self._token_ids)
-        self.output_text += delta
-        return delta

@@ -130,6 +130,17 @@ class IncrementalDetokenizer:
         self.text += delta
         return delta
 
+    def finish(self) -> str:
+        """At the end of the stream: the held-back text, with U+FFFD for bytes
+        that never completed (what a one-shot `decode` of the output shows)."""
+        decode = self._tokenizer.decode
+        prefix = decode(self._ids[self._prefix_offset : self._read_offset], self._skip_special)
+        full = decode(self._ids[self._prefix_offset :], self._skip_special)
+        delta = full[len(prefix) :] if len(full) > len(prefix) else ""
+        self._prefix_offset = self._read_offset = len(self._ids)
+        self.text += delta
+        return delta
+
 
 def _raise_exception(message: str) -> None:
     raise TokenizerError(f"chat template error: {message}")

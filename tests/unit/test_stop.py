@@ -1,49 +1,44 @@
-"""Stop conditions and streaming detokenization on a real byte-level BPE."""
+"""Stop conditions over text streamed from a real byte-level BPE."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
 
 import pytest
-from tokenizers import Tokenizer
 
 from engine.sampling import SamplingParams
-from engine.stop import IncrementalDetokenizer, StopChecker
+from engine.stop import StopChecker
 from models.embedded.tokenizer import train_tokenizer
+from models.tokenizer import Tokenizer
 
 EOS = 2
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return train_tokenizer(512)
-
-
-def _decoder(tokenizer: Tokenizer) -> partial[str]:
-    return partial(tokenizer.decode, skip_special_tokens=True)
+    return Tokenizer(train_tokenizer(512), {}, (EOS,), None)
 
 
 def _ids(tokenizer: Tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False).ids
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _stream(
     tokenizer: Tokenizer, params: SamplingParams, token_ids: Sequence[int], prompt: str = "Hi"
 ) -> tuple[str, int, object]:
     """Feed tokens until the checker stops; return (final text, tokens used, decision)."""
-    detok = IncrementalDetokenizer(_decoder(tokenizer), _ids(tokenizer, prompt))
+    detok = tokenizer.detokenizer(_ids(tokenizer, prompt))
     checker = StopChecker(params, eos_token_ids=[EOS])
     for used, token in enumerate(token_ids, start=1):
-        prev = len(detok.output_text)
-        detok.add(token)
-        decision = checker.check(token, detok.output_text, prev)
+        prev = len(detok.text)
+        detok.push(token)
+        decision = checker.check(token, detok.text, prev)
         if decision.finished:
-            text = detok.output_text
+            text = detok.text
             if decision.truncate_to is not None:
                 text = text[: decision.truncate_to]
             return text, used, decision
-    return detok.output_text + detok.finish(), len(token_ids), None
+    return detok.text + detok.finish(), len(token_ids), None
 
 
 def test_eos_stops_unless_ignored(tokenizer: Tokenizer) -> None:
@@ -91,34 +86,6 @@ def test_releasable_holds_back_a_possible_stop_prefix() -> None:
     checker = StopChecker(SamplingParams(stop=("STOP", "x")), eos_token_ids=[EOS])
     assert checker.releasable(10) == 7
     assert StopChecker(SamplingParams(), eos_token_ids=[EOS]).releasable(10) == 10
-
-
-def test_detokenizer_holds_incomplete_utf8(tokenizer: Tokenizer) -> None:
-    text = "café 你好 🙂 naïve"
-    ids = _ids(tokenizer, text)
-    # Byte-level BPE: the CJK and emoji characters span several tokens.
-    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
-    detok = IncrementalDetokenizer(_decoder(tokenizer), _ids(tokenizer, "Say:"))
-    deltas = [detok.add(token) for token in ids]
-    assert all("\ufffd" not in d for d in deltas)
-    assert "".join(deltas) == text == detok.output_text
-    assert detok.output_token_ids == ids
-    assert "" in deltas  # something really was held back
-
-
-def test_detokenizer_keeps_spaces_and_skips_specials(tokenizer: Tokenizer) -> None:
-    ids = _ids(tokenizer, " hello  world\n  indented") + [EOS]
-    detok = IncrementalDetokenizer(_decoder(tokenizer), _ids(tokenizer, "Prompt text"))
-    out = "".join(detok.add(token) for token in ids)
-    assert out == " hello  world\n  indented"
-
-
-def test_finish_flushes_a_truncated_character(tokenizer: Tokenizer) -> None:
-    ids = _ids(tokenizer, "ok 🙂")
-    detok = IncrementalDetokenizer(_decoder(tokenizer), [])
-    streamed = "".join(detok.add(token) for token in ids[:-1])
-    assert "\ufffd" not in streamed
-    assert detok.finish().endswith("\ufffd")
 
 
 def test_length_counts_tokens_generated_elsewhere() -> None:

@@ -128,3 +128,33 @@ def test_streaming_deltas_reassemble_text(checkpoint: Path) -> None:
     assert "".join(deltas) == stream.text == tok.decode(generated)
     # A multi-byte character split over byte tokens is held back, then emitted whole.
     assert "" in deltas[:-1] and any("€" in delta for delta in deltas)
+
+
+def test_streaming_holds_back_incomplete_utf8(checkpoint: Path) -> None:
+    tok = load_tokenizer(checkpoint)
+    text = "café 你好 🙂 naïve"
+    ids = tok.encode(text, add_special_tokens=False)
+    # Byte-level BPE: the emoji spans several tokens.
+    assert any("\ufffd" in tok.decode([i]) for i in ids)
+    stream = tok.detokenizer(tok.encode("Say:", add_special_tokens=False))
+    deltas = [stream.push(token) for token in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text == stream.text
+    assert "" in deltas  # something really was held back
+
+
+def test_streaming_keeps_spaces_and_skips_specials(checkpoint: Path) -> None:
+    tok = load_tokenizer(checkpoint)
+    ids = tok.encode(" the  fox\n  jumps", add_special_tokens=False) + [tok.eos_token_ids[0]]
+    stream = tok.detokenizer(tok.encode("serving", add_special_tokens=False))
+    assert "".join(stream.push(token) for token in ids) == " the  fox\n  jumps"
+
+
+def test_finish_flushes_a_truncated_character(checkpoint: Path) -> None:
+    tok = load_tokenizer(checkpoint)
+    ids = tok.encode("ok 🙂", add_special_tokens=False)
+    stream = tok.detokenizer()
+    streamed = "".join(stream.push(token) for token in ids[:-1])
+    assert "\ufffd" not in streamed
+    assert stream.finish().endswith("\ufffd")
+    assert stream.text == tok.decode(ids[:-1])
