@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 _TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
-    404: "not_found_error",
+    404: "invalid_request_error",  # as OpenAI reports an unknown model
     405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",

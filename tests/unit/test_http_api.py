@@ -149,7 +149,7 @@ def test_api_error_body_has_the_openai_shape() -> None:
     assert body == {
         "error": {
             "message": "no such model",
-            "type": "not_found_error",
+            "type": "invalid_request_error",
             "param": "model",
             "code": "model_not_found",
         }
