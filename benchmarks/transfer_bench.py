@@ -1,6 +1,6 @@
 """Transceiver benchmark: `python benchmarks/transfer_bench.py [--json]`.
 
-The same as `disagg bench transfer` / `python -m transfer.bench`; see
+The same as `disagg bench-transfer` / `python -m transfer.bench`; see
 `transfer/bench.py` for what it measures.
 """
 

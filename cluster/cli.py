@@ -20,6 +20,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "serve": ("cluster.serve", "run the cluster behind an OpenAI-compatible HTTP endpoint"),
     "bench": ("cluster.bench", "load-test any OpenAI-compatible endpoint"),
+    "bench-transfer": (
+        "transfer.bench",
+        "measure the transceivers between two Ray actors against raw limits",
+    ),
     "demo": ("cluster.demo", "start a local 1P1D cluster, send a few completions, stop"),
 }
 

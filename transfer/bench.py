@@ -1,4 +1,4 @@
-"""`disagg bench transfer`: transceiver throughput and latency against raw limits.
+"""`disagg bench-transfer`: transceiver throughput and latency against raw limits.
 
     python -m transfer.bench [--json] [--transceivers python nixl] [--managers v1 v2]
 
@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.spec import CacheSpec
-from transfer.bench_worker import EndpointSpec
 
 MIB = 1 << 20
 # 4 attention layers x [2, 16, 8, 128] bf16 = 256 KiB per block.
@@ -102,6 +101,7 @@ def _bench_pair(kind: str, manager: str, reps_override: int) -> list[Row]:
     import ray
 
     from transfer.bench_raw import BenchHost
+    from transfer.bench_worker import EndpointSpec
 
     num_blocks = SIZES[-1] // BLOCK_BYTES + 2
     spec = {"ep": EndpointSpec(kind, manager, BENCH_SPEC, num_blocks, BLOCK_SIZE)}
@@ -190,7 +190,7 @@ def _format(row: Row) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="disagg bench transfer", description=__doc__)
+    parser = argparse.ArgumentParser(prog="disagg bench-transfer", description=__doc__)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
