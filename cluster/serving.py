@@ -154,6 +154,11 @@ class ServingCluster:
 def _bind(host: str, port: int) -> socket.socket:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted connections inherit this: without it Nagle's algorithm holds
+    # each small SSE chunk until the client ACKs the previous one, which a
+    # delayed ACK puts off by up to 40 ms, so the first tokens of a stream
+    # would leave in one late burst.
+    listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         listener.bind((host, port))
     except OSError as exc:
