@@ -73,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
             f"        {result.tokens} tokens, TTFT {result.ttft_s * 1000:.0f} ms, "
             f"{result.tokens_per_s:.1f} tokens/s"
         )
+    if args.model is None:
+        print("\n(the embedded checkpoint has random weights: its text is noise by design)")
     print("\ncluster stopped", flush=True)
     return 0
 
