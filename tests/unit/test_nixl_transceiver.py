@@ -9,70 +9,17 @@ from collections.abc import AsyncIterator
 import pytest
 import torch
 
-from kvcache.factory import create_manager
-from kvcache.manager import KVCacheManager
-from kvcache.spec import CacheSpec
-from kvcache.tensors import CacheTensors, allocate_cache_tensors
+from tests.transfer_harness import BLOCK_SIZE, Endpoint
 from transfer.base import TransferHandle
 from transfer.errors import LayoutMismatch, UnknownRequest
 from transfer.nixl_transceiver import NixlTransceiver, nixl_available
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl is not importable")
 
-HYBRID = CacheSpec(
-    num_kv_heads=2,
-    head_dim=8,
-    attention_layers=(1, 3),
-    mamba_layers=(0, 2),
-    conv_state_shape=(12, 3),
-    ssm_state_shape=(2, 4, 8),
-)
-BLOCK_SIZE = 4
 
-
-class Worker:
-    def __init__(self, manager: str, block_size: int = BLOCK_SIZE) -> None:
-        self.manager: KVCacheManager = create_manager(manager, HYBRID, 16, block_size, 4)
-        self.tensors: CacheTensors = allocate_cache_tensors(self.manager)
-        self.xcvr = NixlTransceiver(self.tensors.buffers())
-        self.released: list[str] = []
-
-    def fill(self, request_id: str, num_tokens: int) -> dict[object, bytes]:
-        assert self.manager.allocate_slots(request_id, num_tokens)
-        regions = self.manager.regions(request_id)
-        contents: dict[object, bytes] = {}
-        for key, region in [*regions.kv_segments.items(), *regions.mamba_segments.items()]:
-            data = torch.randint(0, 256, (region.length,), dtype=torch.uint8).numpy().tobytes()
-            self.tensors.write_region(region, data)
-            contents[key] = data
-        return contents
-
-    def segments(self, request_id: str) -> dict[object, bytes]:
-        regions = self.manager.regions(request_id)
-        return {
-            key: self.tensors.read_region(region)
-            for key, region in [*regions.kv_segments.items(), *regions.mamba_segments.items()]
-        }
-
-    def publish(self, request_id: str, lease_s: float = 30.0) -> TransferHandle:
-        def on_release(rid: str) -> None:
-            self.released.append(rid)
-            self.manager.free(rid)
-
-        regions = self.manager.regions(request_id)
-        signature = self.manager.layout_signature()
-        return self.xcvr.publish(request_id, regions, signature, lease_s, on_release)
-
-    async def pull(self, handle: TransferHandle, num_tokens: int) -> None:
-        rid = handle.request_id
-        assert self.manager.allocate_for_transfer(rid, num_tokens)
-        try:
-            regions = self.manager.regions(rid)
-            await self.xcvr.pull(handle, regions, self.manager.layout_signature(), 10)
-        except BaseException:
-            self.manager.free(rid)
-            raise
-        self.manager.finish_transfer(rid)
+def nixl_endpoint(manager: str, block_size: int = BLOCK_SIZE) -> Endpoint:
+    """A pool with a NIXL agent (not started)."""
+    return Endpoint(manager, NixlTransceiver, block_size=block_size)
 
 
 async def wait_for(condition: object, timeout_s: float = 5.0) -> None:
@@ -82,8 +29,13 @@ async def wait_for(condition: object, timeout_s: float = 5.0) -> None:
 
 
 @pytest.fixture
-async def workers() -> AsyncIterator[dict[str, Worker]]:
-    pool = {"v1": Worker("v1"), "v2": Worker("v2"), "v2b": Worker("v2"), "v1b": Worker("v1")}
+async def workers() -> AsyncIterator[dict[str, Endpoint]]:
+    pool = {
+        "v1": nixl_endpoint("v1"),
+        "v2": nixl_endpoint("v2"),
+        "v2b": nixl_endpoint("v2"),
+        "v1b": nixl_endpoint("v1"),
+    }
     for worker in pool.values():
         await worker.xcvr.start()
     yield pool
@@ -93,7 +45,7 @@ async def workers() -> AsyncIterator[dict[str, Worker]]:
 
 @pytest.mark.parametrize("src_name,dst_name", [("v1", "v1b"), ("v2", "v2b")])
 async def test_moves_hybrid_cache_exactly_and_notification_releases_holder(
-    workers: dict[str, Worker], src_name: str, dst_name: str
+    workers: dict[str, Endpoint], src_name: str, dst_name: str
 ) -> None:
     src, dst = workers[src_name], workers[dst_name]
     free_before = src.manager.num_free_blocks
@@ -118,10 +70,10 @@ async def test_moves_hybrid_cache_exactly_and_notification_releases_holder(
 
 @pytest.mark.parametrize("field", ["manager", "block_size"])
 async def test_layout_mismatch_is_refused_before_any_byte_moves(
-    workers: dict[str, Worker], field: str
+    workers: dict[str, Endpoint], field: str
 ) -> None:
     src = workers["v2"]
-    dst = workers["v1"] if field == "manager" else Worker("v2", block_size=2 * BLOCK_SIZE)
+    dst = workers["v1"] if field == "manager" else nixl_endpoint("v2", block_size=2 * BLOCK_SIZE)
     if field != "manager":
         await dst.xcvr.start()
     try:
@@ -135,7 +87,7 @@ async def test_layout_mismatch_is_refused_before_any_byte_moves(
             await dst.xcvr.close()
 
 
-async def test_lease_expiry_frees_the_holder(workers: dict[str, Worker]) -> None:
+async def test_lease_expiry_frees_the_holder(workers: dict[str, Endpoint]) -> None:
     src = workers["v2"]
     free_before = src.manager.num_free_blocks
     src.fill("r1", 2 * BLOCK_SIZE)
@@ -149,7 +101,7 @@ async def test_lease_expiry_frees_the_holder(workers: dict[str, Worker]) -> None
         src.publish("r2", lease_s=0)
 
 
-async def test_pull_after_lease_expiry_reads_nothing(workers: dict[str, Worker]) -> None:
+async def test_pull_after_lease_expiry_reads_nothing(workers: dict[str, Endpoint]) -> None:
     src, dst = workers["v2"], workers["v2b"]
     src.fill("r1", BLOCK_SIZE)
     handle = src.publish("r1", lease_s=0.05)
@@ -160,7 +112,7 @@ async def test_pull_after_lease_expiry_reads_nothing(workers: dict[str, Worker])
     dst.manager.check_integrity()
 
 
-async def test_abort_on_holder_releases_once(workers: dict[str, Worker]) -> None:
+async def test_abort_on_holder_releases_once(workers: dict[str, Endpoint]) -> None:
     src = workers["v2"]
     src.fill("r1", BLOCK_SIZE)
     src.publish("r1")
@@ -171,7 +123,7 @@ async def test_abort_on_holder_releases_once(workers: dict[str, Worker]) -> None
     src.manager.check_integrity()
 
 
-async def test_idle_agents_do_not_spin_a_core(workers: dict[str, Worker]) -> None:
+async def test_idle_agents_do_not_spin_a_core(workers: dict[str, Endpoint]) -> None:
     cpu_before, wall_before = time.process_time(), time.monotonic()
     await asyncio.sleep(1.0)
     cpu = time.process_time() - cpu_before

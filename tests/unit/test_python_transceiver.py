@@ -7,12 +7,11 @@ import socket
 from collections.abc import AsyncIterator
 
 import pytest
-import torch
 
 from kvcache.factory import create_manager
-from kvcache.manager import KVCacheManager
 from kvcache.spec import CacheSpec
-from kvcache.tensors import CacheTensors, allocate_cache_tensors
+from kvcache.tensors import allocate_cache_tensors
+from tests.transfer_harness import BLOCK_SIZE, HYBRID, Endpoint
 from transfer.base import TransferHandle
 from transfer.errors import (
     LayoutMismatch,
@@ -26,82 +25,30 @@ from transfer.factory import create_transceiver
 from transfer.python_transceiver import PythonTransceiver
 
 SECRET = b"cluster-secret"
-HYBRID = CacheSpec(
-    num_kv_heads=2,
-    head_dim=8,
-    attention_layers=(1, 3),
-    mamba_layers=(0, 2),
-    conv_state_shape=(12, 3),
-    ssm_state_shape=(2, 4, 8),
-)
-BLOCK_SIZE = 4
 
 
-class Worker:
-    """A manager, its pool tensors and a started transceiver."""
-
-    def __init__(
-        self,
-        manager: str,
-        spec: CacheSpec = HYBRID,
-        secret: bytes = SECRET,
-        device: str = "cpu",
-        stage: bool = False,
-        num_blocks: int = 16,
-    ) -> None:
-        self.manager: KVCacheManager = create_manager(manager, spec, num_blocks, BLOCK_SIZE, 4)
-        self.tensors: CacheTensors = allocate_cache_tensors(self.manager, device)
-        self.xcvr = PythonTransceiver(self.tensors.buffers(), secret, stage_through_host=stage)
-        self.released: list[str] = []
-
-    def fill(self, request_id: str, num_tokens: int) -> dict[object, bytes]:
-        """Allocate a request and write random bytes into all its segments."""
-        assert self.manager.allocate_slots(request_id, num_tokens)
-        regions = self.manager.regions(request_id)
-        contents: dict[object, bytes] = {}
-        for key, region in [*regions.kv_segments.items(), *regions.mamba_segments.items()]:
-            data = torch.randint(0, 256, (region.length,), dtype=torch.uint8).numpy().tobytes()
-            self.tensors.write_region(region, data)
-            contents[key] = data
-        return contents
-
-    def segments(self, request_id: str) -> dict[object, bytes]:
-        regions = self.manager.regions(request_id)
-        return {
-            key: self.tensors.read_region(region)
-            for key, region in [*regions.kv_segments.items(), *regions.mamba_segments.items()]
-        }
-
-    def publish(self, request_id: str, lease_s: float = 30.0) -> TransferHandle:
-        def on_release(rid: str) -> None:
-            self.released.append(rid)
-            self.manager.free(rid)
-
-        return self.xcvr.publish(
-            request_id,
-            self.manager.regions(request_id),
-            self.manager.layout_signature(),
-            lease_s,
-            on_release,
-        )
-
-    async def pull(self, handle: TransferHandle, num_tokens: int, timeout_s: float = 10) -> None:
-        rid = handle.request_id
-        assert self.manager.allocate_for_transfer(rid, num_tokens)
-        try:
-            await self.xcvr.pull(
-                handle, self.manager.regions(rid), self.manager.layout_signature(), timeout_s
-            )
-        except BaseException:
-            self.manager.free(rid)
-            raise
-        self.manager.finish_transfer(rid)
+def python_endpoint(
+    manager: str,
+    spec: CacheSpec = HYBRID,
+    secret: bytes = SECRET,
+    device: str = "cpu",
+    stage: bool = False,
+    num_blocks: int = 16,
+) -> Endpoint:
+    """A pool with a Python transceiver (not started)."""
+    return Endpoint(
+        manager,
+        lambda buffers: PythonTransceiver(buffers, secret, stage_through_host=stage),
+        spec,
+        num_blocks=num_blocks,
+        device=device,
+    )
 
 
 @pytest.fixture
-async def pair(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Worker, Worker]]:
+async def pair(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Endpoint, Endpoint]]:
     src_kind, dst_kind = getattr(request, "param", ("v2", "v2"))
-    src, dst = Worker(src_kind), Worker(dst_kind)
+    src, dst = python_endpoint(src_kind), python_endpoint(dst_kind)
     await src.xcvr.start()
     await dst.xcvr.start()
     yield src, dst
@@ -113,7 +60,7 @@ async def pair(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Worker, Wo
     "pair", [("v1", "v1"), ("v2", "v2"), ("v1", "v2"), ("v2", "v1")], indirect=True
 )
 async def test_moves_kv_and_mamba_bytes_exactly_between_any_managers(
-    pair: tuple[Worker, Worker],
+    pair: tuple[Endpoint, Endpoint],
 ) -> None:
     src, dst = pair
     free_before = src.manager.num_free_blocks
@@ -133,8 +80,8 @@ async def test_moves_kv_and_mamba_bytes_exactly_between_any_managers(
 async def test_staged_buffers_cross_chunk_boundaries(device: str) -> None:
     """Device pools (and host pools with staging forced) go through 8 MiB host chunks."""
     big = CacheSpec(num_kv_heads=16, head_dim=256, attention_layers=(0, 1))  # 256 KiB blocks
-    src = Worker("v2", big, device=device, stage=True, num_blocks=80)
-    dst = Worker("v1", big, device=device, stage=True, num_blocks=80)
+    src = python_endpoint("v2", big, device=device, stage=True, num_blocks=80)
+    dst = python_endpoint("v1", big, device=device, stage=True, num_blocks=80)
     await src.xcvr.start()
     await dst.xcvr.start()
     try:
@@ -148,7 +95,7 @@ async def test_staged_buffers_cross_chunk_boundaries(device: str) -> None:
         await src.xcvr.close()
 
 
-async def test_many_concurrent_pulls_share_the_byte_budget(pair: tuple[Worker, Worker]) -> None:
+async def test_many_concurrent_pulls_share_the_byte_budget(pair: tuple[Endpoint, Endpoint]) -> None:
     src, dst = pair
     src.xcvr._budget.limit = 1024  # far below a request: forces interleaving
     sent = {f"r{i}": src.fill(f"r{i}", 2 * BLOCK_SIZE) for i in range(4)}
@@ -160,7 +107,7 @@ async def test_many_concurrent_pulls_share_the_byte_budget(pair: tuple[Worker, W
 
 
 async def test_lease_expiry_frees_unpulled_cache_and_late_pull_is_refused(
-    pair: tuple[Worker, Worker],
+    pair: tuple[Endpoint, Endpoint],
 ) -> None:
     src, dst = pair
     free_before = src.manager.num_free_blocks
@@ -175,7 +122,7 @@ async def test_lease_expiry_frees_unpulled_cache_and_late_pull_is_refused(
     dst.manager.check_integrity()
 
 
-async def test_release_and_abort_are_idempotent(pair: tuple[Worker, Worker]) -> None:
+async def test_release_and_abort_are_idempotent(pair: tuple[Endpoint, Endpoint]) -> None:
     src, _ = pair
     src.fill("r1", BLOCK_SIZE)
     src.publish("r1")
@@ -186,9 +133,9 @@ async def test_release_and_abort_are_idempotent(pair: tuple[Worker, Worker]) -> 
     src.manager.check_integrity()
 
 
-async def test_layout_mismatch_names_the_field(pair: tuple[Worker, Worker]) -> None:
+async def test_layout_mismatch_names_the_field(pair: tuple[Endpoint, Endpoint]) -> None:
     src, _ = pair
-    other = Worker("v2", CacheSpec(num_kv_heads=2, head_dim=8, attention_layers=(1, 3)))
+    other = python_endpoint("v2", CacheSpec(num_kv_heads=2, head_dim=8, attention_layers=(1, 3)))
     await other.xcvr.start()
     try:
         src.fill("r1", BLOCK_SIZE)
@@ -200,10 +147,10 @@ async def test_layout_mismatch_names_the_field(pair: tuple[Worker, Worker]) -> N
 
 
 async def test_wrong_secret_is_refused_and_holder_stays_pinned(
-    pair: tuple[Worker, Worker],
+    pair: tuple[Endpoint, Endpoint],
 ) -> None:
     src, _ = pair
-    intruder = Worker("v2", secret=b"guess")
+    intruder = python_endpoint("v2", secret=b"guess")
     await intruder.xcvr.start()
     try:
         src.fill("r1", BLOCK_SIZE)
@@ -214,7 +161,7 @@ async def test_wrong_secret_is_refused_and_holder_stays_pinned(
         await intruder.xcvr.close()
 
 
-async def test_dead_holder_gives_peer_gone(pair: tuple[Worker, Worker]) -> None:
+async def test_dead_holder_gives_peer_gone(pair: tuple[Endpoint, Endpoint]) -> None:
     src, dst = pair
     src.fill("r1", BLOCK_SIZE)
     handle = src.publish("r1")
@@ -224,7 +171,7 @@ async def test_dead_holder_gives_peer_gone(pair: tuple[Worker, Worker]) -> None:
     assert not dst.manager.has_request("r1")
 
 
-async def test_silent_holder_times_out_naming_the_setting(pair: tuple[Worker, Worker]) -> None:
+async def test_silent_holder_times_out_naming_the_setting(pair: tuple[Endpoint, Endpoint]) -> None:
     src, dst = pair
     src.fill("r1", BLOCK_SIZE)
     real = src.publish("r1")
@@ -235,7 +182,7 @@ async def test_silent_holder_times_out_naming_the_setting(pair: tuple[Worker, Wo
     assert not dst.manager.has_request("r1")
 
 
-async def test_abort_on_puller_cancels_its_pull(pair: tuple[Worker, Worker]) -> None:
+async def test_abort_on_puller_cancels_its_pull(pair: tuple[Endpoint, Endpoint]) -> None:
     src, dst = pair
     src.fill("r1", BLOCK_SIZE)
     real = src.publish("r1")

@@ -1,0 +1,93 @@
+"""A cache pool with a transceiver, for transceiver tests of every backend.
+
+`Endpoint` holds what one worker holds: a manager, its pool tensors and a
+transceiver built over the pool's buffers. `fill` writes random bytes into a
+request's segments, `segments` reads them back, and `publish` / `pull` run
+the two sides of a transfer the way the workers do (the puller frees its
+blocks when the pull fails).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from kvcache.factory import create_manager
+from kvcache.manager import KVCacheManager
+from kvcache.spec import CacheSpec
+from kvcache.tensors import CacheTensors, allocate_cache_tensors
+from transfer.base import Transceiver, TransferHandle
+
+HYBRID = CacheSpec(
+    num_kv_heads=2,
+    head_dim=8,
+    attention_layers=(1, 3),
+    mamba_layers=(0, 2),
+    conv_state_shape=(12, 3),
+    ssm_state_shape=(2, 4, 8),
+)
+BLOCK_SIZE = 4
+
+TransceiverFactory = Callable[[Mapping[str, torch.Tensor]], Transceiver]
+
+
+class Endpoint:
+    """A manager, its pool tensors and a transceiver over them (not started)."""
+
+    def __init__(
+        self,
+        manager: str,
+        make_transceiver: TransceiverFactory,
+        spec: CacheSpec = HYBRID,
+        block_size: int = BLOCK_SIZE,
+        num_blocks: int = 16,
+        device: str = "cpu",
+    ) -> None:
+        self.manager: KVCacheManager = create_manager(manager, spec, num_blocks, block_size, 4)
+        self.tensors: CacheTensors = allocate_cache_tensors(self.manager, device)
+        self.xcvr = make_transceiver(self.tensors.buffers())
+        self.released: list[str] = []
+
+    def fill(self, request_id: str, num_tokens: int) -> dict[object, bytes]:
+        """Allocate a request and write random bytes into all its segments."""
+        assert self.manager.allocate_slots(request_id, num_tokens)
+        regions = self.manager.regions(request_id)
+        contents: dict[object, bytes] = {}
+        for key, region in [*regions.kv_segments.items(), *regions.mamba_segments.items()]:
+            data = torch.randint(0, 256, (region.length,), dtype=torch.uint8).numpy().tobytes()
+            self.tensors.write_region(region, data)
+            contents[key] = data
+        return contents
+
+    def segments(self, request_id: str) -> dict[object, bytes]:
+        regions = self.manager.regions(request_id)
+        return {
+            key: self.tensors.read_region(region)
+            for key, region in [*regions.kv_segments.items(), *regions.mamba_segments.items()]
+        }
+
+    def publish(self, request_id: str, lease_s: float = 30.0) -> TransferHandle:
+        def on_release(rid: str) -> None:
+            self.released.append(rid)
+            self.manager.free(rid)
+
+        return self.xcvr.publish(
+            request_id,
+            self.manager.regions(request_id),
+            self.manager.layout_signature(),
+            lease_s,
+            on_release,
+        )
+
+    async def pull(self, handle: TransferHandle, num_tokens: int, timeout_s: float = 10) -> None:
+        rid = handle.request_id
+        assert self.manager.allocate_for_transfer(rid, num_tokens)
+        try:
+            await self.xcvr.pull(
+                handle, self.manager.regions(rid), self.manager.layout_signature(), timeout_s
+            )
+        except BaseException:
+            self.manager.free(rid)
+            raise
+        self.manager.finish_transfer(rid)
