@@ -193,3 +193,30 @@ def run_paged_generation(
         generated=[s.tokens[len(s.prompt) :] for s in harness.sequences],
         num_steps=num_steps,
     )
+
+
+# Parity bound: max |ours - reference| relative to the largest reference logit.
+PARITY_TOLERANCE = 1e-4
+
+
+def assert_matches_reference(
+    reference: torch.nn.Module,
+    prompts: list[list[int]],
+    trace: GenerationTrace,
+    decode_steps: int,
+) -> None:
+    """Prompt and decode logits within `PARITY_TOLERANCE` of `reference`'s own
+    forward over each whole sequence, and the same greedy tokens."""
+    for i, prompt in enumerate(prompts):
+        generated = trace.generated[i]
+        assert len(generated) == decode_steps + 1
+        full = torch.tensor([prompt + generated[:-1]])
+        with torch.no_grad():
+            ref_logits = reference(full).logits[0]
+        ours = torch.cat([trace.prompt_logits[i], trace.decode_logits[i]])
+        assert ours.shape == ref_logits.shape
+        scale = ref_logits.abs().max()
+        rel_err = ((ours - ref_logits).abs().max() / scale).item()
+        assert rel_err < PARITY_TOLERANCE, f"sequence {i}: relative logit error {rel_err:.2e}"
+        ref_greedy = ref_logits[len(prompt) - 1 :].argmax(-1).tolist()
+        assert generated == ref_greedy, f"sequence {i}: greedy tokens diverge"

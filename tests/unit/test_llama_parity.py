@@ -16,10 +16,9 @@ import transformers
 
 from models.llama import LlamaForCausalLM
 from models.loader import load_model
-from tests.paged_harness import GenerationTrace, run_paged_generation
+from tests.paged_harness import assert_matches_reference, run_paged_generation
 
 DECODE_STEPS = 32
-TOLERANCE = 1e-4  # max |diff| relative to the largest reference logit
 
 LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -52,27 +51,6 @@ def write_checkpoint(
     return reference
 
 
-def assert_matches_reference(
-    reference: transformers.PreTrainedModel,
-    prompts: list[list[int]],
-    trace: GenerationTrace,
-    decode_steps: int = DECODE_STEPS,
-) -> None:
-    for i, prompt in enumerate(prompts):
-        generated = trace.generated[i]
-        assert len(generated) == decode_steps + 1
-        full = torch.tensor([prompt + generated[:-1]])
-        with torch.no_grad():
-            ref_logits = reference(full).logits[0]
-        ours = torch.cat([trace.prompt_logits[i], trace.decode_logits[i]])
-        assert ours.shape == ref_logits.shape
-        scale = ref_logits.abs().max()
-        rel_err = ((ours - ref_logits).abs().max() / scale).item()
-        assert rel_err < TOLERANCE, f"sequence {i}: relative logit error {rel_err:.2e}"
-        ref_greedy = ref_logits[len(prompt) - 1 :].argmax(-1).tolist()
-        assert generated == ref_greedy, f"sequence {i}: greedy tokens diverge"
-
-
 def prompts_of(lengths: list[int], seed: int = 1) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 256, (n,), generator=gen).tolist() for n in lengths]
@@ -87,7 +65,7 @@ def test_single_prompt_prefill_and_decode(tmp_path: Path) -> None:
         model, config.cache_spec(), prompts, chunk_size=64, decode_steps=DECODE_STEPS
     )
     assert trace.num_steps == 1 + DECODE_STEPS  # one whole-prompt prefill step
-    assert_matches_reference(reference, prompts, trace)
+    assert_matches_reference(reference, prompts, trace, DECODE_STEPS)
 
 
 def test_batched_prompts_of_different_lengths_llama3_rope(tmp_path: Path) -> None:
@@ -98,7 +76,7 @@ def test_batched_prompts_of_different_lengths_llama3_rope(tmp_path: Path) -> Non
     trace = run_paged_generation(
         model, config.cache_spec(), prompts, chunk_size=64, decode_steps=DECODE_STEPS, block_size=8
     )
-    assert_matches_reference(reference, prompts, trace)
+    assert_matches_reference(reference, prompts, trace, DECODE_STEPS)
 
 
 @pytest.mark.parametrize("block_major", [False, True], ids=["v1-layout", "v2-layout"])
@@ -118,7 +96,7 @@ def test_chunked_prefill_across_block_boundaries(tmp_path: Path, block_major: bo
         block_major=block_major,
     )
     assert len(trace.prompt_logits[0]) == 23
-    assert_matches_reference(reference, prompts, trace)
+    assert_matches_reference(reference, prompts, trace, DECODE_STEPS)
 
 
 @pytest.mark.parametrize(
@@ -141,4 +119,4 @@ def test_other_dense_families(tmp_path: Path, family: str, overrides: dict[str, 
     trace = run_paged_generation(
         model, config.cache_spec(), prompts, chunk_size=5, decode_steps=8, block_size=4
     )
-    assert_matches_reference(reference, prompts, trace, decode_steps=8)
+    assert_matches_reference(reference, prompts, trace, 8)

@@ -20,10 +20,9 @@ from models.errors import CheckpointError
 from models.loader import iter_checkpoint_tensors, load_model
 from models.nemotron_h import NemotronHForCausalLM
 from models.registry import model_preferences
-from tests.paged_harness import GenerationTrace, run_paged_generation
+from tests.paged_harness import assert_matches_reference, run_paged_generation
 
 DECODE_STEPS = 32
-TOLERANCE = 1e-4  # max |diff| relative to the largest reference logit
 VOCAB = 128
 SSD_CHUNK = 8
 
@@ -93,24 +92,6 @@ def prompts_of(lengths: list[int], seed: int = 1) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
 
 
-def assert_matches_reference(
-    reference: torch.nn.Module, prompts: list[list[int]], trace: GenerationTrace
-) -> None:
-    for i, prompt in enumerate(prompts):
-        generated = trace.generated[i]
-        assert len(generated) == DECODE_STEPS + 1
-        full = torch.tensor([prompt + generated[:-1]])
-        with torch.no_grad():
-            ref_logits = reference(full).logits[0]
-        ours = torch.cat([trace.prompt_logits[i], trace.decode_logits[i]])
-        assert ours.shape == ref_logits.shape
-        scale = ref_logits.abs().max()
-        rel_err = ((ours - ref_logits).abs().max() / scale).item()
-        assert rel_err < TOLERANCE, f"sequence {i}: relative logit error {rel_err:.2e}"
-        ref_greedy = ref_logits[len(prompt) - 1 :].argmax(-1).tolist()
-        assert generated == ref_greedy, f"sequence {i}: greedy tokens diverge"
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
     path = tmp_path_factory.mktemp("nemotron_h")
@@ -125,7 +106,7 @@ def test_single_prompt_prefill_and_decode(checkpoint: tuple[Path, torch.nn.Modul
     trace = run_paged_generation(
         model, config.cache_spec(), prompts, chunk_size=64, decode_steps=DECODE_STEPS
     )
-    assert_matches_reference(reference, prompts, trace)
+    assert_matches_reference(reference, prompts, trace, DECODE_STEPS)
     # transformers' own cached generation (its one-token Mamba path) agrees too.
     with torch.no_grad():
         generated = reference.generate(
@@ -156,7 +137,7 @@ def test_batch_of_prompts_with_chunked_prefill(
         block_major=block_major,
     )
     assert trace.num_steps > DECODE_STEPS + 1  # prefill and decode steps overlapped
-    assert_matches_reference(reference, prompts, trace)
+    assert_matches_reference(reference, prompts, trace, DECODE_STEPS)
 
 
 def test_single_group_and_tied_flag_with_saved_head(tmp_path: Path) -> None:
@@ -171,7 +152,7 @@ def test_single_group_and_tied_flag_with_saved_head(tmp_path: Path) -> None:
     trace = run_paged_generation(
         model, config.cache_spec(), prompts, chunk_size=11, decode_steps=DECODE_STEPS
     )
-    assert_matches_reference(reference, prompts, trace)
+    assert_matches_reference(reference, prompts, trace, DECODE_STEPS)
 
 
 def test_hybrid_class_prefers_v2_and_python_transceiver() -> None:

@@ -23,10 +23,9 @@ from models.loader import iter_checkpoint_tensors, load_model
 from models.nemotron_h import NemotronHForCausalLM
 from models.nemotron_vl import NemotronVLForCausalLM
 from models.registry import model_class_for, model_preferences
-from tests.paged_harness import run_paged_generation
+from tests.paged_harness import assert_matches_reference, run_paged_generation
 from tests.unit.test_nemotron_h_parity import (
     DECODE_STEPS,
-    assert_matches_reference,
     prompts_of,
     randomize_ssm_and_router,
     tiny_config,
@@ -88,7 +87,7 @@ def test_omni_text_path_matches_transformers(
     trace = run_paged_generation(
         model, config.cache_spec(), prompts, chunk_size=5, decode_steps=DECODE_STEPS
     )
-    assert_matches_reference(reference, prompts, trace)
+    assert_matches_reference(reference, prompts, trace, DECODE_STEPS)
 
 
 @pytest.mark.parametrize("name", WRAPPER_NAMES)
