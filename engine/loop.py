@@ -79,15 +79,7 @@ class EngineLoop:
             await self._task
         self._task = None
         self._apply_pending()
-        for request_id in list(self._streams):
-            self._deliver(
-                TokenEvent(
-                    request_id=request_id,
-                    token_ids=[],
-                    finish_reason="error",
-                    error="the worker is shutting down; retry on another worker",
-                )
-            )
+        self._fail_open_streams("the worker is shutting down; retry on another worker")
 
     @property
     def healthy(self) -> bool:
@@ -182,16 +174,15 @@ class EngineLoop:
         except BaseException as exc:
             self._error = exc
             logger.exception("engine loop died; failing every request in flight")
-            for request_id in list(self._streams):
-                self._deliver(
-                    TokenEvent(
-                        request_id=request_id,
-                        token_ids=[],
-                        finish_reason="error",
-                        error=f"engine failed: {exc!r}",
-                    )
-                )
+            self._fail_open_streams(f"engine failed: {exc!r}")
             raise
+
+    def _fail_open_streams(self, error: str) -> None:
+        """End every stream still open with a final error event."""
+        for request_id in list(self._streams):
+            self._deliver(
+                TokenEvent(request_id=request_id, token_ids=[], finish_reason="error", error=error)
+            )
 
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []
