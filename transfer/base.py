@@ -71,7 +71,9 @@ class TransferHandle:
     """Who holds a request's cache and where: everything a puller needs.
 
     kind: "python" or "nixl"; a handle is pulled by a transceiver of that kind.
-    endpoint: (host, port) of the holder's TCP server (Python transceiver).
+    endpoint: (host, port) of the holder's listener (Python transceiver).
+    wire: the transport that listener speaks, "tcp" or "ucx" (Python
+        transceiver); the puller dials the holder over this wire.
     agent_name / agent_metadata: the holder's NIXL agent and its metadata blob.
     buffers: the holder's registered buffers (NIXL builds remote descriptors
         from them once per peer).
@@ -88,12 +90,14 @@ class TransferHandle:
     agent_name: str | None = None
     agent_metadata: bytes | None = None
     buffers: dict[str, BufferInfo] = field(default_factory=dict)
+    wire: str = "tcp"
 
     @property
     def peer(self) -> str:
         """The holder, named for error messages."""
         if self.endpoint is not None:
-            return f"{self.endpoint[0]}:{self.endpoint[1]}"
+            scheme = "" if self.wire == "tcp" else f"{self.wire}://"
+            return f"{scheme}{self.endpoint[0]}:{self.endpoint[1]}"
         return f"NIXL agent {self.agent_name!r}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -108,6 +112,7 @@ class TransferHandle:
             "agent_name": self.agent_name,
             "agent_metadata": self.agent_metadata,
             "buffers": {k: [b.address, b.num_bytes, b.device_id] for k, b in self.buffers.items()},
+            "wire": self.wire,
         }
 
     @classmethod
@@ -124,6 +129,7 @@ class TransferHandle:
             agent_name=data["agent_name"],
             agent_metadata=data["agent_metadata"],
             buffers={k: BufferInfo(*v) for k, v in data["buffers"].items()},
+            wire=data.get("wire", "tcp"),
         )
 
     def to_bytes(self) -> bytes:
