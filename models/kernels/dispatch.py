@@ -7,6 +7,8 @@ Models and the transfer code call these functions, never the kernel modules:
   the kernel anyway. On CPU that only works under the Triton interpreter
   (`TRITON_INTERPRET=1` set before the kernel modules are imported), which is
   how the test suite checks kernels on machines without a GPU.
+- decode attention on CPU tensors also has a C kernel (`cpu_attention`,
+  built on first use); `use_cpu_decode_kernel` says when it serves a call.
 
 Each function has the signature of its reference twin.
 """
@@ -18,7 +20,7 @@ import os
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
-from models.kernels import block_copy, paged_attention
+from models.kernels import block_copy, cpu_attention, paged_attention
 from models.kernels import mamba_state_update as mamba_kernel
 from models.kernels.block_copy import BlockIds
 from models.kernels.mamba_state_update import NO_DT_LIMIT, DtLimit
@@ -75,6 +77,30 @@ def paged_attention_decode(
         else paged_attention.paged_attention_decode_ref
     )
     return impl(q, key_cache, value_cache, block_tables, seq_lens, scale, out)
+
+
+def use_cpu_decode_kernel(
+    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> bool:
+    """Whether decode attention on these CPU tensors runs the C kernel."""
+    if q.device.type != "cpu" or os.environ.get(FORCE_TRITON_ENV, "0") == "1":
+        return False
+    return cpu_attention.supported(q, key_cache, value_cache)
+
+
+def paged_attention_decode_cpu(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Decode attention through the C kernel; only where `use_cpu_decode_kernel` holds."""
+    return cpu_attention.paged_attention_decode_cpu(
+        q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window
+    )
 
 
 def mamba_state_update(

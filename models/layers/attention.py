@@ -77,14 +77,18 @@ def decode_attention(
     """One query per sequence, batched: q `[B, heads, head_dim]` -> same shape.
 
     The fused paged-decode kernel takes over wherever `models.kernels.dispatch`
-    runs Triton (CUDA tensors); the vectorized torch code below serves CPU and
-    the cases the kernel does not cover (sliding window, cache dtype != q dtype).
+    runs Triton (CUDA tensors), and its C kernel on CPU (fp32/bf16, which reads
+    the cache in place); the vectorized torch code below serves the cases
+    neither covers (sliding window on CUDA, cache dtype != q dtype, fp16 on CPU).
     """
     num_seqs, num_heads, head_dim = q.shape
     key_cache, value_cache = layer_cache.key_cache, layer_cache.value_cache
+    tables, seq_lens = batch.block_tables, batch.seq_lens
     if sliding_window is None and q.dtype == key_cache.dtype and dispatch.use_triton(q.device):
-        return dispatch.paged_attention_decode(
-            q, key_cache, value_cache, batch.block_tables, batch.seq_lens, scale
+        return dispatch.paged_attention_decode(q, key_cache, value_cache, tables, seq_lens, scale)
+    if dispatch.use_cpu_decode_kernel(q, key_cache, value_cache):
+        return dispatch.paged_attention_decode_cpu(
+            q, key_cache, value_cache, tables, seq_lens, scale, sliding_window
         )
     kv_heads, block_size = key_cache.shape[2], batch.block_size
     num_blocks = -(-batch.max_seq_len // block_size)
