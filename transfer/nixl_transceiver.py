@@ -13,6 +13,11 @@ NIXL moves raw memory by descriptor, so both sides must lay their cache out
 identically (same manager, dtype, block size, heads, layers): the signature is
 compared before any byte moves. V1 <-> V2 needs the Python transceiver.
 
+Every call on the agent runs on the transceiver's own `AgentThread`, never on
+the event loop: over UCX on CPU a READ copies inside its post, and a pull in
+flight must not stall the running batch. Lease and bookkeeping state stays on
+the loop; the agent, its prepared tables and the peer maps stay on the thread.
+
 READs are one-sided, so the holder cannot see them: a pull must start and
 finish inside the lease (the puller checks the handle's expiry before and
 after its READs), and a holder that aborts a request while a READ is in
@@ -35,49 +40,28 @@ import torch
 from kvcache.layout import LayoutSignature, RequestRegions
 from transfer.base import BufferInfo, Transceiver, TransferHandle, check_signature
 from transfer.errors import LayoutMismatch, PeerGone, TransferError, UnknownRequest
-from transfer.nixl_descriptors import PreparedTables, group_pairs
+from transfer.nixl_agent import (
+    DEFAULT_PROGRESS_DELAY_US,
+    AgentThread,
+    create_agent,
+    nixl_available,
+)
+from transfer.nixl_descriptors import PairGroups, PreparedTables, group_pairs
 from transfer.plan import check_bounds
+
+__all__ = ["DEFAULT_PROGRESS_DELAY_US", "NixlTransceiver", "create_agent", "nixl_available"]
 
 logger = logging.getLogger(__name__)
 
 _RELEASE = b"release"
 _LOCAL_AGENT = "NIXL_INIT_AGENT"
+# Completion polls of a READ still in flight (RDMA, GPU) sleep a small fraction
+# of its age, so a short READ is seen done within microseconds and a long one
+# costs at most one poll per `_MAX_POLL_GAP_S`.
+_POLL_FRACTION = 0.05
+_MAX_POLL_GAP_S = 0.0005
 # Binding exceptions (no common base class) that mean the holder is unreachable.
-_BUSY_POLL_S = 0.05  # poll without sleeping for this long, then every 0.5 ms
 _PEER_ERRORS = frozenset({"nixlRemoteDisconnectError", "nixlBackendError"})
-# The UCX progress thread sleeps this long between polls. nixl_agent() uses 0,
-# which spins one core per agent; an idle worker must not burn a core.
-DEFAULT_PROGRESS_DELAY_US = 1000
-
-
-def create_agent(name: str, progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US) -> Any:
-    """A `nixl_agent` with a UCX backend whose progress thread polls every `progress_delay_us`.
-
-    `nixl_agent()` hard-codes the progress-thread delay to 0, so the agent is
-    built without backends, its core agent is replaced by one made from a
-    config with the delay, and UCX is created on that one. The progress thread
-    stays on: without it a READ from an idle peer never completes.
-    """
-    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t, nixlBind
-
-    agent = nixl_agent(name, nixl_agent_config(backends=[]))
-    config = nixlBind.nixlAgentConfig()
-    config.useProgThread = True
-    config.useListenThread = False
-    config.syncMode = nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE.value
-    config.pthrDelay = progress_delay_us
-    config.lthrDelay = 100000
-    agent.agent = nixlBind.nixlAgent(name, config)
-    agent.create_backend("UCX", {})
-    return agent
-
-
-def nixl_available() -> bool:
-    try:
-        import nixl._api  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class NixlTransceiver(Transceiver):
@@ -104,41 +88,32 @@ class NixlTransceiver(Transceiver):
         self.name = name or f"disagg-{uuid.uuid4().hex[:12]}"
         self._progress_delay_us = progress_delay_us
         self._poll_interval_s = poll_interval_s
+        self._thread = AgentThread(f"nixl-{self.name}")
+        # Owned by the agent thread from start() to close():
         self._agent: Any = None
         self._registered: list[Any] = []
+        self._local: PreparedTables | None = None
+        self._remote: dict[str, PreparedTables] = {}
+        self._remote_metadata: dict[str, bytes] = {}
         self._metadata = b""
         self._buffers = {n: _buffer_info(t) for n, t in self._tensors.items()}
         self._sizes = {n: b.num_bytes for n, b in self._buffers.items()}
         self._mem_type = _mem_type(self._tensors)
-        self._local: PreparedTables | None = None
-        self._remote: dict[str, PreparedTables] = {}
-        self._remote_metadata: dict[str, bytes] = {}
         self._poller: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._agent = create_agent(self.name, self._progress_delay_us)
-        for tensor in self._tensors.values():
-            self._registered.append(self._agent.register_memory([tensor]))
-        self._metadata = self._agent.get_agent_metadata()
-        self._local = PreparedTables(self._buffers, self._prepare(_LOCAL_AGENT))
+        await self._thread.run(self._start_agent)
 
     async def close(self) -> None:
-        for task in [self._poller, *self._pulls.values()]:
-            if task is not None:
-                task.cancel()
-        if self._poller is not None:
-            await asyncio.gather(self._poller, return_exceptions=True)
+        tasks = [t for t in [self._poller, *self._pulls.values()] if t is not None]
+        for task in tasks:
+            task.cancel()
+        # Cancelled pulls queue their clean-up on the agent thread before it closes.
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._leases.release_all()
-        if self._agent is None:
-            return
-        for tables in [self._local, *self._remote.values()]:
-            if tables is not None:
-                tables.release()
-        for peer in list(self._remote):
-            self._forget(peer)
-        for reg in self._registered:
-            self._agent.deregister_memory(reg)
-        self._registered.clear()
+        if self._agent is not None:
+            await self._thread.run(self._close_agent)
+        self._thread.shutdown()
 
     def publish(
         self,
@@ -172,7 +147,8 @@ class NixlTransceiver(Transceiver):
     async def _poll_releases(self) -> None:
         """Apply release notifications; runs only while something is pinned."""
         while len(self._leases):
-            for messages in self._agent.get_new_notifs().values():
+            notifications = await self._thread.run(self._agent.get_new_notifs)
+            for messages in notifications.values():
                 for message in messages:
                     self._apply_notification(message)
             await asyncio.sleep(self._poll_interval_s)
@@ -189,11 +165,36 @@ class NixlTransceiver(Transceiver):
     async def _pull(
         self, handle: TransferHandle, dest_regions: RequestRegions, dest: LayoutSignature
     ) -> None:
+        self._check_request(handle, dest_regions, dest)
+        # READs are one-sided: the holder cannot defer its lease while bytes
+        # move, so a READ must start and end inside the lease.
+        self._check_lease(handle)
+        groups = group_pairs(handle.regions.descriptors, dest_regions.descriptors)
+        xfers: list[Any] = []  # filled on the agent thread, released there too
+        try:
+            states = await self._thread.run(self._post_reads, handle, groups, xfers)
+            await self._wait(handle, xfers, states)
+        except Exception as exc:
+            translated = self._translate(handle, exc)
+            if translated is exc:
+                raise
+            raise translated from exc
+        finally:
+            # Queued behind the post, so even a cancelled pull releases (and
+            # thereby aborts) its READs only once the post has returned.
+            self._thread.submit(_release, xfers)
+        self._check_lease(handle)
+        message = b" ".join([_RELEASE, handle.request_id.encode(), handle.transfer_id.encode()])
+        self._thread.submit(self._agent.send_notif, handle.agent_name, message)
+
+    def _check_request(
+        self, handle: TransferHandle, dest_regions: RequestRegions, dest: LayoutSignature
+    ) -> None:
+        """Raise `LayoutMismatch` unless the handle's cache fits `dest_regions` byte for byte."""
         rid = handle.request_id
         check_signature(rid, handle.signature, dest.to_dict())
         src_desc, dst_desc = handle.regions.descriptors, dest_regions.descriptors
-        lengths = [r.length for r in src_desc], [r.length for r in dst_desc]
-        if lengths[0] != lengths[1]:
+        if [r.length for r in src_desc] != [r.length for r in dst_desc]:
             raise LayoutMismatch(
                 rid,
                 ["descriptors"],
@@ -201,48 +202,40 @@ class NixlTransceiver(Transceiver):
                 f"allocate as many blocks (and a Mamba slot) as the source holds",
             )
         check_bounds(rid, dst_desc, self._sizes)
-        # READs are one-sided: the holder cannot defer its lease while bytes
-        # move, so a READ must start and end inside the lease.
-        self._check_lease(handle)
-        remote = self._remote_tables(handle)
-        assert self._local is not None and handle.agent_name is not None
-        xfers: list[Any] = []
-        try:
-            for (lkey, rkey), (lidx, ridx) in group_pairs(src_desc, dst_desc).items():
-                xfer = self._agent.make_prepped_xfer(
-                    "READ", self._local.handle(lkey), lidx, remote.handle(rkey), ridx
-                )
-                xfers.append(xfer)
-                if self._agent.transfer(xfer) == "ERR":
-                    raise PeerGone(rid, handle.peer, "NIXL refused to post the READ")
-            await self._wait(handle, xfers)
-        except PeerGone:
-            self._forget(handle.agent_name)
-            raise
-        except Exception as exc:
-            raise self._translate(handle, exc) from exc
-        finally:
-            for xfer in xfers:
-                with contextlib.suppress(Exception):  # an unfinished READ is aborted here
-                    xfer.release()
-        self._check_lease(handle)
-        self._agent.send_notif(
-            handle.agent_name, b" ".join([_RELEASE, rid.encode(), handle.transfer_id.encode()])
-        )
+        if handle.agent_name is None or handle.agent_metadata is None:
+            raise LayoutMismatch(rid, ["agent_name"], "handle has no NIXL agent")
 
-    async def _wait(self, handle: TransferHandle, xfers: list[Any]) -> None:
-        """Poll until every READ is done: yield-only first (sub-ms blocks), then back off."""
+    def _post_reads(
+        self, handle: TransferHandle, groups: PairGroups, xfers: list[Any]
+    ) -> list[str]:
+        """Agent thread: one READ per (local, remote) table pair; returns their states."""
+        remote = self._remote_tables(handle)
+        assert self._local is not None
+        states = []
+        for (lkey, rkey), (lidx, ridx) in groups.items():
+            xfer = self._agent.make_prepped_xfer(
+                "READ", self._local.handle(lkey), lidx, remote.handle(rkey), ridx
+            )
+            xfers.append(xfer)
+            state = self._agent.transfer(xfer)
+            if state == "ERR":
+                raise PeerGone(handle.request_id, handle.peer, "NIXL refused to post the READ")
+            states.append(state)
+        return states
+
+    async def _wait(self, handle: TransferHandle, xfers: list[Any], states: list[str]) -> None:
+        """Poll until every READ is done (on CPU loopback they finish inside the post)."""
         start = time.monotonic()
-        pending = list(xfers)
+        pending = [x for x, s in zip(xfers, states, strict=True) if s != "DONE"]
         while pending:
-            states = [self._agent.check_xfer_state(x) for x in pending]
+            await asyncio.sleep(min(_MAX_POLL_GAP_S, (time.monotonic() - start) * _POLL_FRACTION))
+            states = await self._thread.run(self._states, pending)
             if "ERR" in states:
                 raise PeerGone(handle.request_id, handle.peer, "a NIXL READ failed")
             pending = [x for x, s in zip(pending, states, strict=True) if s != "DONE"]
-            if pending:
-                # Yield-only while a transfer is young (throughput), then back off (CPU).
-                elapsed = time.monotonic() - start
-                await asyncio.sleep(0 if elapsed < _BUSY_POLL_S else 0.0005)
+
+    def _states(self, xfers: list[Any]) -> list[str]:
+        return [self._agent.check_xfer_state(x) for x in xfers]
 
     @staticmethod
     def _check_lease(handle: TransferHandle) -> None:
@@ -251,33 +244,58 @@ class NixlTransceiver(Transceiver):
             raise UnknownRequest(handle.request_id, handle.peer)
 
     def _translate(self, handle: TransferHandle, exc: Exception) -> Exception:
-        """NIXL binding errors as transfer errors; anything else unchanged."""
+        """NIXL binding errors as transfer errors; a lost peer is forgotten."""
         name = type(exc).__name__
+        if isinstance(exc, PeerGone) or name in _PEER_ERRORS:
+            self._thread.submit(self._forget, handle.agent_name)  # reloaded on the next pull
         if name in _PEER_ERRORS:
-            assert handle.agent_name is not None
-            self._forget(handle.agent_name)
             return PeerGone(handle.request_id, handle.peer, f"NIXL: {name}")
         if name.startswith("nixl"):
             return TransferError(f"NIXL failed on request {handle.request_id!r}: {name} {exc}")
         return exc
 
+    def _notify_abort(self, handle: TransferHandle) -> None:
+        if handle.agent_name is None:
+            return
+        message = b" ".join([_RELEASE, handle.request_id.encode(), handle.transfer_id.encode()])
+        self._thread.submit(self._send_abort, handle.agent_name, message)
+
+    # ------------------------------------------------------- agent thread only
+
+    def _start_agent(self) -> None:
+        self._agent = create_agent(self.name, self._progress_delay_us)
+        for tensor in self._tensors.values():
+            self._registered.append(self._agent.register_memory([tensor]))
+        self._metadata = self._agent.get_agent_metadata()
+        self._local = PreparedTables(self._buffers, self._prepare(_LOCAL_AGENT))
+
+    def _close_agent(self) -> None:
+        for tables in [self._local, *self._remote.values()]:
+            if tables is not None:
+                tables.release()
+        for peer in list(self._remote):
+            self._forget(peer)
+        for reg in self._registered:
+            self._agent.deregister_memory(reg)
+        self._registered.clear()
+        self._agent = None
+
     def _remote_tables(self, handle: TransferHandle) -> PreparedTables:
-        peer = handle.agent_name
-        if peer is None or handle.agent_metadata is None:
-            raise LayoutMismatch(handle.request_id, ["agent_name"], "handle has no NIXL agent")
+        peer, metadata = handle.agent_name, handle.agent_metadata
+        assert peer is not None and metadata is not None  # checked by _pull
         tables = self._remote.get(peer)
-        if tables is not None and self._remote_metadata.get(peer) != handle.agent_metadata:
+        if tables is not None and self._remote_metadata.get(peer) != metadata:
             # The same agent name with new metadata: the holder was restarted.
             self._forget(peer)
             tables = None
         if tables is None:
             try:
-                self._agent.add_remote_agent(handle.agent_metadata)
+                self._agent.add_remote_agent(metadata)
             except Exception as exc:
                 raise PeerGone(handle.request_id, handle.peer, f"bad metadata: {exc}") from exc
             tables = PreparedTables(handle.buffers, self._prepare(peer))
             self._remote[peer] = tables
-            self._remote_metadata[peer] = handle.agent_metadata
+            self._remote_metadata[peer] = metadata
         return tables
 
     def _forget(self, peer: str) -> None:
@@ -296,12 +314,18 @@ class NixlTransceiver(Transceiver):
 
         return prepare
 
-    def _notify_abort(self, handle: TransferHandle) -> None:
-        if handle.agent_name is None or handle.agent_name not in self._remote:
-            return
-        message = b" ".join([_RELEASE, handle.request_id.encode(), handle.transfer_id.encode()])
+    def _send_abort(self, peer: str, message: bytes) -> None:
+        """Best effort, to a peer this agent has loaded; others never got our READs."""
+        if peer in self._remote:
+            with contextlib.suppress(Exception):
+                self._agent.send_notif(peer, message)
+
+
+def _release(xfers: list[Any]) -> None:
+    """Agent thread: release transfer handles; an unfinished READ is aborted."""
+    for xfer in xfers:
         with contextlib.suppress(Exception):
-            self._agent.send_notif(handle.agent_name, message)
+            xfer.release()
 
 
 def _buffer_info(tensor: torch.Tensor) -> BufferInfo:

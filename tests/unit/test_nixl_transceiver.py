@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import pytest
 import torch
 
+from kvcache.spec import CacheSpec
 from tests.transfer_harness import BLOCK_SIZE, Endpoint
 from transfer.base import TransferHandle
 from transfer.errors import LayoutMismatch, UnknownRequest
@@ -129,3 +130,63 @@ async def test_idle_agents_do_not_spin_a_core(workers: dict[str, Endpoint]) -> N
     cpu = time.process_time() - cpu_before
     # four agents with UCX progress threads; a zero poll delay would cost ~1 s each
     assert cpu < 0.5 * (time.monotonic() - wall_before)
+
+
+# 4 attention layers x [2, 16, 8, 128] float32 = 512 KiB per block; 128 blocks = 64 MiB.
+LARGE = CacheSpec(num_kv_heads=8, head_dim=128, attention_layers=(0, 1, 2, 3))
+LARGE_BLOCKS = 128
+
+
+async def max_loop_gap(work: Awaitable[None], tick_s: float = 0.001) -> tuple[float, float]:
+    """Run `work` beside a ticker; returns (work seconds, longest gap between ticks)."""
+    gaps: list[float] = []
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(tick_s)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticking = asyncio.create_task(ticker())
+    await asyncio.sleep(5 * tick_s)
+    start = time.perf_counter()
+    try:
+        await work
+    finally:
+        elapsed = time.perf_counter() - start
+        done.set()
+        await ticking
+    return elapsed, max(gaps)
+
+
+async def test_large_pull_keeps_the_event_loop_responsive() -> None:
+    src, dst = (
+        Endpoint("v2", NixlTransceiver, spec=LARGE, block_size=16, num_blocks=LARGE_BLOCKS + 1)
+        for _ in range(2)
+    )
+    await src.xcvr.start()
+    await dst.xcvr.start()
+    try:
+        num_tokens = LARGE_BLOCKS * 16
+        assert src.manager.allocate_slots("big", num_tokens)
+        for buffer in src.tensors.buffers().values():
+            torch.randint(0, 256, buffer.shape, dtype=torch.uint8, out=buffer)
+        await dst.pull(src.publish("big"), num_tokens)  # warm: connection and tables
+        dst.manager.free("big")
+        await wait_for(lambda: src.xcvr.num_pinned == 0)
+        assert src.manager.allocate_slots("big", num_tokens)
+        source = src.manager.regions("big")  # its bytes stay put after the holder frees it
+        elapsed, gap = await max_loop_gap(dst.pull(src.publish("big"), num_tokens))
+        dest = dst.manager.regions("big")
+        for s, d in zip(source.descriptors, dest.descriptors, strict=True):
+            assert torch.equal(src.tensors.region_tensor(s), dst.tensors.region_tensor(d))
+        # Posting the READ inline would stall the loop for the whole copy (gap ~ elapsed).
+        assert gap < 0.5 * elapsed, (
+            f"loop stalled {gap * 1e3:.1f} ms of a {elapsed * 1e3:.1f} ms pull"
+        )
+    finally:
+        await src.xcvr.close()
+        await dst.xcvr.close()
