@@ -302,7 +302,16 @@ def _exponential_noise(
 def _with_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]
 ) -> SamplerOutput:
-    """Attach the sampled tokens' logprobs and the requested top logprobs."""
+    """Attach the sampled tokens' logprobs and the requested top logprobs.
+
+    Both are None for every row when no row asks for logprobs: the
+    `log_softmax` over the vocabulary is then skipped.
+    """
+    if all(p.logprobs is None for p in params):
+        ids = [int(t) for t in token_ids.tolist()]
+        return SamplerOutput(
+            token_ids=ids, logprobs=[None] * len(ids), top_logprobs=[None] * len(ids)
+        )
     logprobs = logits.log_softmax(dim=-1)
     sampled = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     top: list[list[tuple[int, float]] | None] = [None] * len(params)

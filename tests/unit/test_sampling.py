@@ -114,7 +114,7 @@ def test_penalties_match_hand_computation() -> None:
 
 def test_penalties_change_the_greedy_choice_and_logprobs() -> None:
     logits = torch.tensor([[3.0, 2.9, 0.0, -1.0]])
-    params = [SamplingParams(temperature=0.0, frequency_penalty=1.0)]
+    params = [SamplingParams(temperature=0.0, frequency_penalty=1.0, logprobs=0)]
     out = Sampler().sample(logits, params, [[2]], [[0]], [None])
     assert out.token_ids == [1]
     penalized = torch.tensor([2.0, 2.9, 0.0, -1.0])
@@ -169,6 +169,14 @@ def test_temperature_sharpens_the_distribution() -> None:
     counts = torch.bincount(torch.tensor(tokens), minlength=4).float()
     chi2 = ((counts - rows * expected) ** 2 / (rows * expected)).sum().item()
     assert chi2 < 16.27
+
+
+def test_no_logprobs_are_computed_when_no_row_asks() -> None:
+    logits = torch.tensor([[3.0, 2.9, 0.0], [0.0, 1.0, 2.0]])
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0)]
+    out = Sampler().sample(logits, params, [[], []], [[], []], [None, None])
+    assert out.token_ids == [0, 2]
+    assert out.logprobs == [None, None] and out.top_logprobs == [None, None]
 
 
 def test_logprobs_and_top_logprobs() -> None:
