@@ -19,6 +19,7 @@ import asyncio
 import logging
 from typing import Any
 
+from engine.aborts import AbortedIds
 from engine.errors import RequestFailedError
 from engine.instance import EngineInstance
 from engine.messages import (
@@ -45,6 +46,8 @@ class ContextWorker:
         self.transceiver: Any = make_transceiver(config, self.engine.cache.buffers(), worker_id)
         self._handles: dict[str, Any] = {}
         self._publish_errors: dict[str, str] = {}
+        self._active: set[str] = set()  # ids between prefill() start and end
+        self._aborted = AbortedIds()  # aborts that arrived before their prefill()
         self._starting: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -66,13 +69,19 @@ class ContextWorker:
         for the cache) or was aborted.
         """
         await self.start()
-        req = Request(request.request_id, list(request.prompt_token_ids), request.params)
+        rid = request.request_id
+        if self._aborted.take(rid):
+            raise RequestFailedError(rid, "aborted before it reached this worker")
+        req = Request(rid, list(request.prompt_token_ids), request.params)
         stream = self.engine.loop.submit(req)
+        self._active.add(rid)
         try:
             event = await stream.get()
         except asyncio.CancelledError:
-            self.abort(request.request_id)
+            self.abort(rid)
             raise
+        finally:
+            self._active.discard(rid)
         if event.finish_reason in ("error", "abort"):
             raise RequestFailedError(request.request_id, event.error or event.finish_reason)
         handle = self._handles.pop(request.request_id, None)
@@ -92,7 +101,14 @@ class ContextWorker:
         )
 
     def abort(self, request_id: str) -> None:
-        """Cancel a prompt still prefilling, or unpin one already published."""
+        """Cancel a prompt still prefilling, or unpin one already published.
+
+        An abort that arrives before its `prefill` call (Ray does not order
+        calls to an async actor) makes that call fail at once instead of
+        prefilling a prompt nobody reads and pinning its cache until the lease.
+        """
+        if request_id not in self._active and not self.transceiver.is_pinned(request_id):
+            self._aborted.add(request_id)
         self.engine.loop.abort(request_id)
         self.transceiver.abort(request_id)
 

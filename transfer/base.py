@@ -171,6 +171,10 @@ class Transceiver(ABC):
         """Requests published here and not yet released."""
         return len(self._leases)
 
+    def is_pinned(self, request_id: str) -> bool:
+        """Whether `request_id` is published here and not yet released."""
+        return request_id in self._leases
+
     @abstractmethod
     async def start(self) -> None:
         """Bind/register resources; call once before `publish` or `pull`."""

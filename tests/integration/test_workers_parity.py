@@ -18,6 +18,7 @@ import ray
 import torch
 
 from decode_worker.worker import GenerationWorker
+from engine.errors import RequestFailedError
 from engine.messages import ContextRequest, GenerationRequest, TokenEvent
 from engine.sampling import SamplingParams
 from engine.worker_config import WorkerConfig
@@ -257,8 +258,6 @@ async def test_abort_ends_the_stream_and_frees_the_cache(
 async def test_prompt_larger_than_the_cache_fails_with_a_clear_error(
     workers: dict[tuple[str, ...], Any],
 ) -> None:
-    from engine.errors import RequestFailedError
-
     prompt = list(range(10, 10 + CTX_MAX_TOKENS + 1))
     with pytest.raises(RequestFailedError, match="raise max_tokens"):
         await workers[LLAMA_CTX].prefill.remote(ContextRequest("too-long-c", prompt, _params()))
@@ -299,6 +298,36 @@ async def test_unpulled_cache_is_freed_when_its_lease_expires(
         await asyncio.sleep(0.6)
         load = ctx.load()
         assert load.num_transferring == 0 and load.num_free_blocks == load.num_total_blocks
+    finally:
+        await ctx.shutdown()
+
+
+async def test_a_prefill_that_arrives_after_its_abort_is_refused_and_pins_nothing(
+    checkpoints: dict[str, Path], prompts: list[list[int]]
+) -> None:
+    config = WorkerConfig(
+        checkpoint=str(checkpoints["llama"]),
+        block_size=8,
+        max_tokens=CTX_MAX_TOKENS,
+        cluster_secret=SECRET,
+    )
+    ctx = ContextWorker(config, "late-abort-test")
+    await ctx.start()
+    try:
+        ctx.abort("late")  # the router's abort overtook its prefill call
+        with pytest.raises(RequestFailedError, match="aborted before it reached"):
+            await ctx.prefill(ContextRequest("late", prompts[3], _params()))
+        load = ctx.load()
+        assert load.num_transferring == 0 and load.num_free_blocks == load.num_total_blocks
+        # The id is consumed: the next request runs, and aborting it after it
+        # was published unpins it at once instead of remembering the id.
+        result = await ctx.prefill(ContextRequest("late", prompts[3], _params()))
+        assert result.handle is not None and ctx.load().num_transferring == 1
+        ctx.abort("late")
+        await asyncio.sleep(0.05)
+        load = ctx.load()
+        assert load.num_transferring == 0 and load.num_free_blocks == load.num_total_blocks
+        assert len(ctx._aborted) == 0
     finally:
         await ctx.shutdown()
 
