@@ -1,6 +1,9 @@
-"""The pure-Python transceiver: asyncio TCP, msgpack headers, zero-copy bytes.
+"""The pure-Python transceiver: asyncio, msgpack headers, zero-copy bytes.
 
-Each worker runs one TCP server on its own address. A pull is one connection:
+Each worker listens on its own address over one wire: TCP (the default) or
+UCX (`cache_transceiver.wire`, `transfer.ucx_wire`). The handle names the
+holder's wire and the puller dials it over that wire, so the puller needs no
+setting of its own. A pull is one connection:
 
     puller                                   holder
       | <------ challenge (nonce) ------------- |   shared-secret handshake
@@ -29,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -37,20 +39,20 @@ import torch
 
 from kvcache.layout import LayoutSignature, Region, RequestRegions
 from transfer.base import Transceiver, TransferHandle, check_signature
-from transfer.errors import PeerGone, UnknownRequest, WireError
+from transfer.connection import TCP, WIRES, Connection, ConnectionClosed, Wire
+from transfer.errors import LayoutMismatch, PeerGone, UnknownRequest, WireError
+from transfer.factory import create_wire, wire_unusable_reason
 from transfer.flow import ByteBudget
 from transfer.leases import Lease
 from transfer.plan import Coverage, check_bounds, coalesce, pair_segments, segment_regions
 from transfer.socket_buffers import SocketBuffers
 from transfer.wire import (
     MAX_HEADER_BYTES,
-    ConnectionClosed,
     client_handshake,
     expect,
     recv_header,
     send_header,
     server_handshake,
-    tune_socket,
 )
 
 logger = logging.getLogger(__name__)
@@ -64,15 +66,18 @@ class _StaleConnection(ConnectionError):
 
 
 class PythonTransceiver(Transceiver):
-    """TCP transceiver over the worker's registered pool buffers.
+    """The Python transceiver over the worker's registered pool buffers.
 
     buffers: name -> flat uint8 tensor (`CacheTensors.buffers()`); host buffers
         move zero-copy, device buffers through host staging chunks.
     secret: shared by every worker of the cluster; peers without it are dropped.
     host/port: where to listen (the node's own address; port 0 picks one).
+    wire: "tcp" or "ucx" (resolved, see `transfer.factory.resolve_wire`): what
+        this worker listens on. Pulls dial whatever wire the handle names.
     max_inflight_bytes: bound on bytes being sent at once over all pulls.
     stage_through_host: copy host buffers through staging chunks as device
         buffers always are (off by default: host buffers go zero-copy).
+    connect_timeout_s: how long dialing a holder and its handshake may take.
     """
 
     kind = "python"
@@ -86,47 +91,50 @@ class PythonTransceiver(Transceiver):
         max_inflight_bytes: int = 256 << 20,
         max_header_bytes: int = MAX_HEADER_BYTES,
         stage_through_host: bool = False,
+        wire: str = TCP,
+        connect_timeout_s: float = _HANDSHAKE_TIMEOUT_S,
     ) -> None:
         super().__init__()
         if not secret:
             raise ValueError("cache_transceiver secret must not be empty")
+        if wire not in WIRES:
+            raise ValueError(
+                f"cache_transceiver.wire must be resolved to one of {WIRES}, got {wire!r}"
+            )
         self._buffers = SocketBuffers(buffers, stage_through_host)
         self._sizes = self._buffers.sizes
         self._secret = secret
         self._host, self._port = host, port
+        self.wire = wire
         self._budget = ByteBudget(max_inflight_bytes)
         self._max_header = max_header_bytes
-        self._listener: socket.socket | None = None
-        self._accept_task: asyncio.Task[None] | None = None
-        self._conn_tasks: set[asyncio.Task[None]] = set()
+        self._connect_timeout_s = connect_timeout_s
+        self._endpoint: tuple[str, int] | None = None
+        self._wires: dict[str, Wire] = {}
+        self._release_tasks: set[asyncio.Task[None]] = set()
         self._serving: dict[str, set[asyncio.Task[Any]]] = {}
-        self._idle: dict[tuple[str, int], list[socket.socket]] = {}
+        self._idle: dict[tuple[str, str, int], list[Connection]] = {}
 
     @property
     def endpoint(self) -> tuple[str, int]:
-        if self._listener is None:
+        if self._endpoint is None:
             raise RuntimeError("PythonTransceiver.start() has not run")
-        host, port = self._listener.getsockname()[:2]
-        return host, port
+        return self._endpoint
 
     async def start(self) -> None:
-        listener = socket.create_server((self._host, self._port), backlog=128)
-        listener.setblocking(False)
-        self._listener = listener
-        self._accept_task = asyncio.create_task(self._accept_loop())
+        wire = self._wire(self.wire)
+        self._endpoint = await wire.listen(self._host, self._port, self._serve)
 
     async def close(self) -> None:
-        for task in [self._accept_task, *self._conn_tasks, *self._pulls.values()]:
-            if task is not None:
-                task.cancel()
-        pending = [t for t in [self._accept_task, *self._conn_tasks] if t is not None]
-        await asyncio.gather(*pending, return_exceptions=True)
-        if self._listener is not None:
-            self._listener.close()
+        for task in [*self._release_tasks, *self._pulls.values()]:
+            task.cancel()
+        await asyncio.gather(*self._release_tasks, return_exceptions=True)
         for idle in self._idle.values():
-            for sock in idle:
-                sock.close()
+            for conn in idle:
+                conn.close()
         self._idle.clear()
+        for wire in self._wires.values():
+            await wire.close()
         self._leases.release_all()
 
     def publish(
@@ -150,30 +158,27 @@ class PythonTransceiver(Transceiver):
             signature=signature.to_dict(),
             lease_expiry=lease.expires_at,
             endpoint=self.endpoint,
+            wire=self.wire,
         )
 
     def abort(self, request_id: str) -> None:
-        # Stop streams first: once cancelled, no loop callback reads the pool,
-        # so `on_release` may hand the blocks to someone else right away.
+        # Stop streams first: once cancelled, nothing reads the pool (a UCX
+        # connection aborts its endpoint on cancellation), so `on_release`
+        # may hand the blocks to someone else right away.
         for task in self._serving.pop(request_id, set()):
             task.cancel()
         super().abort(request_id)
 
+    def _wire(self, name: str) -> Wire:
+        wire = self._wires.get(name)
+        if wire is None:
+            wire = self._wires[name] = create_wire(name)
+        return wire
+
     # ----------------------------------------------------------------- holder
 
-    async def _accept_loop(self) -> None:
-        assert self._listener is not None
-        loop = asyncio.get_running_loop()
-        while True:
-            conn, _ = await loop.sock_accept(self._listener)
-            tune_socket(conn)
-            task = asyncio.create_task(self._serve(conn))
-            self._conn_tasks.add(task)
-            task.add_done_callback(self._conn_tasks.discard)
-
-    async def _serve(self, conn: socket.socket) -> None:
+    async def _serve(self, conn: Connection) -> None:
         """One authenticated connection; serves requests until the peer hangs up."""
-        peer = _peer_name(conn)
         try:
             await asyncio.wait_for(server_handshake(conn, self._secret), _HANDSHAKE_TIMEOUT_S)
             while True:
@@ -189,19 +194,21 @@ class PythonTransceiver(Transceiver):
                 else:
                     raise WireError(f"unexpected {request['t']!r} frame")
         except (WireError, TimeoutError) as exc:
-            logger.warning("dropping connection from %s: %s", peer, exc)
+            logger.warning("dropping connection from %s: %s", conn.peer, exc)
         except (ConnectionError, OSError) as exc:
-            logger.info("connection from %s ended early: %s", peer, exc)
-        finally:
-            conn.close()
+            logger.info("connection from %s ended early: %s", conn.peer, exc)
 
-    async def _serve_pull(self, conn: socket.socket, request: dict[str, Any]) -> None:
+    async def _serve_pull(self, conn: Connection, request: dict[str, Any]) -> None:
         rid, tid = str(request.get("rid")), str(request.get("tid"))
         lease = self._leases.get(rid, tid)
         if lease is None:
             await send_header(conn, {"t": "error", "code": "unknown", "message": rid})
             return
         ranges = _parse_ranges(request.get("ranges"), lease)
+        if not conn.keeps_message_boundaries:
+            # A byte stream may join ranges; a message wire sends them as the
+            # puller receives them (see transfer.connection).
+            ranges = _merge_adjacent(ranges)
         task = asyncio.current_task()
         assert task is not None
         serving = self._serving.setdefault(rid, set())
@@ -209,7 +216,7 @@ class PythonTransceiver(Transceiver):
         self._leases.begin_stream(lease)
         try:
             await send_header(conn, {"t": "data", "n": sum(n for _, _, n in ranges)})
-            for buffer, offset, length in _merge_adjacent(ranges):
+            for buffer, offset, length in ranges:
                 await self._buffers.send(conn, buffer, offset, length, self._budget)
         finally:
             serving.discard(task)
@@ -227,67 +234,76 @@ class PythonTransceiver(Transceiver):
         self, handle: TransferHandle, dest_regions: RequestRegions, dest: LayoutSignature
     ) -> None:
         rid = handle.request_id
+        _check_wire(handle)
         # V1 <-> V2 is bridged segment by segment; every other field must agree.
         check_signature(rid, handle.signature, dest.to_dict(), ignore=("manager",))
         pairs = coalesce(pair_segments(rid, handle.regions, dest_regions))
         check_bounds(rid, [d for _, d in pairs], self._sizes)
         for attempt in range(2):
-            sock, reused = await self._checkout(handle)
+            conn, reused = await self._checkout(handle)
             try:
-                await self._exchange(sock, handle, pairs)
+                await self._exchange(conn, handle, pairs)
             except _StaleConnection as exc:
-                sock.close()
+                conn.close()
                 if reused and attempt == 0:
                     continue  # the holder dropped an idle connection; dial afresh
                 raise PeerGone(rid, handle.peer, "connection closed before any reply") from exc
             except (ConnectionClosed, ConnectionResetError, BrokenPipeError) as exc:
-                sock.close()
+                conn.close()
                 raise PeerGone(rid, handle.peer, f"connection lost mid-transfer: {exc}") from exc
             except BaseException:
-                sock.close()
+                conn.close()
                 raise
-            self._checkin(handle, sock)
+            self._checkin(handle, conn)
             return
 
-    async def _checkout(self, handle: TransferHandle) -> tuple[socket.socket, bool]:
-        """An authenticated connection to the holder: (socket, was it reused)."""
-        assert handle.endpoint is not None
-        idle = self._idle.get(handle.endpoint)
+    async def _checkout(self, handle: TransferHandle) -> tuple[Connection, bool]:
+        """An authenticated connection to the holder: (connection, was it reused)."""
+        idle = self._idle.get(_peer_key(handle))
         if idle:
             return idle.pop(), True
         return await self._connect(handle), False
 
-    def _checkin(self, handle: TransferHandle, sock: socket.socket) -> None:
-        assert handle.endpoint is not None
-        idle = self._idle.setdefault(handle.endpoint, [])
+    def _checkin(self, handle: TransferHandle, conn: Connection) -> None:
+        idle = self._idle.setdefault(_peer_key(handle), [])
         if len(idle) < _MAX_IDLE_PER_PEER:
-            idle.append(sock)
+            idle.append(conn)
         else:
-            sock.close()
+            conn.close()
 
-    async def _connect(self, handle: TransferHandle) -> socket.socket:
+    async def _connect(self, handle: TransferHandle) -> Connection:
         assert handle.endpoint is not None
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        tune_socket(sock)
+        wire = self._wire(handle.wire)
+        timeout_s = self._connect_timeout_s
         try:
-            await asyncio.get_running_loop().sock_connect(sock, handle.endpoint)
-            await client_handshake(sock, self._secret)
+            conn = await wire.connect(handle.endpoint, timeout_s)
+        except (ConnectionError, OSError) as exc:  # TimeoutError is an OSError
+            raise PeerGone(handle.request_id, handle.peer, f"cannot connect: {exc}") from exc
+        try:
+            async with asyncio.timeout(timeout_s):
+                await client_handshake(conn, self._secret)
+        except TimeoutError as exc:
+            conn.close()
+            raise WireError(
+                f"{handle.peer} accepted the connection but sent no {handle.wire} handshake "
+                f"within {timeout_s:g} s; is it a transceiver listening on that wire?"
+            ) from exc
         except (ConnectionError, OSError) as exc:
-            sock.close()
+            conn.close()
             raise PeerGone(handle.request_id, handle.peer, f"cannot connect: {exc}") from exc
         except BaseException:
-            sock.close()
+            conn.close()
             raise
-        return sock
+        return conn
 
     async def _exchange(
-        self, sock: socket.socket, handle: TransferHandle, pairs: list[tuple[Region, Region]]
+        self, conn: Connection, handle: TransferHandle, pairs: list[tuple[Region, Region]]
     ) -> None:
         rid, tid = handle.request_id, handle.transfer_id
         ranges = [[s.buffer, s.offset, s.length] for s, _ in pairs]
-        await send_header(sock, {"t": "pull", "rid": rid, "tid": tid, "ranges": ranges})
         try:
-            first = await recv_header(sock, 1024)
+            await send_header(conn, {"t": "pull", "rid": rid, "tid": tid, "ranges": ranges})
+            first = await recv_header(conn, 1024)
         except (ConnectionClosed, ConnectionResetError, BrokenPipeError) as exc:
             raise _StaleConnection() from exc
         if first["t"] == "error" and first.get("code") == "unknown":
@@ -299,24 +315,43 @@ class PythonTransceiver(Transceiver):
                 f"where {declared} bytes were declared"
             )
         for _, d in pairs:
-            await self._buffers.recv(sock, d)
-        await send_header(sock, {"t": "release", "rid": rid, "tid": tid})
-        expect(await recv_header(sock, 1024), "released")
+            await self._buffers.recv(conn, d)
+        await send_header(conn, {"t": "release", "rid": rid, "tid": tid})
+        expect(await recv_header(conn, 1024), "released")
 
     def _notify_abort(self, handle: TransferHandle) -> None:
         task = asyncio.ensure_future(self._send_release(handle))
-        self._conn_tasks.add(task)
-        task.add_done_callback(self._conn_tasks.discard)
+        self._release_tasks.add(task)
+        task.add_done_callback(self._release_tasks.discard)
 
     async def _send_release(self, handle: TransferHandle) -> None:
         """Tell the holder to free a request this side gave up on (best effort)."""
         with contextlib.suppress(Exception):
             async with asyncio.timeout(_HANDSHAKE_TIMEOUT_S):
-                sock = await self._connect(handle)
-                with sock:
+                conn = await self._connect(handle)
+                try:
                     rid, tid = handle.request_id, handle.transfer_id
-                    await send_header(sock, {"t": "release", "rid": rid, "tid": tid})
-                    expect(await recv_header(sock, 1024), "released")
+                    await send_header(conn, {"t": "release", "rid": rid, "tid": tid})
+                    expect(await recv_header(conn, 1024), "released")
+                finally:
+                    conn.close()
+
+
+def _check_wire(handle: TransferHandle) -> None:
+    """Refuse, before dialing, a handle whose wire this worker cannot speak."""
+    reason = wire_unusable_reason(handle.wire)
+    if reason is not None:
+        raise LayoutMismatch(
+            handle.request_id,
+            ["cache_transceiver.wire"],
+            f"the holder {handle.peer} listens on {handle.wire!r}, which this worker "
+            f"cannot dial: {reason}",
+        )
+
+
+def _peer_key(handle: TransferHandle) -> tuple[str, str, int]:
+    assert handle.endpoint is not None
+    return handle.wire, handle.endpoint[0], handle.endpoint[1]
 
 
 def _parse_ranges(raw: object, lease: Lease) -> list[tuple[str, int, int]]:
@@ -352,11 +387,3 @@ def _merge_adjacent(ranges: list[tuple[str, int, int]]) -> list[tuple[str, int, 
         else:
             merged.append((buffer, offset, length))
     return merged
-
-
-def _peer_name(conn: socket.socket) -> str:
-    try:
-        host, port = conn.getpeername()[:2]
-        return f"{host}:{port}"
-    except OSError:
-        return "unknown peer"

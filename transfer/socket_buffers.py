@@ -1,27 +1,27 @@
-"""A worker's registered pool buffers as the TCP wire sees them.
+"""A worker's registered pool buffers as a connection (TCP or UCX) sees them.
 
-Host (CPU) buffers go over the socket directly: sends from memoryviews of the
-pool, receives with `recv_into` straight into the destination bytes. Device
-(CUDA) buffers cannot be handed to a socket, so their bytes pass through a few
-reusable host staging chunks (pinned when CUDA is present): device -> chunk ->
-socket on the sender, socket -> chunk -> device on the receiver.
+Host (CPU) buffers go over the connection directly: sends from memoryviews of
+the pool, receives straight into the destination bytes. Device (CUDA) buffers
+are not handed to the transport, so their bytes pass through a few reusable
+host staging chunks (pinned when CUDA is present): device -> chunk -> wire on
+the sender, wire -> chunk -> device on the receiver.
 
-    host buffer:    pool[off:off+n] ==sendall==> recv_into ==> pool[off:off+n]
-    device buffer:  pool --copy--> chunk ==sendall==> recv_into chunk --copy--> pool
+    host buffer:    pool[off:off+n] ==send==> recv_into ==> pool[off:off+n]
+    device buffer:  pool --copy--> chunk ==send==> recv_into chunk --copy--> pool
+
+Both sides cut every range into the same `payload_pieces` (one budget slice,
+one staging chunk and, on UCX, one message each).
 """
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Mapping
 
 import torch
 
 from kvcache.layout import Region
+from transfer.connection import PAYLOAD_PIECE_BYTES, Connection, payload_pieces
 from transfer.flow import ByteBudget
-from transfer.wire import recv_exact_into, send_bytes
-
-CHUNK_BYTES = 8 << 20  # flow-control and staging granularity
 
 
 def host_view(tensor: torch.Tensor) -> memoryview:
@@ -50,47 +50,47 @@ class SocketBuffers:
         self._chunks: list[torch.Tensor] = []  # idle staging chunks
 
     async def send(
-        self, sock: socket.socket, buffer: str, offset: int, length: int, budget: ByteBudget
+        self, conn: Connection, buffer: str, offset: int, length: int, budget: ByteBudget
     ) -> None:
-        """Send `length` bytes at `offset` of `buffer`, one budgeted chunk at a time."""
-        for start in range(offset, offset + length, CHUNK_BYTES):
-            n = min(CHUNK_BYTES, offset + length - start)
+        """Send `length` bytes at `offset` of `buffer`, one budgeted piece at a time."""
+        view = self._views.get(buffer)
+        for start, n in payload_pieces(offset, length):
             taken = await budget.acquire(n)
             try:
-                view = self._views.get(buffer)
                 if view is not None:
-                    await send_bytes(sock, view[start : start + n])
+                    await conn.send(view[start : start + n])
                 else:
-                    await self._send_staged(sock, self._tensors[buffer][start : start + n])
+                    await self._send_staged(conn, self._tensors[buffer][start : start + n])
             finally:
                 await budget.release(taken)
 
-    async def recv(self, sock: socket.socket, region: Region) -> None:
+    async def recv(self, conn: Connection, region: Region) -> None:
         """Receive exactly `region.length` bytes into `region`."""
         view = self._views.get(region.buffer)
-        if view is not None:
-            await recv_exact_into(sock, view[region.offset : region.end])
-            return
         target = self._tensors[region.buffer]
-        for start in range(region.offset, region.end, CHUNK_BYTES):
-            n = min(CHUNK_BYTES, region.end - start)
+        for start, n in payload_pieces(region.offset, region.length):
+            if view is not None:
+                await conn.recv_into(view[start : start + n])
+                continue
             chunk = self._take_chunk()
             try:
-                await recv_exact_into(sock, host_view(chunk)[:n])
+                await conn.recv_into(host_view(chunk)[:n])
                 target[start : start + n].copy_(chunk[:n])
             finally:
                 self._chunks.append(chunk)
 
-    async def _send_staged(self, sock: socket.socket, source: torch.Tensor) -> None:
+    async def _send_staged(self, conn: Connection, source: torch.Tensor) -> None:
         chunk = self._take_chunk()
         try:
             n = source.numel()
             chunk[:n].copy_(source)  # synchronous: the bytes are on the host after this
-            await send_bytes(sock, host_view(chunk)[:n])
+            await conn.send(host_view(chunk)[:n])
         finally:
             self._chunks.append(chunk)
 
     def _take_chunk(self) -> torch.Tensor:
         if self._chunks:
             return self._chunks.pop()
-        return torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return torch.empty(
+            PAYLOAD_PIECE_BYTES, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
+        )

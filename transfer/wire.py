@@ -1,4 +1,4 @@
-"""Framing of the Python transceiver's TCP wire.
+"""The Python transceiver's protocol frames, over any `transfer.connection` wire.
 
 Every message is a *header frame*, optionally followed by raw payload bytes
 whose count the header declares:
@@ -10,46 +10,61 @@ whose count the header declares:
 
 Headers are small typed maps with one serializer (msgpack); tensor bytes never
 pass through msgpack or pickle: they are sent from memoryviews of registered
-buffers and received with `recv_into` straight into destination memory.
+buffers and received straight into destination memory.
 
 A connection starts with a challenge/response handshake on a shared secret
 (HMAC-SHA256 over a server nonce), so the secret never crosses the wire and a
 peer without it is dropped before it can name a request.
 
-All functions work on non-blocking sockets through the running event loop's
-`sock_*` methods, which (unlike stream transports on Python 3.11) never copy
-the data being sent into an intermediate buffer.
+Every function takes a `Connection` (TCP or UCX); a bare non-blocking socket
+is taken as a TCP connection.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import os
 import socket
-import struct
 from typing import Any
 
 import msgpack
 
+from transfer.connection import Connection, ConnectionClosed
 from transfer.errors import WireError
+from transfer.tcp_wire import FRAME_PREFIX, TcpConnection, tune_socket
 
-_LEN = struct.Struct(">I")
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "PROTOCOL_VERSION",
+    "ConnectionClosed",
+    "client_handshake",
+    "expect",
+    "pack_header",
+    "recv_header",
+    "send_bytes",
+    "send_header",
+    "server_handshake",
+    "tune_socket",
+    "unpack_header",
+]
+
 # Headers carry region lists; 16 MiB covers ~500k segments, far above any request.
 MAX_HEADER_BYTES = 16 << 20
 _NONCE_BYTES = 32
 PROTOCOL_VERSION = 1
 
+Link = Connection | socket.socket
 
-class ConnectionClosed(ConnectionError):
-    """The peer closed the connection (EOF) before a frame was complete."""
+
+def _connection(link: Link) -> Connection:
+    return TcpConnection(link) if isinstance(link, socket.socket) else link
 
 
 def pack_header(header: dict[str, Any]) -> bytes:
     """Encode one header frame (length prefix + msgpack map)."""
     body = msgpack.packb(header, use_bin_type=True)
-    return _LEN.pack(len(body)) + body
+    return FRAME_PREFIX.pack(len(body)) + body
 
 
 def unpack_header(body: bytes) -> dict[str, Any]:
@@ -63,39 +78,22 @@ def unpack_header(body: bytes) -> dict[str, Any]:
     return header
 
 
-async def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` completely from `sock`; raises `ConnectionClosed` on EOF."""
-    loop = asyncio.get_running_loop()
-    got = 0
-    total = len(view)
-    while got < total:
-        n = await loop.sock_recv_into(sock, view[got:])
-        if n == 0:
-            raise ConnectionClosed(f"peer closed the connection after {got} of {total} bytes")
-        got += n
+async def send_bytes(link: Link, data: bytes | memoryview) -> None:
+    """Send raw bytes; a memoryview is sent without copying."""
+    await _connection(link).send(data)
 
 
-async def recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    await recv_exact_into(sock, memoryview(buf))
-    return bytes(buf)
+async def send_header(link: Link, header: dict[str, Any]) -> None:
+    await _connection(link).send_frame(pack_header(header))
 
 
-async def send_bytes(sock: socket.socket, data: bytes | memoryview) -> None:
-    """Send all of `data`; a memoryview is sent without copying."""
-    await asyncio.get_running_loop().sock_sendall(sock, data)
-
-
-async def send_header(sock: socket.socket, header: dict[str, Any]) -> None:
-    await send_bytes(sock, pack_header(header))
-
-
-async def recv_header(sock: socket.socket, max_bytes: int = MAX_HEADER_BYTES) -> dict[str, Any]:
+async def recv_header(link: Link, max_bytes: int = MAX_HEADER_BYTES) -> dict[str, Any]:
     """Read one header frame; oversize or malformed frames raise `WireError`."""
-    (length,) = _LEN.unpack(await recv_exact(sock, _LEN.size))
+    conn = _connection(link)
+    length = await conn.recv_frame_length()
     if length > max_bytes:
         raise WireError(f"header frame of {length} bytes exceeds the limit of {max_bytes}")
-    return unpack_header(await recv_exact(sock, length))
+    return unpack_header(await conn.recv_frame_body(length))
 
 
 def expect(header: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -111,21 +109,21 @@ def _mac(secret: bytes, nonce: bytes) -> bytes:
     return hmac.new(secret, nonce, hashlib.sha256).digest()
 
 
-async def server_handshake(sock: socket.socket, secret: bytes) -> None:
+async def server_handshake(link: Link, secret: bytes) -> None:
     """Challenge a connecting peer; raises `WireError` if it lacks the secret."""
     nonce = os.urandom(_NONCE_BYTES)
-    await send_header(sock, {"t": "challenge", "v": PROTOCOL_VERSION, "nonce": nonce})
-    reply = expect(await recv_header(sock, max_bytes=1024), "auth")
+    await send_header(link, {"t": "challenge", "v": PROTOCOL_VERSION, "nonce": nonce})
+    reply = expect(await recv_header(link, max_bytes=1024), "auth")
     mac = reply.get("mac")
     if not isinstance(mac, bytes) or not hmac.compare_digest(mac, _mac(secret, nonce)):
-        await send_header(sock, {"t": "error", "message": "shared secret rejected"})
+        await send_header(link, {"t": "error", "message": "shared secret rejected"})
         raise WireError("peer failed the shared-secret handshake")
-    await send_header(sock, {"t": "welcome"})
+    await send_header(link, {"t": "welcome"})
 
 
-async def client_handshake(sock: socket.socket, secret: bytes) -> None:
+async def client_handshake(link: Link, secret: bytes) -> None:
     """Answer the server's challenge; raises `WireError` if the server refuses."""
-    challenge = expect(await recv_header(sock, max_bytes=1024), "challenge")
+    challenge = expect(await recv_header(link, max_bytes=1024), "challenge")
     if challenge.get("v") != PROTOCOL_VERSION:
         raise WireError(
             f"peer speaks wire protocol {challenge.get('v')}, this side {PROTOCOL_VERSION}; "
@@ -134,12 +132,5 @@ async def client_handshake(sock: socket.socket, secret: bytes) -> None:
     nonce = challenge.get("nonce")
     if not isinstance(nonce, bytes):
         raise WireError("malformed challenge frame: nonce is not bytes")
-    await send_header(sock, {"t": "auth", "mac": _mac(secret, nonce)})
-    expect(await recv_header(sock, max_bytes=1024), "welcome")
-
-
-def tune_socket(sock: socket.socket) -> None:
-    """Non-blocking with no Nagle delay; kernel buffer sizes stay auto-tuned
-    (setting SO_RCVBUF would pin the window below what Linux grows it to)."""
-    sock.setblocking(False)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    await send_header(link, {"t": "auth", "mac": _mac(secret, nonce)})
+    expect(await recv_header(link, max_bytes=1024), "welcome")
