@@ -24,6 +24,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from transfer.ucx_wire import UCX_INSTALL_HINT, ucx_importable
+
 ROLES = ("context_servers", "generation_servers")
 # Keys a server section may override; each must also exist at the top level.
 SECTION_OVERRIDES = ("kv_cache", "cache_transceiver", "max_num_tokens", "max_batch_size")
@@ -52,9 +54,25 @@ class ConditionalDisaggConfig(_Strict):
 
 
 class CacheTransceiverConfig(_Strict):
+    """How caches move. `wire` is the Python backend's transport: "tcp"
+    (default), "ucx" (needs the `ucx` extra on every node), or "auto" (UCX
+    where `ucxx` imports on the worker's node, else TCP). A puller dials the
+    wire the holder's handle names, so the two roles need not agree."""
+
     backend: Literal["auto", "nixl", "python"] = "auto"
+    wire: Literal["tcp", "ucx", "auto"] = "tcp"
     timeout_s: float = Field(default=30.0, gt=0)
     lease_s: float = Field(default=60.0, gt=0)
+
+    @field_validator("wire")
+    @classmethod
+    def _ucx_is_installed(cls, value: str) -> str:
+        if value == "ucx" and not ucx_importable():
+            raise ValueError(
+                "cache_transceiver.wire is 'ucx' but the ucxx package is not installed; "
+                f"run {UCX_INSTALL_HINT} on every node, or set wire to 'tcp' or 'auto'"
+            )
+        return value
 
 
 class KvCacheConfig(_Strict):

@@ -66,6 +66,8 @@ class InstancePlan:
     transfer_timeout_s: float
     # A worker never needs to queue more than the whole cluster admits.
     max_num_waiting: int = 1024
+    # "tcp", "ucx" or "auto"; auto is resolved on the worker (see WorkerConfig).
+    transfer_wire: str = "tcp"
 
     @property
     def device(self) -> str:
@@ -95,6 +97,7 @@ class InstancePlan:
             transfer_timeout_s=self.transfer_timeout_s,
             cluster_secret=cluster_secret,
             transfer_host=transfer_host,
+            transfer_wire=self.transfer_wire,
         )
 
 
@@ -200,6 +203,7 @@ def _instance(
         lease_s=settings.cache_transceiver.lease_s,
         transfer_timeout_s=settings.cache_transceiver.timeout_s,
         max_num_waiting=max_num_waiting,
+        transfer_wire=settings.cache_transceiver.wire,
     )
 
 

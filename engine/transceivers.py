@@ -25,6 +25,8 @@ def make_transceiver(config: WorkerConfig, buffers: dict[str, Any], worker_id: s
             "cluster_secret is empty; the Python transceiver authenticates peers with it, "
             "so every worker of the cluster needs the same non-empty secret"
         )
+    from transfer.factory import resolve_wire
     from transfer.python_transceiver import PythonTransceiver
 
-    return PythonTransceiver(buffers, secret, host=config.transfer_host)
+    wire = resolve_wire(config.transfer_wire)  # logs the choice, once per worker
+    return PythonTransceiver(buffers, secret, host=config.transfer_host, wire=wire)

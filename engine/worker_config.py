@@ -3,6 +3,9 @@
 `WorkerConfig` is built once by the launcher from the (pydantic) cluster YAML
 after every `auto` value has been resolved: the manager is `"v1"` or `"v2"`,
 the transceiver `"python"` or `"nixl"`. Workers never patch it afterwards.
+The one exception is `transfer_wire`: whether `ucxx` imports is a property of
+the worker's node, so "auto" is resolved on the worker when its transceiver
+is built (`transfer.factory.resolve_wire`, logged there).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from dataclasses import dataclass
 
 MANAGERS = ("v1", "v2")
 TRANSCEIVERS = ("python", "nixl")
+TRANSFER_WIRES = ("tcp", "ucx", "auto")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -44,6 +48,9 @@ class WorkerConfig:
     transfer_timeout_s: how long a generation worker waits for one pull.
     cluster_secret: shared token that transceivers use to authenticate peers.
     transfer_host: address the transceiver listens on and advertises.
+    transfer_wire: what the Python transceiver listens on: "tcp", "ucx" or
+        "auto" (UCX when `ucxx` imports on this node). Pulls follow the wire
+        the holder's handle names.
     """
 
     checkpoint: str
@@ -62,6 +69,7 @@ class WorkerConfig:
     transfer_timeout_s: float = 30.0
     cluster_secret: str = ""
     transfer_host: str = "127.0.0.1"
+    transfer_wire: str = "tcp"
 
     def __post_init__(self) -> None:
         if self.manager not in MANAGERS:
@@ -73,6 +81,10 @@ class WorkerConfig:
             raise WorkerConfigError(
                 f"transceiver must be one of {TRANSCEIVERS} (resolve 'auto' before "
                 f"building workers), got {self.transceiver!r}"
+            )
+        if self.transfer_wire not in TRANSFER_WIRES:
+            raise WorkerConfigError(
+                f"transfer_wire must be one of {TRANSFER_WIRES}, got {self.transfer_wire!r}"
             )
         if self.dtype is not None and self.dtype not in DTYPES:
             raise WorkerConfigError(f"dtype must be one of {DTYPES} or None, got {self.dtype!r}")
