@@ -10,6 +10,7 @@ usage, before `data: [DONE]`.
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,7 +20,16 @@ from cluster.completion import Delta
 
 
 class TokenText(Protocol):
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+def token_text(token: bytes) -> str:
+    """A token as logprobs show it: its text, or `bytes:\\xNN...` when its
+    bytes are not whole UTF-8 characters (part of a multi-byte character)."""
+    try:
+        return token.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in token)
 
 
 @dataclass(frozen=True)
@@ -75,16 +85,22 @@ def completion_logprobs(
     """The legacy completions `logprobs` object for the tokens of `delta`."""
     if delta.logprobs is None:
         return None
-    tokens = [tokenizer.decode([t]) for t in delta.token_ids]
+    raw = [tokenizer.token_bytes(t) for t in delta.token_ids]
+    # Offsets count characters of the text; a character split over tokens
+    # counts where it completes.
+    text = codecs.getincrementaldecoder("utf-8")(errors="replace")
     offsets, at = [], text_offset
-    for token in tokens:
+    for token in raw:
         offsets.append(at)
-        at += len(token)
+        at += len(text.decode(token))
+    tokens = [token_text(token) for token in raw]
     tops = delta.top_logprobs or [[] for _ in tokens]
     return {
         "tokens": tokens,
         "token_logprobs": list(delta.logprobs),
-        "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in top[:num_top]} for top in tops],
+        "top_logprobs": [
+            {token_text(tokenizer.token_bytes(t)): lp for t, lp in top[:num_top]} for top in tops
+        ],
         "text_offset": offsets,
     }
 
@@ -127,15 +143,16 @@ def chat_logprobs(delta: Delta, tokenizer: TokenText, num_top: int) -> dict[str,
     tops = delta.top_logprobs or [[] for _ in delta.token_ids]
     content = []
     for token_id, lp, top in zip(delta.token_ids, delta.logprobs, tops, strict=False):
-        text = tokenizer.decode([token_id])
+        raw = tokenizer.token_bytes(token_id)
         content.append(
             {
-                "token": text,
+                "token": token_text(raw),
                 "logprob": lp,
-                "bytes": list(text.encode()),
+                "bytes": list(raw),
                 "top_logprobs": [
-                    {"token": (t := tokenizer.decode([i])), "logprob": v, "bytes": list(t.encode())}
+                    {"token": token_text(b), "logprob": v, "bytes": list(b)}
                     for i, v in top[:num_top]
+                    for b in (tokenizer.token_bytes(i),)
                 ],
             }
         )

@@ -11,6 +11,7 @@ the union of `generation_config.json`, `config.json` and the tokenizer's
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -28,6 +29,24 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 # same leading space/merge it would have in the full text.
 _DETOKENIZE_CONTEXT = 5
 _INCOMPLETE_CHAR = "\ufffd"
+# SentencePiece-style byte-fallback pieces, e.g. "<0xE2>".
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, inverted: printable stand-in char -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL_CHARS = _byte_level_alphabet()
 
 
 class Tokenizer:
@@ -45,6 +64,8 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.chat_template = chat_template
         self._template: jinja2.Template | None = None
+        self._is_byte_level: bool | None = None  # read from the backend on first use
+        self._added_ids: set[int] = set()
 
     @property
     def vocab_size(self) -> int:
@@ -62,6 +83,29 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, which need not be whole UTF-8
+        characters (a byte-level BPE token may hold half of one)."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        byte_level = self._byte_level and token_id not in self._added_ids
+        if byte_level and all(char in _BYTE_LEVEL_CHARS for char in piece):
+            return bytes(_BYTE_LEVEL_CHARS[char] for char in piece)
+        match = _BYTE_PIECE.fullmatch(piece)
+        if match is not None:
+            return bytes([int(match.group(1), 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
+    @property
+    def _byte_level(self) -> bool:
+        if self._is_byte_level is None:
+            decoder = json.loads(self.backend.to_str()).get("decoder") or {}
+            kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders", [])]
+            self._is_byte_level = "ByteLevel" in kinds
+            self._added_ids = set(self.backend.get_added_tokens_decoder())
+        return self._is_byte_level
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True

@@ -14,9 +14,18 @@ from pydantic import ValidationError
 from cluster.api_errors import APIError, handle_validation_error, validation_error
 from cluster.bench_stats import SLO, RequestRecord, percentile, summarize
 from cluster.completion import Delta
-from cluster.openai_format import ResponseMeta, chat_chunk, completion_logprobs, merge, usage
+from cluster.openai_format import (
+    ResponseMeta,
+    chat_chunk,
+    chat_logprobs,
+    completion_logprobs,
+    merge,
+    usage,
+)
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.stop_strings import StopStringFilter
+from models.embedded.writer import write_checkpoint
+from models.tokenizer import load_tokenizer
 
 
 def _errors(model: type, body: dict[str, Any]) -> list[Any]:
@@ -194,14 +203,48 @@ def test_merged_deltas_give_text_usage_and_logprob_offsets() -> None:
     assert usage(whole) == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
 
     class Letters:
-        def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-            return "".join("xyz"[i] for i in ids)
+        def token_bytes(self, token_id: int) -> bytes:
+            return "xyz"[token_id].encode()
 
     logprobs = completion_logprobs(whole, Letters(), 0, 10)
     assert logprobs is not None
     assert logprobs["tokens"] == ["y", "z"]
     assert logprobs["token_logprobs"] == [-0.5, -1.0]
     assert logprobs["text_offset"] == [10, 11]
+
+
+def test_logprobs_show_a_token_with_part_of_a_character_as_its_bytes(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path, "llama", "tiny")
+    tokenizer = load_tokenizer(tmp_path)
+    ids = tokenizer.encode("a—b", add_special_tokens=False)
+    raw = [tokenizer.token_bytes(i) for i in ids]
+    assert b"".join(raw) == "a—b".encode()
+    assert any(not _utf8(b) for b in raw), "the tiny vocabulary should split the 3-byte dash"
+    delta = Delta("", ids, logprobs=[-0.1] * len(ids), top_logprobs=[[(i, -0.1)] for i in ids])
+    completion = completion_logprobs(delta, tokenizer, 1, 0)
+    assert completion is not None
+    # "—" is 3 bytes; whichever tokens split it show as bytes:, whole ones as text.
+    shown = completion["tokens"]
+    for token, b in zip(shown, raw, strict=True):
+        if _utf8(b):
+            assert token == b.decode()
+        else:
+            assert token == "bytes:" + "".join(f"\\x{x:02x}" for x in b)
+    assert (
+        completion["text_offset"][0] == 0 and completion["text_offset"][-1] == 2
+    )  # "a—" is 2 chars
+    chat = chat_logprobs(delta, tokenizer, 1)
+    assert chat is not None
+    assert [entry["bytes"] for entry in chat["content"]] == [list(b) for b in raw]
+    assert chat["content"][0]["top_logprobs"][0]["bytes"] == list(raw[0])
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def test_chat_chunk_has_the_openai_chunk_shape() -> None:
