@@ -92,7 +92,14 @@ class LlamaAttention(torch.nn.Module):
 
 
 class LlamaDecoderLayer(torch.nn.Module):
-    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
+
+    The residual stream travels beside the block's output, so each residual
+    add is done by the next norm (`RMSNorm.add_and_norm`) in the same pass:
+    the layer takes `(hidden, residual)` and returns its sublayer output and
+    the stream, with `residual=None` for the first layer. The sums and their
+    order are the reference's.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -104,12 +111,19 @@ class LlamaDecoderLayer(torch.nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         cos_sin: tuple[torch.Tensor, ...],
         layer_cache: AttentionLayerCache,
         batch: ForwardBatch,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, layer_cache, batch)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden.clone()
+            normed = self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        attn_out = self.self_attn(normed, cos_sin, layer_cache, batch)
+        normed, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
+        return self.mlp(normed), residual
 
 
 class LlamaModel(torch.nn.Module):
@@ -128,9 +142,12 @@ class LlamaModel(torch.nn.Module):
     def forward(self, batch: ForwardBatch, caches: CacheViews) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids)
         cos_sin = self.rotary_emb.cos_sin(batch.positions, hidden.dtype)
+        residual: torch.Tensor | None = None
         for layer, layer_cache in zip(self.layers, caches.attention, strict=True):
-            hidden = layer(hidden, cos_sin, layer_cache, batch)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos_sin, layer_cache, batch)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm.add_and_norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(CausalLM):

@@ -7,8 +7,9 @@ Models and the transfer code call these functions, never the kernel modules:
   the kernel anyway. On CPU that only works under the Triton interpreter
   (`TRITON_INTERPRET=1` set before the kernel modules are imported), which is
   how the test suite checks kernels on machines without a GPU.
-- decode attention on CPU tensors also has a C kernel (`cpu_attention`,
-  built on first use); `use_cpu_decode_kernel` says when it serves a call.
+- decode attention and RMSNorm on CPU tensors also have C kernels
+  (`cpu_attention`, `cpu_norm`, built on first use); `use_cpu_decode_kernel`
+  and `rms_norm` choose them where they serve a call.
 
 Each function has the signature of its reference twin.
 """
@@ -18,9 +19,10 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 from triton.runtime.interpreter import InterpretedFunction
 
-from models.kernels import block_copy, cpu_attention, paged_attention
+from models.kernels import block_copy, cpu_attention, cpu_norm, paged_attention
 from models.kernels import mamba_state_update as mamba_kernel
 from models.kernels.block_copy import BlockIds
 from models.kernels.mamba_state_update import NO_DT_LIMIT, DtLimit
@@ -101,6 +103,29 @@ def paged_attention_decode_cpu(
     return cpu_attention.paged_attention_decode_cpu(
         q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window
     )
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`weight * norm(x)` over the last dim; with `residual`, first `residual += x`
+    (in place) and normalize that. The C kernel on CPU where it applies, else torch."""
+    if (
+        x.device.type == "cpu"
+        and os.environ.get(FORCE_TRITON_ENV, "0") != "1"
+        and cpu_norm.supported(x, weight, residual)
+    ):
+        return cpu_norm.rms_norm(x, weight, eps, residual)
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    # One fused kernel for the statistic and scaling; on bf16/fp16 input it
+    # accumulates in float32 and rounds once to the input dtype, as the
+    # reference models' explicit float32 round trip does. Then the weight.
+    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 def mamba_state_update(

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from models.kernels import dispatch
 
 
 class RMSNorm(torch.nn.Module):
-    """`weight * x / sqrt(mean(x^2) + eps)`; the statistic is taken in float32."""
+    """`weight * x / sqrt(mean(x^2) + eps)`; the statistic is taken in float32.
+
+    `add_and_norm(x, residual)` is the pre-norm decoder's `residual = residual
+    + x` followed by this norm, in one pass on CPU (see `dispatch.rms_norm`).
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -15,8 +20,10 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused kernel for the statistic and scaling (the reference models'
-        # five elementwise ops); on bf16/fp16 input it accumulates in float32
-        # and rounds once to the input dtype, as the reference's explicit
-        # float32 round trip does. Then the weight, as they apply it.
-        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+        return dispatch.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(norm(residual + x), residual + x)`; `residual` is updated in place."""
+        return dispatch.rms_norm(x, self.weight, self.eps, residual), residual

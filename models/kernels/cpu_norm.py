@@ -1,0 +1,81 @@
+"""RMSNorm on CPU through the C kernel in `csrc/rms_norm.c`, optionally fused
+with the residual add before it.
+
+In torch an RMSNorm is a chain of small ops (upcast, square, mean, rsqrt,
+scale, downcast, weight) and the residual add one more; a decode step runs
+two of each per layer on a few rows. The kernel does each row in one pass
+with the same rounding (see the C file's header). `supported(...)` says
+whether tensors can take this path (one CPU dtype, fp32 or bf16, rows
+contiguous, no autograd, the library built); otherwise callers run torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from models.kernels import cpu_build
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_MAX_WIDTH = 16384
+# Below this many elements one thread is faster than starting more.
+_PARALLEL_ELEMENTS = 1 << 18
+
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+class NormKernelError(RuntimeError):
+    """The RMSNorm kernel refused its inputs."""
+
+
+def _library() -> ctypes.CDLL | None:
+    lib = cpu_build.load("rms_norm")
+    if lib is not None and lib.rms_norm.argtypes is None:
+        lib.rms_norm.argtypes = [_INT, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64]
+        lib.rms_norm.argtypes += [ctypes.c_float, _INT]
+    return lib
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """Whether `rms_norm(x, weight, eps, residual)` can run the C kernel."""
+    if x.device.type != "cpu" or x.dtype not in _DTYPES or x.dim() != 2:
+        return False
+    if weight.dtype != x.dtype or weight.shape != (x.shape[1],) or x.shape[1] > _MAX_WIDTH:
+        return False
+    if x.stride(1) != 1 or weight.stride(0) != 1:
+        return False
+    if residual is not None and (
+        residual.dtype != x.dtype or residual.shape != x.shape or residual.stride(1) != 1
+    ):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False  # the kernel records no autograd graph
+    return _library() is not None
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`weight * norm(x)` of 2-D `x`; with `residual`, first `residual += x`
+    (in place) and normalize that. Only where `supported(...)` holds."""
+    lib = _library()
+    if lib is None or not supported(x, weight, residual):
+        raise NormKernelError("the RMSNorm kernel does not serve these inputs; check supported()")
+    rows, width = x.shape
+    out = torch.empty(rows, width, dtype=x.dtype)
+    lib.rms_norm(
+        _DTYPES[x.dtype],
+        x.data_ptr(),
+        x.stride(0),
+        None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0),
+        weight.data_ptr(),
+        out.data_ptr(),
+        width,
+        rows,
+        width,
+        eps,
+        torch.get_num_threads() if rows * width >= _PARALLEL_ELEMENTS else 1,
+    )
+    return out

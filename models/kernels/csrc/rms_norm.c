@@ -1,0 +1,123 @@
+/* RMSNorm for CPU tensors, optionally after a residual add, in fp32 or bf16,
+ * with the reference models' rounding. Over a row x of n values:
+ *
+ *   y   = x * 1/sqrt(mean(x^2) + eps)     fp32, rounded once to the dtype
+ *   out = weight * y                      fp32 product, rounded to the dtype
+ *
+ * which is what `weight * (x.float() * rsqrt(...)).to(dtype)` computes in
+ * torch. The fused form first stores `residual = x + residual` (rounded to
+ * the dtype, as a torch add is) and normalizes that sum, so a decoder layer's
+ * residual add and the next norm read the row once.
+ *
+ * Rows are independent; large inputs are split over `threads` POSIX threads.
+ * Row strides are in elements; each row is contiguous.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+
+#define MAX_WIDTH 16384
+#define ROWS_PER_CHUNK 8
+
+static inline float bf16_to_f32(uint16_t v) {
+    union { uint32_t u; float f; } x;
+    x.u = ((uint32_t)v) << 16;
+    return x.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    /* Round to nearest even, as torch rounds float -> bfloat16 (NaN stays NaN). */
+    union { uint32_t u; float f; } x;
+    x.f = f;
+    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40);
+    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+}
+
+typedef struct {
+    int is_bf16;
+    const void *x, *weight;
+    void *residual, *out;
+    int64_t rows, width, x_stride, residual_stride, out_stride;
+    float eps;
+    int64_t next; /* first row of the next chunk, atomic */
+} Job;
+
+static void norm_row_f32(const Job *job, int64_t r) {
+    const int64_t n = job->width;
+    const float *x = (const float *)job->x + r * job->x_stride;
+    const float *w = (const float *)job->weight;
+    float *out = (float *)job->out + r * job->out_stride;
+    float row[MAX_WIDTH], sum = 0.0f;
+    if (job->residual != NULL) {
+        float *res = (float *)job->residual + r * job->residual_stride;
+        for (int64_t i = 0; i < n; i++) {
+            res[i] += x[i];
+            row[i] = res[i];
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) row[i] = x[i];
+    }
+    for (int64_t i = 0; i < n; i++) sum += row[i] * row[i];
+    const float inv = 1.0f / sqrtf(sum / (float)n + job->eps);
+    for (int64_t i = 0; i < n; i++) out[i] = w[i] * (row[i] * inv);
+}
+
+static void norm_row_bf16(const Job *job, int64_t r) {
+    const int64_t n = job->width;
+    const uint16_t *x = (const uint16_t *)job->x + r * job->x_stride;
+    const uint16_t *w = (const uint16_t *)job->weight;
+    uint16_t *out = (uint16_t *)job->out + r * job->out_stride;
+    float row[MAX_WIDTH], sum = 0.0f;
+    if (job->residual != NULL) {
+        uint16_t *res = (uint16_t *)job->residual + r * job->residual_stride;
+        for (int64_t i = 0; i < n; i++) {
+            res[i] = f32_to_bf16(bf16_to_f32(res[i]) + bf16_to_f32(x[i]));
+            row[i] = bf16_to_f32(res[i]);
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) row[i] = bf16_to_f32(x[i]);
+    }
+    for (int64_t i = 0; i < n; i++) sum += row[i] * row[i];
+    const float inv = 1.0f / sqrtf(sum / (float)n + job->eps);
+    for (int64_t i = 0; i < n; i++) {
+        const float y = bf16_to_f32(f32_to_bf16(row[i] * inv));
+        out[i] = f32_to_bf16(bf16_to_f32(w[i]) * y);
+    }
+}
+
+static void *run_rows(void *arg) {
+    Job *job = (Job *)arg;
+    for (;;) {
+        const int64_t first = __atomic_fetch_add(&job->next, ROWS_PER_CHUNK, __ATOMIC_RELAXED);
+        if (first >= job->rows) break;
+        const int64_t last = first + ROWS_PER_CHUNK < job->rows ? first + ROWS_PER_CHUNK : job->rows;
+        for (int64_t r = first; r < last; r++) {
+            if (job->is_bf16)
+                norm_row_bf16(job, r);
+            else
+                norm_row_f32(job, r);
+        }
+    }
+    return NULL;
+}
+
+/* out[r] = RMSNorm(x[r]); with residual != NULL, first residual[r] += x[r]
+ * and normalize residual[r]. Returns 1 when rows are wider than MAX_WIDTH. */
+int rms_norm(int is_bf16, const void *x, int64_t x_stride, void *residual,
+             int64_t residual_stride, const void *weight, void *out, int64_t out_stride,
+             int64_t rows, int64_t width, float eps, int threads) {
+    if (width > MAX_WIDTH) return 1;
+    Job job = {is_bf16, x, weight, residual, out, rows, width, x_stride, residual_stride,
+               out_stride, eps, 0};
+    const int64_t chunks = (rows + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK;
+    int helpers = threads - 1;
+    if (helpers > chunks - 1) helpers = (int)(chunks - 1);
+    if (helpers > 63) helpers = 63;
+    pthread_t pool[63];
+    int started = 0;
+    for (; started < helpers; started++)
+        if (pthread_create(&pool[started], NULL, run_rows, &job) != 0) break;
+    run_rows(&job);
+    for (int i = 0; i < started; i++) pthread_join(pool[i], NULL);
+    return 0;
+}
