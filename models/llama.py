@@ -16,7 +16,8 @@ from models.base import CausalLM
 from models.batch import AttentionLayerCache, CacheViews, ForwardBatch
 from models.config import DECODER, ModelConfig, RopeConfig
 from models.errors import ConfigError
-from models.layers.attention import paged_attention
+from models.kernels import dispatch
+from models.layers.attention import attend, paged_attention
 from models.layers.fused_linear import FusedLinear
 from models.layers.linear_mlp import SwiGLUMLP
 from models.layers.norm import RMSNorm
@@ -28,7 +29,8 @@ class LlamaAttention(torch.nn.Module):
 
     `fuse_projections()` (called once the weights are loaded) runs Q/K/V as
     one matmul, rotates Q and K in one call and prepacks o_proj (see
-    `FusedLinear`); until then, or if the fusion went stale, the plain layers
+    `FusedLinear`); on CPU one C pass then rotates Q/K in place and writes
+    K/V into the cache. Until fusion, or if it went stale, the plain layers
     run.
     """
 
@@ -66,7 +68,24 @@ class LlamaAttention(torch.nn.Module):
         num_tokens = hidden.shape[0]
         cos, sin = cos_sin
         if self.qkv is not None and self.qkv.is_current():
-            q, k, v = self._fused_qkv(hidden, cos, sin)
+            qkv = self.qkv(hidden).view(num_tokens, -1, self.head_dim)
+            keys, values = layer_cache.key_cache, layer_cache.value_cache
+            if dispatch.use_cpu_rope_kernel(qkv, cos, sin, keys, values):
+                # Rotation and the cache write in one pass, Q/K rotated in place.
+                dispatch.rope_and_cache_cpu(
+                    qkv,
+                    cos,
+                    sin,
+                    self.num_heads,
+                    keys,
+                    values,
+                    batch.slot_mapping,
+                    batch.block_size,
+                )
+                q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+                out = attend(q, k, v, layer_cache, batch, self.scale, self.sliding_window)
+                return self._project_out(out, num_tokens)
+            q, k, v = self._rotate(qkv, cos, sin)
         else:
             q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
             k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -74,18 +93,18 @@ class LlamaAttention(torch.nn.Module):
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
         out = paged_attention(q, k, v, layer_cache, batch, self.scale, self.sliding_window)
+        return self._project_out(out, num_tokens)
+
+    def _project_out(self, out: torch.Tensor, num_tokens: int) -> torch.Tensor:
         out = out.reshape(num_tokens, self.num_heads * self.head_dim)
         if self.out is not None and self.out.is_current():
             return self.out(out)
         return self.o_proj(out)
 
-    def _fused_qkv(
-        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    def _rotate(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Q, K (rotated) and V from one matmul; Q and K heads rotate together."""
-        assert self.qkv is not None
-        num_tokens, d = hidden.shape[0], self.head_dim
-        qkv = self.qkv(hidden).view(num_tokens, self.num_heads + 2 * self.num_kv_heads, d)
+        """Q, K (rotated) and V of the fused projection; Q and K heads rotate together."""
         qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return q, k, qkv[:, self.num_heads + self.num_kv_heads :]

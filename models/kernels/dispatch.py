@@ -7,9 +7,10 @@ Models and the transfer code call these functions, never the kernel modules:
   the kernel anyway. On CPU that only works under the Triton interpreter
   (`TRITON_INTERPRET=1` set before the kernel modules are imported), which is
   how the test suite checks kernels on machines without a GPU.
-- decode attention and RMSNorm on CPU tensors also have C kernels
-  (`cpu_attention`, `cpu_norm`, built on first use); `use_cpu_decode_kernel`
-  and `rms_norm` choose them where they serve a call.
+- decode attention, RMSNorm and the rotary + K/V cache write on CPU tensors
+  also have C kernels (`cpu_attention`, `cpu_norm`, `cpu_rope`, built on
+  first use); `use_cpu_decode_kernel`, `rms_norm` and `use_cpu_rope_kernel`
+  choose them where they serve a call.
 
 Each function has the signature of its reference twin.
 """
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from triton.runtime.interpreter import InterpretedFunction
 
-from models.kernels import block_copy, cpu_attention, cpu_norm, paged_attention
+from models.kernels import block_copy, cpu_attention, cpu_norm, cpu_rope, paged_attention
 from models.kernels import mamba_state_update as mamba_kernel
 from models.kernels.block_copy import BlockIds
 from models.kernels.mamba_state_update import NO_DT_LIMIT, DtLimit
@@ -102,6 +103,35 @@ def paged_attention_decode_cpu(
     """Decode attention through the C kernel; only where `use_cpu_decode_kernel` holds."""
     return cpu_attention.paged_attention_decode_cpu(
         q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window
+    )
+
+
+def use_cpu_rope_kernel(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+) -> bool:
+    """Whether the rotary + cache write of a fused QKV output runs the C kernel."""
+    if qkv.device.type != "cpu" or os.environ.get(FORCE_TRITON_ENV, "0") == "1":
+        return False
+    return cpu_rope.supported(qkv, cos, sin, key_cache, value_cache)
+
+
+def rope_and_cache_cpu(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_size: int,
+) -> None:
+    """Rotate Q/K of `qkv` in place and store K/V; only where `use_cpu_rope_kernel` holds."""
+    cpu_rope.rope_and_cache(
+        qkv, cos, sin, num_heads, key_cache, value_cache, slot_mapping, block_size
     )
 
 

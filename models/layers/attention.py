@@ -60,6 +60,19 @@ def paged_attention(
     at position p sees keys at positions `> p - sliding_window` only.
     """
     write_kv(k, v, layer_cache, batch)
+    return attend(q, k, v, layer_cache, batch, scale, sliding_window)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_cache: AttentionLayerCache,
+    batch: ForwardBatch,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """`paged_attention` for a step whose new K/V are already in the cache."""
     if batch.is_decode_only:
         return decode_attention(q, layer_cache, batch, scale, sliding_window)
     if batch.padded_prefill_layout is not None:

@@ -1,0 +1,137 @@
+/* Rotary embedding of Q and K, then K and V written into the paged cache, for
+ * CPU tensors in fp32 or bf16: what a Llama-style attention layer does
+ * between its QKV projection and attention, in one pass per token.
+ *
+ *   qkv    [T, heads + 2 * kv_heads, dim]   token stride `qkv_stride`, heads
+ *                                           contiguous; rotated in place
+ *   cos, sin [T, rot_dim]                   token stride `cs_stride`
+ *   caches [blocks, block_size, kv_heads, dim], any strides, dim contiguous
+ *   slots  [T] int64: block * block_size + offset (a negative slot is skipped)
+ *
+ * The first `rot_dim` values of each Q/K head rotate as the reference models
+ * rotate them ("rotate half"):
+ *
+ *   out[:h] = x[:h] * cos[:h] - x[h:] * sin[:h]
+ *   out[h:] = x[h:] * cos[h:] + x[:h] * sin[h:]        h = rot_dim / 2
+ *
+ * each product and the sum rounded to the dtype, as torch's separate ops
+ * round them. Tokens are independent; many are split over `threads` threads.
+ */
+#include <pthread.h>
+#include <stdint.h>
+
+#define TOKENS_PER_CHUNK 16
+
+static inline float bf16_to_f32(uint16_t v) {
+    union { uint32_t u; float f; } x;
+    x.u = ((uint32_t)v) << 16;
+    return x.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } x;
+    x.f = f;
+    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40);
+    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+}
+
+static inline float rnd(int is_bf16, float v) { return is_bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+static inline float ld(int is_bf16, const void *base, int64_t i) {
+    return is_bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+static inline void st(int is_bf16, void *base, int64_t i, float v) {
+    if (is_bf16)
+        ((uint16_t *)base)[i] = f32_to_bf16(v);
+    else
+        ((float *)base)[i] = v;
+}
+
+typedef struct {
+    int is_bf16;
+    void *qkv;
+    int64_t qkv_stride;
+    int tokens, heads, kv_heads, dim, rot_dim;
+    const void *cos, *sin;
+    int64_t cs_stride;
+    void *key_cache, *value_cache;
+    int64_t s_block, s_offset, s_head;
+    const int64_t *slots;
+    int block_size;
+    int64_t next; /* first token of the next chunk, atomic */
+} Job;
+
+static void rotate_head(const Job *job, int64_t at, int64_t t) {
+    const int bf = job->is_bf16, half = job->rot_dim / 2;
+    const int64_t cs = t * job->cs_stride;
+    float x[1024];
+    for (int i = 0; i < job->rot_dim; i++) x[i] = ld(bf, job->qkv, at + i);
+    for (int i = 0; i < half; i++) {
+        const float a = rnd(bf, x[i] * ld(bf, job->cos, cs + i));
+        const float b = rnd(bf, -x[i + half] * ld(bf, job->sin, cs + i));
+        st(bf, job->qkv, at + i, a + b);
+        const float c = rnd(bf, x[i + half] * ld(bf, job->cos, cs + half + i));
+        const float d = rnd(bf, x[i] * ld(bf, job->sin, cs + half + i));
+        st(bf, job->qkv, at + half + i, c + d);
+    }
+}
+
+static void copy_row(int is_bf16, const void *src, int64_t from, void *dst, int64_t to, int n) {
+    if (is_bf16) {
+        const uint16_t *s = (const uint16_t *)src + from;
+        uint16_t *d = (uint16_t *)dst + to;
+        for (int i = 0; i < n; i++) d[i] = s[i];
+    } else {
+        const float *s = (const float *)src + from;
+        float *d = (float *)dst + to;
+        for (int i = 0; i < n; i++) d[i] = s[i];
+    }
+}
+
+static void run_token(const Job *job, int64_t t) {
+    const int dim = job->dim, kv_heads = job->kv_heads, heads = job->heads;
+    const int64_t row = t * job->qkv_stride;
+    for (int h = 0; h < heads + kv_heads; h++) rotate_head(job, row + (int64_t)h * dim, t);
+    const int64_t slot = job->slots[t];
+    if (slot < 0) return;
+    const int64_t base = (slot / job->block_size) * job->s_block + (slot % job->block_size) * job->s_offset;
+    for (int h = 0; h < kv_heads; h++) {
+        const int64_t k_at = row + (int64_t)(heads + h) * dim;
+        const int64_t v_at = row + (int64_t)(heads + kv_heads + h) * dim;
+        copy_row(job->is_bf16, job->qkv, k_at, job->key_cache, base + h * job->s_head, dim);
+        copy_row(job->is_bf16, job->qkv, v_at, job->value_cache, base + h * job->s_head, dim);
+    }
+}
+
+static void *run_tokens(void *arg) {
+    Job *job = (Job *)arg;
+    for (;;) {
+        const int64_t first = __atomic_fetch_add(&job->next, TOKENS_PER_CHUNK, __ATOMIC_RELAXED);
+        if (first >= job->tokens) break;
+        const int64_t last = first + TOKENS_PER_CHUNK < job->tokens ? first + TOKENS_PER_CHUNK : job->tokens;
+        for (int64_t t = first; t < last; t++) run_token(job, t);
+    }
+    return NULL;
+}
+
+/* Returns 1 when rot_dim is odd, larger than dim or than 1024. */
+int rope_and_cache(int is_bf16, void *qkv, int64_t qkv_stride, int tokens, int heads, int kv_heads,
+                   int dim, int rot_dim, const void *cos, const void *sin, int64_t cs_stride,
+                   void *key_cache, void *value_cache, int64_t s_block, int64_t s_offset,
+                   int64_t s_head, const int64_t *slots, int block_size, int threads) {
+    if (rot_dim % 2 || rot_dim > dim || rot_dim > 1024) return 1;
+    Job job = {is_bf16, qkv, qkv_stride, tokens, heads, kv_heads, dim, rot_dim, cos, sin,
+               cs_stride, key_cache, value_cache, s_block, s_offset, s_head, slots, block_size, 0};
+    const int64_t chunks = ((int64_t)tokens + TOKENS_PER_CHUNK - 1) / TOKENS_PER_CHUNK;
+    int helpers = threads - 1;
+    if (helpers > chunks - 1) helpers = (int)(chunks - 1);
+    if (helpers > 63) helpers = 63;
+    pthread_t pool[63];
+    int started = 0;
+    for (; started < helpers; started++)
+        if (pthread_create(&pool[started], NULL, run_tokens, &job) != 0) break;
+    run_tokens(&job);
+    for (int i = 0; i < started; i++) pthread_join(pool[i], NULL);
+    return 0;
+}
