@@ -6,7 +6,9 @@ the compiler, and loaded with `ctypes`:
 
     $DISAGG_KERNEL_CACHE (default ~/.cache/disagg/kernels)/<name>-<key>.so
 
-A library is built once per machine: later processes load the cached file.
+A library is built once per machine (the key includes the CPU's model and
+feature flags, so a home directory shared by different machines is safe):
+later processes load the cached file.
 Builds write to a temporary name and rename it into place, so workers that
 start together never load a half-written library. When no C compiler is
 found or the build fails, `load` returns None (logged once) and callers use
@@ -20,6 +22,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -86,7 +89,10 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
         logger.warning("no C compiler (cc, gcc or clang) found: CPU kernel %s runs in torch", name)
         return None
     key = hashlib.sha256(
-        source.read_bytes() + " ".join((compiler, *FLAGS)).encode() + _compiler_id(compiler)
+        source.read_bytes()
+        + " ".join((compiler, *FLAGS)).encode()
+        + _compiler_id(compiler)
+        + _cpu_id()
     ).hexdigest()[:16]
     target = _cache_dir() / f"{name}-{key}.so"
     if not target.exists():
@@ -109,6 +115,18 @@ def _compiler_id(compiler: str) -> bytes:
         ).stdout
     except (OSError, subprocess.SubprocessError):
         return b""
+
+
+def _cpu_id() -> bytes:
+    """The CPU's model and feature flags: `-march=native` code built on one
+    machine must not be loaded on another from a shared home directory."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return platform.processor().encode() + platform.machine().encode()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    first = text.split("\n\n", 1)[0]
+    return "\n".join(line for line in first.splitlines() if line.startswith(wanted)).encode()
 
 
 def _compile(compiler: str, source: Path, target: Path) -> None:
