@@ -17,6 +17,8 @@ Every call on the agent runs on the transceiver's own `AgentThread`, never on
 the event loop: over UCX on CPU a READ copies inside its post, and a pull in
 flight must not stall the running batch. Lease and bookkeeping state stays on
 the loop; the agent, its prepared tables and the peer maps stay on the thread.
+A pull that fails, times out or is aborted raises only once its READs are
+over or released, since its caller frees the destination blocks right after.
 
 READs are one-sided, so the holder cannot see them: a pull must start and
 finish inside the lease (the puller checks the handle's expiry before and
@@ -174,18 +176,23 @@ class NixlTransceiver(Transceiver):
         try:
             states = await self._thread.run(self._post_reads, handle, groups, xfers)
             await self._wait(handle, xfers, states)
-        except Exception as exc:
+        except BaseException as exc:
+            # Bytes may land in the destination blocks until the post returns
+            # (a CPU READ copies inside it) and its READs are released (which
+            # aborts an unfinished one); the caller frees the blocks once this
+            # raises, so wait for both. The release queues behind the post.
+            await self._thread.run(_release, xfers)
+            if not isinstance(exc, Exception):
+                raise
             translated = self._translate(handle, exc)
             if translated is exc:
                 raise
             raise translated from exc
-        finally:
-            # Queued behind the post, so even a cancelled pull releases (and
-            # thereby aborts) its READs only once the post has returned.
+        if time.time() >= handle.lease_expiry:  # the holder may have freed them mid-READ
             self._thread.submit(_release, xfers)
-        self._check_lease(handle)
-        message = b" ".join([_RELEASE, handle.request_id.encode(), handle.transfer_id.encode()])
-        self._thread.submit(self._agent.send_notif, handle.agent_name, message)
+            raise UnknownRequest(handle.request_id, handle.peer)
+        # The holder learns in the background; the caller has its bytes now.
+        self._thread.submit(self._finish, xfers, handle)
 
     def _check_request(
         self, handle: TransferHandle, dest_regions: RequestRegions, dest: LayoutSignature
@@ -313,6 +320,12 @@ class NixlTransceiver(Transceiver):
             return self._agent.prep_xfer_dlist(agent_name, entries, self._mem_type)
 
         return prepare
+
+    def _finish(self, xfers: list[Any], handle: TransferHandle) -> None:
+        """Release the finished READs, then tell the holder to unpin the request."""
+        _release(xfers)
+        message = b" ".join([_RELEASE, handle.request_id.encode(), handle.transfer_id.encode()])
+        self._agent.send_notif(handle.agent_name, message)
 
     def _send_abort(self, peer: str, message: bytes) -> None:
         """Best effort, to a peer this agent has loaded; others never got our READs."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ import torch
 from kvcache.spec import CacheSpec
 from tests.transfer_harness import BLOCK_SIZE, Endpoint
 from transfer.base import TransferHandle
-from transfer.errors import LayoutMismatch, UnknownRequest
+from transfer.errors import LayoutMismatch, TransferAborted, UnknownRequest
 from transfer.nixl_transceiver import NixlTransceiver, nixl_available
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl is not importable")
@@ -135,6 +137,27 @@ async def test_idle_agents_do_not_spin_a_core(workers: dict[str, Endpoint]) -> N
 # 4 attention layers x [2, 16, 8, 128] float32 = 512 KiB per block; 128 blocks = 64 MiB.
 LARGE = CacheSpec(num_kv_heads=8, head_dim=128, attention_layers=(0, 1, 2, 3))
 LARGE_BLOCKS = 128
+LARGE_TOKENS = LARGE_BLOCKS * 16
+
+
+@pytest.fixture
+async def large() -> AsyncIterator[tuple[Endpoint, Endpoint]]:
+    """A holder with 64 MiB of random KV published as "big", and a warmed-up puller."""
+    src, dst = (
+        Endpoint("v2", NixlTransceiver, spec=LARGE, block_size=16, num_blocks=2 * LARGE_BLOCKS + 1)
+        for _ in range(2)
+    )
+    await src.xcvr.start()
+    await dst.xcvr.start()
+    for buffer in src.tensors.buffers().values():
+        torch.randint(0, 256, buffer.shape, dtype=torch.uint8, out=buffer)
+    assert src.manager.allocate_slots("warm", LARGE_TOKENS)
+    await dst.pull(src.publish("warm"), LARGE_TOKENS)  # connects and prepares the tables
+    dst.manager.free("warm")
+    assert src.manager.allocate_slots("big", LARGE_TOKENS)
+    yield src, dst
+    await src.xcvr.close()
+    await dst.xcvr.close()
 
 
 async def max_loop_gap(work: Awaitable[None], tick_s: float = 0.001) -> tuple[float, float]:
@@ -162,31 +185,91 @@ async def max_loop_gap(work: Awaitable[None], tick_s: float = 0.001) -> tuple[fl
     return elapsed, max(gaps)
 
 
-async def test_large_pull_keeps_the_event_loop_responsive() -> None:
-    src, dst = (
-        Endpoint("v2", NixlTransceiver, spec=LARGE, block_size=16, num_blocks=LARGE_BLOCKS + 1)
-        for _ in range(2)
+async def test_large_pull_keeps_the_event_loop_responsive(
+    large: tuple[Endpoint, Endpoint],
+) -> None:
+    src, dst = large
+    source = src.manager.regions("big")  # its bytes stay put after the holder frees it
+    elapsed, gap = await max_loop_gap(dst.pull(src.publish("big"), LARGE_TOKENS))
+    dest = dst.manager.regions("big")
+    for s, d in zip(source.descriptors, dest.descriptors, strict=True):
+        assert torch.equal(src.tensors.region_tensor(s), dst.tensors.region_tensor(d))
+    # Posting the READ on the loop would stall it for the whole copy (gap ~ elapsed).
+    assert gap < 0.5 * elapsed, f"loop stalled {gap * 1e3:.1f} ms of a {elapsed * 1e3:.1f} ms pull"
+
+
+async def test_aborted_pull_returns_only_once_no_byte_can_land(
+    large: tuple[Endpoint, Endpoint],
+) -> None:
+    src, dst = large
+    handle = src.publish("big")
+    assert dst.manager.allocate_for_transfer("big", LARGE_TOKENS)
+    posting, posted = threading.Event(), threading.Event()
+    post = dst.xcvr._agent.transfer
+
+    def transfer(*args: object) -> object:
+        posting.set()
+        try:
+            return post(*args)
+        finally:
+            posted.set()
+
+    dst.xcvr._agent.transfer = transfer
+    pull = asyncio.create_task(
+        dst.xcvr.pull(handle, dst.manager.regions("big"), dst.manager.layout_signature(), 30)
     )
-    await src.xcvr.start()
-    await dst.xcvr.start()
-    try:
-        num_tokens = LARGE_BLOCKS * 16
-        assert src.manager.allocate_slots("big", num_tokens)
-        for buffer in src.tensors.buffers().values():
-            torch.randint(0, 256, buffer.shape, dtype=torch.uint8, out=buffer)
-        await dst.pull(src.publish("big"), num_tokens)  # warm: connection and tables
-        dst.manager.free("big")
-        await wait_for(lambda: src.xcvr.num_pinned == 0)
-        assert src.manager.allocate_slots("big", num_tokens)
-        source = src.manager.regions("big")  # its bytes stay put after the holder frees it
-        elapsed, gap = await max_loop_gap(dst.pull(src.publish("big"), num_tokens))
-        dest = dst.manager.regions("big")
-        for s, d in zip(source.descriptors, dest.descriptors, strict=True):
-            assert torch.equal(src.tensors.region_tensor(s), dst.tensors.region_tensor(d))
-        # Posting the READ inline would stall the loop for the whole copy (gap ~ elapsed).
-        assert gap < 0.5 * elapsed, (
-            f"loop stalled {gap * 1e3:.1f} ms of a {elapsed * 1e3:.1f} ms pull"
-        )
-    finally:
-        await src.xcvr.close()
-        await dst.xcvr.close()
+    while not posting.is_set():
+        await asyncio.sleep(0.0002)
+    dst.xcvr.abort("big")  # the 64 MiB READ is copying inside its post on the agent thread
+    with pytest.raises(TransferAborted):
+        await pull
+    # The caller frees the blocks now, so the copy must be over.
+    assert posted.is_set()
+    dst.manager.free("big")
+    await wait_for(lambda: "big" in src.released)
+    assert src.released == ["warm", "big"] and src.xcvr.num_pinned == 0
+    # The agent is usable after the cancelled post.
+    assert src.manager.allocate_slots("again", LARGE_TOKENS)
+    source = src.manager.regions("again")
+    await dst.pull(src.publish("again"), LARGE_TOKENS)
+    for s, d in zip(source.descriptors, dst.manager.regions("again").descriptors, strict=True):
+        assert torch.equal(src.tensors.region_tensor(s), dst.tensors.region_tensor(d))
+
+
+async def test_every_agent_call_runs_on_the_agent_thread(workers: dict[str, Endpoint]) -> None:
+    src, dst = workers["v2"], workers["v2b"]
+    threads = [record_agent_threads(src.xcvr), record_agent_threads(dst.xcvr)]
+    sent = src.fill("r1", 2 * BLOCK_SIZE)
+    await dst.pull(src.publish("r1"), 2 * BLOCK_SIZE)
+    assert dst.segments("r1") == sent
+    await wait_for(lambda: src.released == ["r1"])
+    await dst.xcvr.close()
+    await src.xcvr.close()
+    for seen in threads:
+        # One thread per agent (it runs without locks of its own), never the loop's.
+        assert len(seen) == 1 and threading.get_ident() not in seen
+
+
+def record_agent_threads(xcvr: NixlTransceiver) -> set[int]:
+    """Wrap the agent's calls to collect the ids of the threads that make them."""
+    seen: set[int] = set()
+    agent = xcvr._agent
+    for name in (
+        "make_prepped_xfer",
+        "transfer",
+        "check_xfer_state",
+        "get_new_notifs",
+        "send_notif",
+        "add_remote_agent",
+        "remove_remote_agent",
+        "prep_xfer_dlist",
+        "deregister_memory",
+    ):
+        method = getattr(agent, name)
+
+        def recorded(*args: object, _method: Any = method, **kwargs: object) -> object:
+            seen.add(threading.get_ident())
+            return _method(*args, **kwargs)
+
+        setattr(agent, name, recorded)
+    return seen
