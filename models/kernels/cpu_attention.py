@@ -8,11 +8,16 @@ the longest sequence, and it runs with the GIL released.
 `supported(...)` says whether a call can take this path (fp32 or bf16
 everywhere, head dim contiguous, the library built); otherwise callers run
 their torch implementation.
+
+A decode step calls this once per attention layer, so the Python side is kept
+to a few attribute reads: the ctypes function is set up once, and the inputs
+are converted only when they are not already what the kernel reads.
 """
 
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -32,29 +37,45 @@ class CpuKernelError(RuntimeError):
     """The C kernel refused its inputs or ran out of memory or threads."""
 
 
-def _library() -> ctypes.CDLL | None:
-    lib = cpu_build.load("decode_attention")
-    if lib is not None and lib.paged_decode_attention.argtypes is None:
+# The kernel's ctypes function once loaded (`_kernel`); the library stays
+# mapped for the life of the process.
+_kernel_fn: Any = None
+
+
+def _kernel() -> Any | None:
+    """The ctypes function `paged_decode_attention`, or None where it cannot be had."""
+    global _kernel_fn
+    if not cpu_build.enabled():
+        return None
+    if _kernel_fn is None:
+        lib = cpu_build.load("decode_attention")
+        if lib is None:
+            return None
         fn = lib.paged_decode_attention
         fn.argtypes = [_INT, _P, _P, _P, _I64, _I64, _I64, _P, _I64, _P, _P]
         fn.argtypes += [_INT] * 6 + [ctypes.c_float, _INT]
         fn.restype = ctypes.c_int
-    return lib
+        _kernel_fn = fn
+    return _kernel_fn
+
+
+def _serves(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    dtype = q.dtype
+    if q.device.type != "cpu" or dtype not in _DTYPES:
+        return False
+    if key_cache.dtype != dtype or value_cache.dtype != dtype:
+        return False
+    strides = key_cache.stride()
+    if strides != value_cache.stride() or strides[3] != 1:
+        return False
+    heads, dim = q.shape[1], q.shape[2]
+    kv_heads = key_cache.shape[2]
+    return heads % kv_heads == 0 and heads // kv_heads <= _MAX_GROUP and dim <= _MAX_DIM
 
 
 def supported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     """Whether `paged_attention_decode_cpu` serves these tensors."""
-    if q.device.type != "cpu" or q.dtype not in _DTYPES:
-        return False
-    if key_cache.dtype != q.dtype or value_cache.dtype != q.dtype:
-        return False
-    if key_cache.stride() != value_cache.stride() or key_cache.stride(3) != 1:
-        return False
-    heads, dim = q.shape[1], q.shape[2]
-    kv_heads = key_cache.shape[2]
-    if heads % kv_heads or heads // kv_heads > _MAX_GROUP or dim > _MAX_DIM:
-        return False
-    return _library() is not None
+    return _serves(q, key_cache, value_cache) and _kernel() is not None
 
 
 def paged_attention_decode_cpu(
@@ -68,39 +89,39 @@ def paged_attention_decode_cpu(
 ) -> torch.Tensor:
     """`[B, heads, dim]` in q's dtype; call only where `supported(...)` holds."""
     check_decode_inputs(q, key_cache, value_cache, block_tables, seq_lens)
-    lib = _library()
-    if lib is None or not supported(q, key_cache, value_cache):
+    kernel = _kernel()
+    if kernel is None or not _serves(q, key_cache, value_cache):
         raise CpuKernelError("the CPU decode kernel does not serve these inputs; check supported()")
     q = q.contiguous()
-    tables = block_tables.to(torch.int64)
-    if tables.stride(1) != 1:
-        tables = tables.contiguous()
-    lens = seq_lens.to(torch.int64).contiguous()
+    tables = block_tables
+    if tables.dtype != torch.int64 or tables.stride(1) != 1:
+        tables = tables.to(torch.int64).contiguous()
+    lens = seq_lens
+    if lens.dtype != torch.int64 or lens.stride(0) != 1:
+        lens = lens.to(torch.int64).contiguous()
     out = torch.empty_like(q)
     batch, heads, dim = q.shape
-    block_size, kv_heads = key_cache.shape[1], key_cache.shape[2]
-    work = int(lens.sum()) * heads * dim
-    threads = torch.get_num_threads() if work >= _PARALLEL_WORK else 1
-    status = lib.paged_decode_attention(
+    kv_strides = key_cache.stride()
+    status = kernel(
         _DTYPES[q.dtype],
         q.data_ptr(),
         key_cache.data_ptr(),
         value_cache.data_ptr(),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
+        kv_strides[0],
+        kv_strides[1],
+        kv_strides[2],
         tables.data_ptr(),
         tables.stride(0),
         lens.data_ptr(),
         out.data_ptr(),
         batch,
         heads,
-        kv_heads,
+        key_cache.shape[2],
         dim,
-        block_size,
+        key_cache.shape[1],
         sliding_window or 0,
         scale,
-        threads,
+        _threads(lens, heads * dim),
     )
     if status != 0:
         raise CpuKernelError(
@@ -108,3 +129,11 @@ def paged_attention_decode_cpu(
             + ("(shape beyond its limits)" if status == 1 else "(out of memory or threads)")
         )
     return out
+
+
+def _threads(lens: torch.Tensor, work_per_key: int) -> int:
+    """torch's thread count where the call has enough work to split, else 1."""
+    threads = torch.get_num_threads()
+    if threads > 1 and int(lens.sum()) * work_per_key < _PARALLEL_WORK:
+        return 1
+    return threads

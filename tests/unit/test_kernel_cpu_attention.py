@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,10 @@ class Case:
 
 CASES = {
     "gqa4": Case(8, 2, 64, 16, (37, 1, 16, 100)),
+    # Several key chunks per sequence, two passes of two heads for the scores.
+    "gqa8_dim128_long": Case(16, 2, 128, 16, (650, 33, 129)),
+    # Dim 80 is padded to whole vector pairs; groups of 3 split 2 + 1.
+    "gqa3_dim80": Case(6, 2, 80, 16, (40, 17)),
     "mha_odd_dims": Case(3, 3, 12, 3, (7, 5)),
     "mqa": Case(4, 1, 8, 8, (20, 9, 0)),
 }
@@ -79,6 +84,27 @@ def test_matches_reference(
     want = paged_attention_decode_ref(q, key_cache, value_cache, tables, seq_lens, scale)
     assert got.dtype == dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("flag", ["-mno-avx512f", "-mno-avx"])
+def test_narrower_vectors_match_reference(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, flag: str
+) -> None:
+    """The kernel rebuilt without AVX-512 (8-lane vectors) or without AVX (4 lanes)."""
+    monkeypatch.setattr(cpu_build, "FLAGS", (*cpu_build.FLAGS, flag))
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setattr(cpu_attention, "_kernel_fn", None)
+    monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))
+    lib = cpu_build.load("decode_attention")
+    if lib is None:
+        pytest.skip(f"the compiler does not take {flag}")
+    assert Path(lib._name).parent == tmp_path  # the narrower build, not the cached one
+    for dtype, case in itertools.product(TOLERANCES, CASES.values()):
+        q, key_cache, value_cache, tables, seq_lens = _inputs(case, "v2", dtype, seed=1)
+        scale = case.head_dim**-0.5
+        got = paged_attention_decode_cpu(q, key_cache, value_cache, tables, seq_lens, scale)
+        want = paged_attention_decode_ref(q, key_cache, value_cache, tables, seq_lens, scale)
+        torch.testing.assert_close(got.float(), want.float(), **TOLERANCES[dtype])
 
 
 def test_sliding_window_attends_to_the_last_keys_only() -> None:
