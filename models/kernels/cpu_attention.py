@@ -27,8 +27,11 @@ from models.kernels.paged_attention import check_decode_inputs
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Fixed-size buffers in the kernel (query heads per kv head, head dim).
 _MAX_GROUP, _MAX_DIM = 64, 512
-# Below this many multiply-adds per call one thread is faster than starting more.
-_PARALLEL_WORK = 1 << 18
+# Multiply-adds (keys x heads x dim) per thread a call needs before it starts
+# another: starting and joining a thread costs ~20 us, and 2^20 multiply-adds
+# take ~60 us on one thread. Measured (bf16, dim 64, 2 cores under load; wall,
+# min of 400): 2^19 1t 32 us / 2t 55 us, 2^20 65 / 85 us, 2^21 130 / 118 us.
+_PARALLEL_WORK = 1 << 20
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -132,8 +135,9 @@ def paged_attention_decode_cpu(
 
 
 def _threads(lens: torch.Tensor, work_per_key: int) -> int:
-    """torch's thread count where the call has enough work to split, else 1."""
+    """Up to torch's thread count, one per `_PARALLEL_WORK` multiply-adds."""
     threads = torch.get_num_threads()
-    if threads > 1 and int(lens.sum()) * work_per_key < _PARALLEL_WORK:
+    if threads == 1:
         return 1
-    return threads
+    work = int(lens.sum()) * work_per_key
+    return max(1, min(threads, work // max(_PARALLEL_WORK, 1)))

@@ -107,6 +107,17 @@ def test_narrower_vectors_match_reference(
         torch.testing.assert_close(got.float(), want.float(), **TOLERANCES[dtype])
 
 
+def test_threads_grow_with_the_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    per_thread = cpu_attention._PARALLEL_WORK
+    heads_x_dim = 8 * 64
+    for keys, threads in [(100, 1), (2 * per_thread // heads_x_dim, 2), (1 << 30, 4)]:
+        lens = torch.tensor([keys // 2, keys - keys // 2])
+        assert cpu_attention._threads(lens, heads_x_dim) == threads
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert cpu_attention._threads(torch.tensor([1 << 30]), heads_x_dim) == 1
+
+
 def test_sliding_window_attends_to_the_last_keys_only() -> None:
     case = CASES["gqa4"]
     q, key_cache, value_cache, tables, seq_lens = _inputs(case, "v2", torch.float32, seed=3)
