@@ -1,13 +1,15 @@
 """`disagg bench-transfer`: transceiver throughput and latency against raw limits.
 
     python -m transfer.bench [--json] [--transceivers python nixl] [--managers v1 v2]
+                             [--wires tcp ucx]
 
-For each transceiver and manager, two Ray actors on this machine each build a
+For each transceiver (the Python one once per wire: rows `python` for TCP,
+`python+ucx` for UCX) and manager, two Ray actors on this machine each build a
 manager, its pool and a transceiver; the holder fills one request of the
 largest size once and republishes it, the puller pulls it repeatedly. Sizes:
 one block, 1 MiB, 64 MiB, 256 MiB of KV. Each line shows GB/s and median
 latency next to the raw limit measured in the same run (loopback TCP for
-Python, one big NIXL READ for NIXL) and a same-process memcpy, plus each
+Python on either wire, one big NIXL READ for NIXL) and a same-process memcpy, plus each
 worker's CPU use while idle.
 """
 
@@ -62,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--managers", nargs="+", default=["v1", "v2"], choices=["v1", "v2"])
     parser.add_argument(
+        "--wires",
+        nargs="+",
+        default=["tcp"],
+        choices=["tcp", "ucx"],
+        help="wires of the Python transceiver (ucx needs the ucx extra)",
+    )
+    parser.add_argument(
         "--reps", type=int, default=0, help="repetitions per size (default: by size)"
     )
 
@@ -71,20 +80,25 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from transfer.nixl_transceiver import nixl_available
+    from transfer.ucx_wire import UCX_INSTALL_HINT, ucx_importable
 
+    if "ucx" in args.wires and not ucx_importable():
+        print(f"--wires ucx: ucxx is not installed; {UCX_INSTALL_HINT}", file=sys.stderr)
+        return EXIT_USAGE_ERROR
     kinds = [k for k in args.transceivers if k != "nixl" or nixl_available()]
     if not kinds:
         print("no usable transceiver: nixl is not importable", file=sys.stderr)
         return EXIT_USAGE_ERROR
+    variants = [(k, w) for k in kinds for w in (args.wires if k == "python" else ["tcp"])]
     root = str(Path(__file__).resolve().parents[1])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
     try:
         if not args.json:
             print(_HEADER)
-        for kind in kinds:
+        for kind, wire in variants:
             for manager in args.managers:
-                for row in _bench_pair(kind, manager, args.reps):
+                for row in _bench_pair(kind, wire, manager, args.reps):
                     print(json.dumps(row.as_json()) if args.json else _format(row), flush=True)
     finally:
         ray.shutdown()
@@ -97,14 +111,14 @@ def _reps(size: int, override: int) -> int:
     return 50 if size <= MIB else (8 if size <= 64 * MIB else 4)
 
 
-def _bench_pair(kind: str, manager: str, reps_override: int) -> list[Row]:
+def _bench_pair(kind: str, wire: str, manager: str, reps_override: int) -> list[Row]:
     import ray
 
     from transfer.bench_raw import BenchHost
     from transfer.bench_worker import EndpointSpec
 
     num_blocks = SIZES[-1] // BLOCK_BYTES + 2
-    spec = {"ep": EndpointSpec(kind, manager, BENCH_SPEC, num_blocks, BLOCK_SIZE)}
+    spec = {"ep": EndpointSpec(kind, manager, BENCH_SPEC, num_blocks, BLOCK_SIZE, wire=wire)}
     actor_class: Any = ray.remote(num_cpus=0)(BenchHost)
     holder: Any = actor_class.remote(spec)
     puller: Any = actor_class.remote(spec)
@@ -127,7 +141,8 @@ def _bench_pair(kind: str, manager: str, reps_override: int) -> list[Row]:
         ray.get(holder.free.remote("ep", "src"))
         raw_times = raw(size, reps + 1)[1:]  # same warm-up as the transceiver
         mem = ray.get(puller.memcpy.remote("ep", size, min(reps, 8)))
-        rows.append(_row(kind, manager, size, times[1:], raw_times, mem, idle))
+        label = kind if wire == "tcp" else f"{kind}+{wire}"
+        rows.append(_row(label, manager, size, times[1:], raw_times, mem, idle))
     ray.get([holder.close_raw.remote(), puller.close_raw.remote()])
     ray.get([holder.close.remote(), puller.close.remote()])
     for actor in (holder, puller):

@@ -27,7 +27,8 @@ from transfer.factory import create_transceiver
 
 @dataclass(frozen=True)
 class EndpointSpec:
-    """What to build: `kind` ("python" | "nixl"), `manager` ("v1" | "v2"), pool sizes."""
+    """What to build: `kind` ("python" | "nixl"), `manager` ("v1" | "v2"), pool sizes,
+    and the Python transceiver's `wire` ("tcp" | "ucx")."""
 
     kind: str
     manager: str
@@ -36,6 +37,7 @@ class EndpointSpec:
     block_size: int
     num_slots: int = 4
     secret: bytes = b"bench"
+    wire: str = "tcp"
 
 
 class CacheEndpoint:
@@ -177,4 +179,4 @@ class EndpointHost:
 
 
 def _make_transceiver(cfg: EndpointSpec, buffers: dict[str, torch.Tensor]) -> Transceiver:
-    return create_transceiver(cfg.kind, buffers, secret=cfg.secret)
+    return create_transceiver(cfg.kind, buffers, secret=cfg.secret, wire=cfg.wire)

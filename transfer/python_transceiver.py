@@ -58,6 +58,10 @@ from transfer.wire import (
 logger = logging.getLogger(__name__)
 
 _HANDSHAKE_TIMEOUT_S = 10.0
+# Dialing a live holder takes milliseconds. A dead UCX holder is only noticed
+# when this runs out (ucxx does not surface a refused connection sooner), so
+# it is kept short; TCP refusals arrive at once.
+_CONNECT_TIMEOUT_S = 3.0
 _MAX_IDLE_PER_PEER = 8  # authenticated connections kept open per holder
 
 
@@ -77,7 +81,8 @@ class PythonTransceiver(Transceiver):
     max_inflight_bytes: bound on bytes being sent at once over all pulls.
     stage_through_host: copy host buffers through staging chunks as device
         buffers always are (off by default: host buffers go zero-copy).
-    connect_timeout_s: how long dialing a holder and its handshake may take.
+    connect_timeout_s: how long dialing a holder may take (its handshake then
+        has `_HANDSHAKE_TIMEOUT_S`).
     """
 
     kind = "python"
@@ -92,7 +97,7 @@ class PythonTransceiver(Transceiver):
         max_header_bytes: int = MAX_HEADER_BYTES,
         stage_through_host: bool = False,
         wire: str = TCP,
-        connect_timeout_s: float = _HANDSHAKE_TIMEOUT_S,
+        connect_timeout_s: float = _CONNECT_TIMEOUT_S,
     ) -> None:
         super().__init__()
         if not secret:
@@ -274,19 +279,21 @@ class PythonTransceiver(Transceiver):
     async def _connect(self, handle: TransferHandle) -> Connection:
         assert handle.endpoint is not None
         wire = self._wire(handle.wire)
-        timeout_s = self._connect_timeout_s
         try:
-            conn = await wire.connect(handle.endpoint, timeout_s)
-        except (ConnectionError, OSError) as exc:  # TimeoutError is an OSError
+            conn = await wire.connect(handle.endpoint, self._connect_timeout_s)
+        except TimeoutError as exc:
+            reason = f"cannot connect within {self._connect_timeout_s:g} s"
+            raise PeerGone(handle.request_id, handle.peer, reason) from exc
+        except (ConnectionError, OSError) as exc:
             raise PeerGone(handle.request_id, handle.peer, f"cannot connect: {exc}") from exc
         try:
-            async with asyncio.timeout(timeout_s):
+            async with asyncio.timeout(_HANDSHAKE_TIMEOUT_S):
                 await client_handshake(conn, self._secret)
         except TimeoutError as exc:
             conn.close()
             raise WireError(
                 f"{handle.peer} accepted the connection but sent no {handle.wire} handshake "
-                f"within {timeout_s:g} s; is it a transceiver listening on that wire?"
+                f"within {_HANDSHAKE_TIMEOUT_S:g} s; is it a transceiver listening on that wire?"
             ) from exc
         except (ConnectionError, OSError) as exc:
             conn.close()

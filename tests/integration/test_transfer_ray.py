@@ -1,6 +1,7 @@
 """Transceivers between Ray actors: exact bytes for every manager pair, and faults.
 
-Two long-lived actors each host a V1 and a V2 pool on both backends; fault
+Two long-lived actors each host a V1 and a V2 pool on both backends (and on
+the Python backend's UCX wire where `ucxx` is installed: kind "ucx"); fault
 tests use throw-away actors that get `ray.kill`ed.
 """
 
@@ -18,6 +19,7 @@ import ray
 from kvcache.spec import CacheSpec
 from transfer.bench_worker import EndpointHost, EndpointSpec
 from transfer.nixl_transceiver import nixl_available
+from transfer.ucx_wire import ucx_importable
 
 ROOT = str(Path(__file__).resolve().parents[2])
 HYBRID = CacheSpec(
@@ -29,8 +31,9 @@ HYBRID = CacheSpec(
     ssm_state_shape=(4, 8, 16),
 )
 BLOCK_SIZE = 8
-KINDS = ["python", "nixl"] if nixl_available() else ["python"]
+KINDS = ["python", *(["nixl"] if nixl_available() else []), *(["ucx"] if ucx_importable() else [])]
 PAIRS = [
+    ("ucx", "v1", "v2"),
     ("python", "v1", "v1"),
     ("python", "v2", "v2"),
     ("python", "v1", "v2"),
@@ -44,10 +47,16 @@ Host = Any  # a Ray actor handle of EndpointHost
 
 def host_specs() -> dict[str, EndpointSpec]:
     return {
-        f"{kind}-{manager}": EndpointSpec(kind, manager, HYBRID, 32, BLOCK_SIZE)
+        f"{kind}-{manager}": endpoint_spec(kind, manager)
         for kind in KINDS
         for manager in ("v1", "v2")
     }
+
+
+def endpoint_spec(kind: str, manager: str) -> EndpointSpec:
+    if kind == "ucx":  # the Python transceiver over its UCX wire
+        return EndpointSpec("python", manager, HYBRID, 32, BLOCK_SIZE, wire="ucx")
+    return EndpointSpec(kind, manager, HYBRID, 32, BLOCK_SIZE)
 
 
 def spawn() -> Host:
@@ -76,7 +85,7 @@ def test_cache_moves_exactly_between_actors(
     cluster: tuple[Host, Host], kind: str, src_manager: str, dst_manager: str
 ) -> None:
     if kind not in KINDS:
-        pytest.skip("nixl is not importable")
+        pytest.skip(f"{'ucxx' if kind == 'ucx' else kind} is not importable")
     holder, puller = cluster
     src, dst = f"{kind}-{src_manager}", f"{kind}-{dst_manager}"
     rid = f"{kind}-{src_manager}-{dst_manager}"
