@@ -86,11 +86,12 @@ def test_matches_reference(
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCES[dtype])
 
 
-@pytest.mark.parametrize("flag", ["-mno-avx512f", "-mno-avx"])
+@pytest.mark.parametrize("flag", ["-mno-avx512bf16", "-mno-avx512f", "-mno-avx"])
 def test_narrower_vectors_match_reference(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, flag: str
 ) -> None:
-    """The kernel rebuilt without AVX-512 (8-lane vectors) or without AVX (4 lanes)."""
+    """The kernel rebuilt without the bf16 pair dot product (plain 16-lane code), without
+    AVX-512 (8-lane vectors) or without AVX (4 lanes)."""
     monkeypatch.setattr(cpu_build, "FLAGS", (*cpu_build.FLAGS, flag))
     monkeypatch.setattr(cpu_build, "_loaded", {})
     monkeypatch.setattr(cpu_attention, "_kernel_fn", None)
