@@ -2,8 +2,11 @@
 
 Optional (`pip install 'disagg[ucx]'`, which pulls `ucxx-cu12`); nothing here
 imports `ucxx` until a UCX listener or connection is made. Works on CPU-only
-hosts: UCX picks its transports (shared memory, TCP, RDMA, CUDA) per peer,
-and `UCX_TLS` in the worker environment narrows them.
+hosts. UCX picks its transports per peer among those that report a dead peer
+(endpoints run with error handling, which is how a killed holder becomes
+`PeerGone`): RDMA verbs, CUDA IPC, CMA, TCP. Shared-memory transports cannot,
+so on a host with only loopback/Ethernet UCX runs over its own TCP transport.
+`UCX_TLS` in the worker environment narrows the choice.
 
 Every send is one UCX tag message on the endpoint's own tag, received in
 order with a receive of the same size (message boundaries are kept):

@@ -13,6 +13,8 @@ import asyncio
 import json
 import logging
 import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -31,7 +33,7 @@ from transfer.base import TransferHandle
 from transfer.errors import LayoutMismatch, PeerGone, WireError
 from transfer.factory import WireUnavailable, resolve_wire
 from transfer.python_transceiver import PythonTransceiver
-from transfer.ucx_wire import SMALL_FRAME_BYTES, UcxWire, import_ucxx, ucx_importable
+from transfer.ucx_wire import SMALL_FRAME_BYTES, UcxWire, ucx_importable
 from transfer.wire import MAX_HEADER_BYTES, recv_header, send_header
 
 needs_ucx = pytest.mark.skipif(
@@ -214,9 +216,27 @@ def test_wire_resolution_where_ucxx_imports(caplog: pytest.LogCaptureFixture) ->
 
 @needs_ucx
 def test_importing_ucxx_leaves_the_process_environment_alone() -> None:
-    before = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
-    import_ucxx()
-    assert {k: v for k, v in os.environ.items() if k.startswith("UCX_")} == before
+    """ucxx's import-time UCX settings go to its own context, not to os.environ
+    (checked in a fresh process: this one imported ucxx already)."""
+    script = (
+        "import json, os\n"
+        "from transfer import ucx_wire\n"
+        "before = dict(os.environ)\n"
+        "ucx_wire.import_ucxx()\n"
+        "print(json.dumps([dict(os.environ) == before, ucx_wire._context_options]))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    unchanged, options = json.loads(out.stdout.strip().splitlines()[-1])
+    assert unchanged
+    assert options["RNDV_THRESH"] == "8192"  # what ucxx would have exported
 
 
 @needs_ucx
