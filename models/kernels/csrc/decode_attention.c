@@ -10,7 +10,7 @@
  *
  * Keys are read in place through the block table (no gather copy). One work
  * item is a (sequence, kv head) pair; it serves the kv head's whole group of
- * query heads, so each key and value row is loaded and widened to fp32 once.
+ * query heads, so each key and value row is read once per pass over it.
  * Scores and the softmax are fp32 (two passes: scores, then max/exp/sum, then
  * the weighted sum of values), as the plain-torch reference computes them.
  *
@@ -19,19 +19,23 @@
  * threads (the caller's thread included) by a shared atomic counter.
  *
  * How an item runs. Rows are fp32 vectors of LANES floats (GCC/clang vector
- * extensions: 16 lanes with AVX-512, 8 with AVX, 4 otherwise) and the head
- * dim is padded to `dpad`, a multiple of LANES. Keys are taken in chunks
- * that stay in L1/L2: a chunk's rows are either read in place (fp32 whose dim
- * is a multiple of LANES) or widened once into per-thread scratch (bf16, odd
- * dims, zero-padded). Then
+ * extensions: 16 lanes with AVX-512, 8 with AVX, 4 otherwise), read two
+ * vectors at a time, and the head dim is padded to `dpad`, a multiple of
+ * 2 * LANES. Rows are read in place from the cache when the dim is such a
+ * multiple (fp32 as is, bf16 widened in registers, see row_pair); otherwise
+ * a chunk of keys at a time is copied to per-thread fp32 scratch, padded.
  *
- *   scores  for LANES keys at a time and one query head, each key's products
- *           q * k are summed into a vector; a transpose-reduce turns the LANES
- *           vectors into one vector of LANES scores (no horizontal sum per key);
+ *   scores  two query heads per pass over the keys: each key's products q * k
+ *           are summed into a vector, and a transpose-reduce tree folds LANES
+ *           such vectors into one vector of LANES scores (no horizontal sum
+ *           per key); with AVX512-BF16, bf16 pairs use its dot product;
  *   softmax vectorized max / exp / sum over the score row (padded with -inf);
  *   values  acc[g][d-chunk] += p[g][t] * v[t][d-chunk] with a tile of up to
  *           4 heads x 4 d-chunks of accumulators in registers, each value
  *           vector loaded once per tile; the 1/sum is applied at the end.
+ *
+ * Everything here is plain C with vector extensions except the AVX512-BF16
+ * dot product, which has the plain path as its fallback.
  */
 #include <math.h>
 #include <pthread.h>
@@ -41,7 +45,8 @@
 
 #define MAX_GROUP 64
 #define MAX_DIM 512
-/* Floats of widened rows per chunk: 32 KiB, what L1 holds next to the rest. */
+/* Floats of copied rows per chunk (32 KiB, what L1 holds next to the rest);
+ * also sizes the chunks of rows read in place. */
 #define CHUNK_FLOATS 8192
 
 #if defined(__AVX512F__)
@@ -261,25 +266,28 @@ static void store_row(const Job *job, int64_t index, const float *src, float fac
  * dropped). The block table is walked block by block: no division per row. */
 static void gather_rows(const Job *job, Scratch *scratch, const void *base, int64_t seq,
                         int64_t pos, int count, int kv_head) {
+    /* Locals, not job / scratch fields: a stored pointer may alias them. */
+    const void **rows = scratch->rows;
     const int64_t *table = job->tables + seq * job->table_stride + pos / job->block_size;
-    const int64_t head = (int64_t)kv_head * job->s_head;
+    const int64_t block_size = job->block_size, s_block = job->s_block, s_offset = job->s_offset;
+    const char *head = (const char *)base + (int64_t)kv_head * job->s_head * (job->is_bf16 ? 2 : 4);
     const int64_t elem = job->is_bf16 ? 2 : 4;
-    int64_t offset = pos % job->block_size;
+    int64_t offset = pos % block_size;
     for (int t = 0; t < count; t++, offset++) {
-        if (offset == job->block_size) {
+        if (offset == block_size) {
             offset = 0;
             table++;
         }
-        const int64_t index = *table * job->s_block + offset * job->s_offset + head;
-        if (job->widened) {
+        rows[t] = head + (*table * s_block + offset * s_offset) * elem;
+    }
+    if (job->widened) {
+        for (int t = 0; t < count; t++) {
             float *row = scratch->wide + (int64_t)t * job->dpad;
-            load_row(job, base, index, row, 1.0f);
-            scratch->rows[t] = row;
-        } else {
-            scratch->rows[t] = (const char *)base + index * elem;
+            load_row(job, rows[t], 0, row, 1.0f);
+            rows[t] = row;
         }
     }
-    for (int t = count; t % LANES != 0; t++) scratch->rows[t] = scratch->rows[0];
+    for (int t = count; t % LANES != 0; t++) rows[t] = rows[0];
 }
 
 /* Scores of `heads` query heads against key rows: key k's products with
