@@ -110,7 +110,7 @@ class NixlTransceiver(Transceiver):
         tasks = [t for t in [self._poller, *self._pulls.values()] if t is not None]
         for task in tasks:
             task.cancel()
-        # Cancelled pulls queue their clean-up on the agent thread before it closes.
+        # A cancelled pull returns once its READs are released, before the agent closes.
         await asyncio.gather(*tasks, return_exceptions=True)
         self._leases.release_all()
         if self._agent is not None:
