@@ -558,7 +558,9 @@ int paged_decode_attention(int is_bf16, const void *q, const void *key, const vo
     job.dpad = (dim + 2 * LANES - 1) / (2 * LANES) * (2 * LANES);
     job.chunk = CHUNK_FLOATS / (job.dpad > 0 ? job.dpad : 1) / LANES * LANES;
     if (job.chunk < LANES) job.chunk = LANES;
-    job.widened = dim % (2 * LANES) != 0;
+    /* The (even, odd) pair reading of bf16 rows assumes little-endian lanes. */
+    job.widened = dim % (2 * LANES) != 0 ||
+                  (is_bf16 && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__);
     job.paired = is_bf16 && !job.widened;
     const int64_t items = (int64_t)batch * kv_heads;
     int helpers = threads - 1;
