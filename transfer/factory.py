@@ -48,8 +48,9 @@ def resolve_wire(requested: str) -> str:
     "tcp" and "ucx" stay as asked ("ucx" raises `WireUnavailable` naming the
     package to install when `ucxx` cannot be imported here). "auto" is "ucx"
     when `ucxx` imports on this machine, else "tcp". Resolved on the worker,
-    because what imports is a property of the worker's node; the choice is
-    logged once per transceiver (one per worker).
+    because what imports is a property of the worker's node; an "auto" choice
+    is logged (as a warning, so workers show it) once per transceiver, which is
+    once per worker.
     """
     if requested not in WIRE_CHOICES:
         raise WireUnavailable(
@@ -64,7 +65,9 @@ def resolve_wire(requested: str) -> str:
         logger.info("cache_transceiver.wire: 'ucx'")
         return UCX
     chosen = TCP if reason is not None else UCX
-    logger.info(
+    # A warning, not info: workers run at the default WARNING level, and an
+    # `auto` that resolves differently from node to node must be visible.
+    logger.warning(
         "cache_transceiver.wire auto -> %r (%s)", chosen, reason or "ucxx imports on this worker"
     )
     return chosen
