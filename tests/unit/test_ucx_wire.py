@@ -133,6 +133,21 @@ async def test_ranges_larger_than_a_payload_piece_arrive_whole(stage: bool) -> N
 
 @needs_ucx
 @module_loop
+async def test_concurrent_pulls_share_the_byte_budget_over_ucx(
+    pair: tuple[Endpoint, Endpoint],
+) -> None:
+    src, dst = pair
+    src.xcvr._budget.limit = 1024  # far below a request: the streams interleave
+    sent = {f"r{i}": src.fill(f"r{i}", 2 * BLOCK_SIZE) for i in range(4)}
+    handles = [src.publish(rid) for rid in sent]
+    await asyncio.gather(*(dst.pull(h, 2 * BLOCK_SIZE) for h in handles))
+    for rid, contents in sent.items():
+        assert dst.segments(rid) == contents
+    assert sorted(src.released) == sorted(sent)
+
+
+@needs_ucx
+@module_loop
 async def test_wrong_secret_is_refused_and_holder_stays_pinned(
     pair: tuple[Endpoint, Endpoint],
 ) -> None:
