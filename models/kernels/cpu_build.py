@@ -1,8 +1,9 @@
 """Build and load the C kernels in `models/kernels/csrc/` for CPU tensors.
 
 The sources are compiled on first use, on the machine that runs them
-(`-march=native`), into a per-user cache keyed by the source, the flags and
-the compiler, and loaded with `ctypes`:
+(`-march=native`, with OpenMP where the compiler has it), into a per-user
+cache keyed by the sources, the flags and the compiler, and loaded with
+`ctypes`:
 
     $DISAGG_KERNEL_CACHE (default ~/.cache/disagg/kernels)/<name>-<key>.so
 
@@ -47,6 +48,10 @@ FLAGS = (
     "-fPIC",
     "-pthread",
 )
+# Tried first: the kernels' threads then come from the OpenMP runtime, which
+# in a process that imported torch is torch's own (see csrc/parallel.h).
+# A compiler without OpenMP builds them with per-call POSIX threads instead.
+OPENMP_FLAGS = ("-fopenmp",)
 _BUILD_TIMEOUT_S = 120
 
 _lock = threading.Lock()
@@ -88,9 +93,11 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler (cc, gcc or clang) found: CPU kernel %s runs in torch", name)
         return None
+    headers = b"".join(path.read_bytes() for path in sorted(SOURCE_DIR.glob("*.h")))
     key = hashlib.sha256(
         source.read_bytes()
-        + " ".join((compiler, *FLAGS)).encode()
+        + headers
+        + " ".join((compiler, *FLAGS, *OPENMP_FLAGS)).encode()
         + _compiler_id(compiler)
         + _cpu_id()
     ).hexdigest()[:16]
@@ -134,13 +141,17 @@ def _compile(compiler: str, source: Path, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".tmp.so", dir=target.parent)
     os.close(fd)
     try:
-        result = subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, str(source), "-lm"],
-            capture_output=True,
-            text=True,
-            timeout=_BUILD_TIMEOUT_S,
-            check=False,
-        )
+        for extra in (OPENMP_FLAGS, ()):
+            result = subprocess.run(
+                [compiler, *FLAGS, *extra, "-o", tmp, str(source), "-lm"],
+                capture_output=True,
+                text=True,
+                timeout=_BUILD_TIMEOUT_S,
+                check=False,
+            )
+            if result.returncode == 0:
+                break
+            logger.info("building %s with %s failed: %s", source.name, extra, result.stderr[-500:])
         if result.returncode != 0:
             raise subprocess.SubprocessError(result.stderr.strip()[-2000:])
         os.replace(tmp, target)  # atomic: a concurrent build just wins or loses the race

@@ -15,8 +15,8 @@
  * the weighted sum of values), as the plain-torch reference computes them.
  *
  * A sliding window (`window` > 0) keeps the last `window` keys; a sequence
- * with no keys writes zeros. Work items are split over `threads` POSIX
- * threads (the caller's thread included) by a shared atomic counter.
+ * with no keys writes zeros. Work items are split over `threads` threads
+ * (the caller's included, see parallel.h) by a shared atomic counter.
  *
  * How an item runs. Rows are fp32 vectors of LANES floats (GCC/clang vector
  * extensions: 16 lanes with AVX-512, 8 with AVX, 4 otherwise), read two
@@ -38,7 +38,7 @@
  * dot product, which has the plain path as its fallback.
  */
 #include <math.h>
-#include <pthread.h>
+#include "parallel.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -563,18 +563,6 @@ int paged_decode_attention(int is_bf16, const void *q, const void *key, const vo
                   (is_bf16 && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__);
     job.paired = is_bf16 && !job.widened;
     const int64_t items = (int64_t)batch * kv_heads;
-    int helpers = threads - 1;
-    if (helpers > items - 1) helpers = (int)(items - 1);
-    if (helpers > 63) helpers = 63;
-    pthread_t pool[63];
-    int started = 0, failed = 0;
-    for (; started < helpers; started++)
-        if (pthread_create(&pool[started], NULL, run_items, &job) != 0) break;
-    if (run_items(&job) != NULL) failed = 1;
-    for (int i = 0; i < started; i++) {
-        void *status = NULL;
-        pthread_join(pool[i], &status);
-        if (status != NULL) failed = 1;
-    }
+    const int failed = run_on_threads(run_items, &job, threads < items ? threads : (int)items);
     return failed ? 2 : 0;
 }

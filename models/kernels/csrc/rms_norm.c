@@ -9,11 +9,11 @@
  * the dtype, as a torch add is) and normalizes that sum, so a decoder layer's
  * residual add and the next norm read the row once.
  *
- * Rows are independent; large inputs are split over `threads` POSIX threads.
+ * Rows are independent; large inputs are split over `threads` threads (see parallel.h).
  * Row strides are in elements; each row is contiguous.
  */
 #include <math.h>
-#include <pthread.h>
+#include "parallel.h"
 #include <stdint.h>
 
 #define MAX_WIDTH 16384
@@ -110,14 +110,6 @@ int rms_norm(int is_bf16, const void *x, int64_t x_stride, void *residual,
     Job job = {is_bf16, x, weight, residual, out, rows, width, x_stride, residual_stride,
                out_stride, eps, 0};
     const int64_t chunks = (rows + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK;
-    int helpers = threads - 1;
-    if (helpers > chunks - 1) helpers = (int)(chunks - 1);
-    if (helpers > 63) helpers = 63;
-    pthread_t pool[63];
-    int started = 0;
-    for (; started < helpers; started++)
-        if (pthread_create(&pool[started], NULL, run_rows, &job) != 0) break;
-    run_rows(&job);
-    for (int i = 0; i < started; i++) pthread_join(pool[i], NULL);
+    run_on_threads(run_rows, &job, threads < chunks ? threads : (int)chunks);
     return 0;
 }

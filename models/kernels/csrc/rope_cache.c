@@ -15,9 +15,9 @@
  *   out[h:] = x[h:] * cos[h:] + x[:h] * sin[h:]        h = rot_dim / 2
  *
  * each product and the sum rounded to the dtype, as torch's separate ops
- * round them. Tokens are independent; many are split over `threads` threads.
+ * round them. Tokens are independent; many are split over `threads` threads (see parallel.h).
  */
-#include <pthread.h>
+#include "parallel.h"
 #include <stdint.h>
 
 #define TOKENS_PER_CHUNK 16
@@ -124,14 +124,6 @@ int rope_and_cache(int is_bf16, void *qkv, int64_t qkv_stride, int tokens, int h
     Job job = {is_bf16, qkv, qkv_stride, tokens, heads, kv_heads, dim, rot_dim, cos, sin,
                cs_stride, key_cache, value_cache, s_block, s_offset, s_head, slots, block_size, 0};
     const int64_t chunks = ((int64_t)tokens + TOKENS_PER_CHUNK - 1) / TOKENS_PER_CHUNK;
-    int helpers = threads - 1;
-    if (helpers > chunks - 1) helpers = (int)(chunks - 1);
-    if (helpers > 63) helpers = 63;
-    pthread_t pool[63];
-    int started = 0;
-    for (; started < helpers; started++)
-        if (pthread_create(&pool[started], NULL, run_tokens, &job) != 0) break;
-    run_tokens(&job);
-    for (int i = 0; i < started; i++) pthread_join(pool[i], NULL);
+    run_on_threads(run_tokens, &job, threads < chunks ? threads : (int)chunks);
     return 0;
 }
