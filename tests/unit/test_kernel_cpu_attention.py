@@ -108,6 +108,25 @@ def test_narrower_vectors_match_reference(
         torch.testing.assert_close(got.float(), want.float(), **TOLERANCES[dtype])
 
 
+def test_a_build_without_openmp_splits_work_over_its_own_threads(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(cpu_build, "OPENMP_FLAGS", ())
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setattr(cpu_attention, "_kernel_fn", None)
+    monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(cpu_attention, "_PARALLEL_WORK", 1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    lib = cpu_build.load("decode_attention")
+    assert lib is not None and Path(lib._name).parent == tmp_path
+    case = CASES["gqa4"]
+    for dtype in TOLERANCES:
+        q, key_cache, value_cache, tables, seq_lens = _inputs(case, "v1", dtype, seed=2)
+        got = paged_attention_decode_cpu(q, key_cache, value_cache, tables, seq_lens, 0.3)
+        want = paged_attention_decode_ref(q, key_cache, value_cache, tables, seq_lens, 0.3)
+        torch.testing.assert_close(got.float(), want.float(), **TOLERANCES[dtype])
+
+
 def test_threads_grow_with_the_work(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     per_thread = cpu_attention._PARALLEL_WORK
