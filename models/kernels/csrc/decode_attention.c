@@ -38,10 +38,11 @@
  * dot product, which has the plain path as its fallback.
  */
 #include <math.h>
-#include "parallel.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "parallel.h"
 
 #define MAX_GROUP 64
 #define MAX_DIM 512
