@@ -154,14 +154,15 @@ async def _main(args: argparse.Namespace, checkpoint: Path) -> int:
     )
     deadline = time.monotonic() + args.max_seconds
     try:
-        # Warm-up: first calls allocate and fault in pages.
-        await _run_batch("warmup", None, aggregated, _prompts(1, 8, vocab, 0), 2, "warm")
         for batch in args.batch_sizes:
             prompts = _prompts(batch, args.prompt_len, vocab, batch)
             for mode, pair in (("aggregated", (None, aggregated)), ("1p1d", (ctx, gen))):
                 if time.monotonic() > deadline:
                     print(f"stopped: --max-seconds {args.max_seconds} reached")
                     return 0
+                # Warm-up at this batch's shapes, untimed: first calls allocate,
+                # fault in pages and build oneDNN's kernels for each new shape.
+                await _run_batch(mode, pair[0], pair[1], prompts, 3, f"warm-{mode}{batch}")
                 _print(
                     await _run_batch(
                         mode, pair[0], pair[1], prompts, args.new_tokens, f"{mode}{batch}"
