@@ -43,30 +43,13 @@
 #include <string.h>
 
 #include "parallel.h"
+#include "simd.h"
 
 #define MAX_GROUP 64
 #define MAX_DIM 512
 /* Floats of copied rows per chunk (32 KiB, what L1 holds next to the rest);
  * also sizes the chunks of rows read in place. */
 #define CHUNK_FLOATS 8192
-
-#if defined(__AVX512F__)
-#define LANES 16
-#elif defined(__AVX__)
-#define LANES 8
-#else
-#define LANES 4
-#endif
-
-typedef float vf __attribute__((vector_size(LANES * 4)));
-typedef int32_t vi __attribute__((vector_size(LANES * 4)));
-typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
-
-#if defined(__clang__) || __GNUC__ >= 12
-#define SHUFFLE(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
-#else
-#define SHUFFLE(x, y, ...) __builtin_shuffle(x, y, (vi){__VA_ARGS__})
-#endif
 
 /* With AVX512-BF16, bf16 scores use the pair dot product instruction. */
 #if defined(__AVX512BF16__) && LANES == 16
@@ -75,55 +58,6 @@ typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
 #else
 #define DOT_BF16_PAIRS 0
 #endif
-
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-/* Unaligned loads and stores: memcpy compiles to one vector move. */
-ALWAYS_INLINE vf vload(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-ALWAYS_INLINE void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
-
-ALWAYS_INLINE vf splat(float f) { return (vf){0} + f; }
-
-ALWAYS_INLINE vf vmax(vf a, vf b) {
-    const vi take_a = a > b;
-    return (vf)((take_a & (vi)a) | (~take_a & (vi)b));
-}
-
-ALWAYS_INLINE float hsum(vf v) {
-    float total = 0.0f;
-    for (int i = 0; i < LANES; i++) total += v[i];
-    return total;
-}
-
-ALWAYS_INLINE float hmax(vf v) {
-    float peak = v[0];
-    for (int i = 1; i < LANES; i++) peak = v[i] > peak ? v[i] : peak;
-    return peak;
-}
-
-/* exp(x) for x <= 0 (Cephes expf: Cody-Waite reduction, degree-5 polynomial,
- * about 1 ulp); x below -87 (including -inf) gives 0. */
-ALWAYS_INLINE vf vexp_nonpositive(vf x) {
-    const vi underflow = x < -87.0f;
-    x = vmax(x, splat(-87.0f));
-    /* x <= 0, so truncating x * log2(e) - 0.5 rounds to nearest. */
-    const vi n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi);
-    const vf nf = __builtin_convertvector(n, vf);
-    const vf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    vf p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const vf e = (p * r * r + r + 1.0f) * (vf)((n + 127) << 23);
-    return (vf)((vi)e & ~underflow);
-}
 
 /* Transpose-reduce: lane i of the result is the sum of part[i]'s lanes. Each
  * level folds pairs of vectors holding 2h partial sums per row into one
