@@ -53,14 +53,24 @@ class BlockPool:
         return len(self.free_queue)
 
     def allocate(self, count: int) -> list[KVBlock]:
-        """Take `count` blocks from the front of the free queue, ref_cnt 1 each.
+        """Take `count` blocks from the front of the free queue, ref_cnt 1 each,
+        returned in ascending block id order.
+
+        Which blocks are taken follows the queue (LRU); their order does not:
+        tables are released tail-first, so the queue holds freed runs in
+        descending order, and handing them out that way would make neighbours
+        in a table lie backwards in memory. In ascending order adjacent table
+        entries are mostly adjacent in the pool, so a transfer's descriptors
+        merge into few large copies and attention reads memory forwards.
 
         Cached blocks taken this way are evicted. Raises ValueError when fewer
         than `count` blocks are free; callers check `num_free_blocks` first.
         """
         if count > len(self.free_queue):
             raise ValueError(f"cannot allocate {count} blocks, {len(self.free_queue)} free")
-        taken = [self.free_queue.popleft() for _ in range(count)]
+        taken = sorted(
+            (self.free_queue.popleft() for _ in range(count)), key=lambda block: block.block_id
+        )
         for block in taken:
             if block.block_hash is not None:
                 self._evict(block)
