@@ -131,9 +131,12 @@ class PythonTransceiver(Transceiver):
         self._endpoint = await wire.listen(self._host, self._port, self._serve)
 
     async def close(self) -> None:
-        for task in [*self._release_tasks, *self._pulls.values()]:
+        # Pulls end before the wires close: a UCX context is only reset once
+        # no request of it is in flight.
+        tasks = [*self._release_tasks, *self._pulls.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._release_tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for idle in self._idle.values():
             for conn in idle:
                 conn.close()
