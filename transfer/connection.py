@@ -48,7 +48,7 @@ def payload_pieces(offset: int, length: int) -> Iterator[tuple[int, int]]:
 
 
 class Connection(ABC):
-    """One authenticated-to-be link between a puller and a holder.
+    """One link between a puller and a holder, opened by the shared-secret handshake.
 
     Used from one task at a time (the protocol is request/response). Every
     method raises `ConnectionClosed` (or another `ConnectionError`) when the
