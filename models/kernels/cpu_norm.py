@@ -12,6 +12,7 @@ contiguous, no autograd, the library built); otherwise callers run torch.
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
@@ -29,12 +30,25 @@ class NormKernelError(RuntimeError):
     """The RMSNorm kernel refused its inputs."""
 
 
-def _library() -> ctypes.CDLL | None:
-    lib = cpu_build.load("rms_norm")
-    if lib is not None and lib.rms_norm.argtypes is None:
-        lib.rms_norm.argtypes = [_INT, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64]
-        lib.rms_norm.argtypes += [ctypes.c_float, _INT]
-    return lib
+# The kernel's ctypes function once loaded; the library stays mapped for the
+# life of the process.
+_kernel_fn: Any = None
+
+
+def _kernel() -> Any | None:
+    """The ctypes function `rms_norm`, or None where it cannot be had."""
+    global _kernel_fn
+    if not cpu_build.enabled():
+        return None
+    if _kernel_fn is None:
+        lib = cpu_build.load("rms_norm")
+        if lib is None:
+            return None
+        fn = lib.rms_norm
+        fn.argtypes = [_INT, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, ctypes.c_float, _INT]
+        fn.restype = ctypes.c_int
+        _kernel_fn = fn
+    return _kernel_fn
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
@@ -51,7 +65,7 @@ def supported(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | No
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False  # the kernel records no autograd graph
-    return _library() is not None
+    return _kernel() is not None
 
 
 def rms_norm(
@@ -59,12 +73,22 @@ def rms_norm(
 ) -> torch.Tensor:
     """`weight * norm(x)` of 2-D `x`; with `residual`, first `residual += x`
     (in place) and normalize that. Only where `supported(...)` holds."""
-    lib = _library()
-    if lib is None or not supported(x, weight, residual):
+    out = rms_norm_if_supported(x, weight, eps, residual)
+    if out is None:
         raise NormKernelError("the RMSNorm kernel does not serve these inputs; check supported()")
+    return out
+
+
+def rms_norm_if_supported(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """`rms_norm(...)`, or None (nothing done) where `supported(...)` does not hold:
+    one check per call for callers with a torch fallback."""
+    if not supported(x, weight, residual):
+        return None
     rows, width = x.shape
     out = torch.empty(rows, width, dtype=x.dtype)
-    lib.rms_norm(
+    _kernel_fn(
         _DTYPES[x.dtype],
         x.data_ptr(),
         x.stride(0),

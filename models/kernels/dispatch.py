@@ -143,12 +143,10 @@ def rms_norm(
 ) -> torch.Tensor:
     """`weight * norm(x)` over the last dim; with `residual`, first `residual += x`
     (in place) and normalize that. The C kernel on CPU where it applies, else torch."""
-    if (
-        x.device.type == "cpu"
-        and os.environ.get(FORCE_TRITON_ENV, "0") != "1"
-        and cpu_norm.supported(x, weight, residual)
-    ):
-        return cpu_norm.rms_norm(x, weight, eps, residual)
+    if x.device.type == "cpu" and os.environ.get(FORCE_TRITON_ENV, "0") != "1":
+        out = cpu_norm.rms_norm_if_supported(x, weight, eps, residual)
+        if out is not None:
+            return out
     if residual is not None:
         residual.add_(x)
         x = residual

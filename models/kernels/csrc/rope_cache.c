@@ -28,25 +28,17 @@ static inline float bf16_to_f32(uint16_t v) {
     return x.f;
 }
 
+/* Round to nearest even, as torch rounds float -> bfloat16 (NaN stays NaN);
+ * branch-free so the loops below vectorize. */
 static inline uint16_t f32_to_bf16(float f) {
     union { uint32_t u; float f; } x;
     x.f = f;
-    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40);
-    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+    const uint32_t rounded = (x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16;
+    const uint32_t quiet = (x.u >> 16) | 0x40u;
+    return (uint16_t)((x.u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
 }
 
-static inline float rnd(int is_bf16, float v) { return is_bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
-
-static inline float ld(int is_bf16, const void *base, int64_t i) {
-    return is_bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
-}
-
-static inline void st(int is_bf16, void *base, int64_t i, float v) {
-    if (is_bf16)
-        ((uint16_t *)base)[i] = f32_to_bf16(v);
-    else
-        ((float *)base)[i] = v;
-}
+static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
 
 typedef struct {
     int is_bf16;
@@ -62,19 +54,43 @@ typedef struct {
     int64_t next; /* first token of the next chunk, atomic */
 } Job;
 
-static void rotate_head(const Job *job, int64_t at, int64_t t) {
-    const int bf = job->is_bf16, half = job->rot_dim / 2;
-    const int64_t cs = t * job->cs_stride;
-    float x[1024];
-    for (int i = 0; i < job->rot_dim; i++) x[i] = ld(bf, job->qkv, at + i);
+static void rotate_head_bf16(uint16_t *x, const uint16_t *cos, const uint16_t *sin, int half) {
+    float lo[512], hi[512];
     for (int i = 0; i < half; i++) {
-        const float a = rnd(bf, x[i] * ld(bf, job->cos, cs + i));
-        const float b = rnd(bf, -x[i + half] * ld(bf, job->sin, cs + i));
-        st(bf, job->qkv, at + i, a + b);
-        const float c = rnd(bf, x[i + half] * ld(bf, job->cos, cs + half + i));
-        const float d = rnd(bf, x[i] * ld(bf, job->sin, cs + half + i));
-        st(bf, job->qkv, at + half + i, c + d);
+        lo[i] = bf16_to_f32(x[i]);
+        hi[i] = bf16_to_f32(x[i + half]);
     }
+    for (int i = 0; i < half; i++) {
+        const float a = round_bf16(lo[i] * bf16_to_f32(cos[i]));
+        const float b = round_bf16(-hi[i] * bf16_to_f32(sin[i]));
+        const float c = round_bf16(hi[i] * bf16_to_f32(cos[half + i]));
+        const float d = round_bf16(lo[i] * bf16_to_f32(sin[half + i]));
+        x[i] = f32_to_bf16(a + b);
+        x[i + half] = f32_to_bf16(c + d);
+    }
+}
+
+static void rotate_head_f32(float *x, const float *cos, const float *sin, int half) {
+    float lo[512], hi[512];
+    for (int i = 0; i < half; i++) {
+        lo[i] = x[i];
+        hi[i] = x[i + half];
+    }
+    for (int i = 0; i < half; i++) {
+        x[i] = lo[i] * cos[i] + -hi[i] * sin[i];
+        x[i + half] = hi[i] * cos[half + i] + lo[i] * sin[half + i];
+    }
+}
+
+static void rotate_head(const Job *job, int64_t at, int64_t t) {
+    const int half = job->rot_dim / 2;
+    const int64_t cs = t * job->cs_stride;
+    if (job->is_bf16)
+        rotate_head_bf16((uint16_t *)job->qkv + at, (const uint16_t *)job->cos + cs,
+                         (const uint16_t *)job->sin + cs, half);
+    else
+        rotate_head_f32((float *)job->qkv + at, (const float *)job->cos + cs,
+                        (const float *)job->sin + cs, half);
 }
 
 static void copy_row(int is_bf16, const void *src, int64_t from, void *dst, int64_t to, int n) {
