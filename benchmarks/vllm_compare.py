@@ -44,6 +44,7 @@ from engine.instance import EngineInstance
 from engine.messages import GenerationRequest
 from engine.request import Request
 from engine.sampling import SamplingParams
+from engine.threads import run_on_compute_thread
 from engine.worker_config import WorkerConfig
 
 DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
@@ -280,6 +281,11 @@ async def compare(
 
 
 def decode_breakdown(workload: Workload) -> DecodeBreakdown:
+    """`_decode_breakdown` on the compute thread, where the workers run their steps."""
+    return run_on_compute_thread(lambda: _decode_breakdown(workload))
+
+
+def _decode_breakdown(workload: Workload) -> DecodeBreakdown:
     """Drive `EngineCore` step by step; average the steps that decode the full
     batch, on a second pass over the workload (the first warms oneDNN's
     per-shape kernels up, as the timed runs above are warmed up)."""

@@ -35,7 +35,7 @@ from engine.messages import (
     WorkerLoad,
 )
 from engine.request import Request
-from engine.threads import configure_torch_threads
+from engine.threads import configure_torch_threads, run_on_compute_thread
 from engine.transceivers import make_transceiver
 from engine.worker_config import WorkerConfig
 
@@ -54,7 +54,7 @@ class GenerationWorker:
         self.torch_threads = configure_torch_threads(config.device)
         self.config = config
         self.role = role
-        self.engine = EngineInstance.build(config, role, worker_id)
+        self.engine = run_on_compute_thread(lambda: EngineInstance.build(config, role, worker_id))
         self.transceiver: Any = (
             make_transceiver(config, self.engine.cache.buffers(), worker_id)
             if role == "generation"

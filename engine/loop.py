@@ -1,7 +1,8 @@
 """Drive an `EngineCore` from an actor's asyncio loop.
 
-Steps run in a worker thread so the actor keeps answering calls (new
-requests, aborts, load reports, transfers) while the model computes. Every
+Steps run on the process's compute thread (`engine.threads`), so the actor
+keeps answering calls (new requests, aborts, load reports, transfers) while
+the model computes. Every
 mutation of engine state — adding, aborting, freeing a handed-off request —
 is queued with `call_between_steps` and applied on the event loop while no
 step is running, so the scheduler and the cache manager only ever see one
@@ -20,6 +21,7 @@ from typing import TypeVar
 from engine.core import EngineCore, StepResult
 from engine.messages import TokenEvent
 from engine.request import Request
+from engine.threads import compute_executor
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +166,9 @@ class EngineLoop:
                     if not self._pending:
                         await self._wake.wait()
                     continue
-                result = await asyncio.to_thread(self.core.step)
+                result = await asyncio.get_running_loop().run_in_executor(
+                    compute_executor(), self.core.step
+                )
                 self.stats.add(result)
                 self._dispatch(result)
                 if result.num_tokens == 0 and not result.events:

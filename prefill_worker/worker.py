@@ -31,7 +31,7 @@ from engine.messages import (
     WorkerLoad,
 )
 from engine.request import Request
-from engine.threads import configure_torch_threads
+from engine.threads import configure_torch_threads, run_on_compute_thread
 from engine.transceivers import make_transceiver
 from engine.worker_config import WorkerConfig
 
@@ -42,7 +42,9 @@ class ContextWorker:
     def __init__(self, config: WorkerConfig, worker_id: str = "context-0") -> None:
         self.torch_threads = configure_torch_threads(config.device)
         self.config = config
-        self.engine = EngineInstance.build(config, "context", worker_id)
+        self.engine = run_on_compute_thread(
+            lambda: EngineInstance.build(config, "context", worker_id)
+        )
         self.transceiver: Any = make_transceiver(config, self.engine.cache.buffers(), worker_id)
         self._handles: dict[str, Any] = {}
         self._publish_errors: dict[str, str] = {}
