@@ -6,7 +6,8 @@
 For each transceiver (the Python one once per wire: rows `python` for TCP,
 `python+ucx` for UCX) and manager, two Ray actors on this machine each build a
 manager, its pool and a transceiver; the holder fills one request of the
-largest size once and republishes it, the puller pulls it repeatedly. Sizes:
+largest size once and republishes it, the puller pulls it repeatedly, each
+pull followed by one raw transfer of the same size. Sizes:
 one block, 1 MiB, 64 MiB, 256 MiB of KV. Each line shows GB/s and median
 latency next to the raw limit measured in the same run (loopback TCP for
 Python on either wire, one big NIXL READ for NIXL) and a same-process memcpy, plus each
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
 def _reps(size: int, override: int) -> int:
     if override:
         return override
-    return 50 if size <= MIB else (8 if size <= 64 * MIB else 4)
+    return 50 if size <= MIB else (10 if size <= 64 * MIB else 8)
 
 
 def _bench_pair(kind: str, wire: str, manager: str, reps_override: int) -> list[Row]:
@@ -130,19 +131,23 @@ def _bench_pair(kind: str, wire: str, manager: str, reps_override: int) -> list[
         reps = _reps(size, reps_override)
         tokens = size // BLOCK_BYTES * BLOCK_SIZE
         ray.get(holder.fill.remote("ep", "src", tokens))
-        times = []
-        for rep in range(reps + 1):  # the first pull warms connections and tables
+        # Transceiver pulls and raw transfers alternate, one each per round,
+        # so load from other processes falls on both alike; round 0 warms
+        # connections and tables and is not counted.
+        times, raw_times = [], []
+        for rep in range(reps + 1):
             handle = ray.get(holder.publish.remote("ep", "src", 60.0, f"src-{size}-{rep}"))
             result = ray.get(puller.pull.remote("ep", handle, tokens, 60.0))
             if not result["ok"]:
                 raise RuntimeError(result["message"])
             ray.get(puller.free.remote("ep", f"src-{size}-{rep}"))
             times.append(result["seconds"])
+            raw_times.extend(raw(size, 1))
+        times, raw_times = times[1:], raw_times[1:]
         ray.get(holder.free.remote("ep", "src"))
-        raw_times = raw(size, reps + 1)[1:]  # same warm-up as the transceiver
         mem = ray.get(puller.memcpy.remote("ep", size, min(reps, 8)))
         label = kind if wire == "tcp" else f"{kind}+{wire}"
-        rows.append(_row(label, manager, size, times[1:], raw_times, mem, idle))
+        rows.append(_row(label, manager, size, times, raw_times, mem, idle))
     ray.get([holder.close_raw.remote(), puller.close_raw.remote()])
     ray.get([holder.close.remote(), puller.close.remote()])
     for actor in (holder, puller):
