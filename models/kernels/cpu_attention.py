@@ -27,11 +27,13 @@ from models.kernels.paged_attention import check_decode_inputs
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Fixed-size buffers in the kernel (query heads per kv head, head dim).
 _MAX_GROUP, _MAX_DIM = 64, 512
-# Multiply-adds (keys x heads x dim) per thread a call needs before it starts
-# another: starting and joining a thread costs ~20 us, and 2^20 multiply-adds
-# take ~60 us on one thread. Measured (bf16, dim 64, 2 cores under load; wall,
-# min of 400): 2^19 1t 32 us / 2t 55 us, 2^20 65 / 85 us, 2^21 130 / 118 us.
-_PARALLEL_WORK = 1 << 20
+# Multiply-adds (keys x heads x dim) per thread a call needs before it uses
+# another. The threads are the OpenMP team torch already runs (a few us to
+# wake), and 2^19 multiply-adds take ~30 us on one thread. Measured (bf16,
+# batch 32, dim 64, a GEMM between calls as in a step; wall, min of 10x100):
+# 64 keys (2^20) 1 and 2 threads equal, 96 keys 22 us faster on 2, 128 keys
+# 30 us, 256 keys 90 us.
+_PARALLEL_WORK = 1 << 19
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
