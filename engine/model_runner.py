@@ -94,7 +94,7 @@ class ModelRunner:
             req = seq.request
             start, end = seq.start, seq.start + seq.num_new_tokens
             table = self.addressing.block_table(req.request_id)
-            input_ids.extend(req.all_token_ids[start:end])
+            input_ids.extend(req.token_ids_between(start, end))
             positions.extend(range(start, end))
             slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_start_loc.append(len(input_ids))

@@ -84,6 +84,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """`all_token_ids[start:end]` without building the whole list (a
+        decode step needs one token of a long sequence)."""
+        prompt = len(self.prompt_token_ids)
+        if end <= prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt:
+            return self.output_token_ids[start - prompt : end - prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt]
+
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens

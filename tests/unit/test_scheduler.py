@@ -186,3 +186,12 @@ def test_prefix_match_skips_cached_full_blocks_under_v2_reuse() -> None:
     assert plan(run_step(sched)) == [("b", 2, True)]
     assert b.num_cached_tokens == 8
     mgr.check_integrity()
+
+
+def test_token_ids_between_slices_prompt_and_output_as_one_sequence() -> None:
+    req = Request("r", [1, 2, 3], Params())
+    req.output_token_ids.extend([4, 5])
+    whole = req.all_token_ids
+    for start in range(6):
+        for end in range(start, 6):
+            assert req.token_ids_between(start, end) == whole[start:end]
