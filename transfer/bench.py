@@ -93,7 +93,15 @@ def run(args: argparse.Namespace) -> int:
     variants = [(k, w) for k in kinds for w in (args.wires if k == "python" else ["tcp"])]
     root = str(Path(__file__).resolve().parents[1])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+        # With --json stdout carries one object per line: the actors' own log
+        # lines (NIXL's agent banner) stay in Ray's log files. Their errors
+        # still reach us through ray.get.
+        log_to_driver=not args.json,
+    )
     try:
         if not args.json:
             print(_HEADER)
