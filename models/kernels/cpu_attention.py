@@ -17,7 +17,6 @@ are converted only when they are not already what the kernel reads.
 from __future__ import annotations
 
 import ctypes
-from typing import Any
 
 import torch
 
@@ -42,26 +41,11 @@ class CpuKernelError(RuntimeError):
     """The C kernel refused its inputs or ran out of memory or threads."""
 
 
-# The kernel's ctypes function once loaded (`_kernel`); the library stays
-# mapped for the life of the process.
-_kernel_fn: Any = None
-
-
-def _kernel() -> Any | None:
-    """The ctypes function `paged_decode_attention`, or None where it cannot be had."""
-    global _kernel_fn
-    if not cpu_build.enabled():
-        return None
-    if _kernel_fn is None:
-        lib = cpu_build.load("decode_attention")
-        if lib is None:
-            return None
-        fn = lib.paged_decode_attention
-        fn.argtypes = [_INT, _P, _P, _P, _I64, _I64, _I64, _P, _I64, _P, _P]
-        fn.argtypes += [_INT] * 6 + [ctypes.c_float, _INT]
-        fn.restype = ctypes.c_int
-        _kernel_fn = fn
-    return _kernel_fn
+_KERNEL = cpu_build.KernelFunction(
+    "decode_attention",
+    "paged_decode_attention",
+    [_INT, _P, _P, _P, _I64, _I64, _I64, _P, _I64, _P, _P, *[_INT] * 6, ctypes.c_float, _INT],
+)
 
 
 def _serves(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
@@ -80,7 +64,7 @@ def _serves(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor)
 
 def supported(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     """Whether `paged_attention_decode_cpu` serves these tensors."""
-    return _serves(q, key_cache, value_cache) and _kernel() is not None
+    return _serves(q, key_cache, value_cache) and _KERNEL.get() is not None
 
 
 def paged_attention_decode_cpu(
@@ -94,7 +78,7 @@ def paged_attention_decode_cpu(
 ) -> torch.Tensor:
     """`[B, heads, dim]` in q's dtype; call only where `supported(...)` holds."""
     check_decode_inputs(q, key_cache, value_cache, block_tables, seq_lens)
-    kernel = _kernel()
+    kernel = _KERNEL.get()
     if kernel is None or not _serves(q, key_cache, value_cache):
         raise CpuKernelError("the CPU decode kernel does not serve these inputs; check supported()")
     q = q.contiguous()

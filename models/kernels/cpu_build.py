@@ -28,7 +28,9 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -159,3 +161,32 @@ def _compile(compiler: str, source: Path, target: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+class KernelFunction:
+    """One C function of a library in `csrc/`, with its ctypes signature set,
+    loaded on first use and kept (the library stays mapped for the life of
+    the process). `get()` is None where the library cannot be had."""
+
+    def __init__(self, library: str, name: str, argtypes: Sequence[Any]) -> None:
+        self.library = library
+        self.name = name
+        self.argtypes = list(argtypes)
+        self._fn: Any = None
+
+    def get(self) -> Any | None:
+        if not enabled():
+            return None
+        if self._fn is None:
+            lib = load(self.library)
+            if lib is None:
+                return None
+            fn = getattr(lib, self.name)
+            fn.argtypes = self.argtypes
+            fn.restype = ctypes.c_int
+            self._fn = fn
+        return self._fn
+
+    def reset(self) -> None:
+        """Forget the function, so the next `get()` loads the library again."""
+        self._fn = None

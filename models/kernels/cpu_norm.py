@@ -12,7 +12,6 @@ contiguous, no autograd, the library built); otherwise callers run torch.
 from __future__ import annotations
 
 import ctypes
-from typing import Any
 
 import torch
 
@@ -30,25 +29,11 @@ class NormKernelError(RuntimeError):
     """The RMSNorm kernel refused its inputs."""
 
 
-# The kernel's ctypes function once loaded; the library stays mapped for the
-# life of the process.
-_kernel_fn: Any = None
-
-
-def _kernel() -> Any | None:
-    """The ctypes function `rms_norm`, or None where it cannot be had."""
-    global _kernel_fn
-    if not cpu_build.enabled():
-        return None
-    if _kernel_fn is None:
-        lib = cpu_build.load("rms_norm")
-        if lib is None:
-            return None
-        fn = lib.rms_norm
-        fn.argtypes = [_INT, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, ctypes.c_float, _INT]
-        fn.restype = ctypes.c_int
-        _kernel_fn = fn
-    return _kernel_fn
+_KERNEL = cpu_build.KernelFunction(
+    "rms_norm",
+    "rms_norm",
+    [_INT, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, ctypes.c_float, _INT],
+)
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
@@ -65,7 +50,7 @@ def supported(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | No
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False  # the kernel records no autograd graph
-    return _kernel() is not None
+    return _KERNEL.get() is not None
 
 
 def rms_norm(
@@ -84,11 +69,12 @@ def rms_norm_if_supported(
 ) -> torch.Tensor | None:
     """`rms_norm(...)`, or None (nothing done) where `supported(...)` does not hold:
     one check per call for callers with a torch fallback."""
-    if not supported(x, weight, residual):
+    kernel = _KERNEL.get()
+    if kernel is None or not supported(x, weight, residual):
         return None
     rows, width = x.shape
     out = torch.empty(rows, width, dtype=x.dtype)
-    _kernel_fn(
+    kernel(
         _DTYPES[x.dtype],
         x.data_ptr(),
         x.stride(0),

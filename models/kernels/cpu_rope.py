@@ -9,7 +9,6 @@ library built); otherwise callers run torch.
 from __future__ import annotations
 
 import ctypes
-from typing import Any
 
 import torch
 
@@ -27,26 +26,12 @@ class RopeKernelError(RuntimeError):
     """The rotary/cache kernel refused its inputs."""
 
 
-# The kernel's ctypes function once loaded; the library stays mapped for the
-# life of the process.
-_kernel_fn: Any = None
-
-
-def _kernel() -> Any | None:
-    """The ctypes function `rope_and_cache`, or None where it cannot be had."""
-    global _kernel_fn
-    if not cpu_build.enabled():
-        return None
-    if _kernel_fn is None:
-        lib = cpu_build.load("rope_cache")
-        if lib is None:
-            return None
-        fn = lib.rope_and_cache
-        fn.argtypes = [_INT, _P, _I64, _INT, _INT, _INT, _INT, _INT, _P, _P, _I64, _P, _P]
-        fn.argtypes += [_I64, _I64, _I64, _P, _INT, _INT]
-        fn.restype = ctypes.c_int
-        _kernel_fn = fn
-    return _kernel_fn
+_KERNEL = cpu_build.KernelFunction(
+    "rope_cache",
+    "rope_and_cache",
+    [_INT, _P, _I64, _INT, _INT, _INT, _INT, _INT, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _P]
+    + [_INT, _INT],
+)
 
 
 def supported(
@@ -73,7 +58,7 @@ def supported(
         return False
     if torch.is_grad_enabled() and qkv.requires_grad:
         return False  # the kernel records no autograd graph
-    return _kernel() is not None
+    return _KERNEL.get() is not None
 
 
 def rope_and_cache(
@@ -89,7 +74,8 @@ def rope_and_cache(
     """Rotate Q/K heads of `qkv` `[T, heads + 2 * kv_heads, dim]` in place by
     `cos`/`sin` `[T, rot_dim]`, then store K and V at `slot_mapping`.
     Only where `supported(...)` holds."""
-    if not supported(qkv, cos, sin, key_cache, value_cache):
+    kernel = _KERNEL.get()
+    if kernel is None or not supported(qkv, cos, sin, key_cache, value_cache):
         raise RopeKernelError("the rotary/cache kernel does not serve these inputs")
     tokens, total_heads, dim = qkv.shape
     kv_heads = key_cache.shape[2]
@@ -99,7 +85,7 @@ def rope_and_cache(
             f"slot_mapping {tuple(slot_mapping.shape)} for {tokens} tokens"
         )
     slots = slot_mapping.to(torch.int64).contiguous()
-    status = _kernel_fn(
+    status = kernel(
         _DTYPES[qkv.dtype],
         qkv.data_ptr(),
         qkv.stride(0),

@@ -94,7 +94,7 @@ def test_narrower_vectors_match_reference(
     AVX-512 (8-lane vectors) or without AVX (4 lanes)."""
     monkeypatch.setattr(cpu_build, "FLAGS", (*cpu_build.FLAGS, flag))
     monkeypatch.setattr(cpu_build, "_loaded", {})
-    monkeypatch.setattr(cpu_attention, "_kernel_fn", None)
+    monkeypatch.setattr(cpu_attention._KERNEL, "_fn", None)
     monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))
     lib = cpu_build.load("decode_attention")
     if lib is None:
@@ -113,7 +113,7 @@ def test_a_build_without_openmp_splits_work_over_its_own_threads(
 ) -> None:
     monkeypatch.setattr(cpu_build, "OPENMP_FLAGS", ())
     monkeypatch.setattr(cpu_build, "_loaded", {})
-    monkeypatch.setattr(cpu_attention, "_kernel_fn", None)
+    monkeypatch.setattr(cpu_attention._KERNEL, "_fn", None)
     monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(cpu_attention, "_PARALLEL_WORK", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
