@@ -70,18 +70,10 @@ class LlamaAttention(torch.nn.Module):
         if self.qkv is not None and self.qkv.is_current():
             qkv = self.qkv(hidden).view(num_tokens, -1, self.head_dim)
             keys, values = layer_cache.key_cache, layer_cache.value_cache
-            if dispatch.use_cpu_rope_kernel(qkv, cos, sin, keys, values):
-                # Rotation and the cache write in one pass, Q/K rotated in place.
-                dispatch.rope_and_cache_cpu(
-                    qkv,
-                    cos,
-                    sin,
-                    self.num_heads,
-                    keys,
-                    values,
-                    batch.slot_mapping,
-                    batch.block_size,
-                )
+            # On CPU: rotation and the cache write in one pass, Q/K rotated in place.
+            if dispatch.cpu_rope_and_cache(
+                qkv, cos, sin, self.num_heads, keys, values, batch.slot_mapping, batch.block_size
+            ):
                 q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
                 out = attend(q, k, v, layer_cache, batch, self.scale, self.sliding_window)
                 return self._project_out(out, num_tokens)

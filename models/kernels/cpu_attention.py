@@ -77,10 +77,30 @@ def paged_attention_decode_cpu(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """`[B, heads, dim]` in q's dtype; call only where `supported(...)` holds."""
-    check_decode_inputs(q, key_cache, value_cache, block_tables, seq_lens)
+    out = paged_attention_decode_if_supported(
+        q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window
+    )
+    if out is None:
+        raise CpuKernelError("the CPU decode kernel does not serve these inputs; check supported()")
+    return out
+
+
+def paged_attention_decode_if_supported(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor | None:
+    """`paged_attention_decode_cpu(...)`, or None (nothing done) where
+    `supported(...)` does not hold: one check per call for callers with a
+    torch fallback."""
     kernel = _KERNEL.get()
     if kernel is None or not _serves(q, key_cache, value_cache):
-        raise CpuKernelError("the CPU decode kernel does not serve these inputs; check supported()")
+        return None
+    check_decode_inputs(q, key_cache, value_cache, block_tables, seq_lens)
     q = q.contiguous()
     tables = block_tables
     if tables.dtype != torch.int64 or tables.stride(1) != 1:

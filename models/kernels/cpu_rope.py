@@ -74,9 +74,29 @@ def rope_and_cache(
     """Rotate Q/K heads of `qkv` `[T, heads + 2 * kv_heads, dim]` in place by
     `cos`/`sin` `[T, rot_dim]`, then store K and V at `slot_mapping`.
     Only where `supported(...)` holds."""
+    done = rope_and_cache_if_supported(
+        qkv, cos, sin, num_heads, key_cache, value_cache, slot_mapping, block_size
+    )
+    if not done:
+        raise RopeKernelError("the rotary/cache kernel does not serve these inputs")
+
+
+def rope_and_cache_if_supported(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_size: int,
+) -> bool:
+    """`rope_and_cache(...)` and True, or False (nothing done) where
+    `supported(...)` does not hold: one check per call for callers with a
+    torch fallback."""
     kernel = _KERNEL.get()
     if kernel is None or not supported(qkv, cos, sin, key_cache, value_cache):
-        raise RopeKernelError("the rotary/cache kernel does not serve these inputs")
+        return False
     tokens, total_heads, dim = qkv.shape
     kv_heads = key_cache.shape[2]
     if total_heads != num_heads + 2 * kv_heads or slot_mapping.shape != (tokens,):
@@ -108,3 +128,4 @@ def rope_and_cache(
     )
     if status != 0:
         raise RopeKernelError(f"the rotary/cache kernel refused rot_dim {cos.shape[1]}")
+    return True

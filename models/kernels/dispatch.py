@@ -9,8 +9,8 @@ Models and the transfer code call these functions, never the kernel modules:
   how the test suite checks kernels on machines without a GPU.
 - decode attention, RMSNorm and the rotary + K/V cache write on CPU tensors
   also have C kernels (`cpu_attention`, `cpu_norm`, `cpu_rope`, built on
-  first use); `use_cpu_decode_kernel`, `rms_norm` and `use_cpu_rope_kernel`
-  choose them where they serve a call.
+  first use); `cpu_decode_attention`, `rms_norm` and `cpu_rope_and_cache`
+  run them where they serve a call.
 
 Each function has the signature of its reference twin.
 """
@@ -82,16 +82,12 @@ def paged_attention_decode(
     return impl(q, key_cache, value_cache, block_tables, seq_lens, scale, out)
 
 
-def use_cpu_decode_kernel(
-    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
-) -> bool:
-    """Whether decode attention on these CPU tensors runs the C kernel."""
-    if q.device.type != "cpu" or os.environ.get(FORCE_TRITON_ENV, "0") == "1":
-        return False
-    return cpu_attention.supported(q, key_cache, value_cache)
+def _cpu_kernels_apply(t: torch.Tensor) -> bool:
+    """Whether a C kernel may serve `t`: a CPU tensor, Triton not forced."""
+    return t.device.type == "cpu" and os.environ.get(FORCE_TRITON_ENV, "0") != "1"
 
 
-def paged_attention_decode_cpu(
+def cpu_decode_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -99,27 +95,17 @@ def paged_attention_decode_cpu(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
-) -> torch.Tensor:
-    """Decode attention through the C kernel; only where `use_cpu_decode_kernel` holds."""
-    return cpu_attention.paged_attention_decode_cpu(
+) -> torch.Tensor | None:
+    """Decode attention through the C kernel on CPU tensors it serves; None
+    (nothing done) elsewhere, for the caller's torch path."""
+    if not _cpu_kernels_apply(q):
+        return None
+    return cpu_attention.paged_attention_decode_if_supported(
         q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window
     )
 
 
-def use_cpu_rope_kernel(
-    qkv: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-) -> bool:
-    """Whether the rotary + cache write of a fused QKV output runs the C kernel."""
-    if qkv.device.type != "cpu" or os.environ.get(FORCE_TRITON_ENV, "0") == "1":
-        return False
-    return cpu_rope.supported(qkv, cos, sin, key_cache, value_cache)
-
-
-def rope_and_cache_cpu(
+def cpu_rope_and_cache(
     qkv: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -128,9 +114,12 @@ def rope_and_cache_cpu(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     block_size: int,
-) -> None:
-    """Rotate Q/K of `qkv` in place and store K/V; only where `use_cpu_rope_kernel` holds."""
-    cpu_rope.rope_and_cache(
+) -> bool:
+    """Rotate Q/K of a fused QKV output in place and store K/V through the C
+    kernel on CPU tensors it serves: True; False (nothing done) elsewhere."""
+    if not _cpu_kernels_apply(qkv):
+        return False
+    return cpu_rope.rope_and_cache_if_supported(
         qkv, cos, sin, num_heads, key_cache, value_cache, slot_mapping, block_size
     )
 
@@ -143,7 +132,7 @@ def rms_norm(
 ) -> torch.Tensor:
     """`weight * norm(x)` over the last dim; with `residual`, first `residual += x`
     (in place) and normalize that. The C kernel on CPU where it applies, else torch."""
-    if x.device.type == "cpu" and os.environ.get(FORCE_TRITON_ENV, "0") != "1":
+    if _cpu_kernels_apply(x):
         out = cpu_norm.rms_norm_if_supported(x, weight, eps, residual)
         if out is not None:
             return out

@@ -99,10 +99,11 @@ def decode_attention(
     tables, seq_lens = batch.block_tables, batch.seq_lens
     if sliding_window is None and q.dtype == key_cache.dtype and dispatch.use_triton(q.device):
         return dispatch.paged_attention_decode(q, key_cache, value_cache, tables, seq_lens, scale)
-    if dispatch.use_cpu_decode_kernel(q, key_cache, value_cache):
-        return dispatch.paged_attention_decode_cpu(
-            q, key_cache, value_cache, tables, seq_lens, scale, sliding_window
-        )
+    out = dispatch.cpu_decode_attention(
+        q, key_cache, value_cache, tables, seq_lens, scale, sliding_window
+    )
+    if out is not None:
+        return out
     kv_heads, block_size = key_cache.shape[2], batch.block_size
     num_blocks = -(-batch.max_seq_len // block_size)
     # index_select over the flattened table: several times faster on CPU than
