@@ -226,6 +226,19 @@ LLAMA_CTX = ("context", "llama", "v1", "python")
 LLAMA_GEN = ("generation", "llama", "v1", "python")
 
 
+def _llama_config(checkpoints: dict[str, Path], **fields: Any) -> WorkerConfig:
+    """An in-process worker's config over the tiny Llama checkpoint."""
+    return WorkerConfig(
+        checkpoint=str(checkpoints["llama"]), block_size=8, cluster_secret=SECRET, **fields
+    )
+
+
+def _assert_unpinned(worker: ContextWorker | GenerationWorker) -> None:
+    """Nothing pinned or in transfer, every block free (an in-process worker)."""
+    load = worker.load()
+    assert load.num_transferring == 0 and load.num_free_blocks == load.num_total_blocks, load
+
+
 async def _assert_idle(actor: Any) -> None:
     load = await actor.load.remote()
     assert load.num_running == load.num_waiting == load.num_transferring == 0, load
@@ -281,13 +294,7 @@ async def test_request_done_at_its_first_token_pins_nothing(
 async def test_unpulled_cache_is_freed_when_its_lease_expires(
     checkpoints: dict[str, Path], prompts: list[list[int]]
 ) -> None:
-    config = WorkerConfig(
-        checkpoint=str(checkpoints["llama"]),
-        block_size=8,
-        max_tokens=CTX_MAX_TOKENS,
-        lease_s=0.3,
-        cluster_secret=SECRET,
-    )
+    config = _llama_config(checkpoints, max_tokens=CTX_MAX_TOKENS, lease_s=0.3)
     ctx = ContextWorker(config, "lease-test")
     await ctx.start()
     try:
@@ -296,8 +303,7 @@ async def test_unpulled_cache_is_freed_when_its_lease_expires(
         load = ctx.load()
         assert load.num_transferring == 1 and load.num_free_blocks < load.num_total_blocks
         await asyncio.sleep(0.6)
-        load = ctx.load()
-        assert load.num_transferring == 0 and load.num_free_blocks == load.num_total_blocks
+        _assert_unpinned(ctx)
     finally:
         await ctx.shutdown()
 
@@ -305,28 +311,21 @@ async def test_unpulled_cache_is_freed_when_its_lease_expires(
 async def test_a_prefill_that_arrives_after_its_abort_is_refused_and_pins_nothing(
     checkpoints: dict[str, Path], prompts: list[list[int]]
 ) -> None:
-    config = WorkerConfig(
-        checkpoint=str(checkpoints["llama"]),
-        block_size=8,
-        max_tokens=CTX_MAX_TOKENS,
-        cluster_secret=SECRET,
-    )
+    config = _llama_config(checkpoints, max_tokens=CTX_MAX_TOKENS)
     ctx = ContextWorker(config, "late-abort-test")
     await ctx.start()
     try:
         ctx.abort("late")  # the router's abort overtook its prefill call
         with pytest.raises(RequestFailedError, match="aborted before it reached"):
             await ctx.prefill(ContextRequest("late", prompts[3], _params()))
-        load = ctx.load()
-        assert load.num_transferring == 0 and load.num_free_blocks == load.num_total_blocks
+        _assert_unpinned(ctx)
         # The id is consumed: the next request runs, and aborting it after it
         # was published unpins it at once instead of remembering the id.
         result = await ctx.prefill(ContextRequest("late", prompts[3], _params()))
         assert result.handle is not None and ctx.load().num_transferring == 1
         ctx.abort("late")
         await asyncio.sleep(0.05)
-        load = ctx.load()
-        assert load.num_transferring == 0 and load.num_free_blocks == load.num_total_blocks
+        _assert_unpinned(ctx)
         assert len(ctx._aborted) == 0
     finally:
         await ctx.shutdown()
@@ -363,13 +362,7 @@ async def test_prefix_reuse_skips_cached_blocks_and_keeps_outputs(
 async def test_failed_pull_reports_an_error_and_leaks_nothing(
     checkpoints: dict[str, Path], prompts: list[list[int]]
 ) -> None:
-    config = WorkerConfig(
-        checkpoint=str(checkpoints["llama"]),
-        block_size=8,
-        max_tokens=GEN_MAX_TOKENS,
-        transfer_timeout_s=5.0,
-        cluster_secret=SECRET,
-    )
+    config = _llama_config(checkpoints, max_tokens=GEN_MAX_TOKENS, transfer_timeout_s=5.0)
     ctx = ContextWorker(config, "gone-context")
     gen = GenerationWorker(config, "pulling-generation")
     await ctx.start()
@@ -383,8 +376,7 @@ async def test_failed_pull_reports_an_error_and_leaks_nothing(
         assert events[-1].finish_reason == "error"
         assert "cache transfer failed" in (events[-1].error or "")
         await asyncio.sleep(0.05)  # the free runs between engine steps
-        load = gen.load()
-        assert load.num_transferring == 0 and load.num_free_blocks == load.num_total_blocks
+        _assert_unpinned(gen)
     finally:
         await gen.shutdown()
 
