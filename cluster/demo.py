@@ -1,11 +1,11 @@
 """`disagg demo`: the whole path in one command, offline, on CPU.
 
-Writes the embedded tiny checkpoint if missing, starts a local 1P1D cluster
-in this process, sends a few streamed completions through the real HTTP
-endpoint, prints each with its time to first token and tokens per second,
-and shuts everything down. The model has random weights, so the text is
-gibberish; the point is the path (HTTP -> router -> context worker -> cache
-transfer -> generation worker -> HTTP).
+Starts a local 1P1D cluster in this process on the packaged
+SmolLM2-135M-Instruct (or `--model`), asks a few questions through the real
+HTTP chat endpoint (HTTP -> router -> context worker -> cache transfer ->
+generation worker -> HTTP), streamed at temperature 0, prints each answer
+with its time to first token and tokens per second, and shuts everything
+down.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import httpx
 
 from cluster.config import ClusterConfig, ConfigError
 from cluster.plan import ClusterPlan
-from cluster.serve import DEFAULT_CHECKPOINT, default_config, ensure_embedded_checkpoint
+from cluster.serve import default_config
 
-PROMPTS = (
-    "The quick brown fox",
-    "Once upon a time, in a small village at the edge of a great forest,",
-    "A computer follows instructions stored in memory.",
+QUESTIONS = (
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write one sentence about the ocean.",
 )
 
 
@@ -45,16 +45,16 @@ class DemoResult:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help=f"checkpoint folder (default: {DEFAULT_CHECKPOINT})")
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument(
+        "--model", help="checkpoint folder or GGUF file (default: the packaged SmolLM2)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=48)
 
 
 def run(args: argparse.Namespace) -> int:
     from cluster.launcher import LaunchError
     from cluster.plan import format_plan, resolve_plan
 
-    if args.model is None:
-        ensure_embedded_checkpoint(DEFAULT_CHECKPOINT)
     try:
         config = default_config(args.model).model_copy(update={"port": 0})
         plan = resolve_plan(config, source="<demo>")
@@ -68,13 +68,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     for result in results:
-        print(f"\nprompt: {result.prompt}\noutput: {result.text!r}")
+        print(f"\nquestion: {result.prompt}\nanswer:   {result.text.strip()}")
         print(
             f"        {result.tokens} tokens, TTFT {result.ttft_s * 1000:.0f} ms, "
             f"{result.tokens_per_s:.1f} tokens/s"
         )
-    if args.model is None:
-        print("\n(the embedded checkpoint has random weights: its text is noise by design)")
     print("\ncluster stopped", flush=True)
     return 0
 
@@ -87,17 +85,17 @@ async def _demo(config: ClusterConfig, plan: ClusterPlan, max_tokens: int) -> li
         async with httpx.AsyncClient(timeout=120) as client:
             model = (await client.get(f"{serving.url}/models")).json()["data"][0]["id"]
             return [
-                await _complete(client, serving.url, model, prompt, max_tokens)
-                for prompt in PROMPTS
+                await _ask(client, serving.url, model, question, max_tokens)
+                for question in QUESTIONS
             ]
 
 
-async def _complete(
-    client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int
+async def _ask(
+    client: httpx.AsyncClient, url: str, model: str, question: str, max_tokens: int
 ) -> DemoResult:
     body = {
         "model": model,
-        "prompt": prompt,
+        "messages": [{"role": "user", "content": question}],
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "stream": True,
@@ -106,7 +104,7 @@ async def _complete(
     started = time.perf_counter()
     first: float | None = None
     text, tokens = "", 0
-    async with client.stream("POST", f"{url}/completions", json=body) as response:
+    async with client.stream("POST", f"{url}/chat/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())!r}")
         async for line in response.aiter_lines():
@@ -118,8 +116,9 @@ async def _complete(
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             for choice in chunk["choices"]:
-                if first is None:
+                content = choice["delta"].get("content") or ""
+                if first is None and content:  # not the opening role-only chunk
                     first = time.perf_counter()
-                text += choice["text"]
+                text += content
     elapsed = time.perf_counter() - started
-    return DemoResult(prompt, text, (first or started) - started, tokens, elapsed)
+    return DemoResult(question, text, (first or started) - started, tokens, elapsed)

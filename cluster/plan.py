@@ -14,7 +14,6 @@ managers fails here with one message, so nothing is started for it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from cluster.config import ClusterConfig, ConfigError, KvCacheConfig, RoleSettings
 from engine.worker_config import WorkerConfig
@@ -27,6 +26,7 @@ from kvcache.resolution import (
 )
 from kvcache.sizing import CacheSizing, size_cache
 from kvcache.spec import CacheSpec
+from models.checkpoint_source import checkpoint_folder
 from models.config import ModelConfig
 from models.hf_config import load_model_config
 from models.registry import model_preferences
@@ -119,11 +119,12 @@ class ClusterPlan:
 
 def resolve_plan(config: ClusterConfig, source: str = "<config>") -> ClusterPlan:
     """Resolve every `auto` of `config`; raises `ConfigError` naming what to change."""
-    checkpoint = Path(config.model)
     try:
+        # A GGUF file becomes its cached checkpoint folder here, once.
+        checkpoint = checkpoint_folder(config.model)
         model_config = load_model_config(checkpoint)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"{source}:model: cannot load {checkpoint}: {exc}") from exc
+        raise ConfigError(f"{source}:model: cannot load {config.model}: {exc}") from exc
     preferred_manager, preferred_transceiver = model_preferences(model_config.architecture)
     context = config.role_settings("context_servers")
     generation = config.role_settings("generation_servers")

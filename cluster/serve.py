@@ -1,7 +1,8 @@
 """`disagg serve`: run the cluster behind an OpenAI-compatible endpoint.
 
     disagg serve -c deploy/configs/1p1d.yaml
-    disagg serve                                 # embedded 1P1D on a tiny checkpoint
+    disagg serve                                 # 1P1D on the packaged SmolLM2-135M-Instruct
+    disagg serve --model model.Q4_K_M.gguf       # a GGUF file (or a folder holding one)
     disagg serve -c cfg.yaml --model /ckpt --port 0
 
 The config is validated and every `auto` resolved before anything starts;
@@ -22,16 +23,17 @@ from typing import Any
 
 from cluster.config import ClusterConfig, ConfigError, config_from_dict, load_config
 
-DEFAULT_CHECKPOINT = Path("checkpoints/tiny-llama")
 API_KEY_ENV = "DISAGG_API_KEY"
-EMBEDDED_ARCH = "llama"
 
 
 def default_config(model: str | None = None) -> ClusterConfig:
-    """The embedded default: one context and one generation instance on CPU."""
+    """The embedded default: one context and one generation instance on CPU,
+    serving `model` or else the packaged SmolLM2 (`ConfigError` if it is absent)."""
+    from cluster.default_model import default_model_file
+
     return config_from_dict(
         {
-            "model": model or str(DEFAULT_CHECKPOINT),
+            "model": model or str(default_model_file()),
             "cache_transceiver": {"backend": "python"},
             "kv_cache": {"max_tokens": 4096},
             "max_num_tokens": 512,
@@ -43,7 +45,9 @@ def default_config(model: str | None = None) -> ClusterConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-c", "--config", help="disagg YAML config (default: embedded 1P1D)")
-    parser.add_argument("--model", help="checkpoint folder; overrides the config's `model`")
+    parser.add_argument(
+        "--model", help="checkpoint folder or GGUF file; overrides the config's `model`"
+    )
     parser.add_argument("--host", help="bind address; overrides the config's `hostname`")
     parser.add_argument("--port", type=int, help="port (0 picks a free one); overrides `port`")
     parser.add_argument(
@@ -56,12 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_config(args: argparse.Namespace) -> ClusterConfig:
     """The config file (or the embedded default) with command-line overrides."""
-    if args.config is None:
-        config = default_config(args.model)
-        if args.model is None:
-            ensure_embedded_checkpoint(Path(config.model))
-    else:
-        config = load_config(args.config)
+    config = default_config(args.model) if args.config is None else load_config(args.config)
     overrides: dict[str, Any] = {}
     if args.model is not None:
         overrides["model"] = args.model
@@ -75,14 +74,6 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
         return config
     raw = config.model_dump(exclude_unset=True) | overrides
     return config_from_dict(raw, source=args.config or "<embedded default>")
-
-
-def ensure_embedded_checkpoint(path: Path) -> None:
-    from models.embedded.writer import ensure_checkpoint
-
-    if not (path / "config.json").is_file():
-        print(f"writing the embedded tiny checkpoint to {path}", flush=True)
-    ensure_checkpoint(path, EMBEDDED_ARCH, "tiny")
 
 
 def run(args: argparse.Namespace) -> int:

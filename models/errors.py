@@ -31,3 +31,8 @@ class CheckpointError(ValueError):
 
 class TokenizerError(ValueError):
     """A checkpoint's tokenizer files are missing or unusable."""
+
+
+class GGUFError(CheckpointError):
+    """A GGUF file this project cannot serve: unsupported architecture or tensor type,
+    unknown tensor, or metadata that is missing or inconsistent."""
