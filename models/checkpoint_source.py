@@ -30,7 +30,9 @@ def checkpoint_folder(
 
 
 def _gguf_file(path: Path) -> Path | None:
-    if path.is_file() and path.suffix == GGUF_SUFFIX:
+    if path.suffix == GGUF_SUFFIX:
+        if not path.is_file():
+            raise CheckpointError(f"GGUF file {path} not found")
         return path
     if not path.is_dir() or (path / "config.json").exists():
         return None

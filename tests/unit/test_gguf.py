@@ -142,6 +142,11 @@ def test_an_unsupported_architecture_is_one_clear_error_at_serve(
     assert err.startswith("error: ") and "'phi3' is not supported" in err
 
 
+def test_a_missing_gguf_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"GGUF file .*absent.gguf not found"):
+        checkpoint_folder(tmp_path / "absent.gguf")
+
+
 def test_a_folder_with_several_gguf_files_asks_for_one(tmp_path: Path) -> None:
     (tmp_path / "a.gguf").write_bytes(b"")
     (tmp_path / "b.gguf").write_bytes(b"")
