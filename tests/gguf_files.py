@@ -2,7 +2,8 @@
 
 A random transformers `LlamaForCausalLM` is renamed to GGUF tensor names, its
 Q/K rows permuted into llama.cpp's RoPE layout, its 2-D weights stored as
-`weight_type` (norms stay F32, as llama.cpp keeps them), and the byte-level
+`weight_type` (norms stay F32, as llama.cpp keeps them; K-quant weights are
+random blocks, see below), and the byte-level
 BPE tokenizer of the embedded checkpoints plus a ChatML template written into
 the metadata.
 """
@@ -27,7 +28,11 @@ from models.embedded.tokenizer import (
 )
 
 VOCAB_SIZE = 512
-HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 64, 2, 4, 2, 128
+LAYERS, HEADS, KV_HEADS = 2, 4, 2
+Q = gguf.GGMLQuantizationType
+# gguf can dequantize K-quants but not write them: their blocks are random
+# bytes with the fp16 scale fields set to `scale`, over rows of 256 values.
+K_QUANT_SCALES = {Q.Q4_K: 1e-3, Q.Q5_K: 5e-4, Q.Q6_K: 1e-4}
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
@@ -48,19 +53,20 @@ _GLOBAL_NAMES = {
 
 def write_tiny_llama_gguf(
     path: Path,
-    weight_type: gguf.GGMLQuantizationType,
+    weight_type: Q,
     architecture: str = "llama",
     tie_word_embeddings: bool = False,
 ) -> Path:
     """Write the GGUF file `path` and return it."""
     torch.manual_seed(0)
+    width = 256 if weight_type in K_QUANT_SCALES else 64  # a multiple of the block size
     config = transformers.LlamaConfig(
         vocab_size=VOCAB_SIZE,
-        hidden_size=HIDDEN,
+        hidden_size=width,
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS,
-        intermediate_size=FFN,
+        intermediate_size=2 * width,
         initializer_range=0.1,
         tie_word_embeddings=tie_word_embeddings,
         rope_theta=10000.0,
@@ -121,20 +127,35 @@ def _gguf_name(name: str) -> str:
     return f"blk.{layer}.{_LAYER_NAMES[module]}.{suffix}"
 
 
-def _add_tensor(
-    writer: gguf.GGUFWriter, name: str, tensor: torch.Tensor, weight_type: gguf.GGMLQuantizationType
-) -> None:
+def _add_tensor(writer: gguf.GGUFWriter, name: str, tensor: torch.Tensor, weight_type: Q) -> None:
     values = tensor.detach().float().numpy()
     if name.endswith("attn_q.weight"):
         values = _permute(values, HEADS)
     elif name.endswith("attn_k.weight"):
         values = _permute(values, KV_HEADS)
-    if values.ndim == 1 or weight_type == gguf.GGMLQuantizationType.F32:
+    if values.ndim == 1 or weight_type == Q.F32:
         writer.add_tensor(name, values)
-    elif weight_type == gguf.GGMLQuantizationType.F16:
+    elif weight_type == Q.F16:
         writer.add_tensor(name, values.astype(np.float16))
+    elif weight_type in K_QUANT_SCALES:
+        writer.add_tensor(name, _random_k_blocks(values.shape, weight_type), raw_dtype=weight_type)
     else:
         writer.add_tensor(name, gguf.quantize(values, weight_type), raw_dtype=weight_type)
+
+
+def _random_k_blocks(shape: tuple[int, ...], weight_type: Q) -> np.ndarray:
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[weight_type]
+    rows, blocks_per_row = shape[0], shape[1] // block_values
+    blocks = np.random.default_rng(0).integers(
+        0, 256, (rows, blocks_per_row, block_bytes), dtype=np.uint8
+    )
+    scale = np.frombuffer(np.float16(K_QUANT_SCALES[weight_type]).tobytes(), np.uint8)
+    if weight_type == Q.Q6_K:  # layout: ql, qh, scales, d
+        blocks[..., -2:] = scale
+    else:  # layout: d, dmin, scales, ...
+        blocks[..., 0:2] = scale
+        blocks[..., 2:4] = scale
+    return blocks.reshape(rows, blocks_per_row * block_bytes)
 
 
 def _permute(weight: np.ndarray, num_heads: int) -> np.ndarray:

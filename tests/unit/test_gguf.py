@@ -38,8 +38,18 @@ def _reference(gguf_file: Path) -> torch.nn.Module:
 
 @pytest.mark.parametrize(
     ("weight_type", "tied"),
-    [(Q.F32, True), (Q.F16, False), (Q.Q8_0, False), (Q.Q4_1, True)],
-    ids=["F32-tied", "F16", "Q8_0", "Q4_1-tied"],
+    [
+        (Q.F32, True),
+        (Q.F16, False),
+        (Q.BF16, False),
+        (Q.Q8_0, False),
+        (Q.Q4_0, False),
+        (Q.Q4_1, True),
+        (Q.Q4_K, False),
+        (Q.Q5_K, False),
+        (Q.Q6_K, True),
+    ],
+    ids=lambda value: value.name if isinstance(value, Q) else ("tied" if value else "untied"),
 )
 def test_logits_match_transformers_reading_the_same_file(
     tmp_path: Path, weight_type: Q, tied: bool
