@@ -141,8 +141,9 @@ def test_an_unsupported_tensor_type_is_refused_naming_the_tensor(tmp_path: Path)
 
 
 def test_an_unsupported_architecture_is_one_clear_error_at_serve(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
     gguf_file = write_tiny_llama_gguf(tmp_path / "phi.gguf", Q.F32, architecture="phi3")
     with pytest.raises(GGUFError, match="GGUF architecture 'phi3' is not supported"):
         checkpoint_folder(gguf_file, cache_dir=tmp_path / "cache", progress=False)
