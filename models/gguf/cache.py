@@ -11,7 +11,7 @@ written under a temporary name and renamed into place in one step, so a
 folder under its final name is always complete: an interrupted conversion
 leaves only a temporary folder, removed by the next conversion of that file.
 The folder is named after the file's stem so the served model is named after
-the file, not the hash.
+the file, not the hash; copies of one file under other names share the entry.
 """
 
 from __future__ import annotations
@@ -62,8 +62,9 @@ def cached_checkpoint(
     staging = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
     try:
         _convert(source, staging / source.stem, progress)
+        entry.mkdir(exist_ok=True)  # shared by copies of the file under other names
         try:
-            staging.rename(entry)
+            (staging / source.stem).rename(folder)
         except OSError:
             if not folder.is_dir():  # not a concurrent conversion that won the race
                 raise

@@ -99,6 +99,17 @@ def test_second_resolution_reuses_the_cache(
     assert checkpoint_folder(gguf_file, cache_dir=tmp_path / "cache", progress=False) == first
 
 
+def test_a_copy_under_another_name_is_served_under_that_name(tmp_path: Path) -> None:
+    gguf_file = write_tiny_llama_gguf(tmp_path / "tiny.gguf", Q.F32)
+    copy = tmp_path / "renamed.gguf"
+    copy.write_bytes(gguf_file.read_bytes())
+    first = checkpoint_folder(gguf_file, cache_dir=tmp_path / "cache", progress=False)
+    second = checkpoint_folder(copy, cache_dir=tmp_path / "cache", progress=False)
+    assert (first.name, second.name) == ("tiny", "renamed")
+    assert first.parent == second.parent  # one entry per file content
+    load_model(second)
+
+
 def test_an_interrupted_conversion_leaves_no_folder_and_the_next_one_completes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
