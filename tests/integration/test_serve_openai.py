@@ -386,7 +386,7 @@ def test_a_busy_port_fails_before_any_worker_starts(checkpoint: Path) -> None:
 
 def test_demo_runs_the_whole_path_and_stops(tmp_path: Path, checkpoint: Path) -> None:
     # On the tiny checkpoint: the default model's answers are checked in
-    # test_default_model.py.
+    # test_serve_default_model.py.
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     command = [sys.executable, "-m", "cluster.cli", "demo", "--max-tokens", "6"]
     result = subprocess.run(
