@@ -38,8 +38,10 @@ ROUTER_TYPES = {
 }
 
 # backend (any case) -> (our backend, our wire or None, why it differs or None).
-# DEFAULT keeps our `auto` rule (the model's preference, else NIXL when it
-# imports, else Python); UCX is the Python transceiver's protocol over UCX.
+# TensorRT-LLM's DEFAULT is NIXL unless an environment variable picks another;
+# here it is our `auto` rule (the model's preference, else NIXL when it
+# imports, else Python). UCX is the Python transceiver's protocol over UCX;
+# PYTHON (not a TensorRT-LLM value) names our Python transceiver.
 _OVER_TCP = "is not available here; the Python transceiver (TCP) moves the cache"
 BACKENDS: dict[str, tuple[str, str | None, str | None]] = {
     "DEFAULT": ("auto", None, None),
@@ -106,7 +108,7 @@ KV_IGNORED = {
     "max_util_for_resume": _OUR_MANAGER,
 }
 TRANSCEIVER_IGNORED = {
-    "transceiver_runtime": "the backend alone picks the transceiver here",
+    "transceiver_runtime": "the backend alone picks the transceiver implementation here",
     "max_tokens_in_buffer": "there is no staging buffer: blocks move straight between the caches",
     "kv_transfer_sender_future_timeout_ms": "kv_transfer_timeout_ms bounds the whole transfer",
 }
@@ -327,6 +329,8 @@ class _Translator:
             written = f"{where}.{key}"
             if key == "backend":
                 self._backend(scope, value, written)
+            elif key == "kv_transfer_timeout_ms" and value is None:
+                self._ignore(written, "a transfer always times out here (timeout_s, 30 s)")
             elif key == "kv_transfer_timeout_ms":
                 seconds = value / 1000 if isinstance(value, int | float) else value
                 self._put((*scope, "cache_transceiver", "timeout_s"), seconds, written, TRTLLM)

@@ -228,6 +228,19 @@ def test_config_check_prints_the_expected_plan_translation_and_ignored_keys(
         assert f"  {item}: " in out
 
 
+def test_config_check_reads_our_own_dialect_too(
+    checkpoints: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = ROOT / "deploy" / "configs" / "nixl.yaml"
+    code, out = _check(path, checkpoints["llama"], capsys)
+    assert code == 0, out
+    assert [row[1:3] for row in _plan_rows(out)] == [("v1", "nixl"), ("v1", "nixl")]
+    printed = out.split("config in disagg keys:\n", 1)[1].split("\ndisagg config:", 1)[0]
+    expected = load_config(path).model_copy(update={"model": str(checkpoints["llama"])})
+    assert config_from_dict(yaml.safe_load(printed)) == expected
+    assert out.rstrip().endswith("disagg config: no key ignored")
+
+
 def test_the_2p2d_translation_is_exactly_the_native_2p2d_config() -> None:
     native = load_config(ROOT / "deploy" / "configs" / "2p2d.yaml")
     assert load_config(CONFIGS / "2p2d-python-reuse.yaml") == native
