@@ -104,7 +104,9 @@ def format_ignored(loaded: LoadedConfig) -> str:
     """The keys a translated file set that do not apply here, one a line."""
     if not loaded.ignored:
         return f"{loaded.dialect} config: no key ignored"
-    lines = [f"{loaded.dialect} config: {len(loaded.ignored)} keys do not apply here (ignored):"]
+    count = len(loaded.ignored)
+    keys = "1 key does" if count == 1 else f"{count} keys do"
+    lines = [f"{loaded.dialect} config: {keys} not apply here (ignored):"]
     return "\n".join(lines + [f"  {item}" for item in loaded.ignored])
 
 

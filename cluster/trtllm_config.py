@@ -124,7 +124,7 @@ class _Translator:
 
     def _top(self, key: str, value: Any) -> None:
         if key in ROLES:
-            self._section(key, value if value is not None else {})
+            self._section(key, value)
         elif key == "conditional_disagg_config":
             for name, item in self._mapping(key, value).items():
                 if name == "max_local_prefill_length":
@@ -347,6 +347,8 @@ class _Translator:
         return isinstance(num_gpus, int | float) and num_gpus > 0
 
     def _mapping(self, where: str, value: Any) -> dict[str, Any]:
+        if value is None:  # `key:` with nothing under it
+            return {}
         if isinstance(value, dict):
             return value
         self.errors.append(f"{self.source}:{where}: must be a mapping of keys, got {value!r}")
