@@ -273,6 +273,9 @@ class _Translator:
             if top is not None and section is not None and top[0] != section[0]:
                 raise ConfigError(self._two_values(top[1], top[0], section[1], section[0]))
         for scope, (value, written) in self.fractions.items():
+            ours = self.puts.get((*scope, "kv_cache", "memory_fraction"))
+            if ours is not None and ours.dialect == OURS:  # refused on CPU instances too
+                raise ConfigError(self._mixed(ours.key, written, "kv_cache.memory_fraction"))
             roles = list(scope) if scope else list(ROLES)
             on_cpu = [role for role in roles if not self._on_gpu(role)]
             if on_cpu:
@@ -325,14 +328,16 @@ class _Translator:
         if earlier is None:
             self.puts[path] = _Put(value, written, shown, dialect)
             return
-        ours = ".".join(path)
         if {earlier.dialect, dialect} == {TRTLLM, OURS}:
-            raise ConfigError(
-                f"{self.source}: {earlier.key} and {written} both set {ours}, one in "
-                "TensorRT-LLM's keys and one in ours; keep one of them"
-            )
+            raise ConfigError(self._mixed(earlier.key, written, ".".join(path)))
         if earlier.value != value:
             raise ConfigError(self._two_values(earlier.key, earlier.written, written, shown))
+
+    def _mixed(self, first: str, second: str, ours: str) -> str:
+        return (
+            f"{self.source}: {first} and {second} both set {ours}, one in "
+            "TensorRT-LLM's keys and one in ours; keep one of them"
+        )
 
     def _two_values(self, first: str, first_value: Any, second: str, second_value: Any) -> str:
         hint = f" ({_ONE_ROUTER})" if "router" in first else ""

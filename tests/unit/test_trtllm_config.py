@@ -296,6 +296,10 @@ def test_one_setting_in_both_dialects_is_refused_naming_both_keys() -> None:
     message = str(info.value)
     assert "kv_cache.max_tokens and kv_cache_config.max_tokens" in message
     assert "one in TensorRT-LLM's keys and one in ours" in message
+    # Refused even where the TensorRT-LLM key would be ignored (a fraction on CPU).
+    raw = {"kv_cache": {"memory_fraction": 0.5}, "free_gpu_memory_fraction": 0.5}
+    with pytest.raises(ConfigError, match="kv_cache.memory_fraction and free_gpu_memory_fraction"):
+        _translate(raw)
 
 
 def test_a_setting_given_two_values_is_refused_naming_both_keys() -> None:
