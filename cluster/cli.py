@@ -25,6 +25,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "measure the transceivers between two Ray actors against raw limits",
     ),
     "demo": ("cluster.demo", "start a local 1P1D cluster, send a few completions, stop"),
+    "config": (
+        "cluster.config_cli",
+        "check a config (ours or TensorRT-LLM's) as serve would, or convert it to ours",
+    ),
 }
 
 

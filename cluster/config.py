@@ -18,6 +18,8 @@ resolves them once at startup.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -212,8 +214,29 @@ def _conflict(top_key: str, top_value: Any, section_key: str, section_value: Any
     )
 
 
+@dataclass(frozen=True)
+class LoadedConfig:
+    """A config file as read: the validated config, the dialect it was written
+    in ("disagg" or "tensorrt-llm"), and the keys that were read but do not
+    apply here, each with its reason (`key: reason`)."""
+
+    config: ClusterConfig
+    dialect: str
+    ignored: tuple[str, ...] = ()
+
+
 def load_config(path: str | Path) -> ClusterConfig:
     """Read and validate a disagg YAML file; raises `ConfigError` naming file:key."""
+    return read_config(path).config
+
+
+def read_config(path: str | Path) -> LoadedConfig:
+    """Read a config file of either dialect: ours, or TensorRT-LLM's
+    `trtllm-serve disaggregated` YAML (recognized by its keys and translated
+    once, here, by `cluster.trtllm_config`). Raises `ConfigError`."""
+    # The dialect module builds on this one, so it is imported where it is used.
+    from cluster import trtllm_config
+
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text())
@@ -223,25 +246,38 @@ def load_config(path: str | Path) -> ClusterConfig:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the config must be a mapping of keys, got {type(raw).__name__}")
-    return config_from_dict(raw, source=str(path))
+    if not trtllm_config.is_trtllm(raw):
+        return LoadedConfig(config_from_dict(raw, source=str(path)), "disagg")
+    translation = trtllm_config.translate(raw, source=str(path))
+    config = config_from_dict(translation.native, str(path), translation.key_names)
+    ignored = tuple(str(item) for item in translation.ignored)
+    return LoadedConfig(config, trtllm_config.DIALECT, ignored)
 
 
-def config_from_dict(raw: dict[str, Any], source: str = "<config>") -> ClusterConfig:
-    """Validate an already-parsed config mapping; raises `ConfigError`."""
+def config_from_dict(
+    raw: dict[str, Any], source: str = "<config>", key_names: Mapping[str, str] | None = None
+) -> ClusterConfig:
+    """Validate an already-parsed config mapping; raises `ConfigError`.
+
+    `key_names` maps a dotted key of ours to the key the file wrote, so an
+    error about a translated value names what the user wrote."""
     try:
         return ClusterConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(_describe(exc, source)) from None
+        raise ConfigError(_describe(exc, source, key_names or {})) from None
 
 
-def _describe(exc: ValidationError, source: str) -> str:
+def _describe(exc: ValidationError, source: str, key_names: Mapping[str, str]) -> str:
     """One line per problem: `file:dotted.key: what to change`."""
     lines = []
     for error in exc.errors():
         loc = tuple(str(part) for part in error["loc"])
-        where = f"{source}:{'.'.join(loc)}" if loc else source
+        key = ".".join(loc)
+        if key in key_names and key_names[key] != key:
+            key = f"{key_names[key]} (our {key})"
+        where = f"{source}:{key}" if loc else source
         if error["type"] == "extra_forbidden":
-            message = f"unknown key{_suggestion(loc)}"
+            message = f"unknown key{closest_key_hint(loc[-1], native_keys_at(loc[:-1]))}"
         elif error["type"] == "value_error":
             message = str(error["ctx"]["error"])
         else:
@@ -250,15 +286,17 @@ def _describe(exc: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def _suggestion(loc: tuple[str, ...]) -> str:
-    valid = _valid_keys_at(loc[:-1])
-    close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
+def closest_key_hint(key: str, valid: Iterable[str]) -> str:
+    """ "; did you mean 'x'?" for the closest valid key, else the valid keys."""
+    valid = sorted(set(valid))
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     if close:
         return f"; did you mean {close[0]!r}?"
-    return f"; valid keys here: {', '.join(sorted(valid))}"
+    return f"; valid keys here: {', '.join(valid)}"
 
 
-def _valid_keys_at(parent: tuple[str, ...]) -> list[str]:
+def native_keys_at(parent: tuple[str, ...]) -> list[str]:
+    """The keys our config accepts under the dotted path `parent`."""
     model: type[BaseModel] = ClusterConfig
     for part in parent:
         annotation = model.model_fields[part].annotation

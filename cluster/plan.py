@@ -13,7 +13,9 @@ managers fails here with one message, so nothing is started for it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from cluster.config import ClusterConfig, ConfigError, KvCacheConfig, RoleSettings
 from engine.worker_config import WorkerConfig
@@ -32,6 +34,8 @@ from models.hf_config import load_model_config
 from models.registry import model_preferences
 
 DEFAULT_MAX_TOKENS = 8192
+# `org/name` as the Hugging Face Hub spells a model id.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # Workers keep as many Mamba slots again as batch slots, for pinned handoffs
 # and pulls in flight (engine.instance sizes its cache the same way).
 MAMBA_SLOTS_PER_BATCH_SLOT = 2
@@ -124,6 +128,8 @@ def resolve_plan(config: ClusterConfig, source: str = "<config>") -> ClusterPlan
         checkpoint = checkpoint_folder(config.model)
         model_config = load_model_config(checkpoint)
     except (OSError, ValueError) as exc:
+        if not Path(config.model).exists():
+            raise ConfigError(_not_a_local_model(config.model, source)) from exc
         raise ConfigError(f"{source}:model: cannot load {config.model}: {exc}") from exc
     preferred_manager, preferred_transceiver = model_preferences(model_config.architecture)
     context = config.role_settings("context_servers")
@@ -153,6 +159,18 @@ def resolve_plan(config: ClusterConfig, source: str = "<config>") -> ClusterPlan
         hash_namespace=cache_namespace(model_config.architecture, spec.dtype),
         instances=instances,
     )
+
+
+def _not_a_local_model(model: str, source: str) -> str:
+    """Nothing is downloaded at run time: a hub id must become a folder first."""
+    message = f"{source}:model: {model!r} is not a local folder or file"
+    if HUB_ID.fullmatch(model):
+        message += (
+            "; it looks like a Hugging Face Hub id, and nothing is downloaded here: "
+            f"download it first (e.g. `huggingface-cli download {model} --local-dir DIR`) "
+            "and set model (or --model) to that folder"
+        )
+    return message
 
 
 def _one_transceiver(context: RoleSettings, generation: RoleSettings, preferred: str | None) -> str:

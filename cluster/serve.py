@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cluster.config import ClusterConfig, ConfigError, config_from_dict, load_config
+from cluster.config import ClusterConfig, ConfigError, LoadedConfig, config_from_dict, read_config
+
+if TYPE_CHECKING:
+    from cluster.plan import ClusterPlan
 
 API_KEY_ENV = "DISAGG_API_KEY"
 
@@ -60,7 +64,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_config(args: argparse.Namespace) -> ClusterConfig:
     """The config file (or the embedded default) with command-line overrides."""
-    config = default_config(args.model) if args.config is None else load_config(args.config)
+    return read_args_config(args).config
+
+
+def read_args_config(args: argparse.Namespace) -> LoadedConfig:
+    """`build_config`, keeping the file's dialect and the keys it ignored."""
+    if args.config is None:
+        loaded = LoadedConfig(default_config(args.model), "disagg")
+    else:
+        loaded = read_config(args.config)
     overrides: dict[str, Any] = {}
     if args.model is not None:
         overrides["model"] = args.model
@@ -71,28 +83,50 @@ def build_config(args: argparse.Namespace) -> ClusterConfig:
     if getattr(args, "api_key", None) is not None:
         overrides["api_key"] = args.api_key
     if not overrides:
-        return config
-    raw = config.model_dump(exclude_unset=True) | overrides
-    return config_from_dict(raw, source=args.config or "<embedded default>")
+        return loaded
+    raw = loaded.config.model_dump(exclude_unset=True) | overrides
+    config = config_from_dict(raw, source=args.config or "<embedded default>")
+    return dataclasses.replace(loaded, config=config)
+
+
+def prepare(args: argparse.Namespace) -> tuple[LoadedConfig, ClusterPlan]:
+    """Everything `serve` checks before it starts anything: the config, every
+    `auto` resolved into the plan, and the checkpoint. Raises `ConfigError`."""
+    from cluster.checkpoint_check import check_checkpoint
+    from cluster.plan import resolve_plan
+
+    source = args.config or "<embedded default>"
+    loaded = read_args_config(args)
+    plan = resolve_plan(loaded.config, source=source)
+    check_checkpoint(plan.checkpoint, source)
+    return loaded, plan
+
+
+def format_ignored(loaded: LoadedConfig) -> str:
+    """The keys a translated file set that do not apply here, one a line."""
+    if not loaded.ignored:
+        return f"{loaded.dialect} config: no key ignored"
+    count = len(loaded.ignored)
+    keys = "1 key does" if count == 1 else f"{count} keys do"
+    lines = [f"{loaded.dialect} config: {keys} not apply here (ignored):"]
+    return "\n".join(lines + [f"  {item}" for item in loaded.ignored])
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    from cluster.checkpoint_check import check_checkpoint
     from cluster.launcher import LaunchError
-    from cluster.plan import format_plan, resolve_plan
+    from cluster.plan import format_plan
 
-    source = args.config or "<embedded default>"
     try:
-        config = build_config(args)
-        plan = resolve_plan(config, source=source)
-        check_checkpoint(plan.checkpoint, source)
+        loaded, plan = prepare(args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if loaded.ignored:
+        print(format_ignored(loaded), flush=True)
     print(format_plan(plan), flush=True)
     try:
-        asyncio.run(_serve(config, plan, args.log_level))
+        asyncio.run(_serve(loaded.config, plan, args.log_level))
     except LaunchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -3,17 +3,21 @@
 Every malformed or out-of-range request gets a 4xx in OpenAI's error shape
 naming the offending field, and the server keeps serving: a valid request
 after all of them still completes. One 1P1D server on a tiny checkpoint for
-the whole module, its key given through `DISAGG_API_KEY`.
+the whole module, its key given through `DISAGG_API_KEY`, from a config in
+TensorRT-LLM's keys (tests/configs/trtllm/1p1d-python-small-cache.yaml);
+its greedy completions equal transformers' on the same checkpoint.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
+import torch
 import yaml
 
 from benchmarks.serve_process import ServeProcess
@@ -21,24 +25,21 @@ from benchmarks.serve_process import ServeProcess
 API_KEY = "sk-edge-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CACHE_TOKENS = 256
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "trtllm" / "1p1d-python-small-cache.yaml"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from models.embedded.writer import ensure_checkpoint
 
-    folder = tmp_path_factory.mktemp("edge")
-    checkpoint = ensure_checkpoint(folder / "tiny-llama", "llama", "tiny")
-    config = folder / "cluster.yaml"
-    raw = {
-        "model": str(checkpoint),
-        "port": 0,
-        "cache_transceiver": {"backend": "python"},
-        "kv_cache": {"max_tokens": CACHE_TOKENS},
-        "max_num_tokens": 256,
-    }
-    config.write_text(yaml.safe_dump(raw))
-    with ServeProcess(config, env={"DISAGG_API_KEY": API_KEY}) as running:
+    return ensure_checkpoint(tmp_path_factory.mktemp("edge") / "tiny-llama", "llama", "tiny")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path) -> Iterator[ServeProcess]:
+    assert yaml.safe_load(CONFIG.read_text())["kv_cache_config"]["max_tokens"] == CACHE_TOKENS
+    args = ("--model", str(checkpoint), "--port", "0")
+    with ServeProcess(CONFIG, args, env={"DISAGG_API_KEY": API_KEY}) as running:
         yield running
 
 
@@ -172,3 +173,23 @@ def test_the_server_keeps_serving_after_bad_requests(
         client.completions.create(model=limits["model"], prompt="x", max_tokens=2, top_p=2.0)
     assert info.value.body is not None and info.value.body["param"] == "top_p"  # type: ignore[index]
     assert server.process is not None and server.process.poll() is None
+
+
+def test_greedy_completions_equal_transformers_generate(
+    server: ServeProcess, checkpoint: Path, limits: dict[str, Any]
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    client = openai.OpenAI(base_url=server.url, api_key=API_KEY, max_retries=0, timeout=120)
+    for prompt in ("The quick brown fox", "Once upon a time, in a small village"):
+        ids = torch.tensor([tokenizer(prompt).input_ids])
+        with torch.no_grad():
+            out = reference.generate(ids, max_new_tokens=8, do_sample=False)
+        reply = client.completions.create(
+            model=limits["model"], prompt=prompt, max_tokens=8, temperature=0
+        )
+        assert reply.choices[0].text == tokenizer.decode(
+            out[0, ids.shape[1] :], skip_special_tokens=True
+        )

@@ -1,8 +1,10 @@
 """`disagg serve` as a user runs it: a subprocess driven by the official client.
 
-One server per module (2 context + 2 generation workers from
-deploy/configs/2p2d.yaml, prefix-aware routing, V2 with block reuse) on a
-tiny checkpoint written here. Greedy outputs must equal transformers'
+One server per module (2 context + 2 generation workers, prefix-aware
+routing, V2 with block reuse) on a tiny checkpoint written here. The config
+is deploy/configs/2p2d.yaml written in TensorRT-LLM's keys
+(tests/configs/trtllm/2p2d-python-reuse.yaml, which translates to exactly
+that file), so a TensorRT-LLM config is served end to end. Greedy outputs must equal transformers'
 `generate` on the same checkpoint, decoded with the same tokenizer.
 """
 
@@ -31,7 +33,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "deploy" / "configs" / "2p2d.yaml"
+CONFIG = ROOT / "tests" / "configs" / "trtllm" / "2p2d-python-reuse.yaml"
 STARTUP_TIMEOUT_S = 240
 MAX_TOKENS = 8
 
@@ -181,6 +183,12 @@ def test_completions_match_transformers_greedy(server: Server, reference: tuple)
         assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
         assert chunks[-1].choices == [] and chunks[-1].usage is not None
         assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_the_ignored_tensorrt_llm_keys_are_listed_once_at_startup(server: Server) -> None:
+    text = "".join(server.output)
+    assert text.count("tensorrt-llm config: 3 keys do not apply here (ignored):") == 1
+    assert text.count("  context_servers.urls: this launcher starts its own workers") == 1
 
 
 def test_chat_completions_use_the_checkpoint_template(server: Server, reference: tuple) -> None:

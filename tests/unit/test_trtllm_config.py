@@ -1,0 +1,388 @@
+"""TensorRT-LLM disagg YAML read as ours, and `disagg config check` / `convert`.
+
+The files under tests/configs/trtllm/ are in TensorRT-LLM's shape; each is
+checked with a local tiny checkpoint passed as --model, and must print the
+plan written here. Two of them are also served end to end with greedy parity
+(tests/integration/test_serve_openai.py, test_edge_errors.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cluster.cli import main
+from cluster.config import ConfigError, LoadedConfig, config_from_dict, load_config, read_config
+from cluster.plan import resolve_plan
+from cluster.trtllm_config import is_trtllm, translate
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "tests" / "configs" / "trtllm"
+NIXL = importlib.util.find_spec("nixl") is not None
+AUTO = "nixl" if NIXL else "python"  # what backend DEFAULT resolves to on a dense model
+
+# file -> expected plan rows: (instance, manager, transceiver, block, blocks, slots, device)
+PLANS: dict[str, list[tuple[str, ...]]] = {
+    "1p1d-default.yaml": [
+        ("context-0", "v2", AUTO, "16", "513", "0", "cpu"),
+        # NIXL needs one layout: the generation side follows the context's V2.
+        ("generation-0", "v2" if NIXL else "v1", AUTO, "16", "513", "0", "cpu"),
+    ],
+    "2p2d-python-reuse.yaml": [
+        (f"{role}-{i}", "v2", "python", "16", "513", "0", "cpu")
+        for role in ("context", "generation")
+        for i in range(2)
+    ],
+    "nixl-load-balancing.yaml": [
+        ("context-0", "v1", "nixl", "32", "129", "0", "cpu"),
+        ("context-1", "v1", "nixl", "32", "129", "0", "cpu"),
+        ("generation-0", "v1", "nixl", "32", "257", "0", "cpu"),
+    ],
+    "ucx-round-robin.yaml": [
+        ("context-0", "v1", "python", "16", "129", "0", "cpu"),
+        ("generation-0", "v1", "python", "16", "129", "0", "cpu"),
+        ("generation-1", "v1", "python", "16", "129", "0", "cpu"),
+    ],
+    "mpi-conditional.yaml": [
+        ("context-0", "v1", "python", "8", "129", "0", "cpu"),
+        ("generation-0", "v1", "python", "8", "129", "0", "cpu"),
+    ],
+    "gpu-fraction.yaml": [
+        ("context-0", "v1", "python", "16", "by memory", "0", "cuda"),
+        ("generation-0", "v1", "python", "16", "1025", "0", "cuda"),
+    ],
+    "1p1d-python-small-cache.yaml": [
+        ("context-0", "v1", "python", "16", "17", "0", "cpu"),
+        ("generation-0", "v1", "python", "16", "17", "0", "cpu"),
+    ],
+    "nemotron-h-default.yaml": [
+        ("context-0", "v2", "python", "16", "129", "64", "cpu"),
+        ("generation-0", "v2", "python", "16", "129", "64", "cpu"),
+    ],
+}
+
+# file -> (our keys the translation must set, file keys it must list as ignored)
+TRANSLATIONS: dict[str, tuple[dict[str, Any], set[str]]] = {
+    "1p1d-default.yaml": (
+        {
+            "router.type": "prefix_aware",
+            "conditional_disagg.max_local_prefill_length": 256,
+            "context_servers.kv_cache.enable_block_reuse": True,
+            "context_servers.cache_transceiver.backend": "auto",
+            "context_servers.cache_transceiver.timeout_s": 30.0,
+        },
+        {
+            "backend",
+            "disable_overlap_scheduler",
+            "free_gpu_memory_fraction",
+            "context_servers.kv_cache_config.free_gpu_memory_fraction",
+            "context_servers.kv_cache_config.enable_partial_reuse",
+            "context_servers.kv_cache_config.event_buffer_max_size",
+            "context_servers.cache_transceiver_config.max_tokens_in_buffer",
+            "context_servers.urls",
+            "generation_servers.kv_cache_config.free_gpu_memory_fraction",
+            "generation_servers.urls",
+        },
+    ),
+    "2p2d-python-reuse.yaml": (
+        {"router.type": "prefix_aware", "kv_cache.manager": "v2"},
+        {"backend", "context_servers.urls", "generation_servers.urls"},
+    ),
+    "nixl-load-balancing.yaml": (
+        {
+            "router.type": "least_loaded",
+            "context_servers.cache_transceiver.timeout_s": 5.0,
+            "generation_servers.kv_cache.max_tokens": 8192,
+            "context_servers.max_num_tokens": 256,
+        },
+        {
+            "context_servers.router.use_tokens",
+            "context_servers.cuda_graph_config",
+            "generation_servers.print_iter_log",
+        },
+    ),
+    "ucx-round-robin.yaml": (
+        {
+            "router.type": "round_robin",
+            "cache_transceiver.backend": "python",
+            "cache_transceiver.wire": "ucx",
+            "max_batch_size": 16,
+        },
+        {"enable_autotuner", "cache_transceiver_config.transceiver_runtime"},
+    ),
+    "mpi-conditional.yaml": (
+        {
+            "conditional_disagg.max_local_prefill_length": 64,
+            "cache_transceiver.backend": "python",
+            "kv_cache.enable_block_reuse": False,
+        },
+        {
+            "max_retries",
+            "cache_transceiver_config.backend",
+            "cache_transceiver_config.max_tokens_in_buffer",
+        },
+    ),
+    "gpu-fraction.yaml": (
+        {"kv_cache.memory_fraction": 0.85, "generation_servers.kv_cache.max_tokens": 16384},
+        set(),
+    ),
+    "1p1d-python-small-cache.yaml": (
+        {"kv_cache.max_tokens": 256, "max_num_tokens": 256},
+        {
+            "backend",
+            "disable_overlap_scheduler",
+            "enable_autotuner",
+            "print_iter_log",
+            "cuda_graph_config",
+            "kv_cache_config.free_gpu_memory_fraction",
+            "cache_transceiver_config.max_tokens_in_buffer",
+            "context_servers.urls",
+            "generation_servers.urls",
+        },
+    ),
+    "nemotron-h-default.yaml": (
+        {"kv_cache.enable_block_reuse": True, "cache_transceiver.backend": "auto"},
+        {"backend", "kv_cache_config.mamba_ssm_cache_dtype"},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from models.embedded.writer import ensure_checkpoint
+
+    root = tmp_path_factory.mktemp("trtllm")
+    return {arch: ensure_checkpoint(root / arch, arch, "tiny") for arch in ("llama", "nemotron_h")}
+
+
+def _model_for(name: str, checkpoints: dict[str, Path]) -> Path:
+    return checkpoints["nemotron_h" if name.startswith("nemotron") else "llama"]
+
+
+def _check(path: Path, model: Path | None, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    argv = ["config", "check", "-c", str(path)] + ([] if model is None else ["--model", str(model)])
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def _plan_rows(out: str) -> list[tuple[str, ...]]:
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("instance "))
+    rows = []
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            break
+        name, _role, *rest = re.split(r"\s{2,}", line.strip())
+        rows.append((name, *rest))
+    return rows
+
+
+def _dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat |= _dotted(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def test_at_least_six_trtllm_configs_are_held_and_all_are_recognized() -> None:
+    files = sorted(p.name for p in CONFIGS.glob("*.yaml"))
+    assert len(files) >= 6 and set(files) == set(PLANS)
+    for name in files:
+        assert is_trtllm(yaml.safe_load((CONFIGS / name).read_text())), name
+    for native in (ROOT / "deploy" / "configs").glob("*.yaml"):
+        assert not is_trtllm(yaml.safe_load(native.read_text())), native.name
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_config_check_prints_the_expected_plan_translation_and_ignored_keys(
+    name: str, checkpoints: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = _model_for(name, checkpoints)
+    code, out = _check(CONFIGS / name, model, capsys)
+    assert code == 0, out
+    assert _plan_rows(out) == PLANS[name]
+    printed = out.split("config in disagg keys:\n", 1)[1].split("\ntensorrt-llm config:", 1)[0]
+    # The printed YAML is the config serve runs: it validates and resolves to the same plan.
+    printed_config = config_from_dict(yaml.safe_load(printed))
+    assert printed_config.model == str(model)
+    loaded = read_config(CONFIGS / name)
+    assert loaded.dialect == "tensorrt-llm"
+    assert resolve_plan(printed_config) == resolve_plan(
+        loaded.config.model_copy(update={"model": str(model)})
+    )
+    expected_keys, expected_ignored = TRANSLATIONS[name]
+    flat = _dotted(loaded.config.model_dump(exclude_unset=True))
+    for key, value in expected_keys.items():
+        assert flat[key] == value, key
+    assert {item.split(": ", 1)[0] for item in loaded.ignored} == expected_ignored
+    for item in expected_ignored:
+        assert f"  {item}: " in out
+
+
+def test_config_check_reads_our_own_dialect_too(
+    checkpoints: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = ROOT / "deploy" / "configs" / "nixl.yaml"
+    code, out = _check(path, checkpoints["llama"], capsys)
+    assert code == 0, out
+    assert [row[1:3] for row in _plan_rows(out)] == [("v1", "nixl"), ("v1", "nixl")]
+    printed = out.split("config in disagg keys:\n", 1)[1].split("\ndisagg config:", 1)[0]
+    expected = load_config(path).model_copy(update={"model": str(checkpoints["llama"])})
+    assert config_from_dict(yaml.safe_load(printed)) == expected
+    assert out.rstrip().endswith("disagg config: no key ignored")
+
+
+def test_the_2p2d_translation_is_exactly_the_native_2p2d_config() -> None:
+    native = load_config(ROOT / "deploy" / "configs" / "2p2d.yaml")
+    assert load_config(CONFIGS / "2p2d-python-reuse.yaml") == native
+
+
+def test_reuse_stays_off_for_a_hybrid_model(checkpoints: dict[str, Path]) -> None:
+    loaded = read_config(CONFIGS / "nemotron-h-default.yaml")
+    config = loaded.config.model_copy(update={"model": str(checkpoints["nemotron_h"])})
+    assert not any(i.enable_block_reuse for i in resolve_plan(config).instances)
+    reuse = read_config(CONFIGS / "2p2d-python-reuse.yaml").config
+    config = reuse.model_copy(update={"model": str(checkpoints["llama"])})
+    assert all(i.enable_block_reuse for i in resolve_plan(config).instances)
+
+
+def test_a_hub_id_model_says_to_download_it_in_check_and_in_serve(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = CONFIGS / "1p1d-default.yaml"
+    code, out = _check(path, None, capsys)
+    assert code == 1
+    assert f"error: {path}:model: 'meta-llama/Llama-3.1-8B-Instruct' is not a local folder" in out
+    assert "download it first" in out and "--model" in out
+    assert main(["serve", "-c", str(path)]) == 2
+    assert capsys.readouterr().err.strip() == out.strip()
+
+
+def test_convert_writes_our_yaml_that_loads_to_the_same_config(tmp_path: Path) -> None:
+    source = CONFIGS / "1p1d-python-small-cache.yaml"
+    out = tmp_path / "native.yaml"
+    assert main(["config", "convert", "-c", str(source), "-o", str(out)]) == 0
+    text = out.read_text()
+    assert "#   context_servers.urls: this launcher starts its own workers" in text
+    converted = read_config(out)
+    assert converted == LoadedConfig(read_config(source).config, "disagg")
+
+
+# -- refusals: each names the keys as the file wrote them ------------------
+
+
+def _translate(raw: dict[str, Any]) -> Any:
+    return config_from_dict(*_native(raw))
+
+
+def _native(raw: dict[str, Any]) -> tuple[dict[str, Any], str, dict[str, str]]:
+    translation = translate({"model": "m", **raw}, "t.yaml")
+    return translation.native, "t.yaml", translation.key_names
+
+
+def test_one_setting_in_both_dialects_is_refused_naming_both_keys() -> None:
+    raw = {"kv_cache": {"max_tokens": 4096}, "kv_cache_config": {"max_tokens": 4096}}
+    with pytest.raises(ConfigError) as info:
+        _translate(raw)
+    message = str(info.value)
+    assert "kv_cache.max_tokens and kv_cache_config.max_tokens" in message
+    assert "one in TensorRT-LLM's keys and one in ours" in message
+    # Refused even where the TensorRT-LLM key would be ignored (a fraction on CPU).
+    raw = {"kv_cache": {"memory_fraction": 0.5}, "free_gpu_memory_fraction": 0.5}
+    with pytest.raises(ConfigError, match="kv_cache.memory_fraction and free_gpu_memory_fraction"):
+        _translate(raw)
+
+
+def test_a_setting_given_two_values_is_refused_naming_both_keys() -> None:
+    raw = {
+        "free_gpu_memory_fraction": 0.2,
+        "context_servers": {"kv_cache_config": {"free_gpu_memory_fraction": 0.3}},
+    }
+    with pytest.raises(ConfigError, match=r"free_gpu_memory_fraction is 0\.2 but context_servers"):
+        _translate(raw)
+    raw = {
+        "kv_cache_config": {"tokens_per_block": 16},
+        "generation_servers": {"kv_cache_config": {"tokens_per_block": 32}},
+    }
+    with pytest.raises(ConfigError) as info:
+        _translate(raw)
+    assert "kv_cache_config.tokens_per_block is 16 but generation_servers.kv_cache_config" in str(
+        info.value
+    )
+
+
+def test_two_different_section_routers_are_refused() -> None:
+    raw = {
+        "context_servers": {"router": {"type": "kv_cache_aware"}},
+        "generation_servers": {"router": {"type": "round_robin"}},
+    }
+    with pytest.raises(ConfigError) as info:
+        _translate(raw)
+    message = str(info.value)
+    assert "context_servers.router.type is 'kv_cache_aware'" in message
+    assert "generation_servers.router.type is 'round_robin'" in message
+    assert "one router policy serves both pools" in message
+
+
+@pytest.mark.parametrize(
+    ("raw", "where", "hint"),
+    [
+        ({"kv_cache_confg": {}, "backend": "pytorch"}, "kv_cache_confg", "'kv_cache_config'"),
+        ({"context_servers": {"url": []}}, "context_servers.url", "'urls'"),
+        (
+            {"kv_cache_config": {"tokens_per_blok": 8}},
+            "kv_cache_config.tokens_per_blok",
+            "'tokens_per_block'",
+        ),
+        ({"backend": "pytorch", "kv_cach": {}}, "kv_cach", "'kv_cache'"),
+    ],
+)
+def test_unknown_keys_suggest_the_closest_name_in_either_dialect(
+    raw: dict[str, Any], where: str, hint: str
+) -> None:
+    with pytest.raises(ConfigError, match=f"t.yaml:{where}: unknown key; did you mean {hint}"):
+        _translate(raw)
+
+
+def test_refused_values_and_keys_say_what_to_change() -> None:
+    with pytest.raises(ConfigError, match="pipeline_parallel_size: is 2, but pipeline parallelism"):
+        _translate({"context_servers": {"pipeline_parallel_size": 2}})
+    with pytest.raises(ConfigError, match="'GLOO' is not a backend; use one of DEFAULT, NIXL"):
+        _translate({"cache_transceiver_config": {"backend": "GLOO"}})
+    with pytest.raises(ConfigError, match="max_attention_window: a sliding attention window"):
+        _translate({"kv_cache_config": {"max_attention_window": [512]}})
+    bad = {"kv_cache_config": {"tokens_per_block": 0}}
+    with pytest.raises(
+        ConfigError, match=r"kv_cache_config.tokens_per_block \(our kv_cache.block_size\)"
+    ):
+        _translate(bad)
+
+
+def test_a_gpu_fraction_sizes_gpu_instances_only_and_max_tokens_wins() -> None:
+    gpu = {"context_servers": {"num_gpus": 1}, "generation_servers": {"num_gpus": 1}}
+    config = _translate({"free_gpu_memory_fraction": 0.5, **gpu})
+    assert config.kv_cache.memory_fraction == 0.5
+    mixed = _translate({"free_gpu_memory_fraction": 0.5, "context_servers": {"num_gpus": 1}})
+    assert mixed.kv_cache.memory_fraction is None
+    assert mixed.role_settings("context_servers").kv_cache.memory_fraction == 0.5
+    assert mixed.role_settings("generation_servers").kv_cache.memory_fraction is None
+    both = translate(
+        {
+            "model": "m",
+            "kv_cache_config": {"free_gpu_memory_fraction": 0.5, "max_tokens": 64},
+            **gpu,
+        }
+    )
+    assert both.native["kv_cache"] == {"max_tokens": 64}
+    assert [str(i).split(":")[0] for i in both.ignored] == [
+        "kv_cache_config.free_gpu_memory_fraction"
+    ]
