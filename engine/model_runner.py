@@ -79,7 +79,8 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator | None] = {}
 
     def build_batch(self, seqs: Sequence[ScheduledSequence]) -> ForwardBatch:
-        """Flatten the step's chunks into one batch; see `models/batch.py`."""
+        """Flatten the step's chunks into one batch (one host-to-device copy);
+        see `models/batch.py`."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -105,19 +106,18 @@ class ModelRunner:
                 mamba_slots.append(_require_slot(self.addressing, req.request_id))
             if seq.samples:
                 logits_indices.append(len(input_ids) - 1)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        return ForwardBatch(
-            input_ids=self._tensor(input_ids),
-            positions=self._tensor(positions),
-            query_start_loc=self._tensor(query_start_loc),
-            seq_lens=self._tensor(seq_lens),
-            context_lens=self._tensor(context_lens),
-            block_tables=self._tensor(padded),
-            slot_mapping=self._tensor(slot_mapping),
+        return ForwardBatch.from_host(
+            input_ids=input_ids,
+            positions=positions,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            context_lens=context_lens,
+            block_tables=tables,
+            slot_mapping=slot_mapping,
             block_size=bs,
-            mamba_slots=self._tensor(mamba_slots) if self.is_hybrid else None,
-            logits_indices=self._tensor(logits_indices),
+            device=self.device,
+            mamba_slots=mamba_slots if self.is_hybrid else None,
+            logits_indices=logits_indices,
         )
 
     def execute(self, seqs: Sequence[ScheduledSequence]) -> RunnerOutput:
@@ -178,9 +178,6 @@ class ModelRunner:
             )
             for i in range(len(reqs))
         ]
-
-    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
 
 def _require_slot(addressing: CacheAddressing, request_id: str) -> int:

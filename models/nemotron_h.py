@@ -87,6 +87,8 @@ class NemotronHBlock(nn.Module):
             out = self.mixer(x, batch, caches.mamba[self.ordinal])
         elif self.kind == ATTENTION:
             out = self.mixer(x, batch, caches.attention[self.ordinal])
+        elif self.kind == MOE:
+            out = self.mixer(x, sync_free=batch.is_decode_only)
         else:
             out = self.mixer(x)
         return hidden + out
