@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.decode_graphs import DecodeGraphs, build_decode_graphs
 from engine.scheduler import ScheduledSequence
 from models.batch import CacheViews, ForwardBatch
 
@@ -77,6 +78,46 @@ class ModelRunner:
         self.is_hybrid = is_hybrid
         # Per-request torch.Generator for seeded sampling; created lazily.
         self.generators: dict[str, torch.Generator | None] = {}
+        # Captured decode steps (CUDA only), set by `prepare`.
+        self.graphs: DecodeGraphs | None = None
+
+    def prepare(self, max_blocks_per_seq: int, graph_batch_sizes: Sequence[int] = ()) -> None:
+        """Startup, before any request: compile the decode kernels and, on
+        CUDA, capture decode graphs for `graph_batch_sizes` (see
+        `engine.decode_graphs`; on CPU that is skipped with a log line).
+
+        The warm-up steps write K/V only into the null block and, for hybrid
+        models, Mamba slot 0, which no request holds yet and which is cleared
+        when a request's prefill first takes it.
+        """
+        with torch.inference_mode():
+            for width in sorted({1, max_blocks_per_seq}):
+                self.model.forward(self._warm_up_batch(width), self.caches)
+        self.graphs = build_decode_graphs(
+            self.model,
+            self.caches,
+            batch_sizes=graph_batch_sizes,
+            max_blocks=max_blocks_per_seq,
+            block_size=self.block_size,
+            device=self.device,
+            is_hybrid=self.is_hybrid,
+        )
+
+    def _warm_up_batch(self, width: int) -> ForwardBatch:
+        """One decode token at position 1 of a sequence held in the null block."""
+        return ForwardBatch.from_host(
+            input_ids=[0],
+            positions=[1],
+            query_start_loc=[0, 1],
+            seq_lens=[2],
+            context_lens=[1],
+            block_tables=[[0] * width],
+            slot_mapping=[1],
+            block_size=self.block_size,
+            device=self.device,
+            mamba_slots=[0] if self.is_hybrid else None,
+            logits_indices=[0],
+        )
 
     def build_batch(self, seqs: Sequence[ScheduledSequence]) -> ForwardBatch:
         """Flatten the step's chunks into one batch (one host-to-device copy);
@@ -127,7 +168,9 @@ class ModelRunner:
         batch = self.build_batch(seqs)
         t1 = time.perf_counter()
         with torch.inference_mode():
-            hidden = self.model.forward(batch, self.caches)
+            hidden = self.graphs.run(batch) if self.graphs is not None else None
+            if hidden is None:
+                hidden = self.model.forward(batch, self.caches)
             assert batch.logits_indices is not None
             sampling = [s for s in seqs if s.samples]
             tokens: list[SampledToken] = []
