@@ -1,0 +1,110 @@
+"""Part 5: decode throughput per batch size, and where a decode step's time goes.
+
+For each batch size the engine core (embedded `small` Llama in bf16 on a
+GPU) takes that many requests at once, prefills them, then runs decode-only
+steps. Per step: wall time, and its split into scheduling, batch building,
+model (forward + logits, device time included) and the host-side rest
+(sampling and the engine's bookkeeping). Device-to-host syncs of one decode
+step's forward pass are counted too (`models.host_reads`). Each size runs
+with CUDA graphs and eagerly; on CPU graphs are skipped and only eager runs.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import torch
+
+from benchmarks.gpu_check.engine_setup import Engine, build_engine, greedy
+from engine.request import Request
+from models.host_reads import count_host_reads
+
+PROMPT_LEN = 32
+BLOCK_SIZE = 16
+
+
+def _requests(n: int, steps: int, vocab: int) -> list[Request]:
+    gen = torch.Generator().manual_seed(n)
+    return [
+        Request(
+            f"r{i}",
+            torch.randint(3, vocab, (PROMPT_LEN,), generator=gen).tolist(),
+            greedy(steps + 1),
+        )
+        for i in range(n)
+    ]
+
+
+def _syncs_per_decode_step(engine: Engine, device: str) -> int:
+    """Host reads in the forward pass of the next step (a decode step)."""
+    sched = engine.core.scheduler.schedule()
+    batch = engine.runner.build_batch(sched.sequences)
+    with count_host_reads(device) as reads, torch.inference_mode():
+        engine.model.forward(batch, engine.runner.caches)
+    engine.core.scheduler.commit(sched)  # the step's tokens are discarded
+    for seq in sched.sequences:
+        seq.request.append_output(0)
+    return reads.count
+
+
+def _measure(engine: Engine, batch_size: int, steps: int, device: str) -> dict[str, Any]:
+    for request in _requests(batch_size, steps, engine.config.vocab_size):
+        engine.core.add(request)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.core.requests.values()):
+        engine.core.step()  # prefill (and first tokens)
+    syncs = _syncs_per_decode_step(engine, device)
+    walls, schedule, build, model, sample = [], [], [], [], []
+    while engine.core.has_work():
+        start = time.perf_counter()
+        result = engine.core.step()
+        walls.append(time.perf_counter() - start)
+        schedule.append(result.schedule_s)
+        build.append(result.timings.build_s)
+        model.append(result.timings.forward_s)
+        sample.append(result.timings.sample_s)
+    wall = median(walls)
+    host = wall - median(schedule) - median(build) - median(model)
+    return {
+        "decode_steps": len(walls),
+        "step_ms": wall * 1e3,
+        "tokens_per_s": batch_size / wall,
+        "schedule_ms": median(schedule) * 1e3,
+        "build_ms": median(build) * 1e3,
+        "model_ms": median(model) * 1e3,
+        "host_other_ms": host * 1e3,
+        "syncs_per_decode_forward": syncs,
+    }
+
+
+def check_throughput(
+    path: Path, device: str, dtype: str, batch_sizes: list[int], steps: int
+) -> list[dict[str, Any]]:
+    rows = []
+    modes = (True, False) if torch.device(device).type == "cuda" else (False,)
+    for graphs in modes:
+        for batch_size in batch_sizes:
+            engine = build_engine(
+                path,
+                device,
+                dtype,
+                num_blocks=batch_size * -(-(PROMPT_LEN + steps + 2) // BLOCK_SIZE) + 1,
+                block_size=BLOCK_SIZE,
+                max_num_tokens=max(512, batch_size * PROMPT_LEN),
+                max_batch_size=batch_size,
+                graph_batch_sizes=(batch_size,) if graphs else (),
+            )
+            row: dict[str, Any] = {
+                "batch": batch_size,
+                "cuda_graphs": engine.runner.graphs is not None,
+            }
+            row.update(_measure(engine, batch_size, steps, device))
+            # The forward pass is free of host reads (a sync would break graphs).
+            row["ok"] = row["syncs_per_decode_forward"] == 0
+            rows.append(row)
+            del engine
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
