@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.gpu_check.report import failure_row, table
+
 GPU_BATCH_SIZES = [1, 8, 32, 128, 256]
 CPU_BATCH_SIZES = [1, 4]
 FORBIDDEN_PACKAGES = ("ray", "nixl", "pydantic")
@@ -97,7 +99,10 @@ def _run_parts(args: argparse.Namespace, device: str, root: Path) -> dict[str, A
         if name in args.skip:
             continue
         start = time.perf_counter()
-        parts[name] = run()
+        try:
+            parts[name] = run()
+        except Exception as error:  # one broken part must not lose the others' report
+            parts[name] = [failure_row(error)]
         timings[name] = time.perf_counter() - start
         print(f"[gpu_check] {name}: {timings[name]:.1f} s", file=sys.stderr, flush=True)
     return {"parts": parts, "part_seconds": timings}
@@ -114,24 +119,6 @@ def _environment(device: str) -> dict[str, Any]:
         "triton": triton.__version__,
         "python": platform.python_version(),
     }
-
-
-def _table(report: dict[str, Any]) -> str:
-    lines = []
-    for part, rows in report["parts"].items():
-        lines.append(f"== {part}")
-        for row in rows:
-            cells = [f"{k}={_fmt(v)}" for k, v in row.items() if k != "ok"]
-            lines.append(f"  {'ok  ' if row['ok'] else 'FAIL'} " + "  ".join(cells))
-    lines.append(f"forbidden modules imported: {report['forbidden_modules'] or 'none'}")
-    lines.append(f"total {report['seconds']:.1f} s: {'ALL OK' if report['ok'] else 'FAILED'}")
-    return "\n".join(lines)
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.3g}"
-    return str(value)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         row["ok"] for rows in report["parts"].values() for row in rows
     )
     args.out.write_text(json.dumps(report, indent=2))
-    print(_table(report))
+    print(table(report))
     print(f"report: {args.out}")
     return 0 if report["ok"] else 1
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from benchmarks.gpu_check.engine_setup import OMNI, build_engine, checkpoint, greedy
+from benchmarks.gpu_check.report import failure_row
 from engine.request import Request
 from engine.scheduler import ScheduledSequence
 
@@ -77,10 +78,14 @@ def check_models(root: Path, device: str, steps: int) -> list[dict[str, Any]]:
     for arch in ARCHS:
         path = checkpoint(root, arch, "tiny")
         for dtype, torch_dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-            engine = build_engine(path, device, dtype, num_blocks=64, block_size=16)
-            reference = _reference(path, arch, device, torch_dtype)
-            row = {"arch": OMNI if arch == "nemotron_vl" else arch, "dtype": dtype}
-            row.update(_compare(engine, reference, steps, device))
+            row: dict[str, Any] = {"arch": OMNI if arch == "nemotron_vl" else arch, "dtype": dtype}
+            try:
+                engine = build_engine(path, device, dtype, num_blocks=64, block_size=16)
+                reference = _reference(path, arch, device, torch_dtype)
+                row.update(_compare(engine, reference, steps, device))
+            except Exception as error:  # e.g. a transformers without this class
+                rows.append({**row, **failure_row(error)})
+                continue
             if dtype == "float32":
                 row["ok"] = (
                     row["max_rel_logit_error"] <= PARITY_TOLERANCE

@@ -41,3 +41,22 @@ def test_cpu_smoke_run_passes_every_part_without_ray_nixl_or_pydantic(tmp_path: 
     assert report["parts"]["transfer"][0]["exact_bytes"]
     assert [row["batch"] for row in report["parts"]["throughput"]] == [1, 4]
     assert "ALL OK" in done.stdout
+
+
+def test_a_failed_part_is_a_failed_row_in_the_table() -> None:
+    from benchmarks.gpu_check.report import failure_row, table
+
+    try:
+        raise RuntimeError("no CUDA device")
+    except RuntimeError as error:
+        row = failure_row(error)
+    report = {
+        "parts": {"kernels": [row]},
+        "forbidden_modules": [],
+        "seconds": 1.0,
+        "ok": False,
+    }
+    text = table(report)
+    assert "FAIL error=RuntimeError: no CUDA device" in text
+    assert "Traceback" not in text and "Traceback" in row["traceback"]
+    assert text.endswith("FAILED")
