@@ -13,6 +13,12 @@ Paged KV addressing (block_size = 4 in the sketch):
     slot_mapping[t] = physical_block * block_size + offset   (for each new token t)
 
 Physical block 0 is the permanent null block; tables are padded with it.
+
+The runner builds the batch from host lists (`ForwardBatch.from_host`): all
+index lists go to the device in one copy, and the per-sequence counts stay
+on the host as `batch.shape` (`StepShape`). Layers choose their code path
+from `shape` and never read a device tensor back, so a step runs without
+stalling the GPU stream and can be captured in a CUDA graph.
 """
 
 from __future__ import annotations

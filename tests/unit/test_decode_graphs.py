@@ -58,12 +58,13 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def _runner(
-    checkpoint: Path, device: str = "cpu"
+def make_runner(
+    checkpoint: Path, device: str = "cpu", manager_name: str = "v1"
 ) -> tuple[ModelRunner, KVCacheManager, CacheTensors]:
+    """A runner without a sampler over a 32-block cache of `BLOCK`-token blocks."""
     model, config = load_model(checkpoint, device=device)
     spec = config.cache_spec()
-    manager = create_manager("v1", spec, 32, BLOCK, 4)
+    manager = create_manager(manager_name, spec, 32, BLOCK, 4)
     cache = allocate_cache_tensors(manager, device)
     runner = ModelRunner(
         model, cache.views(), manager, BLOCK, None, device=device, is_hybrid=spec.is_hybrid
@@ -93,7 +94,7 @@ def test_padded_step_matches_the_step_and_writes_only_the_null_block(
 ) -> None:
     if path == "triton-interpreted":
         monkeypatch.setenv(FORCE_TRITON_ENV, "1")
-    runner, manager, cache = _runner(checkpoints["llama"])
+    runner, manager, cache = make_runner(checkpoints["llama"])
     step = runner.build_batch(_prefilled_decode_step(runner, manager))
     with torch.inference_mode():
         eager = runner.model.forward(step, runner.caches)
@@ -124,7 +125,7 @@ def _assert_unchanged(before: list[torch.Tensor], after: list[torch.Tensor]) -> 
 
 
 def test_static_batch_refuses_what_a_graph_cannot_replay(checkpoints: dict[str, Path]) -> None:
-    runner, manager, _ = _runner(checkpoints["llama"])
+    runner, manager, _ = make_runner(checkpoints["llama"])
     decode = _prefilled_decode_step(runner, manager)
     static = StaticDecodeBatch(2, MAX_BLOCKS, BLOCK, torch.device("cpu"))
     assert static.fits(runner.build_batch(decode[:2]))
@@ -140,7 +141,7 @@ def test_static_batch_refuses_what_a_graph_cannot_replay(checkpoints: dict[str, 
 def test_prepare_on_cpu_warms_up_and_skips_graphs_with_a_log_line(
     checkpoints: dict[str, Path], arch: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    runner, manager, _ = _runner(checkpoints[arch])
+    runner, manager, _ = make_runner(checkpoints[arch])
     decode = _prefilled_decode_step(runner, manager)
     before = _beyond_block_and_slot_0(runner)
     with caplog.at_level(logging.INFO, logger="engine.decode_graphs"):
@@ -155,7 +156,7 @@ def test_prepare_on_cpu_warms_up_and_skips_graphs_with_a_log_line(
 
 @pytest.mark.gpu(1)
 def test_graph_replay_gives_the_eager_hidden_states(checkpoints: dict[str, Path]) -> None:
-    runner, manager, _ = _runner(checkpoints["llama"], device="cuda")
+    runner, manager, _ = make_runner(checkpoints["llama"], device="cuda")
     runner.prepare(MAX_BLOCKS, (1, 2, 4))
     assert runner.graphs is not None
     step = runner.build_batch(_prefilled_decode_step(runner, manager))

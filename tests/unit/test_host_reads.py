@@ -15,18 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.scheduler import ScheduledSequence
-from kvcache.factory import create_manager
-from kvcache.tensors import allocate_cache_tensors
 from models.embedded.writer import write_checkpoint
 from models.host_reads import count_host_reads
 from models.kernels.dispatch import FORCE_TRITON_ENV
-from models.loader import load_model
+from tests.unit.test_decode_graphs import make_runner
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-BLOCK = 4
 
 
 class Params:
@@ -73,17 +69,6 @@ def gpu_code_path(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(FORCE_TRITON_ENV, "1")
 
 
-def _runner(checkpoint: Path) -> tuple[ModelRunner, object]:
-    model, config = load_model(checkpoint, device=DEVICE)
-    spec = config.cache_spec()
-    manager = create_manager("v2", spec, 32, BLOCK, 4)
-    cache = allocate_cache_tensors(manager, DEVICE)
-    runner = ModelRunner(
-        model, cache.views(), manager, BLOCK, None, device=DEVICE, is_hybrid=spec.is_hybrid
-    )
-    return runner, manager
-
-
 def _decoding(manager: object, rid: str, prompt: list[int]) -> ScheduledSequence:
     """A request whose prompt is in the cache and whose next step is one token."""
     request = Request(rid, prompt, Params(), output_token_ids=[7])
@@ -95,7 +80,7 @@ def _decoding(manager: object, rid: str, prompt: list[int]) -> ScheduledSequence
 @pytest.mark.usefixtures("gpu_code_path")
 @pytest.mark.parametrize("arch", ["llama", "nemotron_h"])
 def test_decode_step_reads_nothing_back(checkpoints: dict[str, Path], arch: str) -> None:
-    runner, manager = _runner(checkpoints[arch])
+    runner, manager, _ = make_runner(checkpoints[arch], DEVICE, "v2")
     seqs = [_decoding(manager, f"r{i}", list(range(3, 3 + n))) for i, n in enumerate([5, 9, 2])]
     with count_host_reads(DEVICE) as reads, torch.inference_mode():
         batch = runner.build_batch(seqs)
@@ -119,7 +104,7 @@ def test_a_reintroduced_read_in_a_layer_is_counted(
         return original(self, xbc, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(mamba2.Mamba2Mixer, "_step", reading_step)
-    runner, manager = _runner(checkpoints["nemotron_h"])
+    runner, manager, _ = make_runner(checkpoints["nemotron_h"], DEVICE, "v2")
     seqs = [_decoding(manager, "r0", [3, 4, 5])]
     with count_host_reads(DEVICE) as reads, torch.inference_mode():
         runner.model.forward(runner.build_batch(seqs), runner.caches)
