@@ -97,7 +97,10 @@ _MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more to merge than it
 _MAX_SPLITS = 16
 
 
-@triton.jit
+# The table's row stride (its width) and the keys per split change from step
+# to step; specializing on them (== 1, % 16) would compile new variants
+# after the warm-up.
+@triton.jit(do_not_specialize=["split_tokens", "stride_tb"])
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
@@ -226,7 +229,8 @@ def num_splits_for(batch: int, kv_heads: int, max_tokens: int) -> int:
     when few sequences run, never fewer than `_MIN_SPLIT_TOKENS` keys each.
 
     Depends on shapes only (the table width, not the lengths), so it never
-    reads the device and a captured graph keeps its split count.
+    reads the device and a captured graph keeps its split count. The model
+    runner's warm-up (`ModelRunner.prepare`) compiles both variants.
     """
     by_length = triton.cdiv(max_tokens, _MIN_SPLIT_TOKENS)
     by_occupancy = triton.cdiv(_TARGET_PROGRAMS, max(batch * kv_heads, 1))
@@ -293,24 +297,6 @@ def paged_attention_decode(
             HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         )  # fmt: skip
     return result
-
-
-def warm_up(
-    q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, max_blocks: int
-) -> None:
-    """Compile the kernel for these dtypes and shapes (with and without
-    split-K) so the first request does not; `q` is `[any, heads, head_dim]`.
-
-    Runs on empty sequences, so nothing is read from or written to the cache.
-    """
-    heads, head_dim = q.shape[1:]
-    probe = torch.zeros(1, heads, head_dim, device=q.device, dtype=q.dtype)
-    seq_lens = torch.zeros(1, device=q.device, dtype=torch.int64)
-    for splits in (1, 2):
-        tables = torch.zeros(1, max(max_blocks, 1), device=q.device, dtype=torch.int64)
-        paged_attention_decode(
-            probe, key_cache, value_cache, tables, seq_lens, 1.0, num_splits=splits
-        )
 
 
 # ---------------------------------------------------------------------------

@@ -19,7 +19,6 @@ from models.kernels.paged_attention import (
     num_splits_for,
     paged_attention_decode,
     paged_attention_decode_ref,
-    warm_up,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -162,12 +161,3 @@ def test_split_count_follows_shapes_only() -> None:
     assert num_splits_for(1, 8, 16) == 1  # short context: one program per kv head
     assert num_splits_for(1, 8, 32768) == 16  # long and few sequences: capped
     assert num_splits_for(256, 8, 32768) == 1  # enough programs already
-
-
-def test_warm_up_touches_no_cache_row() -> None:
-    case = CASES["gqa4"]
-    key_cache, value_cache = _caches(case, "v1", torch.float32)
-    before = key_cache.clone(), value_cache.clone()
-    q = torch.zeros(1, case.num_heads, case.head_dim, device=DEVICE)
-    warm_up(q, key_cache, value_cache, max_blocks=8)
-    assert torch.equal(key_cache, before[0]) and torch.equal(value_cache, before[1])
