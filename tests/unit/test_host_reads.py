@@ -47,10 +47,12 @@ class Params:
 )
 def test_counter_sees_every_kind_of_read(read: Callable[[torch.Tensor], object]) -> None:
     t = torch.arange(4, device=DEVICE)
-    with count_host_reads(DEVICE) as reads:
+    with count_host_reads(DEVICE) as idle:
         t + 1  # noqa: B018 (device work that reads nothing back)
+    with count_host_reads(DEVICE) as reads:
         read(t)
-    assert reads.count == 1, reads.names
+    # CUDA may sync more than once for one call (unique: sizes, then values).
+    assert idle.count == 0 and reads.count >= 1, (idle.names, reads.names)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +95,7 @@ def test_decode_step_reads_nothing_back(checkpoints: dict[str, Path], arch: str)
 def test_a_reintroduced_read_in_a_layer_is_counted(
     checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The same step with one layer reading a value back counts it once per layer."""
+    """The same step with one layer reading a value back counts it in every such layer."""
     from models.layers import mamba2
 
     original = mamba2.Mamba2Mixer._step
@@ -109,4 +111,4 @@ def test_a_reintroduced_read_in_a_layer_is_counted(
     with count_host_reads(DEVICE) as reads, torch.inference_mode():
         runner.model.forward(runner.build_batch(seqs), runner.caches)
     num_mamba = len(runner.caches.mamba)
-    assert reads.count == num_mamba, reads.names
+    assert reads.count >= num_mamba, reads.names
