@@ -139,6 +139,7 @@ class DecodeGraphs:
         self.static = static
         self.sizes = sorted(batch_sizes)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.num_replays = 0
 
     def capture(self) -> None:
         """Capture every size, largest first (smaller graphs reuse its memory pool).
@@ -169,6 +170,7 @@ class DecodeGraphs:
         self.static.fill(batch, size)
         graph, out = self.graphs[size]
         graph.replay()
+        self.num_replays += 1
         return out[: batch.num_seqs]
 
 

@@ -3,7 +3,8 @@
 Continuous batching with chunked prefill (a token budget smaller than the
 prompts) and a cache too small for every request at once, so the scheduler
 preempts and recomputes. Greedy tokens must equal those of the CPU fp32 run
-of the same requests, token for token, for a dense and a hybrid model. The
+of the same requests, token for token, for a dense and a hybrid model, and
+for the dense one again with its decode steps replayed from CUDA graphs. The
 CPU run has room for everything (whole prompts, no preemption), so under
 `--device cpu` the check still compares two different schedules.
 """
@@ -34,8 +35,10 @@ def _requests(vocab: int, new_tokens: int) -> list[Request]:
 
 
 def _run(
-    path: Path, device: str, new_tokens: int, constrained: bool
-) -> tuple[dict[str, list[int]], int]:
+    path: Path, device: str, new_tokens: int, constrained: bool, graphs: bool = False
+) -> tuple[dict[str, list[int]], int, int]:
+    """(tokens per request, preemptions, decode steps replayed from CUDA graphs,
+    or -1 when no graphs were captured)."""
     engine = build_engine(
         path,
         device,
@@ -44,20 +47,27 @@ def _run(
         block_size=BLOCK_SIZE,
         max_num_tokens=24 if constrained else 512,
         max_batch_size=4 if constrained else len(PROMPT_LENGTHS),
+        graph_batch_sizes=(1, 2, 4) if graphs else (),
     )
-    return run_to_completion(engine, _requests(engine.config.vocab_size, new_tokens))
+    tokens, preempted = run_to_completion(engine, _requests(engine.config.vocab_size, new_tokens))
+    replays = engine.runner.graphs.num_replays if engine.runner.graphs is not None else -1
+    return tokens, preempted, replays
 
 
 def check_engine(root: Path, device: str, new_tokens: int) -> list[dict[str, Any]]:
+    """Rows for Llama and Nemotron-H eagerly, and Llama with decode CUDA graphs
+    (on CPU that row runs eagerly: graphs are skipped)."""
     rows = []
-    for arch in ("llama", "nemotron_h"):
+    for arch, graphs in (("llama", False), ("nemotron_h", False), ("llama", True)):
         path = checkpoint(root, arch, "tiny")
-        ours, preempted = _run(path, device, new_tokens, constrained=True)
-        cpu, _ = _run(path, "cpu", new_tokens, constrained=False)
+        ours, preempted, replays = _run(path, device, new_tokens, True, graphs)
+        cpu, _, _ = _run(path, "cpu", new_tokens, constrained=False)
         equal = sum(ours[rid] == cpu[rid] for rid in ours)
         rows.append(
             {
                 "arch": arch,
+                "cuda_graphs": replays >= 0,
+                "graph_replays": max(replays, 0),
                 "requests": len(ours),
                 "equal_to_cpu_fp32": equal,
                 "preemptions": preempted,

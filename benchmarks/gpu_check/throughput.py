@@ -6,7 +6,8 @@ steps. Per step: wall time, and its split into scheduling, batch building,
 model (forward + logits, device time included) and the host-side rest
 (sampling and the engine's bookkeeping). Device-to-host syncs of one decode
 step's forward pass are counted too (`models.host_reads`). Each size runs
-with CUDA graphs and eagerly; on CPU graphs are skipped and only eager runs.
+eagerly and then with CUDA graphs (reporting how many requests generated
+the same tokens as eagerly); on CPU graphs are skipped and only eager runs.
 """
 
 from __future__ import annotations
@@ -50,8 +51,12 @@ def _syncs_per_decode_step(engine: Engine, device: str) -> int:
     return reads.count
 
 
-def _measure(engine: Engine, batch_size: int, steps: int, device: str) -> dict[str, Any]:
-    for request in _requests(batch_size, steps, engine.config.vocab_size):
+def _measure(
+    engine: Engine, batch_size: int, steps: int, device: str
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """The row's figures, and the tokens every request generated."""
+    requests = _requests(batch_size, steps, engine.config.vocab_size)
+    for request in requests:
         engine.core.add(request)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.core.requests.values()):
         engine.core.step()  # prefill (and first tokens)
@@ -67,7 +72,7 @@ def _measure(engine: Engine, batch_size: int, steps: int, device: str) -> dict[s
         sample.append(result.timings.sample_s)
     wall = median(walls)
     host = wall - median(schedule) - median(build) - median(model)
-    return {
+    row = {
         "decode_steps": len(walls),
         "step_ms": wall * 1e3,
         "tokens_per_s": batch_size / wall,
@@ -77,13 +82,15 @@ def _measure(engine: Engine, batch_size: int, steps: int, device: str) -> dict[s
         "host_other_ms": host * 1e3,
         "syncs_per_decode_forward": syncs,
     }
+    return row, [r.output_token_ids for r in requests]
 
 
 def check_throughput(
     path: Path, device: str, dtype: str, batch_sizes: list[int], steps: int
 ) -> list[dict[str, Any]]:
     rows = []
-    modes = (True, False) if torch.device(device).type == "cuda" else (False,)
+    eager_tokens: dict[int, list[list[int]]] = {}
+    modes = (False, True) if torch.device(device).type == "cuda" else (False,)
     for graphs in modes:
         for batch_size in batch_sizes:
             engine = build_engine(
@@ -100,7 +107,12 @@ def check_throughput(
                 "batch": batch_size,
                 "cuda_graphs": engine.runner.graphs is not None,
             }
-            row.update(_measure(engine, batch_size, steps, device))
+            figures, tokens = _measure(engine, batch_size, steps, device)
+            row.update(figures)
+            if graphs:  # bf16: reported; a padded step may round differently
+                same = sum(a == b for a, b in zip(tokens, eager_tokens[batch_size], strict=True))
+                row["requests_equal_to_eager"] = same / batch_size
+            eager_tokens.setdefault(batch_size, tokens)
             # The forward pass is free of host reads (a sync would break graphs).
             row["ok"] = row["syncs_per_decode_forward"] == 0
             rows.append(row)
