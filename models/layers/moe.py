@@ -102,7 +102,7 @@ class NemotronHMoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
-        """`sync_free` (decode steps) runs every expert on every token instead of
+        """`sync_free` (GPU decode steps) runs every expert on every token instead of
         asking the device which experts were chosen: no host read, so the step
         can be captured in a CUDA graph, at the cost of computing unchosen
         experts (which a decode step, bound by reading the weights, mostly
