@@ -66,6 +66,7 @@ def check_engine(root: Path, device: str, new_tokens: int) -> list[dict[str, Any
         rows.append(
             {
                 "arch": arch,
+                "graphs_asked": graphs,
                 "cuda_graphs": replays >= 0,
                 "graph_replays": max(replays, 0),
                 "requests": len(ours),
