@@ -40,17 +40,19 @@ def pair_segments(request_id: str, src: RequestRegions, dst: RequestRegions) -> 
     ]
     pairs: list[RegionPair] = []
     for name, src_map, dst_map in maps:
-        if set(src_map) != set(dst_map):
-            missing = len(set(src_map) - set(dst_map))
-            extra = len(set(dst_map) - set(src_map))
+        # Key views compare as sets without building any; no sort here:
+        # `coalesce` orders the pairs by source address anyway.
+        if src_map.keys() != dst_map.keys():
+            missing = len(src_map.keys() - dst_map.keys())
+            extra = len(dst_map.keys() - src_map.keys())
             raise LayoutMismatch(
                 request_id,
                 [name],
                 f"the destination lacks {missing} and has {extra} extra segments; "
                 f"allocate as many blocks (and a Mamba slot) as the source holds",
             )
-        for key in sorted(src_map):
-            s, d = src_map[key], dst_map[key]
+        for key, s in src_map.items():
+            d = dst_map[key]
             if s.length != d.length:
                 raise LayoutMismatch(
                     request_id,
@@ -62,24 +64,28 @@ def pair_segments(request_id: str, src: RequestRegions, dst: RequestRegions) -> 
 
 
 def coalesce(pairs: Iterable[RegionPair]) -> list[RegionPair]:
-    """Merge pairs whose source and destination both continue the previous pair."""
-    merged: list[RegionPair] = []
-    for s, d in sorted(pairs, key=lambda p: (p[0].buffer, p[0].offset)):
+    """Merge pairs whose source and destination both continue the previous pair.
+
+    Pairs are equally long on both sides (as `pair_segments` makes them); the
+    result is ordered by source address. The merge runs over plain tuples and
+    builds a `Region` only per merged range: a 256 MiB request is thousands of
+    segments but usually a handful of ranges.
+    """
+    rows = sorted((s.buffer, s.offset, d.buffer, d.offset, s.length) for s, d in pairs)
+    merged: list[list[Any]] = []
+    for src_buffer, src_offset, dst_buffer, dst_offset, length in rows:
         if merged:
-            ps, pd = merged[-1]
+            last = merged[-1]
             if (
-                ps.buffer == s.buffer
-                and pd.buffer == d.buffer
-                and ps.offset + ps.length == s.offset
-                and pd.offset + pd.length == d.offset
+                last[0] == src_buffer
+                and last[2] == dst_buffer
+                and last[1] + last[4] == src_offset
+                and last[3] + last[4] == dst_offset
             ):
-                merged[-1] = (
-                    Region(ps.buffer, ps.offset, ps.length + s.length),
-                    Region(pd.buffer, pd.offset, pd.length + d.length),
-                )
+                last[4] += length
                 continue
-        merged.append((s, d))
-    return merged
+        merged.append([src_buffer, src_offset, dst_buffer, dst_offset, length])
+    return [(Region(sb, so, n), Region(db, do, n)) for sb, so, db, do, n in merged]
 
 
 class Coverage:
