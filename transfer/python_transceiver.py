@@ -44,7 +44,7 @@ from transfer.errors import LayoutMismatch, PeerGone, UnknownRequest, WireError
 from transfer.factory import create_wire, wire_unusable_reason
 from transfer.flow import ByteBudget
 from transfer.leases import Lease
-from transfer.plan import Coverage, check_bounds, coalesce, pair_segments, segment_regions
+from transfer.plan import Coverage, check_bounds, plan_ranges, segment_regions
 from transfer.socket_buffers import SocketBuffers
 from transfer.wire import (
     MAX_HEADER_BYTES,
@@ -245,7 +245,7 @@ class PythonTransceiver(Transceiver):
         _check_wire(handle)
         # V1 <-> V2 is bridged segment by segment; every other field must agree.
         check_signature(rid, handle.signature, dest.to_dict(), ignore=("manager",))
-        pairs = coalesce(pair_segments(rid, handle.regions, dest_regions))
+        pairs = plan_ranges(rid, handle.regions, dest_regions)
         check_bounds(rid, [d for _, d in pairs], self._sizes)
         for attempt in range(2):
             conn, reused = await self._checkout(handle)
