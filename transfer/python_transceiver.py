@@ -224,8 +224,7 @@ class PythonTransceiver(Transceiver):
         self._leases.begin_stream(lease)
         try:
             await send_header(conn, {"t": "data", "n": sum(n for _, _, n in ranges)})
-            for buffer, offset, length in ranges:
-                await self._buffers.send(conn, buffer, offset, length, self._budget)
+            await self._buffers.send(conn, ranges, self._budget)
         finally:
             serving.discard(task)
             if not serving and self._serving.get(rid) is serving:
@@ -324,8 +323,7 @@ class PythonTransceiver(Transceiver):
                 f"{handle.peer} announced {first.get('n')} bytes for request {rid!r} "
                 f"where {declared} bytes were declared"
             )
-        for _, d in pairs:
-            await self._buffers.recv(conn, d)
+        await self._buffers.recv(conn, [d for _, d in pairs])
         await send_header(conn, {"t": "release", "rid": rid, "tid": tid})
         expect(await recv_header(conn, 1024), "released")
 
