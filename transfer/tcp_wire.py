@@ -13,13 +13,15 @@ memory. A payload of many pieces moves as one operation on the loop:
       one future resolves when every view is done
 
 so a wake-up costs one callback and a system call per few MB, not a
-coroutine, a future and an epoll registration per piece. Header frames use
-the loop's `sock_*` methods.
+coroutine, a future and an epoll registration per piece. While receiving,
+SO_RCVLOWAT holds wake-ups back until half a MiB (or the rest of the
+payload) is queued. Header frames use the loop's `sock_*` methods.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 from collections.abc import Callable, Sequence
@@ -29,6 +31,9 @@ from transfer.connection import TCP, Connection, ConnectionClosed, Serve, Wire, 
 FRAME_PREFIX = struct.Struct(">I")
 # Buffers per sendmsg / recvmsg_into call (Linux accepts up to 1024).
 _MAX_IOV = 64
+# SO_RCVLOWAT while a payload is received (Linux grows the receive buffer to
+# hold it): the loop is woken per half MiB queued, not per arriving segment.
+_RCVLOWAT_BYTES = 512 << 10
 
 
 def tune_socket(sock: socket.socket) -> None:
@@ -87,7 +92,26 @@ class TcpConnection(Connection):
 
     async def recv_into_views(self, views: Sequence[memoryview]) -> None:
         cursor = _ViewCursor(views)
-        await self._drive(lambda: _recv_some(self.sock, cursor), writable=False)
+        lowat = 1
+
+        def step() -> bool:
+            nonlocal lowat
+            if _recv_some(self.sock, cursor):
+                return True
+            # Be woken once this much is queued (or the peer closes), not for
+            # every segment that arrives: one callback then moves a large chunk.
+            want = min(cursor.remaining, _RCVLOWAT_BYTES)
+            if want != lowat:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                lowat = want
+            return False
+
+        try:
+            await self._drive(step, writable=False)
+        finally:
+            if lowat != 1:
+                with contextlib.suppress(OSError):  # the socket was closed meanwhile
+                    self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
 
     async def _drive(self, step: Callable[[], bool], writable: bool) -> None:
         """Run `step` (non-blocking; True once finished) now, then on every
@@ -128,11 +152,12 @@ class _ViewCursor:
 
     `batch()` is the next views to hand to one system call (the first one
     shortened by what is already done) and their byte count; `advance(n)`
-    moves past `n` bytes.
+    moves past `n` bytes; `remaining` is what is left in all.
     """
 
     def __init__(self, views: Sequence[memoryview]) -> None:
         self._views = [view for view in views if view.nbytes]
+        self.remaining = sum(view.nbytes for view in self._views)
         self._index = 0
         self._head = self._views[0] if self._views else memoryview(b"")
 
@@ -145,6 +170,7 @@ class _ViewCursor:
         return views, sum(view.nbytes for view in views)
 
     def advance(self, n: int) -> None:
+        self.remaining -= n
         while n:
             head = self._head
             if n < head.nbytes:
