@@ -12,8 +12,8 @@ setting of its own. A pull is one connection:
       | ------- pull {rid, tid, ranges} ------> |   ranges: coalesced source spans
       | <------ data {n} + n raw bytes -------- |   n = sum of the ranges, sent
       |                                         |   from memoryviews of the pool
-      |                                         |   (adjacent ranges in one send),
-      |                                         |   received with recv_into
+      |                                         |   (TCP: sendmsg over many views),
+      |                                         |   received with recvmsg_into
       |                                         |   straight into each segment
       | ------- release {rid, tid} -----------> |   holder frees (on_release)
       | <------ released ---------------------- |
