@@ -23,7 +23,9 @@ What it costs: `gb_per_cpu_s` is bytes moved per CPU-second (1e9 bytes),
 holder and puller processes together, all their threads, over the transfers
 alone; `raw_gb_per_cpu_s` the same for the raw path. `cpu_cores` is that CPU
 time over the transfers' wall time: near 2 both sides were busy all along,
-i.e. the transfer was CPU-bound.
+i.e. the transfer was CPU-bound. The holder's share is read through Ray
+calls around each transfer, so it includes a fraction of a millisecond of
+Ray's own work: the CPU columns mean something from a few MiB up.
 """
 
 from __future__ import annotations
