@@ -18,7 +18,8 @@ import torch
 
 from engine.decode_graphs import DecodeGraphs, build_decode_graphs
 from engine.scheduler import ScheduledSequence
-from models.batch import CacheViews, ForwardBatch
+from kvcache.views import CacheViews
+from models.batch import ForwardBatch
 
 
 class CacheAddressing(Protocol):

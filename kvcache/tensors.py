@@ -16,7 +16,7 @@ import torch
 from kvcache.layout import CONV, SSM, Region, TensorPlacement
 from kvcache.manager import KVCacheManager
 from kvcache.pool_layout import CacheLayout
-from models.batch import AttentionLayerCache, CacheViews, MambaLayerCache
+from kvcache.views import AttentionLayerCache, CacheViews, MambaLayerCache
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

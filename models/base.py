@@ -17,7 +17,8 @@ from typing import ClassVar
 
 import torch
 
-from models.batch import CacheViews, ForwardBatch
+from kvcache.views import CacheViews
+from models.batch import ForwardBatch
 from models.config import ModelConfig
 from models.errors import CheckpointError
 

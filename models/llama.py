@@ -12,8 +12,9 @@ from collections.abc import Iterable
 
 import torch
 
+from kvcache.views import AttentionLayerCache, CacheViews
 from models.base import CausalLM
-from models.batch import AttentionLayerCache, CacheViews, ForwardBatch
+from models.batch import ForwardBatch
 from models.config import DECODER, ModelConfig, RopeConfig
 from models.errors import ConfigError
 from models.kernels import dispatch

@@ -27,8 +27,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from kvcache.views import AttentionLayerCache, CacheViews
 from models.base import CausalLM
-from models.batch import AttentionLayerCache, CacheViews, ForwardBatch
+from models.batch import ForwardBatch
 from models.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig
 from models.errors import ConfigError
 from models.kernels import dispatch

@@ -29,8 +29,9 @@ from typing import ClassVar
 
 import torch
 
+from kvcache.views import CacheViews
 from models.base import CausalLM
-from models.batch import CacheViews, ForwardBatch
+from models.batch import ForwardBatch
 from models.config import ModelConfig
 from models.errors import CheckpointError
 from models.nemotron_h import NemotronHForCausalLM

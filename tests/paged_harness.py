@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcache.spec import CacheSpec
+from kvcache.views import AttentionLayerCache, CacheViews, MambaLayerCache
 from models.base import CausalLM
-from models.batch import AttentionLayerCache, CacheViews, ForwardBatch, MambaLayerCache
+from models.batch import ForwardBatch
 
 NULL_BLOCK = 0
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
