@@ -32,6 +32,7 @@ from models.checkpoint_source import checkpoint_folder
 from models.config import ModelConfig
 from models.hf_config import load_model_config
 from models.registry import model_preferences
+from transfer.nixl_agent import nixl_available
 
 DEFAULT_MAX_TOKENS = 8192
 # `org/name` as the Hugging Face Hub spells a model id.
@@ -175,7 +176,7 @@ def _not_a_local_model(model: str, source: str) -> str:
 
 def _one_transceiver(context: RoleSettings, generation: RoleSettings, preferred: str | None) -> str:
     chosen = {
-        role.role: resolve_transceiver(role.cache_transceiver.backend, preferred)
+        role.role: resolve_transceiver(role.cache_transceiver.backend, preferred, nixl_available())
         for role in (context, generation)
     }
     if chosen["context"] != chosen["generation"]:
