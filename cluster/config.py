@@ -105,23 +105,13 @@ class ServerSectionConfig(_Strict):
     max_num_tokens: int | None = Field(default=None, gt=0)
     max_batch_size: int | None = Field(default=None, gt=0)
 
-    @field_validator("tensor_parallel_size")
-    @classmethod
-    def _no_tensor_parallel(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError(
-                f"tensor_parallel_size is {value}, but tensor parallelism is not "
-                "implemented yet; set tensor_parallel_size: 1 and scale out with "
-                "num_instances instead"
-            )
-        return value
-
 
 class RoleSettings(_Strict):
     """The merged settings every instance of one role runs with."""
 
     role: Literal["context", "generation"]
     num_instances: int
+    tensor_parallel_size: int
     num_gpus: float
     kv_cache: KvCacheConfig
     cache_transceiver: CacheTransceiverConfig
@@ -155,6 +145,18 @@ class ClusterConfig(_Strict):
             self.role_settings(role)
         return self
 
+    @model_validator(mode="after")
+    def _tensor_parallel_on_generation_only(self) -> ClusterConfig:
+        size = self.context_servers.tensor_parallel_size
+        if size != 1:
+            raise ValueError(
+                f"context_servers.tensor_parallel_size is {size}, but a context instance "
+                "runs one rank so far (caches cannot be transferred out of tensor-parallel "
+                "ranks yet); set it to 1 and scale out with num_instances, or set "
+                "generation_servers.tensor_parallel_size, whose instances prefill locally"
+            )
+        return self
+
     def role_settings(self, section_name: str) -> RoleSettings:
         """Merge the top level with one section; raises ValueError on a conflict."""
         section: ServerSectionConfig = getattr(self, section_name)
@@ -167,6 +169,7 @@ class ClusterConfig(_Strict):
         return RoleSettings(
             role="context" if section_name == "context_servers" else "generation",
             num_instances=section.num_instances,
+            tensor_parallel_size=section.tensor_parallel_size,
             num_gpus=section.num_gpus,
             kv_cache=KvCacheConfig.model_validate(kv_cache),
             cache_transceiver=CacheTransceiverConfig.model_validate(transceiver),

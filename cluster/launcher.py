@@ -83,7 +83,7 @@ class RunningCluster:
             ray.shutdown()
 
 
-def connect_ray(address: str | None, num_instances: int) -> bool:
+def connect_ray(address: str | None, num_ranks: int) -> bool:
     """Join `address`, or start a local Ray sized for the plan; True when started here."""
     if ray.is_initialized():
         return False
@@ -98,9 +98,9 @@ def connect_ray(address: str | None, num_instances: int) -> bool:
                 "`address` from the config to run a local cluster"
             ) from exc
         return False
-    # A local cluster grants one CPU per instance even on a smaller machine:
+    # A local cluster grants one CPU per rank of every instance even on a smaller machine:
     # the grant sizes each worker's torch threads, it does not pin cores.
-    cpus = max(os.cpu_count() or 1, int(num_instances * CPUS_PER_INSTANCE))
+    cpus = max(os.cpu_count() or 1, int(num_ranks * CPUS_PER_INSTANCE))
     ray.init(
         num_cpus=cpus,
         include_dashboard=False,
@@ -147,7 +147,10 @@ async def _start_instance(
         bundle["GPU"] = instance.num_gpus
     # The secret's prefix keeps two deployments on one Ray cluster apart.
     label = f"disagg-{instance.name}-{secret[:8]}"
-    group = placement_group([bundle], strategy="STRICT_PACK", name=label)
+    # One bundle per tensor-parallel rank, packed onto one node; the worker
+    # (rank 0) takes bundle 0 and starts the other ranks in the others.
+    bundles = [bundle] * instance.tensor_parallel_size
+    group = placement_group(bundles, strategy="STRICT_PACK", name=label)
     pending = LaunchedInstance(instance, None, group, "")
     cluster.instances.append(pending)
     try:
@@ -160,7 +163,9 @@ async def _start_instance(
             .options(
                 num_cpus=CPUS_PER_INSTANCE,
                 num_gpus=instance.num_gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=0
+                ),
                 name=label,
                 max_concurrency=1000,
                 max_restarts=MAX_RESTARTS,

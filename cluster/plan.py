@@ -9,6 +9,10 @@ managers fails here with one message, so nothing is started for it.
 
     instance    role        manager  transceiver  block  blocks  slots  device
     context-0   context     v1       python       16     512     0      cpu
+
+An instance of N tensor-parallel ranks shows its device as `cpu xN`; its
+blocks and slots are each rank's (every rank holds the same block ids, over
+its own KV heads).
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ from kvcache.sizing import CacheSizing, size_cache
 from kvcache.spec import CacheSpec
 from models.checkpoint_source import checkpoint_folder
 from models.config import ModelConfig
+from models.errors import ConfigError as ModelConfigError
 from models.hf_config import load_model_config
 from models.registry import model_preferences
+from models.tensor_parallel import shard_config
 from transfer.nixl_agent import nixl_available
 
 DEFAULT_MAX_TOKENS = 8192
@@ -73,6 +79,8 @@ class InstancePlan:
     max_num_waiting: int = 1024
     # "tcp", "ucx" or "auto"; auto is resolved on the worker (see WorkerConfig).
     transfer_wire: str = "tcp"
+    # Ranks of the instance; the cache sizes above are each rank's.
+    tensor_parallel_size: int = 1
 
     @property
     def device(self) -> str:
@@ -103,6 +111,7 @@ class InstancePlan:
             cluster_secret=cluster_secret,
             transfer_host=transfer_host,
             transfer_wire=self.transfer_wire,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
 
@@ -146,10 +155,20 @@ def resolve_plan(config: ClusterConfig, source: str = "<config>") -> ClusterPlan
     model_len = model_config.max_position_embeddings
     max_waiting = config.router.max_queued_requests
     instances = tuple(
-        _instance(settings, index, manager, transceiver, spec, model_len, source, max_waiting)
+        _instance(
+            settings,
+            index,
+            manager,
+            transceiver,
+            _rank_spec(model_config, settings, _dtype(config.dtype), source),
+            model_len,
+            source,
+            max_waiting,
+        )
         for settings, manager in ((context, managers[0]), (generation, managers[1]))
         for index in range(settings.num_instances)
     )
+    _check_local_prefill(config, generation, _max_model_len(model_config, instances), source)
     return ClusterPlan(
         checkpoint=str(checkpoint),
         architecture=model_config.architecture,
@@ -172,6 +191,36 @@ def _not_a_local_model(model: str, source: str) -> str:
             "and set model (or --model) to that folder"
         )
     return message
+
+
+def _rank_spec(
+    model_config: ModelConfig, settings: RoleSettings, dtype: str | None, source: str
+) -> CacheSpec:
+    """The cache of one rank of the role's instances (its KV heads only)."""
+    size = settings.tensor_parallel_size
+    if size == 1:
+        return model_config.cache_spec(dtype)
+    try:
+        rank_config = shard_config(model_config, 0, size)
+    except ModelConfigError as exc:
+        raise ConfigError(f"{source}: {settings.role}_servers: {exc}") from exc
+    return rank_config.cache_spec(dtype)
+
+
+def _check_local_prefill(
+    config: ClusterConfig, generation: RoleSettings, max_model_len: int, source: str
+) -> None:
+    """Caches cannot be pulled into tensor-parallel ranks yet: a tensor-parallel
+    generation instance must prefill every prompt itself."""
+    size = generation.tensor_parallel_size
+    local = config.conditional_disagg.max_local_prefill_length
+    if size > 1 and local < max_model_len:
+        raise ConfigError(
+            f"{source}: generation_servers.tensor_parallel_size is {size}, and caches cannot "
+            "be transferred into tensor-parallel instances yet, so they must prefill every "
+            "prompt themselves: set conditional_disagg.max_local_prefill_length to at least "
+            f"{max_model_len} (the longest request), not {local}"
+        )
 
 
 def _one_transceiver(context: RoleSettings, generation: RoleSettings, preferred: str | None) -> str:
@@ -224,6 +273,7 @@ def _instance(
         transfer_timeout_s=settings.cache_transceiver.timeout_s,
         max_num_waiting=max_num_waiting,
         transfer_wire=settings.cache_transceiver.wire,
+        tensor_parallel_size=settings.tensor_parallel_size,
     )
 
 
@@ -293,7 +343,7 @@ def format_plan(plan: ClusterPlan) -> str:
             str(i.block_size),
             "by memory" if i.num_blocks is None else str(i.num_blocks),
             str(i.num_mamba_slots),
-            i.device,
+            i.device if i.tensor_parallel_size == 1 else f"{i.device} x{i.tensor_parallel_size}",
         )
         for i in plan.instances
     ]

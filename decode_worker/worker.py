@@ -168,6 +168,7 @@ class GenerationWorker:
         await self.engine.loop.stop()
         if self.transceiver is not None:
             await self.transceiver.close()
+        self.engine.close()
 
     async def _pull(self, req: Request, request: GenerationRequest) -> TokenEvent | None:
         """Allocate, pull and admit-ready `req`; an error event on failure."""
@@ -176,6 +177,8 @@ class GenerationWorker:
         rid = req.request_id
         if self.transceiver is None:
             return _error(req, "this worker runs aggregated and cannot pull a cache")
+        if self.config.tensor_parallel_size > 1:
+            return _error(req, "a cache cannot be pulled into a tensor-parallel instance yet")
         req.output_token_ids.append(context.first_token_id)
         if context.first_logprob is not None:
             req.output_logprobs.append(context.first_logprob)

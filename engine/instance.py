@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.cache_build import build_cache
 from engine.core import EngineCore, StopCheck
 from engine.decode_graphs import graph_batch_sizes
 from engine.loop import EngineLoop
@@ -20,15 +21,13 @@ from engine.request import FinishReason, Request
 from engine.sampling import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stop import StopChecker
+from engine.tensor_parallel import RankGroup
 from engine.worker_config import WorkerConfig
 from kvcache.errors import IntegrityError
-from kvcache.factory import create_manager
-from kvcache.hashing import cache_namespace
 from kvcache.manager import KVCacheManager
-from kvcache.sizing import size_cache
-from kvcache.tensors import CacheTensors, allocate_cache_tensors
+from kvcache.tensors import CacheTensors
 from models.base import CausalLM
-from models.config import ModelConfig
+from models.config import ModelConfig, TensorParallelShard
 from models.loader import load_model
 from models.tokenizer import Tokenizer, load_tokenizer
 
@@ -50,16 +49,22 @@ class EngineInstance:
     runner: ModelRunner
     core: EngineCore
     loop: EngineLoop
+    ranks: RankGroup | None = None  # ranks 1.. of a tensor-parallel instance
 
     @classmethod
     def build(cls, config: WorkerConfig, role: str, worker_id: str) -> EngineInstance:
         if role not in ROLES:
             raise ValueError(f"worker role must be one of {ROLES}, got {role!r}")
+        num_ranks = config.tensor_parallel_size
         model, model_config = load_model(
-            Path(config.checkpoint), dtype=config.dtype, device=config.device
+            Path(config.checkpoint),
+            dtype=config.dtype,
+            device=config.device,
+            tp=TensorParallelShard(0, num_ranks),
         )
         tokenizer = load_tokenizer(config.checkpoint)
-        manager, cache = _build_cache(config, model_config)
+        manager, cache, sizing = build_cache(config, model_config)
+        ranks = RankGroup.start(config, worker_id, sizing) if num_ranks > 1 else None
         spec = model_config.cache_spec(config.dtype)
         runner = ModelRunner(
             model,
@@ -69,12 +74,15 @@ class EngineInstance:
             Sampler(),
             device=config.device,
             is_hybrid=spec.is_hybrid,
+            followers=ranks,
         )
         # No sequence grows past the checkpoint's context or the whole cache.
         capacity = manager.num_usable_blocks * config.block_size
         longest = min(model_config.max_position_embeddings, capacity)
         # Context workers prefill: their few decode steps are not worth graphs.
-        sizes = graph_batch_sizes(config.max_batch_size) if role != "context" else ()
+        # Graphs do not capture the other ranks' steps of a tensor-parallel instance.
+        with_graphs = role != "context" and ranks is None
+        sizes = graph_batch_sizes(config.max_batch_size) if with_graphs else ()
         runner.prepare(-(-longest // config.block_size), sizes)
         eos = model_config.eos_token_ids or tokenizer.eos_token_ids
         core = EngineCore(
@@ -95,7 +103,13 @@ class EngineInstance:
             runner=runner,
             core=core,
             loop=EngineLoop(core),
+            ranks=ranks,
         )
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel instance (none otherwise)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def load(self, num_transferring: int) -> WorkerLoad:
         sched = self.core.scheduler
@@ -151,38 +165,6 @@ def _build_scheduler(config: WorkerConfig, manager: KVCacheManager) -> Scheduler
         ),
         manager,
     )
-
-
-def _build_cache(
-    config: WorkerConfig, model_config: ModelConfig
-) -> tuple[KVCacheManager, CacheTensors]:
-    """Size the pools, build the manager and allocate its tensors."""
-    spec = model_config.cache_spec(config.dtype)
-    max_len = model_config.max_position_embeddings
-    if config.max_tokens is not None:
-        max_len = min(max_len, config.max_tokens)
-    sizing = size_cache(
-        spec,
-        block_size=config.block_size,
-        max_model_len=max_len,
-        max_batch_size=config.max_batch_size,
-        max_tokens=config.max_tokens,
-        memory_bytes=config.kv_cache_memory_bytes,
-        device=config.device,
-        # Pinned handoffs (context) and pulls in flight (generation) hold a
-        # slot outside the running batch: leave as many again for them.
-        num_mamba_slots=2 * config.max_batch_size,
-    )
-    manager = create_manager(
-        config.manager,
-        spec,
-        sizing.num_blocks,
-        config.block_size,
-        sizing.num_mamba_slots,
-        enable_block_reuse=config.enable_block_reuse,
-        hash_namespace=cache_namespace(model_config.architecture, spec.dtype),
-    )
-    return manager, allocate_cache_tensors(manager, config.device)
 
 
 def _stop_check(request: Request, eos: tuple[int, ...], tokenizer: Tokenizer) -> StopCheck:

@@ -1,0 +1,95 @@
+"""`disagg serve` with a tensor-parallel generation instance (TP 2 on CPU, gloo).
+
+One server for the module: a context instance and a generation instance of
+two ranks (rank 0 the worker, rank 1 its actor) that prefills every prompt
+itself. The tiny Llama checkpoint has 4 query and 2 KV heads, so each rank
+holds 2 query heads, 1 KV head and half the vocabulary. Greedy text through
+the OpenAI API must equal transformers' `generate` on the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.integration.test_serve_openai import Server, _greedy, _wait_for_url
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_TOKENS = 12
+PROMPTS = ["The quick brown fox", "Once upon a time, in a small village, there lived", "Water"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from models.embedded.writer import ensure_checkpoint
+
+    return ensure_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llama", "llama", "tiny")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    config = {
+        "model": str(checkpoint),
+        "kv_cache": {"max_tokens": 512},
+        "max_batch_size": 4,
+        "conditional_disagg": {"max_local_prefill_length": 512},
+        "context_servers": {"num_instances": 1},
+        "generation_servers": {"num_instances": 1, "tensor_parallel_size": 2},
+    }
+    path = tmp_path_factory.mktemp("config") / "tp2.yaml"
+    path.write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "cluster.cli", "serve", "-c", str(path)]
+    command += ["--host", "127.0.0.1", "--port", "0"]
+    process = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    output: list[str] = []
+
+    def drain() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            output.append(line)
+            lines.put(line)
+
+    threading.Thread(target=drain, daemon=True).start()
+    url = _wait_for_url(process, lines, output)
+    try:
+        yield Server(process, url, checkpoint.name, output)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def test_the_plan_shows_two_ranks_on_the_generation_instance(server: Server) -> None:
+    plan = [line for line in server.output if line.startswith("generation-0")]
+    assert plan and plan[0].split()[-2:] == ["cpu", "x2"]
+
+
+def test_greedy_text_matches_transformers(server: Server, checkpoint: Path) -> None:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    for prompt in PROMPTS:
+        expected = _greedy((model, tokenizer), tokenizer(prompt).input_ids, MAX_TOKENS)
+        whole = client.completions.create(
+            model=server.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+        )
+        assert whole.choices[0].text == expected
