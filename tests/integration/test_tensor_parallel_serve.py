@@ -9,6 +9,7 @@ the OpenAI API must equal transformers' `generate` on the same checkpoint.
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import subprocess
@@ -93,3 +94,42 @@ def test_greedy_text_matches_transformers(server: Server, checkpoint: Path) -> N
             model=server.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
         )
         assert whole.choices[0].text == expected
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [child for child, ppid in parents.items() if ppid == parent]
+        found += children
+        frontier += children
+    return found
+
+
+def _rank_actor_pid(server: Server) -> int:
+    for pid in _descendants(server.process.pid):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"TensorParallelRank" in title:
+            return pid
+    raise AssertionError("no TensorParallelRank process under the server")
+
+
+def test_a_dead_rank_takes_its_instance_down_with_a_clear_error(server: Server) -> None:
+    """Runs last: the generation instance does not come back without its rank."""
+    os.kill(_rank_actor_pid(server), signal.SIGKILL)
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    with pytest.raises(openai.APIError) as failure:
+        client.completions.create(model=server.model, prompt="Water", max_tokens=4, temperature=0)
+    assert not isinstance(failure.value, openai.APITimeoutError), "it hung instead"
+    assert server.process.poll() is None  # the server itself stays up
