@@ -91,8 +91,9 @@ class GenerationWorker:
         """Accept a request; its events arrive on the `events()` stream.
 
         With a context result attached the cache is pulled in the background
-        and announced by a `cache_ready` event. Refusals (a duplicate id, an
-        abort that overtook this call) arrive there too, as a final event.
+        and announced by a `cache_ready` event. An abort that overtook this
+        call arrives there too, as a final "abort" event; an id already in
+        flight here raises `RequestFailedError`.
         """
         await self.start()
         rid = request.request_id
