@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import socket
 from typing import Any
 
@@ -123,11 +124,14 @@ class RankGroup:
         actor: Any = ray.remote(TensorParallelRank)
         group = get_current_placement_group()
         resources = ray.get_runtime_context().get_assigned_resources()
+        # The other ranks wait for OpenMP work the way rank 0 was told to.
+        env = {k: os.environ[k] for k in ("OMP_WAIT_POLICY",) if k in os.environ}
         ranks: list[Any] = [
             actor.options(
                 num_cpus=resources.get("CPU", 1.0),
                 num_gpus=resources.get("GPU", 0.0),
                 name=f"{worker_id}-rank-{rank}",
+                runtime_env={"env_vars": env},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     group, placement_group_bundle_index=rank
                 )

@@ -1,8 +1,7 @@
 """`disagg serve` with a tensor-parallel generation instance (TP 2 on CPU, gloo).
 
-One server for the module: a context instance and a generation instance of
-two ranks (rank 0 the worker, rank 1 its actor) that prefills every prompt
-itself. The tiny Llama checkpoint has 4 query and 2 KV heads, so each rank
+One server for the module, aggregated only: one generation instance of two
+ranks (rank 0 the worker, rank 1 its actor) that runs whole requests. The tiny Llama checkpoint has 4 query and 2 KV heads, so each rank
 holds 2 query heads, 1 KV head and half the vocabulary. Greedy text through
 the OpenAI API must equal transformers' `generate` on the same checkpoint.
 """
@@ -44,8 +43,7 @@ def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         "model": str(checkpoint),
         "kv_cache": {"max_tokens": 512},
         "max_batch_size": 4,
-        "conditional_disagg": {"max_local_prefill_length": 512},
-        "context_servers": {"num_instances": 1},
+        "context_servers": {"num_instances": 0},
         "generation_servers": {"num_instances": 1, "tensor_parallel_size": 2},
     }
     path = tmp_path_factory.mktemp("config") / "tp2.yaml"
@@ -80,7 +78,7 @@ def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 def test_the_plan_shows_two_ranks_on_the_generation_instance(server: Server) -> None:
     plan = [line for line in server.output if line.startswith("generation-0")]
-    assert plan and plan[0].split()[-2:] == ["cpu", "x2"]
+    assert plan and "cpu x2" in plan[0]
 
 
 def test_greedy_text_matches_transformers(server: Server, checkpoint: Path) -> None:
