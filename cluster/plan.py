@@ -40,7 +40,7 @@ from models.checkpoint_source import checkpoint_folder
 from models.config import ModelConfig
 from models.errors import ConfigError as ModelConfigError
 from models.hf_config import load_model_config
-from models.registry import model_preferences
+from models.registry import check_tensor_parallel, model_preferences
 from models.tensor_parallel import shard_config
 from transfer.nixl_agent import nixl_available
 
@@ -233,6 +233,7 @@ def _rank_spec(
     if size == 1:
         return model_config.cache_spec(dtype)
     try:
+        check_tensor_parallel(model_config, size)
         rank_config = shard_config(model_config, 0, size)
     except ModelConfigError as exc:
         raise ConfigError(f"{source}: {settings.role}_servers: {exc}") from exc

@@ -14,6 +14,7 @@ mlp.{gate,up,down}_proj, input_layernorm, post_attention_layernorm}`,
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 
@@ -172,6 +173,8 @@ class LlamaModel(torch.nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     """Dense decoder; no cache-manager or transceiver preference (`auto` defaults)."""
+
+    supports_tensor_parallel: ClassVar[bool] = True
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)

@@ -22,7 +22,7 @@ from models.base import CausalLM
 from models.config import ModelConfig, TensorParallelShard
 from models.errors import CheckpointError, ConfigError
 from models.hf_config import load_model_config
-from models.registry import model_class_for
+from models.registry import check_tensor_parallel, model_class_for
 from models.tensor_parallel import Cut, shard_config, weight_cut
 
 SINGLE_FILE = "model.safetensors"
@@ -50,6 +50,7 @@ def load_model(
     if dtype is not None:
         full = replace(full, dtype=dtype_name(dtype))
     tp = tp or TensorParallelShard()
+    check_tensor_parallel(full, tp.size)
     config = shard_config(full, tp.rank, tp.size) if tp.size > 1 else full
     model_cls = model_class_for(config.architecture)
     # Build directly in the target dtype and device: no fp32 copy of the

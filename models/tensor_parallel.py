@@ -14,6 +14,14 @@ rank's own KV cache (its KV heads only). Weights are cut while they are read
                                                 zero-padded; lookups are all-reduced,
                                                 logits all-gathered
 
+Nemotron-H adds the Mamba2 mixer, split by heads: `in_proj` rows are
+`z | x | B | C | dt` and `conv1d` channels `x | B | C`, so a rank reads its
+heads' part of z, x and dt and its groups' part of B and C from each section
+(a rank holds whole groups, which the gated norm runs over); `dt_bias`,
+`A_log`, `D` and the norm weight follow the heads, `out_proj` is
+row-parallel. MLP and MoE experts (and the shared expert) split along their
+intermediate width like gate/up/down; the router is replicated.
+
 KV heads split like the query heads when `num_key_value_heads` is a multiple
 of N. With fewer KV heads than ranks, each rank keeps the one KV head its
 query heads read (heads 4, KV heads 1, N 2: both ranks hold KV head 0):
@@ -34,27 +42,49 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from models.config import DECODER, ModelConfig, TensorParallelShard
+from models.config import ModelConfig, TensorParallelShard
 from models.errors import ConfigError
 
 _COLUMN_PARALLEL = ("q_proj", "gate_proj", "up_proj")
 _KV_PROJECTIONS = ("k_proj", "v_proj")
 _ROW_PARALLEL = ("o_proj", "down_proj")
-_VOCAB_PARALLEL = ("embed_tokens", "lm_head")
+_VOCAB_PARALLEL = ("embed_tokens", "embeddings", "lm_head")
 
 
 def _divides(size: int, config: ModelConfig) -> dict[str, bool]:
-    """Per sharded field: whether `size` ranks can split it."""
+    """Per sharded field (as the checkpoint's config.json names it): whether
+    `size` ranks can split it."""
     kv = config.num_key_value_heads
-    return {
+    fields = {
         "num_attention_heads": config.num_attention_heads % size == 0,
         "num_key_value_heads": kv % size == 0 or size % kv == 0,
         "intermediate_size": config.intermediate_size % size == 0,
     }
+    if config.mamba is not None:
+        fields["mamba_num_heads"] = config.mamba.num_heads % size == 0
+        # The gated norm runs over groups of heads: a rank must hold whole groups.
+        fields["n_groups"] = config.mamba.n_groups % size == 0
+    if config.moe is not None:
+        fields["moe_intermediate_size"] = config.moe.intermediate_size % size == 0
+        shared = config.moe.shared_intermediate_size
+        fields["moe_shared_expert_intermediate_size"] = shared % size == 0
+    return fields
+
+
+def _field_value(config: ModelConfig, name: str) -> int:
+    values = {
+        "mamba_num_heads": lambda: config.mamba.num_heads if config.mamba else 0,
+        "n_groups": lambda: config.mamba.n_groups if config.mamba else 0,
+        "moe_intermediate_size": lambda: config.moe.intermediate_size if config.moe else 0,
+        "moe_shared_expert_intermediate_size": lambda: (
+            config.moe.shared_intermediate_size if config.moe else 0
+        ),
+    }
+    return values[name]() if name in values else int(getattr(config, name))
 
 
 def allowed_sizes(config: ModelConfig) -> list[int]:
-    """Every `tensor_parallel_size` this model's head counts and MLP width allow."""
+    """Every `tensor_parallel_size` this model's head counts and widths allow."""
     return [
         n for n in range(1, config.num_attention_heads + 1) if all(_divides(n, config).values())
     ]
@@ -65,21 +95,12 @@ def check_shardable(config: ModelConfig, size: int) -> None:
     cannot split this model."""
     if size < 1:
         raise ConfigError(f"tensor_parallel_size must be at least 1, got {size}")
-    if size == 1:
-        return
-    others = sorted({kind for kind in config.layer_types if kind != DECODER})
-    if others or config.mamba is not None or config.moe is not None:
-        raise ConfigError(
-            f"tensor_parallel_size {size}: {config.architecture} has {', '.join(others)} layers, "
-            "and tensor parallelism covers dense decoder models (Llama, Mistral, Qwen2) so far; "
-            "set tensor_parallel_size to 1"
-        )
     for name, ok in _divides(size, config).items():
         if not ok:
-            value = getattr(config, name)
             raise ConfigError(
-                f"tensor_parallel_size {size} cannot split {name} = {value} of "
-                f"{config.architecture}; allowed tensor_parallel_size values for this model: "
+                f"tensor_parallel_size {size} cannot split {name} = "
+                f"{_field_value(config, name)} of {config.architecture}; allowed "
+                f"tensor_parallel_size values for this model: "
                 f"{', '.join(map(str, allowed_sizes(config)))}"
             )
 
@@ -89,11 +110,22 @@ def shard_config(config: ModelConfig, rank: int, size: int) -> ModelConfig:
     check_shardable(config, size)
     if not 0 <= rank < size:
         raise ConfigError(f"tensor-parallel rank {rank} is outside 0..{size - 1}")
+    mamba, moe = config.mamba, config.moe
     return replace(
         config,
         num_attention_heads=config.num_attention_heads // size,
         num_key_value_heads=max(1, config.num_key_value_heads // size),
         intermediate_size=config.intermediate_size // size,
+        mamba=None
+        if mamba is None
+        else replace(mamba, num_heads=mamba.num_heads // size, n_groups=mamba.n_groups // size),
+        moe=None
+        if moe is None
+        else replace(
+            moe,
+            intermediate_size=moe.intermediate_size // size,
+            shared_intermediate_size=moe.shared_intermediate_size // size,
+        ),
         tp=TensorParallelShard(rank, size),
     )
 
@@ -104,12 +136,16 @@ def vocab_rows_per_rank(vocab_size: int, size: int) -> int:
 
 @dataclass(frozen=True)
 class Cut:
-    """Read `[start, stop)` of a tensor along `dim`, then zero-pad that dim to `length`."""
+    """Read the `ranges` of a tensor along `dim`, one after another, then
+    zero-pad that dim to `length`."""
 
     dim: int
-    start: int
-    stop: int
+    ranges: tuple[tuple[int, int], ...]
     length: int
+
+    @classmethod
+    def span(cls, dim: int, start: int, stop: int, length: int | None = None) -> Cut:
+        return cls(dim, ((start, stop),), stop - start if length is None else length)
 
     def read(self, source: Any) -> torch.Tensor:
         """The cut of `source`, a safetensors slice (or a tensor), as a tensor.
@@ -117,48 +153,99 @@ class Cut:
         Only the cut's bytes are read from a safetensors slice.
         """
         shape = list(source.get_shape() if hasattr(source, "get_shape") else source.shape)
-        if self.stop > self.start:
-            index = (slice(None),) * self.dim + (slice(self.start, self.stop),)
-            part = source[index]
-        else:
-            shape[self.dim] = 0
-            part = torch.zeros(shape)
-        pad = self.length - (self.stop - self.start)
-        if pad == 0:
-            return part
-        shape[self.dim] = pad
-        return torch.cat([part, torch.zeros(shape, dtype=part.dtype)], dim=self.dim)
+        parts = []
+        for start, stop in self.ranges:
+            if stop > start:
+                parts.append(source[(slice(None),) * self.dim + (slice(start, stop),)])
+        taken = sum(stop - start for start, stop in self.ranges)
+        if taken < self.length:
+            shape[self.dim] = self.length - taken
+            parts.append(torch.zeros(shape, dtype=parts[0].dtype if parts else torch.float32))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
+
+
+def _per_rank(total: int, tp: TensorParallelShard, unit: int = 1) -> tuple[int, int]:
+    """Rank's range of `total` items of `unit` entries each, split evenly."""
+    share = total // tp.size * unit
+    return tp.rank * share, (tp.rank + 1) * share
+
+
+def _mlp_width(parts: list[str], full: ModelConfig) -> int:
+    """Intermediate width of the MLP a projection belongs to."""
+    if full.moe is not None and "shared_experts" in parts:
+        return full.moe.shared_intermediate_size
+    if full.moe is not None and "experts" in parts:
+        return full.moe.intermediate_size
+    return full.intermediate_size
+
+
+def _mamba_cut(
+    module: str, leaf: str, parent: str, full: ModelConfig, tp: TensorParallelShard
+) -> Cut | None:
+    """Cuts of a Mamba2 mixer's tensors; None when `module` is none of them.
+
+    in_proj rows are `z | x | B | C | dt` and conv1d channels `x | B | C`: a
+    rank takes its heads' slice of z, x and dt and its groups' slice of B and
+    C from each section.
+    """
+    mamba = full.mamba
+    if mamba is None:
+        return None
+    inner, bc = mamba.intermediate_size, mamba.n_groups * mamba.state_size
+    heads = _per_rank(mamba.num_heads, tp)
+    channels = _per_rank(mamba.num_heads, tp, mamba.head_dim)
+    groups = _per_rank(mamba.n_groups, tp, mamba.state_size)
+
+    def at(offset: int, span: tuple[int, int]) -> tuple[int, int]:
+        return offset + span[0], offset + span[1]
+
+    xbc = (channels, at(inner, groups), at(inner + bc, groups))
+    if module == "in_proj":
+        ranges = (channels, *(at(inner, r) for r in xbc), at(2 * inner + 2 * bc, heads))
+        return Cut(0, ranges, sum(b - a for a, b in ranges))
+    if module == "conv1d":
+        return Cut(0, xbc, sum(b - a for a, b in xbc))
+    if module == "mixer" and leaf in ("dt_bias", "A_log", "D"):
+        return Cut.span(0, *heads)
+    if module == "norm" and parent == "mixer":
+        return Cut.span(0, *channels)
+    if module == "out_proj":
+        if leaf == "bias":
+            return Cut.span(0, 0, full.hidden_size if tp.rank == 0 else 0, full.hidden_size)
+        return Cut.span(1, *channels)
+    return None
 
 
 def weight_cut(name: str, full: ModelConfig, tp: TensorParallelShard) -> Cut | None:
     """The part of checkpoint tensor `name` rank `tp.rank` holds; None: all of it."""
     if tp.size == 1:
         return None
-    module, _, kind = name.rpartition(".")
-    module = module.rpartition(".")[2]
-    rank, size, head_dim = tp.rank, tp.size, full.head_dim
+    parts = name.split(".")
+    leaf, module = parts[-1], parts[-2] if len(parts) > 1 else ""
+    parent = parts[-3] if len(parts) > 2 else ""
+    mamba = _mamba_cut(module, leaf, parent, full, tp)
+    if mamba is not None:
+        return mamba
+    head_dim = full.head_dim
     if module in _VOCAB_PARALLEL:
-        rows = vocab_rows_per_rank(full.vocab_size, size)
-        return Cut(0, rank * rows, min(full.vocab_size, (rank + 1) * rows), rows)
+        rows = vocab_rows_per_rank(full.vocab_size, tp.size)
+        start = tp.rank * rows
+        return Cut.span(0, start, min(full.vocab_size, start + rows), rows)
     if module == "q_proj":
-        per_rank = full.num_attention_heads // size * head_dim
-        return Cut(0, rank * per_rank, (rank + 1) * per_rank, per_rank)
+        return Cut.span(0, *_per_rank(full.num_attention_heads, tp, head_dim))
     if module in _KV_PROJECTIONS:
         kv = full.num_key_value_heads
-        first = rank * kv // size
-        count = max(1, kv // size)
-        return Cut(0, first * head_dim, (first + count) * head_dim, count * head_dim)
+        first, count = tp.rank * kv // tp.size, max(1, kv // tp.size)
+        return Cut.span(0, first * head_dim, (first + count) * head_dim)
     if module in _COLUMN_PARALLEL:
-        per_rank = full.intermediate_size // size
-        return Cut(0, rank * per_rank, (rank + 1) * per_rank, per_rank)
+        return Cut.span(0, *_per_rank(_mlp_width(parts, full), tp))
     if module in _ROW_PARALLEL:
         width = full.hidden_size
-        if kind == "bias":  # added once, after the all-reduce: rank 0's alone
-            return Cut(0, 0, width if rank == 0 else 0, width)
-        per_rank = (
-            full.num_attention_heads * head_dim if module == "o_proj" else full.intermediate_size
-        ) // size
-        return Cut(1, rank * per_rank, (rank + 1) * per_rank, per_rank)
+        if leaf == "bias":  # added once, after the all-reduce: rank 0's alone
+            return Cut.span(0, 0, width if tp.rank == 0 else 0, width)
+        if module == "o_proj":
+            return Cut.span(1, *_per_rank(full.num_attention_heads, tp, head_dim))
+        return Cut.span(1, *_per_rank(_mlp_width(parts, full), tp))
     return None
 
 

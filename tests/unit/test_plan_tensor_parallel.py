@@ -11,7 +11,7 @@ import pytest
 
 from cluster.config import ConfigError, config_from_dict
 from cluster.plan import ClusterPlan, format_plan, resolve_plan
-from models.embedded import checkpoint_config
+from models.embedded import VL_ARCHITECTURES, checkpoint_config
 
 LOCAL = {"max_local_prefill_length": 1 << 20}
 
@@ -46,13 +46,19 @@ def test_a_size_that_does_not_split_the_heads_names_the_field_and_the_allowed_si
         _plan(tmp_path, conditional_disagg=LOCAL, generation_servers={"tensor_parallel_size": 3})
 
 
-def test_hybrid_models_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="dense decoder models"):
-        _plan(
-            tmp_path,
-            "nemotron_h",
-            conditional_disagg=LOCAL,
-            generation_servers={"tensor_parallel_size": 2},
+def test_vl_wrappers_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(
+        json.dumps(checkpoint_config("nemotron_vl", vl_architecture=VL_ARCHITECTURES[0]))
+    )
+    with pytest.raises(ConfigError, match="runs on one rank so far"):
+        resolve_plan(
+            config_from_dict(
+                {
+                    "model": str(tmp_path),
+                    "context_servers": {"num_instances": 0},
+                    "generation_servers": {"tensor_parallel_size": 2},
+                }
+            )
         )
 
 
