@@ -4,6 +4,8 @@ One server for the module, aggregated only: one generation instance of two
 ranks (rank 0 the worker, rank 1 its actor) that runs whole requests. The tiny Llama checkpoint has 4 query and 2 KV heads, so each rank
 holds 2 query heads, 1 KV head and half the vocabulary. Greedy text through
 the OpenAI API must equal transformers' `generate` on the same checkpoint.
+The same runs for a tiny Nemotron-H (Mamba2, attention, MLP and MoE layers;
+each rank holds half the Mamba heads and one of the two B/C groups).
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ MAX_TOKENS = 12
 PROMPTS = ["The quick brown fox", "Once upon a time, in a small village, there lived", "Water"]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=["llama", "nemotron_h"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from models.embedded.writer import ensure_checkpoint
 
-    return ensure_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llama", "llama", "tiny")
+    arch = request.param
+    return ensure_checkpoint(tmp_path_factory.mktemp("ckpt") / f"tiny-{arch}", arch, "tiny")
 
 
 @pytest.fixture(scope="module")
