@@ -68,6 +68,17 @@ class ForwardBatch:
     block_size: int
     mamba_slots: torch.Tensor | None = None  # [B] int64 slot per sequence (hybrid models)
     logits_indices: torch.Tensor | None = None  # [N] rows of the hidden states to turn into logits
+    # Image placeholder tokens: row `image_rows[i]` of the step takes embedding
+    # `image_embeds[i]` instead of its token's (VL models; None without images).
+    image_rows: torch.Tensor | None = None  # [M] int64
+    image_embeds: torch.Tensor | None = None  # [M, hidden_size]
+
+    def input_embeddings(self, embedding: torch.nn.Embedding) -> torch.Tensor:
+        """`[T, hidden]` token embeddings, image rows replaced by their embeddings."""
+        hidden = embedding(self.input_ids)
+        if self.image_rows is not None and self.image_embeds is not None:
+            hidden[self.image_rows] = self.image_embeds.to(hidden.dtype)
+        return hidden
 
     @property
     def num_seqs(self) -> int:

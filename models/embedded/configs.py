@@ -289,6 +289,28 @@ def nemotron_vl_config(
     }
 
 
+def image_processor_config(size: str) -> dict[str, Any]:
+    """The `preprocessor_config.json` body of a VL checkpoint (transformers' Omni
+    image processor fields), with a patch budget small enough that an image
+    takes 1 to 16 prompt tokens."""
+    shape_of(size)
+    return {
+        "image_processor_type": "NemotronH_Omni_Reasoning_V3ImageProcessor",
+        "patch_size": 16,
+        "downsample_ratio": 0.5,
+        "min_num_patches": 4,
+        "max_num_patches": 64,
+        "max_model_len": 4096,
+        "do_convert_rgb": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "resample": 3,
+    }
+
+
 def checkpoint_config(
     arch: str,
     size: str = "tiny",
