@@ -11,7 +11,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from engine.core import EngineCore, StopCheck
+from engine.image_encoder import ImageEncoder
 from engine.loop import EngineLoop
 from engine.messages import KVEventBatch, WorkerIntegrity, WorkerLoad
 from engine.model_runner import ModelRunner
@@ -28,6 +31,7 @@ from kvcache.sizing import size_cache
 from kvcache.tensors import CacheTensors, allocate_cache_tensors
 from models.base import CausalLM
 from models.config import ModelConfig
+from models.image_processing import load_image_processor_config
 from models.loader import load_model
 from models.tokenizer import Tokenizer, load_tokenizer
 
@@ -68,6 +72,7 @@ class EngineInstance:
             Sampler(),
             device=config.device,
             is_hybrid=spec.is_hybrid,
+            image_encoder=_build_image_encoder(config, model, model_config),
         )
         eos = model_config.eos_token_ids or tokenizer.eos_token_ids
         core = EngineCore(
@@ -131,6 +136,27 @@ class EngineInstance:
 
     def drain_kv_events(self) -> KVEventBatch:
         return KVEventBatch(worker_id=self.worker_id, events=list(self.manager.drain_events()))
+
+    def step_stats(self) -> dict[str, float]:
+        """The loop's step counters, plus the encoder cache's for a VL model."""
+        stats = dict(vars(self.loop.stats))
+        encoder = self.runner.image_encoder
+        if encoder is not None:
+            stats["encoder_cache_hits"] = encoder.stats.hits
+            stats["encoder_cache_misses"] = encoder.stats.misses
+        return stats
+
+
+def _build_image_encoder(
+    config: WorkerConfig, model: CausalLM, model_config: ModelConfig
+) -> ImageEncoder | None:
+    """The vision path of a VL model with its preprocessing settings; None for
+    text-only models (a generation worker builds one too: in aggregated mode
+    and under conditional disaggregation it prefills images itself)."""
+    if model_config.vision is None:
+        return None
+    processing = load_image_processor_config(Path(config.checkpoint), model_config.vision)
+    return ImageEncoder(model, processing, torch.device(config.device))  # type: ignore[arg-type]
 
 
 def _build_scheduler(config: WorkerConfig, manager: KVCacheManager) -> Scheduler:

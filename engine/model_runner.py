@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.image_encoder import ImageChunk, ImageEncoder
 from engine.scheduler import ScheduledSequence
 from models.batch import CacheViews, ForwardBatch
 
@@ -67,6 +68,7 @@ class ModelRunner:
         sampler: Any,
         device: str = "cpu",
         is_hybrid: bool = False,
+        image_encoder: ImageEncoder | None = None,
     ) -> None:
         self.model = model
         self.caches = caches
@@ -75,6 +77,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = torch.device(device)
         self.is_hybrid = is_hybrid
+        self.image_encoder = image_encoder
         # Per-request torch.Generator for seeded sampling; created lazily.
         self.generators: dict[str, torch.Generator | None] = {}
 
@@ -89,10 +92,13 @@ class ModelRunner:
         tables: list[list[int]] = []
         mamba_slots: list[int] = []
         logits_indices: list[int] = []
+        image_chunks: list[ImageChunk] = []
         bs = self.block_size
         for seq in seqs:
             req = seq.request
             start, end = seq.start, seq.start + seq.num_new_tokens
+            if req.images:
+                image_chunks.append(ImageChunk(req.images, start, end, len(input_ids)))
             table = self.addressing.block_table(req.request_id)
             input_ids.extend(req.token_ids_between(start, end))
             positions.extend(range(start, end))
@@ -107,6 +113,9 @@ class ModelRunner:
                 logits_indices.append(len(input_ids) - 1)
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
+        images = None
+        if image_chunks and self.image_encoder is not None:
+            images = self.image_encoder.rows(image_chunks)
         return ForwardBatch(
             input_ids=self._tensor(input_ids),
             positions=self._tensor(positions),
@@ -118,6 +127,8 @@ class ModelRunner:
             block_size=bs,
             mamba_slots=self._tensor(mamba_slots) if self.is_hybrid else None,
             logits_indices=self._tensor(logits_indices),
+            image_rows=images[0] if images is not None else None,
+            image_embeds=images[1] if images is not None else None,
         )
 
     def execute(self, seqs: Sequence[ScheduledSequence]) -> RunnerOutput:
