@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.core import EngineCore, StopCheck
+from engine.decode_graphs import graph_batch_sizes
 from engine.image_encoder import ImageEncoder
 from engine.loop import EngineLoop
 from engine.messages import KVEventBatch, WorkerIntegrity, WorkerLoad
@@ -74,6 +75,12 @@ class EngineInstance:
             is_hybrid=spec.is_hybrid,
             image_encoder=_build_image_encoder(config, model, model_config),
         )
+        # No sequence grows past the checkpoint's context or the whole cache.
+        capacity = manager.num_usable_blocks * config.block_size
+        longest = min(model_config.max_position_embeddings, capacity)
+        # Context workers prefill: their few decode steps are not worth graphs.
+        sizes = graph_batch_sizes(config.max_batch_size) if role != "context" else ()
+        runner.prepare(-(-longest // config.block_size), sizes)
         eos = model_config.eos_token_ids or tokenizer.eos_token_ids
         core = EngineCore(
             _build_scheduler(config, manager),
