@@ -320,6 +320,9 @@ class Router:
         state.num_total_blocks = load.num_total_blocks
         held = load.num_waiting + load.num_running + load.num_transferring
         self.metrics.worker_requests.labels(endpoint.name).set(held)
+        if load.encoder_cache_hits or load.encoder_cache_misses:
+            self.metrics.encoder_cache.labels(endpoint.name, "hit").set(load.encoder_cache_hits)
+            self.metrics.encoder_cache.labels(endpoint.name, "miss").set(load.encoder_cache_misses)
         if load.num_total_blocks:
             used = 1 - load.num_free_blocks / load.num_total_blocks
             self.metrics.cache_usage.labels(endpoint.name).set(used)

@@ -105,6 +105,7 @@ class EngineInstance:
     def load(self, num_transferring: int) -> WorkerLoad:
         sched = self.core.scheduler
         in_flight = sum(r.num_tokens for r in (*sched.waiting, *sched.running))
+        encoder = self.runner.image_encoder
         return WorkerLoad(
             worker_id=self.worker_id,
             role=self.role,
@@ -117,6 +118,8 @@ class EngineInstance:
                 self.manager.mamba_pool.num_free_slots if self.manager.mamba_pool else 0
             ),
             num_tokens_in_flight=in_flight,
+            encoder_cache_hits=encoder.stats.hits if encoder is not None else 0,
+            encoder_cache_misses=encoder.stats.misses if encoder is not None else 0,
         )
 
     def integrity(self, num_in_transfer: int, num_pinned: int) -> WorkerIntegrity:

@@ -110,6 +110,9 @@ class WorkerLoad:
     num_total_blocks: int
     num_free_mamba_slots: int
     num_tokens_in_flight: int  # tokens of every queued or running request
+    # Images the vision encoder served from its cache / ran (VL models).
+    encoder_cache_hits: int = 0
+    encoder_cache_misses: int = 0
 
 
 @dataclass(frozen=True)
