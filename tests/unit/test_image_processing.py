@@ -133,24 +133,11 @@ def test_prompt_text_wraps_the_placeholders() -> None:
 
 
 def test_config_file_overrides_defaults(tmp_path: Path) -> None:
-    from models.config import VisionConfig
+    from models.embedded.configs import checkpoint_config
+    from models.hf_config import parse_model_config
 
-    vision = VisionConfig(
-        hidden_size=32,
-        num_layers=1,
-        num_heads=2,
-        mlp_ratio=4.0,
-        layer_norm_eps=1e-6,
-        qkv_bias=True,
-        num_channels=3,
-        patch_size=16,
-        max_img_size=64,
-        num_prefix_tokens=2,
-        downsample_ratio=0.5,
-        projector_hidden_size=64,
-        image_token_id=6,
-        final_layernorm=False,
-    )
+    vision = parse_model_config(checkpoint_config("nemotron_vl")).vision
+    assert vision is not None and vision.patch_size == 16
     assert load_image_processor_config(tmp_path, vision) == ImageProcessorConfig()
     (tmp_path / "preprocessor_config.json").write_text(
         '{"min_num_patches": 4, "max_num_patches": 64, "norm_mean": [0.5, 0.5, 0.5]}'

@@ -18,7 +18,8 @@ from cluster.config import MediaConfig
 from cluster.image_prompt import ImageSupport, load_chat_images, place_images
 from cluster.media import load_image
 from cluster.protocol import ChatCompletionRequest
-from models.config import VisionConfig
+from models.embedded.configs import checkpoint_config
+from models.hf_config import parse_model_config
 from models.image_processing import ImageProcessorConfig
 
 PARAM = "messages[0].content[1]"
@@ -107,23 +108,10 @@ def test_audio_and_video_parts_are_refused_by_name() -> None:
         assert f"{kind!r} are not supported" in error.message
 
 
+TINY_VISION = parse_model_config(checkpoint_config("nemotron_vl")).vision
+assert TINY_VISION is not None and TINY_VISION.image_token_id == 6
 SUPPORT = ImageSupport(
-    vision=VisionConfig(
-        hidden_size=32,
-        num_layers=1,
-        num_heads=2,
-        mlp_ratio=4.0,
-        layer_norm_eps=1e-6,
-        qkv_bias=True,
-        num_channels=3,
-        patch_size=16,
-        max_img_size=64,
-        num_prefix_tokens=2,
-        downsample_ratio=0.5,
-        projector_hidden_size=64,
-        image_token_id=6,
-        final_layernorm=False,
-    ),
+    vision=TINY_VISION,
     processing=ImageProcessorConfig(min_num_patches=4, max_num_patches=64),
     placeholder="<image>",
 )
