@@ -100,6 +100,12 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt]
 
     @property
+    def can_recompute(self) -> bool:
+        """Whether preemption by recompute can rebuild this request's cache: not
+        when it holds images without their bytes (pulled from a context worker)."""
+        return all(image.data for image in self.images)
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 

@@ -242,6 +242,15 @@ class Scheduler:
                 refund = seq.num_new_tokens
                 out.sequences.remove(seq)
                 break
+        if not victim.can_recompute:
+            victim.finish(
+                FinishReason.ERROR,
+                f"request {victim.request_id!r} was preempted, and its images were encoded "
+                "on a context worker, so it cannot be computed again here; give generation "
+                "workers more KV cache (kv_cache.max_tokens)",
+            )
+            out.failed.append(victim)
+            return refund
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
