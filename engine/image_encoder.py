@@ -14,7 +14,7 @@ import io
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -25,6 +25,7 @@ from models.image_processing import ImageProcessorConfig, preprocess_image
 DEFAULT_CACHE_BYTES = 256 << 20
 
 
+@runtime_checkable
 class VisionModel(Protocol):
     def encode_image(
         self, pixel_values: torch.Tensor, grid_hw: tuple[int, int]

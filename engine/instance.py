@@ -15,7 +15,7 @@ import torch
 
 from engine.core import EngineCore, StopCheck
 from engine.decode_graphs import graph_batch_sizes
-from engine.image_encoder import ImageEncoder
+from engine.image_encoder import ImageEncoder, VisionModel
 from engine.loop import EngineLoop
 from engine.messages import KVEventBatch, WorkerIntegrity, WorkerLoad
 from engine.model_runner import ModelRunner
@@ -163,10 +163,10 @@ def _build_image_encoder(
     """The vision path of a VL model with its preprocessing settings; None for
     text-only models (a generation worker builds one too: in aggregated mode
     and under conditional disaggregation it prefills images itself)."""
-    if model_config.vision is None:
+    if model_config.vision is None or not isinstance(model, VisionModel):
         return None
     processing = load_image_processor_config(Path(config.checkpoint), model_config.vision)
-    return ImageEncoder(model, processing, torch.device(config.device))  # type: ignore[arg-type]
+    return ImageEncoder(model, processing, torch.device(config.device))
 
 
 def _build_scheduler(config: WorkerConfig, manager: KVCacheManager) -> Scheduler:

@@ -138,7 +138,7 @@ def expected_text(checkpoint: Path, reference: Any, template: str, image: Image.
     return str(tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
 
 
-def ask(client: openai.OpenAI, server: ServeProcess, template: str, url: str) -> str:
+def ask(client: openai.OpenAI, template: str, url: str) -> str:
     name = client.models.list().data[0].id
     response = client.chat.completions.create(
         model=name,
@@ -164,14 +164,21 @@ def test_disaggregated_image_chat_gives_transformers_text(
     client: openai.OpenAI, server: ServeProcess, checkpoint: Path, reference: Any
 ) -> None:
     cat, dog = picture(1), picture(2)
-    answer = ask(client, server, LONG, data_url(cat))
+    answer = ask(client, LONG, data_url(cat))
     assert answer == expected_text(checkpoint, reference, LONG, cat)
-    other = ask(client, server, LONG, data_url(dog))
+    other = ask(client, LONG, data_url(dog))
     assert other == expected_text(checkpoint, reference, LONG, dog)
     assert other != answer
     assert metric(server, "disagg_routed_requests_total", phase="context") >= 2
-    # The same image again: the context worker's encoder skips the tower.
-    assert ask(client, server, LONG, data_url(cat)) == answer
+    # The same image again, streamed: the context worker's encoder skips the tower.
+    stream = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=messages(LONG, data_url(cat)),  # type: ignore[arg-type]
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        stream=True,
+    )
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream) == answer
     deadline = time.monotonic() + 10
     while metric(server, "disagg_encoder_cache_images", result="hit") < 1:
         assert time.monotonic() < deadline, "no encoder-cache hit in /metrics"
@@ -183,9 +190,7 @@ def test_local_image_chat_gives_transformers_text(
 ) -> None:
     before = metric(server, "disagg_routed_requests_total", phase="whole")
     bird = picture(3)
-    assert ask(client, server, SHORT, data_url(bird)) == expected_text(
-        checkpoint, reference, SHORT, bird
-    )
+    assert ask(client, SHORT, data_url(bird)) == expected_text(checkpoint, reference, SHORT, bird)
     assert metric(server, "disagg_routed_requests_total", phase="whole") == before + 1
 
 
@@ -211,4 +216,4 @@ def test_bad_images_are_400s_and_the_server_keeps_serving(
     audio = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]
     with pytest.raises(openai.BadRequestError, match="'input_audio' are not supported"):
         client.chat.completions.create(model=name, messages=audio, max_tokens=2)  # type: ignore[arg-type]
-    assert ask(client, server, SHORT, data_url(picture(4)))
+    assert ask(client, SHORT, data_url(picture(4)))
