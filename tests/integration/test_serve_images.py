@@ -5,7 +5,8 @@ tower and projector included), Python transceiver, prefix-aware router.
 Conditional disaggregation is set between the two prompt lengths used, so
 the longer chat runs disaggregated (the context worker encodes the image and
 prefills; the generation worker only pulls the cache) and the shorter one
-runs whole on the generation worker, as in aggregated mode. Both give
+runs whole on the generation worker. A second, aggregated-only cluster
+(`context_servers.num_instances: 0`) serves the long chat too. All give
 transformers' `NemotronH_Omni_Reasoning_V3` greedy text on the same pixels;
 another image gives another answer; the repeated image is an encoder-cache
 hit; bad images are 400s naming the part, and the server keeps serving.
@@ -52,9 +53,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    config = {
+def serve_config(checkpoint: Path, num_context: int) -> dict[str, Any]:
+    return {
         "model": str(checkpoint),
         "hostname": "127.0.0.1",
         "port": 0,
@@ -64,11 +64,15 @@ def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         "cache_transceiver": {"backend": "python"},
         "kv_cache": {"manager": "auto", "block_size": 16, "max_tokens": 1024},
         "max_num_tokens": 256,
-        "context_servers": {"num_instances": 1, "max_batch_size": 4},
+        "context_servers": {"num_instances": num_context, "max_batch_size": 4},
         "generation_servers": {"num_instances": 1, "max_batch_size": 4},
     }
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     path = tmp_path_factory.mktemp("config") / "1p1d-images.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path.write_text(yaml.safe_dump(serve_config(checkpoint, num_context=1)))
     with ServeProcess(path) as running:
         yield running
 
@@ -136,6 +140,19 @@ def expected_text(checkpoint: Path, reference: Any, template: str, image: Image.
             do_sample=False,
         )
     return str(tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
+
+
+def test_aggregated_only_cluster_gives_transformers_text(
+    checkpoint: Path, reference: Any, tmp_path: Path
+) -> None:
+    """No context worker at all: the generation worker encodes and prefills."""
+    path = tmp_path / "aggregated-images.yaml"
+    path.write_text(yaml.safe_dump(serve_config(checkpoint, num_context=0)))
+    fish = picture(5)
+    with ServeProcess(path) as aggregated:
+        local = openai.OpenAI(base_url=aggregated.url, api_key="unused", timeout=120)
+        assert ask(local, LONG, data_url(fish)) == expected_text(checkpoint, reference, LONG, fish)
+        assert metric(aggregated, "disagg_routed_requests_total", phase="whole") == 1
 
 
 def ask(client: openai.OpenAI, template: str, url: str) -> str:
