@@ -130,13 +130,10 @@ def vllm_aggregated(setup: Setup) -> Launch:
 def vllm_1p1d(setup: Setup) -> Launch:
     if len(setup.cpus) < 2:
         raise ValueError("vllm-1p1d needs two CPUs in --cpus, one per instance")
-    transfer = json.dumps(
-        {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-    )
     procs: list[GroupProcess] = []
     urls: list[str | None] = []
     ports = [setup.port]
-    for i, role in enumerate(("prefill", "decode")):
+    for i, (role, kv_role) in enumerate((("prefill", "kv_producer"), ("decode", "kv_consumer"))):
         port, side_port = setup.port + 1 + i, setup.port + NIXL_SIDE_CHANNEL_OFFSET + i
         cpus = (setup.cpus[i],)
         env = vllm_env(
@@ -147,7 +144,8 @@ def vllm_1p1d(setup: Setup) -> Launch:
             SERVE_COMPARE_NIXL_DELAY_US=str(DEFAULT_PROGRESS_DELAY_US),
             SERVE_COMPARE_KEEP_AFFINITY="1",
         )
-        argv = _vllm_serve(setup, port, ["--kv-transfer-config", transfer])
+        transfer = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"}
+        argv = _vllm_serve(setup, port, ["--kv-transfer-config", json.dumps(transfer)])
         procs.append(GroupProcess(f"vllm-{role}", argv, env, setup.log(f"vllm-{role}"), cpus))
         urls.append(f"http://127.0.0.1:{port}")
         ports += [port, side_port]

@@ -54,6 +54,9 @@ class _DelayedProgressThread:
 
     def nixlAgent(self, name: str, config: Any) -> Any:  # noqa: N802 (the binding's name)
         config.pthrDelay = self._delay_us
+        print(
+            f"serve_compare: NIXL agent {name} progress delay {self._delay_us} us", file=sys.stderr
+        )
         return self._bindings.nixlAgent(name, config)
 
 
@@ -76,6 +79,7 @@ def _patch_vllm_cpu_platform(module: ModuleType) -> None:
         return [group for group in kept if group] or [allowed[-1:]]
 
     platform.discover_numa_topology = classmethod(within_own_cpus)
+    print(f"serve_compare: vLLM's NIXL thread pinning kept within CPUs {allowed}", file=sys.stderr)
 
 
 def _is_nixl_api(name: str) -> bool:
