@@ -53,7 +53,7 @@ from types import FrameType
 
 import httpx
 
-from benchmarks.process_group import check_ports_free
+from benchmarks.process_group import PortBusy, check_ports_free
 from benchmarks.serve_targets import (
     DEFAULT_VLLM_PYTHON,
     PAIRS,
@@ -351,6 +351,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\ninterrupted; every server started is stopped. Rows so far:\n")
         print(format_table(rows))
         return 130
+    except PortBusy as exc:
+        print(f"\nstopped: {exc}. Rows so far:\n")
+        print(format_table(rows))
+        return 1
     print(
         f"\n{workload.num_prompts} prompts per rate, {workload.input_len} tokens in, "
         f"{workload.output_len} out (EOS ignored), dtype {setup.dtype}, "
