@@ -137,8 +137,13 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
+# A latency below this (ms) is no base for a ratio: vLLM's client reports an
+# ITL p50 of 0.0 when a server's tokens arrive several to one network read.
+MIN_RATIO_BASE = 0.5
+
+
 def ratio(ours: float, theirs: float) -> str:
-    return f"{ours / theirs:.2f}x" if theirs > 0 else "-"
+    return f"{ours / theirs:.2f}x" if theirs >= MIN_RATIO_BASE else "-"
 
 
 def format_ratios(rows: Sequence[Row]) -> str:

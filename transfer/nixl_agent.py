@@ -30,8 +30,8 @@ T = TypeVar("T")
 # pass ran 1000 times a second per agent: 1.7% of a core idle and 0.3-0.7 s of
 # CPU per agent pair in a 5 s served 1P1D run on 2 cores (about 5% of all the
 # cluster's CPU, taken from the model's threads). At 10 ms idle cost is at
-# the floor of an idle actor and the served run pays 0.05-0.2 s; a small
-# READ's completion takes about 1 ms longer, nothing at served sizes.
+# the floor of an idle actor and the served run pays 0.05-0.2 s; bench-transfer
+# latencies stay within their run-to-run spread (small READs 0.3-1.3 ms).
 DEFAULT_PROGRESS_DELAY_US = 10_000
 
 

@@ -112,6 +112,15 @@ def test_ratios_pair_ours_with_vllm_per_rate() -> None:
     )
 
 
+def test_no_ratio_over_a_zero_latency() -> None:
+    rows = [
+        Row("vllm-agg", "v", "2", False, _m(126.0, 50.0, 0.0)),
+        Row("ours-agg", "o", "2", False, _m(127.0, 60.0, 3.0)),
+    ]
+    expected = "| ours-agg / vllm-agg | 2 | 1.01x | 1.20x / 1.20x | - / - |"
+    assert format_ratios(rows).splitlines()[2] == expected
+
+
 def test_our_configs_validate_and_aggregated_says_how(tmp_path: Path) -> None:
     setup = _setup(tmp_path)
     for backend in ("python", "nixl"):
