@@ -11,6 +11,9 @@ Sizes:
   under a second, for tests.
 - `small` — hidden 512, 8+ layers, vocab 4096: big enough that one decode step
   is compute-bound on a CPU, for benchmarks and demos.
+- `mini` — hidden 256, 4 Llama layers, vocab 4096: the served benchmark's
+  model (`benchmarks.serve_compare`), light enough that two CPU cores serve
+  dozens of concurrent requests, so the serving path shows in the figures.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from models.embedded.tokenizer import (
 )
 
 ARCHS: tuple[str, ...] = ("llama", "nemotron_h", "nemotron_vl")
-SIZES: tuple[str, ...] = ("tiny", "small")
+SIZES: tuple[str, ...] = ("tiny", "small", "mini")
 VL_ARCHITECTURES: tuple[str, ...] = (
     "NemotronH_Nano_VL_V2",
     "NemotronH_Nano_Omni_Reasoning_V3",
@@ -112,6 +115,24 @@ _SHAPES: dict[str, _Shape] = {
         vision_hidden_size=32,
         projector_hidden_size=256,
     ),
+    "mini": _Shape(
+        vocab_size=4096,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=768,
+        llama_layers=4,
+        hybrid_pattern="M*-ME*-",
+        mamba_num_heads=8,
+        mamba_head_dim=64,
+        mamba_n_groups=2,
+        ssm_state_size=32,
+        mamba_chunk_size=64,
+        moe_intermediate_size=256,
+        vision_hidden_size=32,
+        projector_hidden_size=128,
+    ),
 }
 
 
@@ -125,7 +146,7 @@ def _check_choice(field: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 def shape_of(size: str) -> _Shape:
-    """The dimensions of `size` ("tiny" or "small")."""
+    """The dimensions of `size` (one of `SIZES`)."""
     _check_choice("size", size, SIZES)
     return _SHAPES[size]
 

@@ -44,7 +44,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def test_constants() -> None:
     assert ARCHS == ("llama", "nemotron_h", "nemotron_vl")
-    assert SIZES == ("tiny", "small")
+    assert SIZES == ("tiny", "small", "mini")
     assert "NemotronH_Nano_VL_V2" in VL_ARCHITECTURES
 
 
