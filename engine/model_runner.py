@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.decode_graphs import DecodeGraphs, build_decode_graphs
+from engine.image_encoder import ImageChunk, ImageEncoder
 from engine.scheduler import ScheduledSequence
 from kvcache.views import CacheViews
 from models.batch import ForwardBatch
@@ -111,6 +112,7 @@ class ModelRunner:
         sampler: Any,
         device: str = "cpu",
         is_hybrid: bool = False,
+        image_encoder: ImageEncoder | None = None,
         followers: StepFollowers | None = None,
     ) -> None:
         self.model = model
@@ -123,6 +125,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = torch.device(device)
         self.is_hybrid = is_hybrid
+        self.image_encoder = image_encoder
         # Per-request torch.Generator for seeded sampling; created lazily.
         self.generators: dict[str, torch.Generator | None] = {}
         # Captured decode steps (CUDA only), set by `prepare`.
@@ -168,10 +171,10 @@ class ModelRunner:
     def build_batch(self, seqs: Sequence[ScheduledSequence]) -> ForwardBatch:
         """Flatten the step's chunks into one batch (one host-to-device copy);
         see `models/batch.py`."""
-        return self.describe(seqs).to_batch(self.device)
+        return self._batch(*self.describe(seqs))
 
-    def describe(self, seqs: Sequence[ScheduledSequence]) -> StepInput:
-        """The step's chunks flattened into host lists."""
+    def describe(self, seqs: Sequence[ScheduledSequence]) -> tuple[StepInput, list[ImageChunk]]:
+        """The step's chunks flattened into host lists, and where its images go."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -181,10 +184,13 @@ class ModelRunner:
         tables: list[list[int]] = []
         mamba_slots: list[int] = []
         logits_indices: list[int] = []
+        image_chunks: list[ImageChunk] = []
         bs = self.block_size
         for seq in seqs:
             req = seq.request
             start, end = seq.start, seq.start + seq.num_new_tokens
+            if req.images:
+                image_chunks.append(ImageChunk(req.images, start, end, len(input_ids)))
             table = self.addressing.block_table(req.request_id)
             input_ids.extend(req.token_ids_between(start, end))
             positions.extend(range(start, end))
@@ -197,7 +203,7 @@ class ModelRunner:
                 mamba_slots.append(_require_slot(self.addressing, req.request_id))
             if seq.samples:
                 logits_indices.append(len(input_ids) - 1)
-        return StepInput(
+        step = StepInput(
             input_ids=input_ids,
             positions=positions,
             query_start_loc=query_start_loc,
@@ -209,15 +215,24 @@ class ModelRunner:
             mamba_slots=mamba_slots if self.is_hybrid else None,
             logits_indices=logits_indices,
         )
+        return step, image_chunks
+
+    def _batch(self, step: StepInput, image_chunks: Sequence[ImageChunk] = ()) -> ForwardBatch:
+        batch = step.to_batch(self.device)
+        if image_chunks and self.image_encoder is not None:
+            images = self.image_encoder.rows(list(image_chunks))
+            if images is not None:
+                batch.image_rows, batch.image_embeds = images
+        return batch
 
     def execute(self, seqs: Sequence[ScheduledSequence]) -> RunnerOutput:
         """Run one step; return the sampled token of every sampling sequence."""
         timings = StepTimings()
         t0 = time.perf_counter()
-        step = self.describe(seqs)
+        step, image_chunks = self.describe(seqs)
         t1 = time.perf_counter()
         with torch.inference_mode():
-            logits = self._run(step)
+            logits = self._run(step, image_chunks)
             if logits is not None and self.device.type == "cuda":
                 torch.cuda.synchronize()
             t2 = time.perf_counter()
@@ -235,11 +250,11 @@ class ModelRunner:
         with torch.inference_mode():
             self._run(step)
 
-    def _run(self, step: StepInput) -> torch.Tensor | None:
+    def _run(self, step: StepInput, image_chunks: Sequence[ImageChunk] = ()) -> torch.Tensor | None:
         """Forward, then the logits of the sampling rows (None if there are none)."""
         if self.followers is not None:
             self.followers.send(step)
-        batch = step.to_batch(self.device)
+        batch = self._batch(step, image_chunks)
         hidden = self.graphs.run(batch) if self.graphs is not None else None
         if hidden is None:
             hidden = self.model.forward(batch, self.caches)
