@@ -171,6 +171,13 @@ class ClusterConfig(_Strict):
 
     @model_validator(mode="after")
     def _tensor_parallel_on_generation_only(self) -> ClusterConfig:
+        gpus, ranks = self.generation_servers.num_gpus, self.generation_servers.tensor_parallel_size
+        if ranks > 1 and 0 < gpus < 1:
+            raise ValueError(
+                f"generation_servers.num_gpus is {gpus} with tensor_parallel_size {ranks}: "
+                "each rank needs a GPU of its own (NCCL runs one rank per device); "
+                "set num_gpus to 1"
+            )
         size = self.context_servers.tensor_parallel_size
         if size != 1:
             raise ValueError(

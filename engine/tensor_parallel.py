@@ -99,8 +99,18 @@ class TensorParallelRank:
             is_hybrid=model_config.cache_spec(config.dtype).is_hybrid,
         )
 
+    def ready(self) -> None:
+        """Returns once the rank is built (its shard loaded, its cache allocated)."""
+
     def run_step(self, step: StepInput) -> None:
-        run_on_compute_thread(lambda: self.runner.follow(step))
+        try:
+            run_on_compute_thread(lambda: self.runner.follow(step))
+        except BaseException:
+            # Rank 0 is inside this step's collectives by now and would wait
+            # out GROUP_TIMEOUT_S for this rank; leaving the group at once
+            # fails its step now instead.
+            logger.exception("tensor-parallel rank failed a step; leaving the instance")
+            os._exit(1)
 
     def close(self) -> None:
         run_on_compute_thread(dist.destroy_process_group)
@@ -143,7 +153,7 @@ class RankGroup:
         try:
             join_group(address, 0, size, config.device)
             # Surfaces a rank that failed to load its shard.
-            ray.get([rank.__ray_ready__.remote() for rank in ranks])
+            ray.get([rank.ready.remote() for rank in ranks])
         except BaseException:
             for rank in ranks:
                 ray.kill(rank)

@@ -80,6 +80,10 @@ def test_tensor_parallel_on_context_servers_is_a_clear_error() -> None:
     assert "generation_servers.tensor_parallel_size" in message
     config = config_from_dict({"model": "m", "generation_servers": {"tensor_parallel_size": 2}})
     assert config.role_settings("generation_servers").tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match="each rank needs a GPU of its own"):
+        config_from_dict(
+            {"model": "m", "generation_servers": {"tensor_parallel_size": 2, "num_gpus": 0.5}}
+        )
 
 
 def test_both_cache_sizing_keys_is_an_error() -> None:
