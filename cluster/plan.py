@@ -41,7 +41,7 @@ from models.config import ModelConfig
 from models.errors import ConfigError as ModelConfigError
 from models.hf_config import load_model_config
 from models.registry import check_tensor_parallel, model_preferences
-from models.tensor_parallel import shard_config
+from models.sharding import shard_config
 from transfer.nixl_agent import nixl_available
 
 DEFAULT_MAX_TOKENS = 8192

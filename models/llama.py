@@ -30,7 +30,8 @@ from models.layers.linear_mlp import SwiGLUMLP
 from models.layers.norm import RMSNorm
 from models.layers.rotary import RotaryEmbedding, apply_rotary
 from models.layers.vocab_parallel import VocabParallelEmbedding
-from models.tensor_parallel import all_reduce, gather_vocab, vocab_rows_per_rank
+from models.sharding import vocab_rows_per_rank
+from models.tensor_parallel import all_reduce, gather_vocab
 
 
 class LlamaAttention(torch.nn.Module):

@@ -23,7 +23,8 @@ from models.config import ModelConfig, TensorParallelShard
 from models.errors import CheckpointError, ConfigError
 from models.hf_config import load_model_config
 from models.registry import check_tensor_parallel, model_class_for
-from models.tensor_parallel import Cut, shard_config, weight_cut
+from models.sharding import shard_config
+from models.tensor_parallel import Cut, weight_cut
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -39,7 +39,8 @@ from models.layers.moe import NemotronHMoE
 from models.layers.norm import RMSNorm
 from models.layers.relu2_mlp import Relu2MLP
 from models.layers.vocab_parallel import VocabParallelEmbedding
-from models.tensor_parallel import all_reduce, gather_vocab, vocab_rows_per_rank
+from models.sharding import vocab_rows_per_rank
+from models.tensor_parallel import all_reduce, gather_vocab
 
 HYBRID_LAYER_KINDS = (MAMBA, ATTENTION, MLP, MOE)
 _SKIPPED_PREFIXES = ("mtp.",)

@@ -17,6 +17,7 @@ from typing import Any
 
 from models.config import ModelConfig
 from models.errors import ConfigError, UnsupportedArchitectureError
+from models.sharding import check_shardable
 
 _DENSE = "models.llama:LlamaForCausalLM"
 _HYBRID = "models.nemotron_h:NemotronHForCausalLM"
@@ -84,9 +85,6 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     """Raise `ConfigError` unless `size` ranks can run this model: its class
     must shard, and `size` must split its heads and widths (the error then
     names the field and the allowed sizes)."""
-    # Imported here: the registry and config parsing stay free of torch.
-    from models.tensor_parallel import check_shardable
-
     if size != 1 and not model_class_for(config.architecture).supports_tensor_parallel:
         raise ConfigError(
             f"tensor_parallel_size {size}: {config.architecture} runs on one rank so far "

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from models.config import TensorParallelShard
-from models.tensor_parallel import all_reduce, vocab_rows_per_rank
+from models.sharding import vocab_rows_per_rank
+from models.tensor_parallel import all_reduce
 
 
 class VocabParallelEmbedding(torch.nn.Module):

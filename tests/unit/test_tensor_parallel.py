@@ -24,7 +24,8 @@ from models.config import TensorParallelShard
 from models.errors import ConfigError
 from models.hf_config import load_model_config
 from models.loader import load_model
-from models.tensor_parallel import Cut, allowed_sizes, shard_config, weight_cut
+from models.sharding import allowed_sizes, shard_config
+from models.tensor_parallel import Cut, weight_cut
 from tests.paged_harness import assert_matches_reference, run_paged_generation
 from tests.unit.test_llama_parity import write_checkpoint
 from tests.unit.test_nemotron_h_parity import write_checkpoint as write_nemotron_h
