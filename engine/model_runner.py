@@ -42,6 +42,9 @@ class StepFollowers(Protocol):
 
     def send(self, step: StepInput) -> None: ...
 
+    def abandon(self) -> None:
+        """Rank 0's step failed: the ranks are out of step for good."""
+
 
 @dataclass(frozen=True)
 class StepInput:
@@ -252,8 +255,18 @@ class ModelRunner:
 
     def _run(self, step: StepInput, image_chunks: Sequence[ImageChunk] = ()) -> torch.Tensor | None:
         """Forward, then the logits of the sampling rows (None if there are none)."""
-        if self.followers is not None:
-            self.followers.send(step)
+        if self.followers is None:
+            return self._forward(step, image_chunks)
+        self.followers.send(step)
+        try:
+            return self._forward(step, image_chunks)
+        except BaseException:
+            self.followers.abandon()
+            raise
+
+    def _forward(
+        self, step: StepInput, image_chunks: Sequence[ImageChunk] = ()
+    ) -> torch.Tensor | None:
         batch = self._batch(step, image_chunks)
         hidden = self.graphs.run(batch) if self.graphs is not None else None
         if hidden is None:

@@ -19,9 +19,10 @@ actor call per rank, sent before rank 0's own forward; a rank actor runs its
 calls one at a time, in order. A call rather than a broadcast collective:
 an idle instance then waits inside no collective, which would time out.
 The collectives inside the model tie the ranks' steps together. A rank that
-dies makes the next collective fail on the others, so rank 0's step fails
-and the instance goes down with it; rank 0 owns the rank actors, so they go
-down with it too.
+dies makes the next collective fail on the others, so rank 0's step fails;
+rank 0 then exits (`RankGroup.abandon`) and Ray restarts the instance with
+fresh ranks, as for any dead worker; rank 0 owns the rank actors, so they go
+down with it.
 
 The ranks of an instance form one torch.distributed group, gloo on CPU and
 NCCL on CUDA, which rank 0 sets up on a free port of its node.
@@ -164,6 +165,16 @@ class RankGroup:
     def send(self, step: StepInput) -> None:
         for rank in self.ranks:
             rank.run_step.remote(step)
+
+    def abandon(self) -> None:
+        """Rank 0's step failed (a rank died, or a collective failed): the
+        other ranks may be inside that step's collectives, and no later step
+        can line up with them. The worker process exits, so Ray restarts it
+        (the launcher's `max_restarts`) with fresh ranks; its rank actors go
+        down with it, their owner. Requests in flight fail as on any dead worker."""
+        logger.error("a tensor-parallel step failed; restarting the instance with fresh ranks")
+        logging.shutdown()
+        os._exit(1)
 
     def close(self) -> None:
         for rank in self.ranks:
