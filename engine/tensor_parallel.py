@@ -113,9 +113,6 @@ class TensorParallelRank:
             logger.exception("tensor-parallel rank failed a step; leaving the instance")
             os._exit(1)
 
-    def close(self) -> None:
-        run_on_compute_thread(dist.destroy_process_group)
-
 
 class RankGroup:
     """Rank 0's side: the other ranks' actors, and each step sent to them."""
@@ -132,6 +129,8 @@ class RankGroup:
         """
         size = config.tensor_parallel_size
         address = _free_address(config.transfer_host)
+        # Unnamed: a restarted rank 0 must not meet its old ranks' names, nor
+        # another deployment's on a shared Ray cluster.
         actor: Any = ray.remote(TensorParallelRank)
         group = get_current_placement_group()
         resources = ray.get_runtime_context().get_assigned_resources()
@@ -141,7 +140,6 @@ class RankGroup:
             actor.options(
                 num_cpus=resources.get("CPU", 1.0),
                 num_gpus=resources.get("GPU", 0.0),
-                name=f"{worker_id}-rank-{rank}",
                 runtime_env={"env_vars": env},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     group, placement_group_bundle_index=rank
