@@ -114,6 +114,22 @@ class MambaRows:
         )
 
 
+@dataclass(frozen=True)
+class DecodeRows:
+    """The single-token sequences of a step that also carries prompt chunks,
+    gathered so their attention runs as one batched decode call.
+
+    token_rows: `[n]` flattened token index of each one's query.
+    block_tables: `[n, max_blocks]`, seq_lens: `[n]`: their rows of the batch's.
+    max_seq_len: the longest of them (host int).
+    """
+
+    token_rows: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    max_seq_len: int
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
@@ -250,6 +266,22 @@ class ForwardBatch:
         """`(block, offset)` of every new token's slot: `slot_mapping` split."""
         blocks = torch.div(self.slot_mapping, self.block_size, rounding_mode="floor")
         return blocks, self.slot_mapping - blocks * self.block_size
+
+    @functools.cached_property
+    def decode_rows(self) -> DecodeRows | None:
+        """The step's single-token sequences (see `DecodeRows`); None without any."""
+        single = self.shape.single_token_seqs
+        if not single:
+            return None
+        device = self.seq_lens.device
+        seqs = torch.tensor(single, dtype=torch.int64, device=device)
+        starts = self.shape.query_start_loc
+        return DecodeRows(
+            token_rows=torch.tensor([starts[i] for i in single], dtype=torch.int64, device=device),
+            block_tables=self.block_tables.index_select(0, seqs),
+            seq_lens=self.seq_lens.index_select(0, seqs),
+            max_seq_len=max(self.shape.seq_lens[i] for i in single),
+        )
 
     @functools.cached_property
     def padded_prefill_layout(self) -> tuple[torch.Tensor | None, torch.Tensor] | None:

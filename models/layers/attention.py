@@ -15,8 +15,9 @@ over the longest context, masking each row past its own length (one
 `scaled_dot_product_attention` call, the queries of a KV head grouped as its
 query rows so K/V are never repeated per head). A step where every sequence
 starts at position 0 (fresh prompts) attends over its own new K/V, padded to
-the longest prompt, in one call; other steps that carry prefill chunks loop
-over sequences.
+the longest prompt, in one call. Other steps that carry prefill chunks run
+their single-token sequences (decodes continuing beside the chunks) as one
+batched decode call and loop over the chunks.
 
 Shapes: q `[T, heads, head_dim]`, k/v `[T, kv_heads, head_dim]`; query head
 `h` reads kv head `h // (heads // kv_heads)`.
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcache.views import AttentionLayerCache
-from models.batch import ForwardBatch
+from models.batch import DecodeRows, ForwardBatch
 from models.kernels import dispatch
 
 
@@ -92,12 +93,33 @@ def decode_attention(
 
     The fused paged-decode kernel takes over wherever `models.kernels.dispatch`
     runs Triton (CUDA tensors), and its C kernel on CPU (fp32/bf16, which reads
-    the cache in place); the vectorized torch code below serves the cases
+    the cache in place); the vectorized torch code in `_batched_decode` serves the cases
     neither covers (sliding window on CUDA, cache dtype != q dtype, fp16 on CPU).
     """
+    return _batched_decode(
+        q,
+        layer_cache,
+        DecodeRows(
+            batch.query_start_loc[:-1], batch.block_tables, batch.seq_lens, batch.max_seq_len
+        ),
+        batch.block_size,
+        scale,
+        sliding_window,
+    )
+
+
+def _batched_decode(
+    q: torch.Tensor,
+    layer_cache: AttentionLayerCache,
+    rows: DecodeRows,
+    block_size: int,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """`decode_attention` for the sequences `rows` describes; q `[n, heads, head_dim]`."""
     num_seqs, num_heads, head_dim = q.shape
     key_cache, value_cache = layer_cache.key_cache, layer_cache.value_cache
-    tables, seq_lens = batch.block_tables, batch.seq_lens
+    tables, seq_lens = rows.block_tables, rows.seq_lens
     if sliding_window is None and q.dtype == key_cache.dtype and dispatch.use_triton(q.device):
         return dispatch.paged_attention_decode(q, key_cache, value_cache, tables, seq_lens, scale)
     out = dispatch.cpu_decode_attention(
@@ -105,11 +127,11 @@ def decode_attention(
     )
     if out is not None:
         return out
-    kv_heads, block_size = key_cache.shape[2], batch.block_size
-    num_blocks = -(-batch.max_seq_len // block_size)
+    kv_heads = key_cache.shape[2]
+    num_blocks = -(-rows.max_seq_len // block_size)
     # index_select over the flattened table: several times faster on CPU than
     # advanced indexing of the (strided) cache view.
-    blocks = batch.block_tables[:, :num_blocks].reshape(-1)
+    blocks = tables[:, :num_blocks].reshape(-1)
     span = num_blocks * block_size
     # [B, span, kv_heads, d] -> [B, kv_heads, span, d]: a KV head is SDPA's head
     # and its `heads // kv_heads` queries are SDPA's query rows.
@@ -117,7 +139,7 @@ def decode_attention(
     values = value_cache.index_select(0, blocks).view(num_seqs, span, kv_heads, head_dim)
     grouped = q.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
     key_pos = torch.arange(span, device=q.device)[None, :]
-    last = (batch.seq_lens - 1)[:, None]
+    last = (seq_lens - 1)[:, None]
     visible = key_pos <= last
     if sliding_window is not None:
         visible &= key_pos > last - sliding_window
@@ -181,14 +203,19 @@ def _chunked_prefill_attention(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
+    """Single-token sequences (decodes continuing beside the chunks) in one
+    batched decode call; each prompt chunk on its own."""
     out = torch.empty_like(q)
+    decodes = batch.decode_rows
+    if decodes is not None:
+        out[decodes.token_rows] = _batched_decode(
+            q[decodes.token_rows], layer_cache, decodes, batch.block_size, scale, sliding_window
+        )
     # Host copies of the counts: slicing by them reads nothing back from the device.
     starts, context_lens = batch.shape.query_start_loc, batch.shape.context_lens
     seq_lens = batch.shape.seq_lens
-    for i in range(batch.num_seqs):
+    for i in batch.shape.chunk_seqs:
         start, end = starts[i], starts[i + 1]
-        if end == start:
-            continue
         keys, values = gather_kv(layer_cache, batch.block_tables[i], seq_lens[i], batch.block_size)
         out[start:end] = _causal_attention(
             q[start:end],

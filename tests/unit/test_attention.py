@@ -89,6 +89,13 @@ def test_mixed_prefill_chunks_and_decode_tokens(window: int | None) -> None:
     run_and_compare(context_lens=[5, 0, 9], new_lens=[6, 4, 1], window=window)
 
 
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "sliding-3"])
+def test_decode_tokens_between_prompt_chunks(window: int | None) -> None:
+    # Decodes of uneven lengths (run as one batched call) interleaved with a
+    # fresh prompt, a continuing chunk and a one-token prompt.
+    run_and_compare(context_lens=[12, 0, 3, 5, 7, 0], new_lens=[1, 4, 1, 6, 1, 1], window=window)
+
+
 @pytest.mark.parametrize("window", [None, 5], ids=["full", "sliding-5"])
 def test_decode_only_batch_of_uneven_lengths(window: int | None) -> None:
     run_and_compare(context_lens=[0, 12, 3, 7], new_lens=[1, 1, 1, 1], window=window)
