@@ -165,8 +165,14 @@ def listener_pid(port: int) -> int | None:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
-        with contextlib.suppress(OSError):
-            for fd in (entry / "fd").iterdir():
+        try:
+            fds = list((entry / "fd").iterdir())
+        except OSError:  # the process ended, or is not ours to read
+            continue
+        for fd in fds:
+            # A descriptor may close while we look (another thread of the
+            # owner): skip it, not the rest of the process's descriptors.
+            with contextlib.suppress(OSError):
                 if os.readlink(fd) in inodes:
                     return int(entry.name)
     return None
