@@ -101,7 +101,11 @@ def connect_ray(address: str | None, num_instances: int) -> bool:
     # A local cluster grants one CPU per instance even on a smaller machine:
     # the grant sizes each worker's torch threads, it does not pin cores.
     cpus = max(os.cpu_count() or 1, int(num_instances * CPUS_PER_INSTANCE))
+    # "local" always starts a Ray of our own: without it Ray would join a
+    # cluster that `ray start` left running on this machine, or trip over
+    # the stale record (ray_current_cluster) of one that was stopped.
     ray.init(
+        address="local",
         num_cpus=cpus,
         include_dashboard=False,
         runtime_env=env,
