@@ -100,6 +100,9 @@ class ServerSectionConfig(_Strict):
     num_instances: int = Field(default=1, ge=1)
     tensor_parallel_size: int = Field(default=1, ge=1)
     num_gpus: float = Field(default=0.0, ge=0)
+    # Custom Ray resources each instance's bundle asks for, so the role lands
+    # on the nodes that offer them (`ray start --resources '{"prefill": 4}'`).
+    resources: dict[str, float] = Field(default_factory=dict)
     kv_cache: KvCacheConfig | None = None
     cache_transceiver: CacheTransceiverConfig | None = None
     max_num_tokens: int | None = Field(default=None, gt=0)
@@ -116,6 +119,19 @@ class ServerSectionConfig(_Strict):
             )
         return value
 
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources_only(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(
+                    f"resources names {name!r}, which Ray sizes itself; set num_gpus for "
+                    "GPUs and list only custom resources here"
+                )
+            if amount <= 0:
+                raise ValueError(f"resources.{name} is {amount}; give a positive amount")
+        return value
+
 
 class RoleSettings(_Strict):
     """The merged settings every instance of one role runs with."""
@@ -123,6 +139,7 @@ class RoleSettings(_Strict):
     role: Literal["context", "generation"]
     num_instances: int
     num_gpus: float
+    resources: dict[str, float]
     kv_cache: KvCacheConfig
     cache_transceiver: CacheTransceiverConfig
     max_num_tokens: int
@@ -168,6 +185,7 @@ class ClusterConfig(_Strict):
             role="context" if section_name == "context_servers" else "generation",
             num_instances=section.num_instances,
             num_gpus=section.num_gpus,
+            resources=section.resources,
             kv_cache=KvCacheConfig.model_validate(kv_cache),
             cache_transceiver=CacheTransceiverConfig.model_validate(transceiver),
             dtype=self.dtype,

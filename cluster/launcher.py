@@ -69,6 +69,10 @@ class RunningCluster:
     def actors(self, role: str) -> list[LaunchedInstance]:
         return [i for i in self.instances if i.plan.role == role]
 
+    def placement(self) -> str:
+        """Where each instance runs, one line each: `context-0 on 127.0.0.3`."""
+        return "\n".join(f"{i.plan.name} on {i.node_ip}" for i in self.instances)
+
     async def shutdown(self) -> None:
         """Stop every actor (gracefully, then by force), remove the placement
         groups, and stop Ray if this process started it."""
@@ -146,7 +150,7 @@ async def _start_all(plan: ClusterPlan, secret: str, cluster: RunningCluster) ->
 async def _start_instance(
     plan: ClusterPlan, instance: InstancePlan, secret: str, cluster: RunningCluster
 ) -> None:
-    bundle = {"CPU": CPUS_PER_INSTANCE}
+    bundle = {"CPU": CPUS_PER_INSTANCE, **instance.resources}
     if instance.num_gpus:
         bundle["GPU"] = instance.num_gpus
     # The secret's prefix keeps two deployments on one Ray cluster apart.

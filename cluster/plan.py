@@ -14,7 +14,7 @@ managers fails here with one message, so nothing is started for it.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.config import ClusterConfig, ConfigError, KvCacheConfig, RoleSettings
@@ -72,6 +72,8 @@ class InstancePlan:
     max_num_waiting: int = 1024
     # "tcp", "ucx" or "auto"; auto is resolved on the worker (see WorkerConfig).
     transfer_wire: str = "tcp"
+    # Custom Ray resources the instance's bundle asks for (placement by role).
+    resources: dict[str, float] = field(default_factory=dict)
 
     @property
     def device(self) -> str:
@@ -223,6 +225,7 @@ def _instance(
         transfer_timeout_s=settings.cache_transceiver.timeout_s,
         max_num_waiting=max_num_waiting,
         transfer_wire=settings.cache_transceiver.wire,
+        resources=dict(settings.resources),
     )
 
 

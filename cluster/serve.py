@@ -140,5 +140,7 @@ async def _serve(config: ClusterConfig, plan: Any, log_level: str) -> None:
     from cluster.serving import ServingCluster
 
     async with ServingCluster(config, plan, log_level) as serving:
+        assert serving.cluster is not None
+        print(serving.cluster.placement(), flush=True)
         print(f"serving {Path(plan.checkpoint).resolve().name} at {serving.url}", flush=True)
         await serving.wait_stopped()

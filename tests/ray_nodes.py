@@ -28,6 +28,10 @@ from pathlib import Path
 import psutil
 
 START_TIMEOUT_S = 120
+# Each node's workers take their Ray RPC ports from a range of their own (the
+# nodes share one machine), so a test can tell Ray's listeners from ours.
+WORKER_PORTS_PER_NODE = 200
+FIRST_WORKER_PORT = 21000
 
 
 def _ray_command() -> str:
@@ -40,6 +44,7 @@ class RayNode:
     ip: str
     process: subprocess.Popen[bytes]
     log: Path
+    worker_ports: range
     descendants: set[int] = field(default_factory=set)
 
     def remember_descendants(self) -> None:
@@ -77,8 +82,11 @@ class RayCluster:
 
     @property
     def env(self) -> dict[str, str]:
-        """Environment for a process that should see only this cluster's records."""
-        return {"RAY_TMPDIR": str(self.temp_dir)}
+        """Environment of every process of this cluster: its own records, and
+        one authentication mode on all sides (`ray start --head` turns token
+        authentication on by itself when ~/.ray/auth_token exists, but nodes
+        and drivers that join do not follow; the nodes listen on loopback only)."""
+        return {"RAY_TMPDIR": str(self.temp_dir), "RAY_AUTH_MODE": "disabled"}
 
     def stop(self) -> None:
         for node in reversed(self.nodes):
@@ -109,6 +117,9 @@ def start_node(
     head = not cluster.nodes
     args = [_ray_command(), "start", "--block", "--disable-usage-stats"]
     args += ["--node-ip-address", ip, "--num-cpus", str(num_cpus), "--num-gpus", "0"]
+    first = FIRST_WORKER_PORT + WORKER_PORTS_PER_NODE * int(ip.rsplit(".", 1)[1])
+    ports = range(first, first + WORKER_PORTS_PER_NODE)
+    args += ["--min-worker-port", str(ports.start), "--max-worker-port", str(ports.stop - 1)]
     if resources:
         args += ["--resources", json.dumps(resources)]
     if head:
@@ -124,7 +135,7 @@ def start_node(
             env={**os.environ, **cluster.env},
             start_new_session=True,
         )
-    node = RayNode(ip, process, log)
+    node = RayNode(ip, process, log, ports)
     cluster.nodes.append(node)
     _wait_registered(cluster, node)
     node.remember_descendants()

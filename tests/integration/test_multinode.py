@@ -1,0 +1,143 @@
+"""`disagg serve` on a Ray cluster of three nodes, one machine: context on one
+node, generation on another, placed by the sections' `resources:`.
+
+The cluster (one per module) is a head at 127.0.0.2 with no CPUs, a node at
+127.0.0.3 offering the custom resource `prefill` and one at 127.0.0.4
+offering `decode`, each started with `ray start` (tests/ray_nodes.py). Greedy
+outputs must equal transformers' `generate` on the same checkpoint while every
+cache moves between the two node addresses.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.ray_nodes import RayCluster, new_cluster, remove_cluster_files, start_node
+from tests.serve_process import ServeProcess, start_serve, stop_group
+
+HEAD, PREFILL_NODE, DECODE_NODE = "127.0.0.2", "127.0.0.3", "127.0.0.4"
+PROMPTS = ["The quick brown fox", "Once upon a time, in a small village"]
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[RayCluster]:
+    cluster = new_cluster()
+    try:
+        start_node(cluster, HEAD, num_cpus=0)
+        start_node(cluster, PREFILL_NODE, num_cpus=2, resources={"prefill": 2})
+        start_node(cluster, DECODE_NODE, num_cpus=2, resources={"decode": 2})
+        yield cluster
+    finally:
+        cluster.stop()
+        remove_cluster_files(cluster)
+
+
+def _config(tmp_path: Path, cluster: RayCluster, backend: str) -> Path:
+    config = {
+        "model": "set-by-the-command-line",
+        "address": cluster.address,
+        "cache_transceiver": {"backend": backend, "timeout_s": 60},
+        "kv_cache": {"block_size": 16, "max_tokens": 256},
+        "max_num_tokens": 128,
+        "max_batch_size": 4,
+        "context_servers": {"num_instances": 1, "resources": {"prefill": 1}},
+        "generation_servers": {"num_instances": 1, "resources": {"decode": 1}},
+    }
+    path = tmp_path / f"multinode-{backend}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from models.embedded.writer import ensure_checkpoint
+
+    root = tmp_path_factory.mktemp("ckpt")
+    return {arch: ensure_checkpoint(root / arch, arch, "tiny") for arch in ("llama", "nemotron_h")}
+
+
+def _greedy(checkpoint: Path, prompt: str) -> str:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    ids = tokenizer(prompt).input_ids
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+    return str(tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
+
+
+def _listening_addresses(cluster: RayCluster, marker: str) -> set[str]:
+    """The addresses that worker processes whose command line holds `marker`
+    listen on, less Ray's own RPC port (in the node's worker port range, and
+    bound to every interface by Ray itself)."""
+    addresses: set[str] = set()
+    for node in cluster.nodes:
+        node.remember_descendants()
+        for pid in node.descendants:
+            try:
+                proc = psutil.Process(pid)
+                if marker not in " ".join(proc.cmdline()):
+                    continue
+                for conn in proc.net_connections(kind="tcp"):
+                    if (
+                        conn.status == psutil.CONN_LISTEN
+                        and conn.laddr.port not in node.worker_ports
+                    ):
+                        addresses.add(conn.laddr.ip)
+            except psutil.NoSuchProcess:
+                continue
+    return addresses
+
+
+@pytest.mark.parametrize(
+    "arch,backend",
+    [("llama", "python"), ("llama", "nixl"), ("nemotron_h", "python"), ("nemotron_h", "nixl")],
+)
+def test_context_and_generation_on_two_nodes_match_transformers(
+    ray_cluster: RayCluster,
+    checkpoints: dict[str, Path],
+    tmp_path: Path,
+    arch: str,
+    backend: str,
+) -> None:
+    checkpoint = checkpoints[arch]
+    config = _config(tmp_path, ray_cluster, backend)
+    server: ServeProcess = start_serve(config, checkpoint, env=ray_cluster.env)
+    try:
+        output = "".join(server.output)
+        assert f"context-0 on {PREFILL_NODE}" in output, output
+        assert f"generation-0 on {DECODE_NODE}" in output, output
+        metrics = httpx.get(server.base + "/metrics").text
+        nodes = dict(re.findall(r'disagg_worker_node\{node="([\d.]+)",role="(\w+)"', metrics))
+        assert nodes == {PREFILL_NODE: "context", DECODE_NODE: "generation"}, metrics
+        for prompt in PROMPTS:
+            reply = httpx.post(
+                server.url + "/completions",
+                json={
+                    "model": checkpoint.name,
+                    "prompt": prompt,
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0,
+                },
+                timeout=120,
+            )
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == _greedy(checkpoint, prompt)
+        routed = re.findall(
+            r'disagg_routed_requests_total\{phase="(\w+)"', httpx.get(server.base + "/metrics").text
+        )
+        assert "context" in routed and "generation" in routed
+        if backend == "python":  # the cache listeners bind to their node, not 0.0.0.0
+            assert _listening_addresses(ray_cluster, "ContextWorker") == {PREFILL_NODE}
+    finally:
+        stop_group(server.process)
