@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.core import EngineCore, StopCheck
+from engine.decode_graphs import graph_batch_sizes
 from engine.loop import EngineLoop
 from engine.messages import KVEventBatch, WorkerIntegrity, WorkerLoad
 from engine.model_runner import ModelRunner
@@ -69,6 +70,12 @@ class EngineInstance:
             device=config.device,
             is_hybrid=spec.is_hybrid,
         )
+        # No sequence grows past the checkpoint's context or the whole cache.
+        capacity = manager.num_usable_blocks * config.block_size
+        longest = min(model_config.max_position_embeddings, capacity)
+        # Context workers prefill: their few decode steps are not worth graphs.
+        sizes = graph_batch_sizes(config.max_batch_size) if role != "context" else ()
+        runner.prepare(-(-longest // config.block_size), sizes)
         eos = model_config.eos_token_ids or tokenizer.eos_token_ids
         core = EngineCore(
             _build_scheduler(config, manager),

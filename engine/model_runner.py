@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from engine.decode_graphs import DecodeGraphs, build_decode_graphs
 from engine.scheduler import ScheduledSequence
 from models.batch import CacheViews, ForwardBatch
 
@@ -77,9 +78,50 @@ class ModelRunner:
         self.is_hybrid = is_hybrid
         # Per-request torch.Generator for seeded sampling; created lazily.
         self.generators: dict[str, torch.Generator | None] = {}
+        # Captured decode steps (CUDA only), set by `prepare`.
+        self.graphs: DecodeGraphs | None = None
+
+    def prepare(self, max_blocks_per_seq: int, graph_batch_sizes: Sequence[int] = ()) -> None:
+        """Startup, before any request: compile the decode kernels and, on
+        CUDA, capture decode graphs for `graph_batch_sizes` (see
+        `engine.decode_graphs`; on CPU that is skipped with a log line).
+
+        The warm-up steps write K/V only into the null block and, for hybrid
+        models, Mamba slot 0, which no request holds yet and which is cleared
+        when a request's prefill first takes it.
+        """
+        with torch.inference_mode():
+            for width in sorted({1, max_blocks_per_seq}):
+                self.model.forward(self._warm_up_batch(width), self.caches)
+        self.graphs = build_decode_graphs(
+            self.model,
+            self.caches,
+            batch_sizes=graph_batch_sizes,
+            max_blocks=max_blocks_per_seq,
+            block_size=self.block_size,
+            device=self.device,
+            is_hybrid=self.is_hybrid,
+        )
+
+    def _warm_up_batch(self, width: int) -> ForwardBatch:
+        """One decode token at position 1 of a sequence held in the null block."""
+        return ForwardBatch.from_host(
+            input_ids=[0],
+            positions=[1],
+            query_start_loc=[0, 1],
+            seq_lens=[2],
+            context_lens=[1],
+            block_tables=[[0] * width],
+            slot_mapping=[1],
+            block_size=self.block_size,
+            device=self.device,
+            mamba_slots=[0] if self.is_hybrid else None,
+            logits_indices=[0],
+        )
 
     def build_batch(self, seqs: Sequence[ScheduledSequence]) -> ForwardBatch:
-        """Flatten the step's chunks into one batch; see `models/batch.py`."""
+        """Flatten the step's chunks into one batch (one host-to-device copy);
+        see `models/batch.py`."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -105,19 +147,18 @@ class ModelRunner:
                 mamba_slots.append(_require_slot(self.addressing, req.request_id))
             if seq.samples:
                 logits_indices.append(len(input_ids) - 1)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        return ForwardBatch(
-            input_ids=self._tensor(input_ids),
-            positions=self._tensor(positions),
-            query_start_loc=self._tensor(query_start_loc),
-            seq_lens=self._tensor(seq_lens),
-            context_lens=self._tensor(context_lens),
-            block_tables=self._tensor(padded),
-            slot_mapping=self._tensor(slot_mapping),
+        return ForwardBatch.from_host(
+            input_ids=input_ids,
+            positions=positions,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            context_lens=context_lens,
+            block_tables=tables,
+            slot_mapping=slot_mapping,
             block_size=bs,
-            mamba_slots=self._tensor(mamba_slots) if self.is_hybrid else None,
-            logits_indices=self._tensor(logits_indices),
+            device=self.device,
+            mamba_slots=mamba_slots if self.is_hybrid else None,
+            logits_indices=logits_indices,
         )
 
     def execute(self, seqs: Sequence[ScheduledSequence]) -> RunnerOutput:
@@ -127,7 +168,9 @@ class ModelRunner:
         batch = self.build_batch(seqs)
         t1 = time.perf_counter()
         with torch.inference_mode():
-            hidden = self.model.forward(batch, self.caches)
+            hidden = self.graphs.run(batch) if self.graphs is not None else None
+            if hidden is None:
+                hidden = self.model.forward(batch, self.caches)
             assert batch.logits_indices is not None
             sampling = [s for s in seqs if s.samples]
             tokens: list[SampledToken] = []
@@ -178,9 +221,6 @@ class ModelRunner:
             )
             for i in range(len(reqs))
         ]
-
-    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
 
 def _require_slot(addressing: CacheAddressing, request_id: str) -> int:

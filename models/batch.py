@@ -13,6 +13,12 @@ Paged KV addressing (block_size = 4 in the sketch):
     slot_mapping[t] = physical_block * block_size + offset   (for each new token t)
 
 Physical block 0 is the permanent null block; tables are padded with it.
+
+The runner builds the batch from host lists (`ForwardBatch.from_host`): all
+index lists go to the device in one copy, and the per-sequence counts stay
+on the host as `batch.shape` (`StepShape`). Layers choose their code path
+from `shape` and never read a device tensor back, so a step runs without
+stalling the GPU stream and can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -56,6 +62,91 @@ class CacheViews:
     mamba: list[MambaLayerCache]
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """The step's per-sequence counts on the host, where layers branch on them.
+
+    Layers decide what to run from these (which sequences are single tokens,
+    which start fresh, how long the longest is) and never read a device
+    tensor back for it: on a GPU every such read stalls the stream and makes
+    the step impossible to capture in a CUDA graph.
+    """
+
+    query_start_loc: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    mamba_slots: tuple[int, ...] | None = None
+
+    @classmethod
+    def of_tensors(cls, batch: ForwardBatch) -> StepShape:
+        """Read the counts back from a batch built without them (tests build
+        batches by hand this way; the model runner never does)."""
+        slots = batch.mamba_slots
+        return cls(
+            tuple(batch.query_start_loc.tolist()),
+            tuple(batch.context_lens.tolist()),
+            tuple(batch.seq_lens.tolist()),
+            None if slots is None else tuple(slots.tolist()),
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @functools.cached_property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens, default=0)
+
+    @functools.cached_property
+    def has_cached_tokens(self) -> bool:
+        """Whether some sequence already has tokens in the cache."""
+        return any(self.context_lens)
+
+    @functools.cached_property
+    def single_token_seqs(self) -> tuple[int, ...]:
+        """Sequences that bring exactly one new token (decodes)."""
+        starts = self.query_start_loc
+        return tuple(i for i in range(self.num_seqs) if starts[i + 1] - starts[i] == 1)
+
+    @functools.cached_property
+    def chunk_seqs(self) -> tuple[int, ...]:
+        """Sequences that bring more than one new token (prompt chunks)."""
+        starts = self.query_start_loc
+        return tuple(i for i in range(self.num_seqs) if starts[i + 1] - starts[i] > 1)
+
+    @functools.cached_property
+    def fresh_seqs(self) -> tuple[int, ...]:
+        """Sequences with nothing in the cache yet (their Mamba state starts at zero)."""
+        return tuple(i for i, ctx in enumerate(self.context_lens) if ctx == 0)
+
+
+@dataclass(frozen=True)
+class MambaRows:
+    """Device index tensors the Mamba mixer needs, built with the batch.
+
+    step_rows: `[n]` token rows of the single-token sequences.
+    step_slots: `[n]` their state slots.
+    fresh_slots: `[m]` slots of the sequences that start at position 0.
+    """
+
+    step_rows: torch.Tensor
+    step_slots: torch.Tensor
+    fresh_slots: torch.Tensor
+
+    @staticmethod
+    def host_lists(shape: StepShape) -> tuple[list[int], list[int], list[int]]:
+        """`(step_rows, step_slots, fresh_slots)` as host lists."""
+        slots = shape.mamba_slots or ()
+        if not slots:
+            return [], [], []
+        single = shape.single_token_seqs
+        return (
+            [shape.query_start_loc[i] for i in single],
+            [slots[i] for i in single],
+            [slots[i] for i in shape.fresh_seqs],
+        )
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
@@ -68,6 +159,89 @@ class ForwardBatch:
     block_size: int
     mamba_slots: torch.Tensor | None = None  # [B] int64 slot per sequence (hybrid models)
     logits_indices: torch.Tensor | None = None  # [N] rows of the hidden states to turn into logits
+    # The same counts on the host; read back from the tensors when not given.
+    shape: StepShape = None  # type: ignore[assignment]
+    # Mamba index tensors; built from `shape` when not given (hybrid models only).
+    mamba_rows: MambaRows | None = None
+
+    def __post_init__(self) -> None:
+        if self.shape is None:
+            self.shape = StepShape.of_tensors(self)
+        if self.mamba_slots is not None and self.mamba_rows is None:
+            device = self.mamba_slots.device
+            self.mamba_rows = MambaRows(
+                *(
+                    torch.tensor(values, dtype=torch.int64, device=device)
+                    for values in MambaRows.host_lists(self.shape)
+                )
+            )
+
+    @classmethod
+    def from_host(
+        cls,
+        *,
+        input_ids: list[int],
+        positions: list[int],
+        query_start_loc: list[int],
+        seq_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        slot_mapping: list[int],
+        block_size: int,
+        device: torch.device,
+        mamba_slots: list[int] | None = None,
+        logits_indices: list[int] | None = None,
+        table_width: int | None = None,
+    ) -> ForwardBatch:
+        """A batch from host lists, moved to `device` in one copy.
+
+        Every index list is packed into one host tensor (pinned for CUDA),
+        copied once, and the fields are views of that copy. Block tables are
+        padded with the null block to `table_width` (default: the longest).
+        """
+        shape = StepShape(
+            tuple(query_start_loc),
+            tuple(context_lens),
+            tuple(seq_lens),
+            None if mamba_slots is None else tuple(mamba_slots),
+        )
+        width = table_width if table_width is not None else max(map(len, block_tables), default=0)
+        flat_tables = [b for t in block_tables for b in (*t, *[0] * (width - len(t)))]
+        mamba_lists = MambaRows.host_lists(shape) if mamba_slots is not None else ([], [], [])
+        parts: list[list[int]] = [
+            input_ids,
+            positions,
+            query_start_loc,
+            seq_lens,
+            context_lens,
+            slot_mapping,
+            flat_tables,
+            mamba_slots or [],
+            logits_indices or [],
+            *mamba_lists,
+        ]
+        host = torch.tensor(
+            [v for part in parts for v in part],
+            dtype=torch.int64,
+            pin_memory=device.type == "cuda",
+        )
+        ids, pos, starts, lens, ctx, slots, tables, mamba, logits, *rows = host.to(
+            device, non_blocking=True
+        ).split([len(p) for p in parts])
+        return cls(
+            input_ids=ids,
+            positions=pos,
+            query_start_loc=starts,
+            seq_lens=lens,
+            context_lens=ctx,
+            block_tables=tables.view(len(block_tables), width),
+            slot_mapping=slots,
+            block_size=block_size,
+            mamba_slots=mamba if mamba_slots is not None else None,
+            logits_indices=logits if logits_indices is not None else None,
+            shape=shape,
+            mamba_rows=MambaRows(*rows) if mamba_slots is not None else None,
+        )
 
     @property
     def num_seqs(self) -> int:
@@ -85,6 +259,10 @@ class ForwardBatch:
     def is_decode_only(self) -> bool:
         return self.num_tokens == self.num_seqs
 
+    @property
+    def max_seq_len(self) -> int:
+        return self.shape.max_seq_len
+
     # Derived once per step and shared by every attention layer. The batch is
     # never mutated after the runner builds it, so caching is safe.
 
@@ -95,10 +273,6 @@ class ForwardBatch:
         return blocks, self.slot_mapping - blocks * self.block_size
 
     @functools.cached_property
-    def max_seq_len(self) -> int:
-        return int(self.seq_lens.max()) if self.num_seqs else 0
-
-    @functools.cached_property
     def padded_prefill_layout(self) -> tuple[torch.Tensor | None, torch.Tensor] | None:
         """For a step whose every sequence starts at position 0 (whole prompts
         or first chunks): `(rows, valid)`, both `[B, L]` with `L` the longest
@@ -107,7 +281,7 @@ class ForwardBatch:
         `rows` is None when every chunk has length `L` (the tokens then
         reshape to `[B, L]` as they are). None when some sequence already has
         tokens in the cache."""
-        if self.num_seqs == 0 or bool(self.context_lens.any()):
+        if self.num_seqs == 0 or self.shape.has_cached_tokens:
             return None
         width = self.max_seq_len
         cols = torch.arange(width, device=self.seq_lens.device)[None, :]

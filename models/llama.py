@@ -152,7 +152,7 @@ class LlamaModel(torch.nn.Module):
 
     def forward(self, batch: ForwardBatch, caches: CacheViews) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids)
-        cos_sin = self.rotary_emb.cos_sin(batch.positions, hidden.dtype)
+        cos_sin = self.rotary_emb.cos_sin(batch.positions, hidden.dtype, batch.max_seq_len)
         residual: torch.Tensor | None = None
         for layer, layer_cache in zip(self.layers, caches.attention, strict=True):
             hidden, residual = layer(hidden, residual, cos_sin, layer_cache, batch)

@@ -31,6 +31,7 @@ from models.base import CausalLM
 from models.batch import AttentionLayerCache, CacheViews, ForwardBatch
 from models.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig
 from models.errors import ConfigError
+from models.kernels import dispatch
 from models.layers.attention import paged_attention
 from models.layers.mamba2 import Mamba2Mixer
 from models.layers.moe import NemotronHMoE
@@ -87,6 +88,12 @@ class NemotronHBlock(nn.Module):
             out = self.mixer(x, batch, caches.mamba[self.ordinal])
         elif self.kind == ATTENTION:
             out = self.mixer(x, batch, caches.attention[self.ordinal])
+        elif self.kind == MOE:
+            # On a GPU (or where its kernels are forced, as in tests) a decode
+            # step must not read the routing back: that stalls the stream and
+            # breaks graph capture. On CPU the chosen-experts loop costs less.
+            sync_free = batch.is_decode_only and dispatch.use_triton(x.device)
+            out = self.mixer(x, sync_free=sync_free)
         else:
             out = self.mixer(x)
         return hidden + out

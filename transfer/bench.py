@@ -7,11 +7,25 @@ For each transceiver (the Python one once per wire: rows `python` for TCP,
 `python+ucx` for UCX) and manager, two Ray actors on this machine each build a
 manager, its pool and a transceiver; the holder fills one request of the
 largest size once and republishes it, the puller pulls it repeatedly, each
-pull followed by one raw transfer of the same size. Sizes:
+pull followed by one raw transfer of the same size (a round). Sizes:
 one block, 1 MiB, 64 MiB, 256 MiB of KV. Each line shows GB/s and median
 latency next to the raw limit measured in the same run (loopback TCP for
 Python on either wire, one big NIXL READ for NIXL) and a same-process memcpy, plus each
 worker's CPU use while idle.
+
+How sure a line is: `ratio` is the median over rounds of (raw seconds /
+transceiver seconds) within a round, with its min-max spread over the rounds
+(`ratio_min`, `ratio_max`). Load from other processes falls on both halves
+of a round alike, so a wide spread says the machine was busy, not that the
+transceiver changed.
+
+What it costs: `gb_per_cpu_s` is bytes moved per CPU-second (1e9 bytes),
+holder and puller processes together, all their threads, over the transfers
+alone; `raw_gb_per_cpu_s` the same for the raw path. `cpu_cores` is that CPU
+time over the transfers' wall time: near 2 both sides were busy all along,
+i.e. the transfer was CPU-bound. The holder's share is read through Ray
+calls around each transfer, so it includes a fraction of a millisecond of
+Ray's own work: the CPU columns mean something from a few MiB up.
 """
 
 from __future__ import annotations
@@ -21,7 +35,7 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,16 +59,38 @@ class Row:
     size_bytes: int
     gbps: float
     raw_gbps: float
+    ratio: float
+    ratio_min: float
+    ratio_max: float
     p50_ms: float
     raw_p50_ms: float
+    gb_per_cpu_s: float
+    raw_gb_per_cpu_s: float
+    cpu_cores: float
+    raw_cpu_cores: float
     memcpy_gbps: float
     idle_cpu_holder: float
     idle_cpu_puller: float
 
     def as_json(self) -> dict[str, Any]:
-        out = dict(self.__dict__)
-        out["ratio"] = round(self.gbps / self.raw_gbps, 3) if self.raw_gbps else 0.0
-        return out
+        return dict(self.__dict__)
+
+
+@dataclass
+class Rounds:
+    """Per-round measurements of one size: wall and CPU seconds (holder + puller)
+    of the transceiver's pull and of the raw transfer that followed it."""
+
+    seconds: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    raw_seconds: list[float] = field(default_factory=list)
+    raw_cpu: list[float] = field(default_factory=list)
+
+    def add(self, seconds: float, cpu: float, raw_seconds: float, raw_cpu: float) -> None:
+        self.seconds.append(seconds)
+        self.cpu.append(cpu)
+        self.raw_seconds.append(raw_seconds)
+        self.raw_cpu.append(raw_cpu)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -142,20 +178,28 @@ def _bench_pair(kind: str, wire: str, manager: str, reps_override: int) -> list[
         # Transceiver pulls and raw transfers alternate, one each per round,
         # so load from other processes falls on both alike; round 0 warms
         # connections and tables and is not counted.
-        times, raw_times = [], []
+        rounds = Rounds()
         for rep in range(reps + 1):
             handle = ray.get(holder.publish.remote("ep", "src", 60.0, f"src-{size}-{rep}"))
+            holder_cpu = ray.get(holder.cpu_seconds.remote())
             result = ray.get(puller.pull.remote("ep", handle, tokens, 60.0))
             if not result["ok"]:
                 raise RuntimeError(result["message"])
+            holder_cpu_pulled = ray.get(holder.cpu_seconds.remote())
             ray.get(puller.free.remote("ep", f"src-{size}-{rep}"))
-            times.append(result["seconds"])
-            raw_times.extend(raw(size, 1))
-        times, raw_times = times[1:], raw_times[1:]
+            raw_seconds, raw_cpu = raw(size)
+            holder_cpu_raw = ray.get(holder.cpu_seconds.remote())
+            if rep:
+                rounds.add(
+                    result["seconds"],
+                    result["cpu_seconds"] + holder_cpu_pulled - holder_cpu,
+                    raw_seconds,
+                    raw_cpu + holder_cpu_raw - holder_cpu_pulled,
+                )
         ray.get(holder.free.remote("ep", "src"))
         mem = ray.get(puller.memcpy.remote("ep", size, min(reps, 8)))
         label = kind if wire == "tcp" else f"{kind}+{wire}"
-        rows.append(_row(label, manager, size, times, raw_times, mem, idle))
+        rows.append(_row(label, manager, size, rounds, mem, idle))
     ray.get([holder.close_raw.remote(), puller.close_raw.remote()])
     ray.get([holder.close.remote(), puller.close.remote()])
     for actor in (holder, puller):
@@ -164,37 +208,40 @@ def _bench_pair(kind: str, wire: str, manager: str, reps_override: int) -> list[
 
 
 def _raw_prober(kind: str, holder: Any, puller: Any) -> Any:
-    """A function size, reps -> raw transfer seconds for this transceiver kind."""
+    """A function size -> (seconds, puller CPU seconds) of one raw transfer for this kind."""
     import ray
 
     if kind == "python":
         endpoint = ray.get(holder.raw_tcp_listen.remote("ep"))
-        return lambda size, reps: ray.get(puller.raw_tcp_fetch.remote("ep", endpoint, size, reps))
+        return lambda size: ray.get(puller.raw_tcp_fetch.remote("ep", endpoint, size, 1))[0]
     metadata, address = ray.get(holder.raw_nixl_init.remote("ep"))
     ray.get(puller.raw_nixl_init.remote("ep"))
-    return lambda size, reps: ray.get(
-        puller.raw_nixl_read.remote("ep", metadata, address, size, reps)
-    )
+    return lambda size: ray.get(puller.raw_nixl_read.remote("ep", metadata, address, size, 1))[0]
 
 
 def _row(
-    kind: str,
-    manager: str,
-    size: int,
-    times: list[float],
-    raw: list[float],
-    mem: list[float],
-    idle: list[float],
+    kind: str, manager: str, size: int, rounds: Rounds, mem: list[float], idle: list[float]
 ) -> Row:
-    p50, raw_p50, mem_p50 = (statistics.median(t) for t in (times, raw, mem))
+    p50, raw_p50, mem_p50 = (
+        statistics.median(t) for t in (rounds.seconds, rounds.raw_seconds, mem)
+    )
+    ratios = [raw / own for own, raw in zip(rounds.seconds, rounds.raw_seconds, strict=True)]
+    moved = size * len(rounds.seconds)
     return Row(
         transceiver=kind,
         manager=manager,
         size_bytes=size,
         gbps=round(size / p50 / 1e9, 3),
         raw_gbps=round(size / raw_p50 / 1e9, 3),
+        ratio=round(statistics.median(ratios), 3),
+        ratio_min=round(min(ratios), 3),
+        ratio_max=round(max(ratios), 3),
         p50_ms=round(p50 * 1e3, 3),
         raw_p50_ms=round(raw_p50 * 1e3, 3),
+        gb_per_cpu_s=round(moved / sum(rounds.cpu) / 1e9, 3),
+        raw_gb_per_cpu_s=round(moved / sum(rounds.raw_cpu) / 1e9, 3),
+        cpu_cores=round(sum(rounds.cpu) / sum(rounds.seconds), 2),
+        raw_cpu_cores=round(sum(rounds.raw_cpu) / sum(rounds.raw_seconds), 2),
         memcpy_gbps=round(size / mem_p50 / 1e9, 3),
         idle_cpu_holder=round(idle[0], 3),
         idle_cpu_puller=round(idle[1], 3),
@@ -202,18 +249,21 @@ def _row(
 
 
 _HEADER = (
-    f"{'transceiver':<11} {'mgr':<3} {'size':>10} {'GB/s':>7} {'raw GB/s':>8} {'ratio':>5} "
-    f"{'p50 ms':>8} {'raw ms':>8} {'memcpy':>7} {'idle cpu (holder/puller)':>25}"
+    f"{'transceiver':<11} {'mgr':<3} {'size':>10} {'GB/s':>7} {'raw GB/s':>8} "
+    f"{'ratio (min-max)':>17} {'p50 ms':>8} {'raw ms':>8} {'GB/cpu-s':>8} {'raw':>6} "
+    f"{'cores':>5} {'raw':>5} {'memcpy':>7} {'idle cpu (holder/puller)':>25}"
 )
 
 
 def _format(row: Row) -> str:
     size = f"{row.size_bytes // MIB} MiB" if row.size_bytes >= MIB else f"{row.size_bytes} B"
-    ratio = row.as_json()["ratio"]
+    spread = f"{row.ratio:.2f} ({row.ratio_min:.2f}-{row.ratio_max:.2f})"
     return (
         f"{row.transceiver:<11} {row.manager:<3} {size:>10} {row.gbps:>7.2f} "
-        f"{row.raw_gbps:>8.2f} {ratio:>5.2f} {row.p50_ms:>8.3f} {row.raw_p50_ms:>8.3f} "
-        f"{row.memcpy_gbps:>7.2f} {row.idle_cpu_holder:>12.1%} / {row.idle_cpu_puller:.1%}"
+        f"{row.raw_gbps:>8.2f} {spread:>17} {row.p50_ms:>8.3f} {row.raw_p50_ms:>8.3f} "
+        f"{row.gb_per_cpu_s:>8.2f} {row.raw_gb_per_cpu_s:>6.2f} {row.cpu_cores:>5.2f} "
+        f"{row.raw_cpu_cores:>5.2f} {row.memcpy_gbps:>7.2f} "
+        f"{row.idle_cpu_holder:>12.1%} / {row.idle_cpu_puller:.1%}"
     )
 
 

@@ -97,8 +97,9 @@ class BenchHost(EndpointHost):
 
     def raw_tcp_fetch(
         self, name: str, endpoint: tuple[str, int], size: int, reps: int
-    ) -> list[float]:
-        """Seconds per fetch of `size` bytes over one persistent connection."""
+    ) -> list[tuple[float, float]]:
+        """(seconds, this process's CPU seconds) per fetch of `size` bytes over
+        one persistent connection."""
         view = self._scratch(name).numpy().data.cast("B")[:size]
         # One connection kept across calls, as the transceiver keeps its own.
         sock = self._raw_socks.get(endpoint)
@@ -108,7 +109,7 @@ class BenchHost(EndpointHost):
             self._raw_socks[endpoint] = sock
         times = []
         for _ in range(reps):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             sock.sendall(_SIZE.pack(size))
             got = 0
             while got < size:
@@ -116,7 +117,7 @@ class BenchHost(EndpointHost):
                 if n == 0:
                     raise ConnectionError("raw TCP server closed early")
                 got += n
-            times.append(time.perf_counter() - start)
+            times.append((time.perf_counter() - start, time.process_time() - cpu))
         return times
 
     # ---------------------------------------------------------------- NIXL
@@ -133,8 +134,9 @@ class BenchHost(EndpointHost):
 
     def raw_nixl_read(
         self, name: str, metadata: bytes, remote: dict[str, int], size: int, reps: int
-    ) -> list[float]:
-        """Seconds per READ of `size` bytes of KV from the peer's pools into this one's.
+    ) -> list[tuple[float, float]]:
+        """(seconds, this process's CPU seconds) per READ of `size` bytes of KV
+        from the peer's pools into this one's.
 
         One descriptor per pool buffer the bytes span; the destination moves on
         by one request per READ, across calls (see the module docstring).
@@ -157,7 +159,7 @@ class BenchHost(EndpointHost):
                 shift -= shift % _PAGE
                 local.append((buffers[buffer].data_ptr() + offset + shift, length, 0))
                 far.append((remote[buffer] + offset, length, 0))
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             xfer = agent.initialize_xfer(
                 "READ", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(far, "DRAM"), peer
             )
@@ -166,7 +168,7 @@ class BenchHost(EndpointHost):
                 state = agent.check_xfer_state(xfer)
             if state != "DONE":
                 raise RuntimeError(f"raw NIXL READ ended in {state}")
-            times.append(time.perf_counter() - start)
+            times.append((time.perf_counter() - start, time.process_time() - cpu))
             xfer.release()
         return times
 

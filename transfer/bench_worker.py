@@ -84,13 +84,15 @@ class CacheEndpoint:
         return handle.to_bytes()
 
     async def pull(self, handle_bytes: bytes, num_tokens: int, timeout_s: float) -> dict[str, Any]:
-        """Allocate, pull, finish. Returns {"ok", "seconds", "error", "message"}; frees on error."""
+        """Allocate, pull, finish; frees on error. Returns {"ok", "seconds",
+        "cpu_seconds" (this process, all threads, during the pull), "error", "message"}."""
         handle = TransferHandle.from_bytes(handle_bytes)
         rid = handle.request_id
         if not self.manager.allocate_for_transfer(rid, num_tokens):
             raise RuntimeError(f"pool too small to receive {num_tokens} tokens")
         regions, signature = self.manager.regions(rid), self.manager.layout_signature()
-        start = time.perf_counter()  # "seconds" is the transceiver's time alone
+        # "seconds" and "cpu_seconds" are the transceiver's alone.
+        start, cpu = time.perf_counter(), time.process_time()
         try:
             await self.xcvr.pull(handle, regions, signature, timeout_s)
         except TransferError as exc:
@@ -99,12 +101,13 @@ class CacheEndpoint:
             return {
                 "ok": False,
                 "seconds": elapsed,
+                "cpu_seconds": time.process_time() - cpu,
                 "error": type(exc).__name__,
                 "message": str(exc),
             }
-        elapsed = time.perf_counter() - start
+        elapsed, used = time.perf_counter() - start, time.process_time() - cpu
         self.manager.finish_transfer(rid)
-        return {"ok": True, "seconds": elapsed, "error": None, "message": ""}
+        return {"ok": True, "seconds": elapsed, "cpu_seconds": used, "error": None, "message": ""}
 
     def state(self) -> dict[str, Any]:
         """Free blocks, pinned requests and releases so far; raises if the pool is inconsistent."""
@@ -163,6 +166,10 @@ class EndpointHost:
 
     def state(self, name: str) -> dict[str, Any]:
         return self.endpoints[name].state()
+
+    def cpu_seconds(self) -> float:
+        """CPU time this process has used so far, all threads (for per-transfer deltas)."""
+        return time.process_time()
 
     def pid(self) -> int:
         import os

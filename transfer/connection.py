@@ -22,7 +22,7 @@ message per `payload_pieces` piece of each range, in range order.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import ClassVar
 
 TCP = "tcp"
@@ -85,6 +85,20 @@ class Connection(ABC):
     @abstractmethod
     async def recv_into(self, view: memoryview) -> None:
         """Fill `view` completely with payload bytes."""
+
+    async def send_views(self, views: Sequence[memoryview]) -> None:
+        """Send several payload pieces in order, without copying.
+
+        A message transport sends each view as one message (this default);
+        a byte stream may send many views per system call.
+        """
+        for view in views:
+            await self.send(view)
+
+    async def recv_into_views(self, views: Sequence[memoryview]) -> None:
+        """Fill every view completely, in order: the counterpart of `send_views`."""
+        for view in views:
+            await self.recv_into(view)
 
     @abstractmethod
     def close(self) -> None:

@@ -27,59 +27,83 @@ from transfer.errors import LayoutMismatch
 RegionPair = tuple[Region, Region]
 
 
-def pair_segments(request_id: str, src: RequestRegions, dst: RequestRegions) -> list[RegionPair]:
-    """Match every source segment to the destination segment with the same key.
+def plan_ranges(request_id: str, src: RequestRegions, dst: RequestRegions) -> list[RegionPair]:
+    """Pair every source segment with the destination segment of the same key,
+    merging runs contiguous on both sides; ordered by source address.
 
     Raises `LayoutMismatch` if the key sets or any segment lengths differ (the
     destination allocated a different number of blocks, or the layouts disagree
     on block size, heads, head dim, dtype or Mamba shapes).
+
+    A 256 MiB request is thousands of segments but usually a handful of
+    ranges, so nothing the garbage collector tracks is made per segment (only
+    ints in flat lists): objects per segment would start collections in the
+    middle of a transfer. A `Region` is made per merged range.
     """
+    merged: list[RegionPair] = []
+    by_source = _pair_by_source_buffer(request_id, src, dst)
+    for buffer in sorted(by_source):
+        offsets, sources, dests = by_source[buffer]
+        start = end = dst_start = dst_end = -1
+        dst_buffer = ""
+        for i in sorted(range(len(offsets)), key=offsets.__getitem__):
+            s, d = sources[i], dests[i]
+            if s.offset == end and d.buffer == dst_buffer and d.offset == dst_end:
+                end += s.length
+                dst_end += s.length
+                continue
+            if start >= 0:
+                merged.append(_range_pair(buffer, start, dst_buffer, dst_start, end - start))
+            start, end, dst_buffer, dst_start, dst_end = s.offset, s.end, d.buffer, d.offset, d.end
+        if start >= 0:
+            merged.append(_range_pair(buffer, start, dst_buffer, dst_start, end - start))
+    return merged
+
+
+_Paired = tuple[list[int], list[Region], list[Region]]  # source offsets, sources, destinations
+
+
+def _pair_by_source_buffer(
+    request_id: str, src: RequestRegions, dst: RequestRegions
+) -> dict[str, _Paired]:
+    """Source buffer -> its segments and their destinations, in parallel lists."""
     maps: list[tuple[str, Mapping[Any, Region], Mapping[Any, Region]]] = [
         ("kv_segments", src.kv_segments, dst.kv_segments),
         ("mamba_segments", src.mamba_segments, dst.mamba_segments),
     ]
-    pairs: list[RegionPair] = []
+    by_source: dict[str, _Paired] = {}
     for name, src_map, dst_map in maps:
-        if set(src_map) != set(dst_map):
-            missing = len(set(src_map) - set(dst_map))
-            extra = len(set(dst_map) - set(src_map))
+        # Key views compare as sets without building any.
+        if src_map.keys() != dst_map.keys():
+            missing = len(src_map.keys() - dst_map.keys())
+            extra = len(dst_map.keys() - src_map.keys())
             raise LayoutMismatch(
                 request_id,
                 [name],
                 f"the destination lacks {missing} and has {extra} extra segments; "
                 f"allocate as many blocks (and a Mamba slot) as the source holds",
             )
-        for key in sorted(src_map):
-            s, d = src_map[key], dst_map[key]
+        for key, s in src_map.items():
+            d = dst_map[key]
             if s.length != d.length:
                 raise LayoutMismatch(
                     request_id,
                     [name],
                     f"segment {key} is {s.length} bytes on the source, {d.length} here",
                 )
-            pairs.append((s, d))
-    return pairs
+            paired = by_source.get(s.buffer)
+            if paired is None:
+                paired = by_source[s.buffer] = ([], [], [])
+            paired[0].append(s.offset)
+            paired[1].append(s)
+            paired[2].append(d)
+    return by_source
 
 
-def coalesce(pairs: Iterable[RegionPair]) -> list[RegionPair]:
-    """Merge pairs whose source and destination both continue the previous pair."""
-    merged: list[RegionPair] = []
-    for s, d in sorted(pairs, key=lambda p: (p[0].buffer, p[0].offset)):
-        if merged:
-            ps, pd = merged[-1]
-            if (
-                ps.buffer == s.buffer
-                and pd.buffer == d.buffer
-                and ps.offset + ps.length == s.offset
-                and pd.offset + pd.length == d.offset
-            ):
-                merged[-1] = (
-                    Region(ps.buffer, ps.offset, ps.length + s.length),
-                    Region(pd.buffer, pd.offset, pd.length + d.length),
-                )
-                continue
-        merged.append((s, d))
-    return merged
+def _range_pair(
+    src_buffer: str, src_offset: int, dst_buffer: str, dst_offset: int, length: int
+) -> RegionPair:
+    return Region(src_buffer, src_offset, length), Region(dst_buffer, dst_offset, length)
 
 
 class Coverage:

@@ -12,8 +12,8 @@ setting of its own. A pull is one connection:
       | ------- pull {rid, tid, ranges} ------> |   ranges: coalesced source spans
       | <------ data {n} + n raw bytes -------- |   n = sum of the ranges, sent
       |                                         |   from memoryviews of the pool
-      |                                         |   (adjacent ranges in one send),
-      |                                         |   received with recv_into
+      |                                         |   (TCP: sendmsg over many views),
+      |                                         |   received with recvmsg_into
       |                                         |   straight into each segment
       | ------- release {rid, tid} -----------> |   holder frees (on_release)
       | <------ released ---------------------- |
@@ -44,7 +44,7 @@ from transfer.errors import LayoutMismatch, PeerGone, UnknownRequest, WireError
 from transfer.factory import create_wire, wire_unusable_reason
 from transfer.flow import ByteBudget
 from transfer.leases import Lease
-from transfer.plan import Coverage, check_bounds, coalesce, pair_segments, segment_regions
+from transfer.plan import Coverage, check_bounds, plan_ranges, segment_regions
 from transfer.socket_buffers import SocketBuffers
 from transfer.wire import (
     MAX_HEADER_BYTES,
@@ -221,8 +221,7 @@ class PythonTransceiver(Transceiver):
         self._leases.begin_stream(lease)
         try:
             await send_header(conn, {"t": "data", "n": sum(n for _, _, n in ranges)})
-            for buffer, offset, length in ranges:
-                await self._buffers.send(conn, buffer, offset, length, self._budget)
+            await self._buffers.send(conn, ranges, self._budget)
         finally:
             serving.discard(task)
             if not serving and self._serving.get(rid) is serving:
@@ -242,7 +241,7 @@ class PythonTransceiver(Transceiver):
         _check_wire(handle)
         # V1 <-> V2 is bridged segment by segment; every other field must agree.
         check_signature(rid, handle.signature, dest.to_dict(), ignore=("manager",))
-        pairs = coalesce(pair_segments(rid, handle.regions, dest_regions))
+        pairs = plan_ranges(rid, handle.regions, dest_regions)
         check_bounds(rid, [d for _, d in pairs], self._sizes)
         for attempt in range(2):
             conn, reused = await self._checkout(handle)
@@ -321,8 +320,7 @@ class PythonTransceiver(Transceiver):
                 f"{handle.peer} announced {first.get('n')} bytes for request {rid!r} "
                 f"where {declared} bytes were declared"
             )
-        for _, d in pairs:
-            await self._buffers.recv(conn, d)
+        await self._buffers.recv(conn, [d for _, d in pairs])
         await send_header(conn, {"t": "release", "rid": rid, "tid": tid})
         expect(await recv_header(conn, 1024), "released")
 

@@ -9,13 +9,15 @@ the sender, wire -> chunk -> device on the receiver.
     host buffer:    pool[off:off+n] ==send==> recv_into ==> pool[off:off+n]
     device buffer:  pool --copy--> chunk ==send==> recv_into chunk --copy--> pool
 
-Both sides cut every range into the same `payload_pieces` (one budget slice,
-one staging chunk and, on UCX, one message each).
+Both sides cut every range into the same `payload_pieces` (one staging chunk
+and, on UCX, one message each). The sender takes its flow-control budget per
+batch of host pieces up to `PAYLOAD_PIECE_BYTES`, so many small ranges cost
+one budget slice and, on TCP, one system call per batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -50,28 +52,64 @@ class SocketBuffers:
         self._chunks: list[torch.Tensor] = []  # idle staging chunks
 
     async def send(
-        self, conn: Connection, buffer: str, offset: int, length: int, budget: ByteBudget
+        self, conn: Connection, ranges: Sequence[tuple[str, int, int]], budget: ByteBudget
     ) -> None:
-        """Send `length` bytes at `offset` of `buffer`, one budgeted piece at a time."""
-        view = self._views.get(buffer)
-        for start, n in payload_pieces(offset, length):
-            taken = await budget.acquire(n)
+        """Send the (buffer, offset, length) ranges in order, one budgeted batch at a time.
+
+        Host pieces go out in batches of up to `PAYLOAD_PIECE_BYTES` per
+        `send_views` (on TCP, many pieces per system call); device pieces
+        one staging chunk at a time.
+        """
+        for nbytes, batch in self._send_batches(ranges):
+            taken = await budget.acquire(nbytes)
             try:
-                if view is not None:
-                    await conn.send(view[start : start + n])
+                if isinstance(batch, torch.Tensor):
+                    await self._send_staged(conn, batch)
                 else:
-                    await self._send_staged(conn, self._tensors[buffer][start : start + n])
+                    await conn.send_views(batch)
             finally:
                 await budget.release(taken)
 
-    async def recv(self, conn: Connection, region: Region) -> None:
-        """Receive exactly `region.length` bytes into `region`."""
-        view = self._views.get(region.buffer)
+    async def recv(self, conn: Connection, regions: Sequence[Region]) -> None:
+        """Receive exactly the regions' bytes, in order, into them.
+
+        Runs of host regions are one `recv_into_views` each, straight into the pool.
+        """
+        views: list[memoryview] = []
+        for region in regions:
+            pool = self._views.get(region.buffer)
+            if pool is None:
+                await conn.recv_into_views(views)
+                views = []
+                await self._recv_staged(conn, region)
+                continue
+            for start, n in payload_pieces(region.offset, region.length):
+                views.append(pool[start : start + n])
+        await conn.recv_into_views(views)
+
+    def _send_batches(
+        self, ranges: Sequence[tuple[str, int, int]]
+    ) -> Iterator[tuple[int, list[memoryview] | torch.Tensor]]:
+        """(bytes, host views or a device slice to stage) for each budgeted send."""
+        views: list[memoryview] = []
+        nbytes = 0
+        for buffer, offset, length in ranges:
+            pool = self._views.get(buffer)
+            for start, n in payload_pieces(offset, length):
+                if views and (pool is None or nbytes + n > PAYLOAD_PIECE_BYTES):
+                    yield nbytes, views
+                    views, nbytes = [], 0
+                if pool is None:
+                    yield n, self._tensors[buffer][start : start + n]
+                else:
+                    views.append(pool[start : start + n])
+                    nbytes += n
+        if views:
+            yield nbytes, views
+
+    async def _recv_staged(self, conn: Connection, region: Region) -> None:
         target = self._tensors[region.buffer]
         for start, n in payload_pieces(region.offset, region.length):
-            if view is not None:
-                await conn.recv_into(view[start : start + n])
-                continue
             chunk = self._take_chunk()
             try:
                 await conn.recv_into(host_view(chunk)[:n])

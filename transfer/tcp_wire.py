@@ -1,19 +1,39 @@
-"""The TCP wire: non-blocking sockets driven by the event loop's `sock_*` methods.
+"""The TCP wire: non-blocking sockets driven by the event loop.
 
-`sock_sendall` hands a memoryview straight to the kernel (stream transports on
-Python 3.11 would copy it into a buffer first) and `sock_recv_into` writes
-straight into destination memory, so payload bytes are never copied in Python.
+Payload bytes are never copied in Python: `sendmsg` hands memoryviews of the
+pool straight to the kernel (stream transports on Python 3.11 would copy them
+into a buffer first) and `recvmsg_into` writes straight into destination
+memory. A payload of many pieces moves as one operation on the loop:
+
+    send_views / recv_into_views(views)
+      try the socket now; while unfinished:
+        one reader (writer) callback stays registered on the socket, and each
+        readiness event runs sendmsg / recvmsg_into over up to _MAX_IOV of the
+        remaining views until the kernel takes or gives less than asked
+      one future resolves when every view is done
+
+so a wake-up costs one callback and a system call per few MB, not a
+coroutine, a future and an epoll registration per piece. While receiving,
+SO_RCVLOWAT holds wake-ups back until half a MiB (or the rest of the
+payload) is queued. Header frames use the loop's `sock_*` methods.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
+from collections.abc import Callable, Sequence
 
 from transfer.connection import TCP, Connection, ConnectionClosed, Serve, Wire, serve_then_close
 
 FRAME_PREFIX = struct.Struct(">I")
+# Buffers per sendmsg / recvmsg_into call (Linux accepts up to 1024).
+_MAX_IOV = 64
+# SO_RCVLOWAT while a payload is received (Linux grows the receive buffer to
+# hold it): the loop is woken per half MiB queued, not per arriving segment.
+_RCVLOWAT_BYTES = 512 << 10
 
 
 def tune_socket(sock: socket.socket) -> None:
@@ -66,8 +86,129 @@ class TcpConnection(Connection):
                 raise ConnectionClosed(f"peer closed the connection after {got} of {total} bytes")
             got += n
 
+    async def send_views(self, views: Sequence[memoryview]) -> None:
+        cursor = _ViewCursor(views)
+        await self._drive(lambda: _send_some(self.sock, cursor), writable=True)
+
+    async def recv_into_views(self, views: Sequence[memoryview]) -> None:
+        cursor = _ViewCursor(views)
+        lowat = 1
+
+        def step() -> bool:
+            nonlocal lowat
+            if _recv_some(self.sock, cursor):
+                return True
+            # Be woken once this much is queued (or the peer closes), not for
+            # every segment that arrives: one callback then moves a large chunk.
+            want = min(cursor.remaining, _RCVLOWAT_BYTES)
+            if want != lowat:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                lowat = want
+            return False
+
+        try:
+            await self._drive(step, writable=False)
+        finally:
+            if lowat != 1:
+                with contextlib.suppress(OSError):  # the socket was closed meanwhile
+                    self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+
+    async def _drive(self, step: Callable[[], bool], writable: bool) -> None:
+        """Run `step` (non-blocking; True once finished) now, then on every
+        readiness event of the socket until it finishes or raises."""
+        if step():
+            return
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def on_ready() -> None:
+            if done.done():
+                return
+            try:
+                if step():
+                    done.set_result(None)
+            except Exception as exc:
+                done.set_exception(exc)
+
+        fd = self.sock.fileno()
+        if writable:
+            loop.add_writer(fd, on_ready)
+        else:
+            loop.add_reader(fd, on_ready)
+        try:
+            await done
+        finally:
+            if writable:
+                loop.remove_writer(fd)
+            else:
+                loop.remove_reader(fd)
+
     def close(self) -> None:
         self.sock.close()
+
+
+class _ViewCursor:
+    """How far a list of views has been sent or filled.
+
+    `batch()` is the next views to hand to one system call (the first one
+    shortened by what is already done) and their byte count; `advance(n)`
+    moves past `n` bytes; `remaining` is what is left in all.
+    """
+
+    def __init__(self, views: Sequence[memoryview]) -> None:
+        self._views = [view for view in views if view.nbytes]
+        self.remaining = sum(view.nbytes for view in self._views)
+        self._index = 0
+        self._head = self._views[0] if self._views else memoryview(b"")
+
+    @property
+    def done(self) -> bool:
+        return self._index >= len(self._views)
+
+    def batch(self) -> tuple[list[memoryview], int]:
+        views = [self._head, *self._views[self._index + 1 : self._index + _MAX_IOV]]
+        return views, sum(view.nbytes for view in views)
+
+    def advance(self, n: int) -> None:
+        self.remaining -= n
+        while n:
+            head = self._head
+            if n < head.nbytes:
+                self._head = head[n:]
+                return
+            n -= head.nbytes
+            self._index += 1
+            self._head = self._views[self._index] if not self.done else memoryview(b"")
+
+
+def _send_some(sock: socket.socket, cursor: _ViewCursor) -> bool:
+    """Send until done (True) or the kernel's buffer is full (False)."""
+    while not cursor.done:
+        views, want = cursor.batch()
+        try:
+            n = sock.sendmsg(views)
+        except (BlockingIOError, InterruptedError):
+            return False
+        cursor.advance(n)
+        if n < want:
+            return False
+    return True
+
+
+def _recv_some(sock: socket.socket, cursor: _ViewCursor) -> bool:
+    """Receive until done (True) or nothing more is queued (False)."""
+    while not cursor.done:
+        views, want = cursor.batch()
+        try:
+            n = sock.recvmsg_into(views)[0]
+        except (BlockingIOError, InterruptedError):
+            return False
+        if n == 0:
+            raise ConnectionClosed("peer closed the connection in the middle of a payload")
+        cursor.advance(n)
+        if n < want:
+            return False
+    return True
 
 
 class TcpWire(Wire):

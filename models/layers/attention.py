@@ -181,9 +181,9 @@ def _chunked_prefill_attention(
     sliding_window: int | None,
 ) -> torch.Tensor:
     out = torch.empty_like(q)
-    starts = batch.query_start_loc.tolist()
-    context_lens = batch.context_lens.tolist()
-    seq_lens = batch.seq_lens.tolist()
+    # Host copies of the counts: slicing by them reads nothing back from the device.
+    starts, context_lens = batch.shape.query_start_loc, batch.shape.context_lens
+    seq_lens = batch.shape.seq_lens
     for i in range(batch.num_seqs):
         start, end = starts[i], starts[i + 1]
         if end == start:

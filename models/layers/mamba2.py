@@ -122,32 +122,45 @@ class Mamba2Mixer(nn.Module):
         self, hidden: torch.Tensor, batch: ForwardBatch, cache: MambaLayerCache
     ) -> torch.Tensor:
         """hidden `[T, hidden]` -> `[T, hidden]`; updates the slots of `batch.mamba_slots`."""
-        if batch.mamba_slots is None:
+        if batch.mamba_slots is None or batch.mamba_rows is None:
             raise ValueError("a hybrid Mamba model needs ForwardBatch.mamba_slots")
-        slots = batch.mamba_slots
-        fresh = slots[batch.context_lens == 0]
-        cache.conv_state[fresh] = 0
-        cache.ssm_state[fresh] = 0
+        shape, rows = batch.shape, batch.mamba_rows
+        # Which sequences are fresh, single tokens or chunks is known on the
+        # host (`batch.shape`); the device only sees index tensors.
+        if shape.fresh_seqs:
+            cache.conv_state[rows.fresh_slots] = 0
+            cache.ssm_state[rows.fresh_slots] = 0
 
         z, xbc, dt_raw = self.in_proj(hidden).split(
             [self.intermediate, self.conv_dim, self.num_heads], dim=-1
         )
-        is_step = batch.query_lens == 1
-        y = torch.empty(hidden.shape[0], self.num_heads, self.head_dim, device=hidden.device)
-        if bool(is_step.any()):
-            rows = batch.query_start_loc[:-1][is_step]
-            y[rows] = self._step(xbc[rows], dt_raw[rows], slots[is_step], cache)
-        for i in torch.nonzero(~is_step).flatten().tolist():
-            start, end = int(batch.query_start_loc[i]), int(batch.query_start_loc[i + 1])
-            if end > start:
-                y[start:end] = self._prefill(
-                    xbc[start:end], dt_raw[start:end], int(slots[i]), cache
-                )
+        if batch.is_decode_only:
+            y = self._step(xbc, dt_raw, batch.mamba_slots, cache)
+        else:
+            y = self._mixed(xbc, dt_raw, batch, cache)
 
         # The norm runs in float32 on the float32 scan output; only its result
         # is cast to the model dtype (as transformers' multi-token path does).
         y = self.norm(y.view(hidden.shape[0], -1), z)
         return self.out_proj(y.to(hidden.dtype))
+
+    def _mixed(
+        self, xbc: torch.Tensor, dt_raw: torch.Tensor, batch: ForwardBatch, cache: MambaLayerCache
+    ) -> torch.Tensor:
+        """y `[T, H, P]` float32 of a step that mixes single tokens and prompt chunks."""
+        shape, rows = batch.shape, batch.mamba_rows
+        assert rows is not None and shape.mamba_slots is not None
+        y = torch.empty(xbc.shape[0], self.num_heads, self.head_dim, device=xbc.device)
+        if shape.single_token_seqs:
+            step = rows.step_rows
+            y[step] = self._step(xbc[step], dt_raw[step], rows.step_slots, cache)
+        starts = shape.query_start_loc
+        for i in shape.chunk_seqs:
+            start, end = starts[i], starts[i + 1]
+            y[start:end] = self._prefill(
+                xbc[start:end], dt_raw[start:end], shape.mamba_slots[i], cache
+            )
+        return y
 
     @property
     def _A(self) -> torch.Tensor:

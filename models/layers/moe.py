@@ -101,16 +101,42 @@ class NemotronHMoE(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
+        """`sync_free` (GPU decode steps) runs every expert on every token instead of
+        asking the device which experts were chosen: no host read, so the step
+        can be captured in a CUDA graph, at the cost of computing unchosen
+        experts (which a decode step, bound by reading the weights, mostly
+        reads anyway once a batch spreads over the experts)."""
         experts, weights = self.gate(x)
+        if sync_free:
+            out = self._every_expert(x, experts, weights)
+        else:
+            out = self._chosen_experts(x, experts, weights)
+        out = out.to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def _chosen_experts(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         out = torch.zeros_like(x, dtype=weights.dtype)
         # Loop over the experts that received tokens, not over tokens: each
-        # expert runs once on all of its tokens.
+        # expert runs once on all of its tokens. Finding them reads the device.
         for expert_id in torch.unique(experts).tolist():
             token_idx, k_idx = torch.nonzero(experts == expert_id, as_tuple=True)
             expert_out = self.experts[expert_id](x[token_idx])
             out.index_add_(0, token_idx, expert_out * weights[token_idx, k_idx, None])
-        out = out.to(x.dtype)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+        return out
+
+    def _every_expert(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        # [T, E] routing weights, zero where an expert was not chosen; experts
+        # add up in ascending id order, as in `_chosen_experts`.
+        dense = torch.zeros(x.shape[0], len(self.experts), dtype=weights.dtype, device=x.device)
+        dense.scatter_(1, experts, weights)
+        out = torch.zeros_like(x, dtype=weights.dtype)
+        for expert_id, expert in enumerate(self.experts):
+            out += expert(x) * dense[:, expert_id, None]
         return out

@@ -92,13 +92,20 @@ class RotaryEmbedding(torch.nn.Module):
         # checkpoint) and kept in float32 when the model is cast to bf16/fp16.
         self.inv_freq = compute_inv_freq(rope, self.dim, max_position_embeddings)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """`(cos, sin)`, each `[T, rotary_dim]` in `dtype`, for positions `[T]`."""
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, seq_len: int | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """`(cos, sin)`, each `[T, rotary_dim]` in `dtype`, for positions `[T]`.
+
+        `seq_len` (the largest position + 1, known on the host) serves dynamic
+        scaling; without it the positions are read back from the device.
+        """
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         inv_freq = self.inv_freq
         if self.rope.scaling_type == "dynamic" and positions.numel():
-            seq_len = int(positions.max()) + 1
+            if seq_len is None:
+                seq_len = int(positions.max()) + 1
             if seq_len > self.max_position_embeddings:
                 inv_freq = compute_inv_freq(
                     self.rope, self.dim, self.max_position_embeddings, seq_len

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from models.kernels.paged_attention import (
     AttentionShapeError,
+    num_splits_for,
     paged_attention_decode,
     paged_attention_decode_ref,
 )
@@ -42,6 +43,8 @@ CASES = {
     "mha_odd_dims": Case(num_heads=3, kv_heads=3, head_dim=12, block_size=3, seq_lens=(7, 5)),
     "mqa": Case(num_heads=4, kv_heads=1, head_dim=8, block_size=8, seq_lens=(20, 9)),
 }
+# Long enough that the keys split over several programs, one row empty.
+LONG = Case(num_heads=8, kv_heads=2, head_dim=16, block_size=16, seq_lens=(600, 0, 37))
 LAYERS = 2
 
 
@@ -128,3 +131,33 @@ def test_rejects_heads_that_are_not_a_multiple_of_kv_heads() -> None:
     tables = torch.zeros(1, 2, dtype=torch.int64, device=DEVICE)
     with pytest.raises(AttentionShapeError, match="multiple of kv heads"):
         paged_attention_decode(q, key_cache, key_cache, tables, torch.ones(1, device=DEVICE), 1.0)
+
+
+def _run(case: Case, dtype: torch.dtype, num_splits: int | None) -> None:
+    torch.manual_seed(2)
+    key_cache, value_cache = _caches(case, "v2", dtype)
+    tables = _block_tables(case, key_cache.shape[0])
+    seq_lens = torch.tensor(case.seq_lens, device=DEVICE)
+    q = torch.randn(len(case.seq_lens), case.num_heads, case.head_dim, device=DEVICE).to(dtype)
+    args = (q, key_cache, value_cache, tables, seq_lens, 0.25)
+    got = paged_attention_decode(*args, num_splits=num_splits)
+    want = paged_attention_decode_ref(*args)
+    torch.testing.assert_close(got.float(), want.float(), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_context_splits_keys_and_merges_partials(dtype: torch.dtype) -> None:
+    assert num_splits_for(len(LONG.seq_lens), LONG.kv_heads, 38 * LONG.block_size) == 3
+    _run(LONG, dtype, num_splits=None)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_any_split_count_matches_reference(num_splits: int) -> None:
+    """More splits than a short sequence has tiles: the empty splits weigh nothing."""
+    _run(CASES["gqa4"], torch.float32, num_splits)
+
+
+def test_split_count_follows_shapes_only() -> None:
+    assert num_splits_for(1, 8, 16) == 1  # short context: one program per kv head
+    assert num_splits_for(1, 8, 32768) == 16  # long and few sequences: capped
+    assert num_splits_for(256, 8, 32768) == 1  # enough programs already

@@ -1,0 +1,110 @@
+"""Transfer plans: pairing segments across V1/V2 layouts and merging contiguous runs."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from kvcache.factory import create_manager
+from kvcache.layout import Region, RequestRegions
+from kvcache.manager import KVCacheManager
+from tests.transfer_harness import BLOCK_SIZE, HYBRID
+from transfer.errors import LayoutMismatch
+from transfer.plan import plan_ranges
+
+
+def _request(manager: KVCacheManager, request_id: str, num_blocks: int) -> RequestRegions:
+    assert manager.allocate_slots(request_id, num_blocks * BLOCK_SIZE)
+    return manager.regions(request_id)
+
+
+@pytest.mark.parametrize("src_kind, dst_kind", [("v1", "v1"), ("v1", "v2"), ("v2", "v1")])
+def test_every_segment_lands_on_its_counterpart(src_kind: str, dst_kind: str) -> None:
+    src_manager = create_manager(src_kind, HYBRID, 16, BLOCK_SIZE, 2)
+    dst_manager = create_manager(dst_kind, HYBRID, 16, BLOCK_SIZE, 2)
+    _request(dst_manager, "other", 3)  # the destination's blocks start elsewhere
+    src, dst = _request(src_manager, "r", 5), _request(dst_manager, "r", 5)
+
+    pairs = plan_ranges("r", src, dst)
+
+    segments = [*src.kv_segments.items(), *src.mamba_segments.items()]
+    destinations = {**dst.kv_segments, **dst.mamba_segments}
+    for key, s in segments:
+        d = destinations[key]  # type: ignore[index]
+        covering = [
+            (ps, pd)
+            for ps, pd in pairs
+            if ps.buffer == s.buffer and ps.offset <= s.offset and s.end <= ps.end
+        ]
+        assert len(covering) == 1, key
+        ps, pd = covering[0]
+        assert (pd.buffer, pd.offset + s.offset - ps.offset) == (d.buffer, d.offset), key
+    assert sum(s.length for s, _ in pairs) == sum(s.length for _, s in segments)
+
+
+def test_v2_to_v2_in_order_blocks_merge_into_one_range_per_buffer() -> None:
+    src_manager = create_manager("v2", HYBRID, 16, BLOCK_SIZE, 2)
+    dst_manager = create_manager("v2", HYBRID, 16, BLOCK_SIZE, 2)
+    src, dst = _request(src_manager, "r", 6), _request(dst_manager, "r", 6)
+
+    pairs = plan_ranges("r", src, dst)
+
+    kv_bytes = sum(r.length for r in src.kv_segments.values())
+    mamba_bytes = sum(r.length for r in src.mamba_segments.values())
+    kv_start = min(r.offset for r in src.kv_segments.values())
+    assert pairs == [
+        (Region("kv", kv_start, kv_bytes), Region("kv", kv_start, kv_bytes)),
+        (Region("mamba", 0, mamba_bytes), Region("mamba", 0, mamba_bytes)),
+    ]
+
+
+def test_runs_split_where_the_destination_is_not_contiguous() -> None:
+    src_manager = create_manager("v1", HYBRID, 12, BLOCK_SIZE, 2)
+    dst_manager = create_manager("v1", HYBRID, 12, BLOCK_SIZE, 2)
+    src = _request(src_manager, "r", 4)
+    _request(dst_manager, "a", 2)
+    _request(dst_manager, "b", 9)
+    dst_manager.free("a")
+    dst_manager.free("b")
+    dst = _request(dst_manager, "r", 4)
+    blocks = dst.block_ids
+    runs = 1 + sum(1 for x, y in zip(blocks, blocks[1:], strict=False) if y != x + 1)
+    assert runs > 1  # the freed blocks come back out of order
+
+    pairs = plan_ranges("r", src, dst)
+
+    kv = [(s, d) for s, d in pairs if s.buffer.startswith("kv")]
+    assert len(kv) == runs * len(HYBRID.attention_layers)
+    assert sum(s.length for s, _ in kv) == sum(r.length for r in src.kv_segments.values())
+
+
+def test_mismatched_block_counts_name_what_to_allocate() -> None:
+    src_manager = create_manager("v2", HYBRID, 16, BLOCK_SIZE, 2)
+    dst_manager = create_manager("v2", HYBRID, 16, BLOCK_SIZE, 2)
+    src, dst = _request(src_manager, "r", 4), _request(dst_manager, "r", 3)
+
+    with pytest.raises(LayoutMismatch, match="lacks 2 and has 0 extra segments"):
+        plan_ranges("r", src, dst)
+
+
+def test_a_large_plan_makes_no_tracked_object_per_segment() -> None:
+    spec = HYBRID
+    src_manager = create_manager("v1", spec, 2050, BLOCK_SIZE, 2)
+    dst_manager = create_manager("v1", spec, 2050, BLOCK_SIZE, 2)
+    _request(dst_manager, "other", 7)
+    src, dst = _request(src_manager, "r", 2000), _request(dst_manager, "r", 2000)
+    num_segments = len(src.kv_segments) + len(src.mamba_segments)
+
+    gc.collect()
+    gc.disable()
+    try:
+        before = gc.get_count()[0]
+        pairs = plan_ranges("r", src, dst)
+        allocated = gc.get_count()[0] - before
+    finally:
+        gc.enable()
+
+    assert num_segments == 4004
+    # A few lists per source buffer and two Regions per merged range.
+    assert allocated < 4 * len(pairs) + 40, (allocated, len(pairs))
