@@ -26,7 +26,7 @@ from kvcache.resolution import (
     resolve_cluster_managers,
     resolve_transceiver,
 )
-from kvcache.sizing import CacheSizing, size_cache
+from kvcache.sizing import CacheSizing, size_instance_cache
 from kvcache.spec import CacheSpec
 from models.checkpoint_source import checkpoint_folder
 from models.config import ModelConfig
@@ -36,9 +36,6 @@ from models.registry import model_preferences
 DEFAULT_MAX_TOKENS = 8192
 # `org/name` as the Hugging Face Hub spells a model id.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-# Workers keep as many Mamba slots again as batch slots, for pinned handoffs
-# and pulls in flight (engine.instance sizes its cache the same way).
-MAMBA_SLOTS_PER_BATCH_SLOT = 2
 
 
 @dataclass(frozen=True)
@@ -260,14 +257,13 @@ def _size(
 ) -> CacheSizing:
     """The blocks and slots the worker will build, with the worker's own rule."""
     try:
-        return size_cache(
+        return size_instance_cache(
             spec,
             block_size=settings.kv_cache.block_size,
-            max_model_len=min(model_len, max_tokens) if max_tokens else model_len,
+            model_len=model_len,
             max_batch_size=settings.max_batch_size,
             max_tokens=max_tokens,
             memory_bytes=memory_bytes,
-            num_mamba_slots=MAMBA_SLOTS_PER_BATCH_SLOT * settings.max_batch_size,
         )
     except CacheSizingError as exc:
         raise ConfigError(f"{source}: {settings.role}_servers.kv_cache: {exc}") from exc

@@ -25,7 +25,7 @@ from kvcache.errors import IntegrityError
 from kvcache.factory import create_manager
 from kvcache.hashing import cache_namespace
 from kvcache.manager import KVCacheManager
-from kvcache.sizing import size_cache
+from kvcache.sizing import size_instance_cache
 from kvcache.tensors import CacheTensors, allocate_cache_tensors
 from models.base import CausalLM
 from models.config import ModelConfig
@@ -158,20 +158,14 @@ def _build_cache(
 ) -> tuple[KVCacheManager, CacheTensors]:
     """Size the pools, build the manager and allocate its tensors."""
     spec = model_config.cache_spec(config.dtype)
-    max_len = model_config.max_position_embeddings
-    if config.max_tokens is not None:
-        max_len = min(max_len, config.max_tokens)
-    sizing = size_cache(
+    sizing = size_instance_cache(
         spec,
         block_size=config.block_size,
-        max_model_len=max_len,
+        model_len=model_config.max_position_embeddings,
         max_batch_size=config.max_batch_size,
         max_tokens=config.max_tokens,
         memory_bytes=config.kv_cache_memory_bytes,
         device=config.device,
-        # Pinned handoffs (context) and pulls in flight (generation) hold a
-        # slot outside the running batch: leave as many again for them.
-        num_mamba_slots=2 * config.max_batch_size,
     )
     manager = create_manager(
         config.manager,

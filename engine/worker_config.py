@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models.dtypes import DTYPE_NAMES
+
 MANAGERS = ("v1", "v2")
 TRANSCEIVERS = ("python", "nixl")
 TRANSFER_WIRES = ("tcp", "ucx", "auto")
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 class WorkerConfigError(ValueError):
@@ -86,8 +87,10 @@ class WorkerConfig:
             raise WorkerConfigError(
                 f"transfer_wire must be one of {TRANSFER_WIRES}, got {self.transfer_wire!r}"
             )
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise WorkerConfigError(f"dtype must be one of {DTYPES} or None, got {self.dtype!r}")
+        if self.dtype is not None and self.dtype not in DTYPE_NAMES:
+            raise WorkerConfigError(
+                f"dtype must be one of {DTYPE_NAMES} or None, got {self.dtype!r}"
+            )
         if self.max_tokens is None and self.kv_cache_memory_bytes is None:
             raise WorkerConfigError("set max_tokens or kv_cache_memory_bytes to size the KV cache")
         _require_positive("block_size", self.block_size)

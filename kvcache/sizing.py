@@ -19,6 +19,9 @@ from kvcache.spec import CacheSpec
 
 DEFAULT_GPU_MEMORY_FRACTION = 0.9
 _MIB = 1 << 20
+# A worker keeps as many Mamba slots again as batch slots: pinned handoffs
+# (context) and pulls in flight (generation) hold one outside the running batch.
+MAMBA_SLOTS_PER_BATCH_SLOT = 2
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,33 @@ def bytes_per_mamba_slot(spec: CacheSpec) -> int:
     """Bytes of one Mamba slot across all Mamba layers; the V2 figure, which
     includes alignment padding and so bounds V1's from above."""
     return block_major_slot_layout(spec)[0] if spec.is_hybrid else 0
+
+
+def size_instance_cache(
+    spec: CacheSpec,
+    *,
+    block_size: int,
+    model_len: int,
+    max_batch_size: int,
+    max_tokens: int | None = None,
+    memory_bytes: int | None = None,
+    device: object | None = None,
+) -> CacheSizing:
+    """The cache of one serving instance: the plan sizes it with this before any
+    worker starts (to print and check it), the worker again to build it.
+
+    No sequence is longer than the model allows or than `max_tokens`.
+    """
+    return size_cache(
+        spec,
+        block_size=block_size,
+        max_model_len=min(model_len, max_tokens) if max_tokens else model_len,
+        max_batch_size=max_batch_size,
+        max_tokens=max_tokens,
+        memory_bytes=memory_bytes,
+        device=device,
+        num_mamba_slots=MAMBA_SLOTS_PER_BATCH_SLOT * max_batch_size,
+    )
 
 
 def size_cache(

@@ -17,12 +17,7 @@ from kvcache.layout import CONV, SSM, Region, TensorPlacement
 from kvcache.manager import KVCacheManager
 from kvcache.pool_layout import CacheLayout
 from models.batch import AttentionLayerCache, CacheViews, MambaLayerCache
-
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+from models.dtypes import torch_dtype
 
 
 @dataclass
@@ -78,7 +73,7 @@ class CacheTensors:
         return CacheViews(attention=attention, mamba=mamba)
 
     def _placed(self, placement: TensorPlacement, count: int) -> torch.Tensor:
-        dtype = TORCH_DTYPES[placement.dtype]
+        dtype = torch_dtype(placement.dtype)
         typed = self.raw[placement.buffer].view(dtype)
         itemsize = typed.element_size()
         if placement.offset % itemsize or placement.stride % itemsize:
