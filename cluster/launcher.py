@@ -161,8 +161,7 @@ async def _start_instance(
     try:
         await group.ready()
         pending.node_ip = _node_ip(group)
-        memory = await _kv_budget(plan, instance, group)
-        config = instance.worker_config(plan.checkpoint, secret, pending.node_ip, memory)
+        config = instance.worker_config(plan.checkpoint, secret, pending.node_ip)
         pending.actor = (
             _actor_class(instance.role)
             .options(
@@ -192,38 +191,6 @@ def _actor_class(role: str) -> Any:
     from decode_worker.worker import GenerationWorker
 
     return ray.remote(GenerationWorker)
-
-
-async def _kv_budget(
-    plan: ClusterPlan, instance: InstancePlan, group: PlacementGroup
-) -> int | None:
-    """Bytes for the KV cache of an instance sized by `memory_fraction` on a GPU:
-    that fraction of the GPU's free memory once the checkpoint's weights are in.
-
-    Measured on the instance's own GPU before its worker starts.
-    """
-    if instance.num_blocks is not None or instance.memory_fraction is None:
-        return None
-    strategy = PlacementGroupSchedulingStrategy(group)
-    probe = _gpu_free_bytes.options(num_gpus=instance.num_gpus, scheduling_strategy=strategy)
-    free = int(await probe.remote())
-    weights = sum(p.stat().st_size for p in Path(plan.checkpoint).glob("*.safetensors"))
-    budget = int((free - weights) * instance.memory_fraction)
-    if budget <= 0:
-        raise LaunchError(
-            f"instance {instance.name}: the GPU has {free} bytes free, which the "
-            f"{weights} bytes of weights leave no room for a KV cache; use a larger GPU "
-            "or a smaller checkpoint"
-        )
-    return budget
-
-
-@ray.remote(num_cpus=0)
-def _gpu_free_bytes() -> int:
-    import torch
-
-    free, _total = torch.cuda.mem_get_info()
-    return int(free)
 
 
 def _node_ip(group: PlacementGroup) -> str:

@@ -43,8 +43,8 @@ class InstancePlan:
     """One worker actor, fully resolved.
 
     num_blocks is None when the cache is sized from device memory that only
-    the worker can see (`memory_fraction` on a GPU); the launcher fills
-    `kv_cache_memory_bytes` from a probe on the instance's own GPU.
+    the worker can see (`memory_fraction` on a GPU): the worker measures its
+    share of the GPU once its weights are loaded.
     """
 
     name: str
@@ -77,11 +77,7 @@ class InstancePlan:
         return "cuda" if self.num_gpus > 0 else "cpu"
 
     def worker_config(
-        self,
-        checkpoint: str,
-        cluster_secret: str,
-        transfer_host: str,
-        kv_cache_memory_bytes: int | None = None,
+        self, checkpoint: str, cluster_secret: str, transfer_host: str
     ) -> WorkerConfig:
         return WorkerConfig(
             checkpoint=checkpoint,
@@ -91,7 +87,9 @@ class InstancePlan:
             transceiver=self.transceiver,
             block_size=self.block_size,
             max_tokens=self.max_tokens,
-            kv_cache_memory_bytes=kv_cache_memory_bytes or self.kv_cache_memory_bytes,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            memory_fraction=self.memory_fraction if self.num_blocks is None else None,
+            gpu_share=self.num_gpus or 1.0,
             max_num_tokens=self.max_num_tokens,
             max_batch_size=self.max_batch_size,
             max_num_waiting=self.max_num_waiting,

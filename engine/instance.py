@@ -25,10 +25,11 @@ from kvcache.errors import IntegrityError
 from kvcache.factory import create_manager
 from kvcache.hashing import cache_namespace
 from kvcache.manager import KVCacheManager
-from kvcache.sizing import size_instance_cache
+from kvcache.sizing import GpuShare, size_instance_cache, step_activation_bytes
 from kvcache.tensors import CacheTensors, allocate_cache_tensors
 from models.base import CausalLM
 from models.config import ModelConfig
+from models.dtypes import DTYPE_BYTES
 from models.loader import load_model
 from models.tokenizer import Tokenizer, load_tokenizer
 
@@ -59,7 +60,8 @@ class EngineInstance:
             Path(config.checkpoint), dtype=config.dtype, device=config.device
         )
         tokenizer = load_tokenizer(config.checkpoint)
-        manager, cache = _build_cache(config, model_config)
+        share = _gpu_share(config, model_config, model)
+        manager, cache = _build_cache(config, model_config, share)
         spec = model_config.cache_spec(config.dtype)
         runner = ModelRunner(
             model,
@@ -153,8 +155,29 @@ def _build_scheduler(config: WorkerConfig, manager: KVCacheManager) -> Scheduler
     )
 
 
+def _gpu_share(config: WorkerConfig, model_config: ModelConfig, model: CausalLM) -> GpuShare | None:
+    """This instance's part of its GPU, measured now that the weights are in."""
+    if config.memory_fraction is None or not config.device.startswith("cuda"):
+        return None
+    from kvcache.tensors import device_memory
+
+    dtype = config.dtype or model_config.dtype
+    activations = step_activation_bytes(
+        num_tokens=config.max_num_tokens,
+        num_sequences=config.max_batch_size,
+        hidden_size=model_config.hidden_size,
+        intermediate_size=model_config.intermediate_size,
+        vocab_size=model_config.vocab_size,
+        dtype_bytes=DTYPE_BYTES[dtype],
+    )
+    tensors = [*model.parameters(), *model.buffers()]
+    weights = sum(t.numel() * t.element_size() for t in tensors)
+    memory = device_memory(config.device, weights)
+    return GpuShare(memory, config.gpu_share, config.memory_fraction, activations)
+
+
 def _build_cache(
-    config: WorkerConfig, model_config: ModelConfig
+    config: WorkerConfig, model_config: ModelConfig, gpu_share: GpuShare | None = None
 ) -> tuple[KVCacheManager, CacheTensors]:
     """Size the pools, build the manager and allocate its tensors."""
     spec = model_config.cache_spec(config.dtype)
@@ -166,6 +189,7 @@ def _build_cache(
         max_tokens=config.max_tokens,
         memory_bytes=config.kv_cache_memory_bytes,
         device=config.device,
+        gpu_share=gpu_share,
     )
     manager = create_manager(
         config.manager,

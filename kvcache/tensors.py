@@ -16,6 +16,7 @@ import torch
 from kvcache.layout import CONV, SSM, Region, TensorPlacement
 from kvcache.manager import KVCacheManager
 from kvcache.pool_layout import CacheLayout
+from kvcache.sizing import DeviceMemory
 from models.batch import AttentionLayerCache, CacheViews, MambaLayerCache
 from models.dtypes import torch_dtype
 
@@ -102,6 +103,13 @@ def allocate_cache_tensors(
         for name, num_bytes in layout.buffers().items()
     }
     return CacheTensors(layout=layout, raw=raw)
+
+
+def device_memory(device: str | torch.device, weights: int) -> DeviceMemory:
+    """Total and free bytes of a CUDA device now, with the `weights` bytes an
+    instance has loaded there."""
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    return DeviceMemory(int(total), int(free), weights)
 
 
 def free_device_memory(device: str | torch.device) -> int:
