@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _SHUTDOWN_TIMEOUT_S = 10.0
+# While waiting on Ray at shutdown, how often to check that it still runs.
+_RAY_ALIVE_POLL_S = 0.2
 CPUS_PER_INSTANCE = 1.0
 # A worker process that dies (OOM, a crash, a killed node) is restarted by Ray
 # this many times, in its placement group; the router routes around it until
@@ -79,9 +81,13 @@ class RunningCluster:
         if self._stopped:
             return
         self._stopped = True
-        await asyncio.gather(*(_stop_actor(i) for i in self.instances))
-        for instance in self.instances:
-            await _ray_call(remove_placement_group, instance.placement_group)
+        if _local_ray_alive():
+            await asyncio.gather(*(_stop_instance(i) for i in self.instances))
+        else:
+            # A signal to the whole process group stopped our Ray first: its
+            # actors and placement groups went with it, and every call to it
+            # would only wait out its timeout.
+            logger.warning("the local Ray is gone; not stopping its actors one by one")
         self.instances.clear()
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
@@ -202,14 +208,44 @@ def _node_ip(group: PlacementGroup) -> str:
     return "127.0.0.1"
 
 
-async def _stop_actor(instance: LaunchedInstance) -> None:
-    if instance.actor is None:
-        return
+async def _stop_instance(instance: LaunchedInstance) -> None:
+    """Stop the actor (gracefully, then by force), then remove its placement group."""
+    if instance.actor is not None:
+        try:
+            await _unless_ray_dies(instance.actor.shutdown.remote())
+        except Exception as exc:  # already dead or stuck: kill it below anyway
+            logger.debug("graceful shutdown of %s failed: %s", instance.plan.name, exc)
+        await _ray_call(ray.kill, instance.actor, no_restart=True)
+    await _ray_call(remove_placement_group, instance.placement_group)
+
+
+def _local_ray_alive() -> bool:
+    """False once a Ray this process started has lost one of its processes.
+
+    A joined cluster's processes are not ours to watch: True.
+    """
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is None:
+        return True
     try:
-        await asyncio.wait_for(instance.actor.shutdown.remote(), _SHUTDOWN_TIMEOUT_S)
-    except Exception as exc:  # already dead or stuck: kill it below anyway
-        logger.debug("graceful shutdown of %s failed: %s", instance.plan.name, exc)
-    await _ray_call(ray.kill, instance.actor, no_restart=True)
+        return bool(node.remaining_processes_alive())
+    except Exception:  # Ray's internals moved: assume alive, the timeouts still bound us
+        return True
+
+
+async def _unless_ray_dies(work: Awaitable[T]) -> T | None:
+    """Await `work` for up to the shutdown timeout, giving up early (None) when
+    the local Ray dies meanwhile."""
+    task = asyncio.ensure_future(work)
+    deadline = asyncio.get_running_loop().time() + _SHUTDOWN_TIMEOUT_S
+    while not task.done():
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0 or not _local_ray_alive():
+            task.cancel()
+            logger.warning("Ray did not answer within %.0fs or is gone", _SHUTDOWN_TIMEOUT_S)
+            return None
+        await asyncio.wait([task], timeout=min(left, _RAY_ALIVE_POLL_S))
+    return task.result()
 
 
 async def _ray_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
@@ -236,10 +272,7 @@ async def _ray_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
             done.set_result(None)
 
     threading.Thread(target=call, daemon=True, name=f"ray-{fn.__name__}").start()
-    try:
-        await asyncio.wait_for(done, _SHUTDOWN_TIMEOUT_S)
-    except TimeoutError:
-        logger.warning("Ray did not answer %s within %.0fs", fn.__name__, _SHUTDOWN_TIMEOUT_S)
+    await _unless_ray_dies(done)
 
 
 async def _within(work: Awaitable[T], timeout_s: float, what: str, plan: ClusterPlan) -> T:
