@@ -97,12 +97,15 @@ class KvCacheConfig(_Strict):
 class ServerSectionConfig(_Strict):
     """One role's instances; unset override keys inherit the top level."""
 
-    num_instances: int = Field(default=1, ge=1)
+    # 0 context instances: every request runs whole on a generation instance.
+    num_instances: int = Field(default=1, ge=0)
     tensor_parallel_size: int = Field(default=1, ge=1)
     num_gpus: float = Field(default=0.0, ge=0)
     # Custom Ray resources each instance's bundle asks for, so the role lands
     # on the nodes that offer them (`ray start --resources '{"prefill": 4}'`).
     resources: dict[str, float] = Field(default_factory=dict)
+    # Ray CPU grant per instance; on CPU it is also the instance's torch threads.
+    num_cpus: float = Field(default=1.0, gt=0)
     kv_cache: KvCacheConfig | None = None
     cache_transceiver: CacheTransceiverConfig | None = None
     max_num_tokens: int | None = Field(default=None, gt=0)
@@ -140,6 +143,7 @@ class RoleSettings(_Strict):
     num_instances: int
     num_gpus: float
     resources: dict[str, float]
+    num_cpus: float
     kv_cache: KvCacheConfig
     cache_transceiver: CacheTransceiverConfig
     max_num_tokens: int
@@ -170,6 +174,12 @@ class ClusterConfig(_Strict):
     def _sections_agree_with_top_level(self) -> ClusterConfig:
         for role in ROLES:
             self.role_settings(role)
+        if self.generation_servers.num_instances == 0:
+            raise ValueError(
+                "generation_servers.num_instances is 0, but every request ends on a "
+                "generation instance; set it to 1 or more (context_servers.num_instances "
+                "may be 0: requests then run whole on generation instances)"
+            )
         return self
 
     def role_settings(self, section_name: str) -> RoleSettings:
@@ -186,6 +196,7 @@ class ClusterConfig(_Strict):
             num_instances=section.num_instances,
             num_gpus=section.num_gpus,
             resources=section.resources,
+            num_cpus=section.num_cpus,
             kv_cache=KvCacheConfig.model_validate(kv_cache),
             cache_transceiver=CacheTransceiverConfig.model_validate(transceiver),
             dtype=self.dtype,

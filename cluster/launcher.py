@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import secrets
 import threading
@@ -41,7 +42,6 @@ T = TypeVar("T")
 _SHUTDOWN_TIMEOUT_S = 10.0
 # While waiting on Ray at shutdown, how often to check that it still runs.
 _RAY_ALIVE_POLL_S = 0.2
-CPUS_PER_INSTANCE = 1.0
 # A worker process that dies (OOM, a crash, a killed node) is restarted by Ray
 # this many times, in its placement group; the router routes around it until
 # it answers polls again. Calls in flight when it died fail (no task retries):
@@ -93,8 +93,9 @@ class RunningCluster:
             ray.shutdown()
 
 
-def connect_ray(address: str | None, num_instances: int) -> bool:
-    """Join `address`, or start a local Ray sized for the plan; True when started here."""
+def connect_ray(address: str | None, num_cpus: float) -> bool:
+    """Join `address`, or start a local Ray with at least `num_cpus` CPUs (what
+    the plan's instances ask for together); True when started here."""
     if ray.is_initialized():
         return False
     env = {"env_vars": {"PYTHONPATH": _project_root()}}
@@ -108,9 +109,9 @@ def connect_ray(address: str | None, num_instances: int) -> bool:
                 "`address` from the config to run a local cluster"
             ) from exc
         return False
-    # A local cluster grants one CPU per instance even on a smaller machine:
-    # the grant sizes each worker's torch threads, it does not pin cores.
-    cpus = max(os.cpu_count() or 1, int(num_instances * CPUS_PER_INSTANCE))
+    # A local cluster grants every instance its num_cpus even on a smaller
+    # machine: the grant sizes each worker's torch threads, it does not pin cores.
+    cpus = max(os.cpu_count() or 1, math.ceil(num_cpus))
     # "local" always starts a Ray of our own: without it Ray would join a
     # cluster that `ray start` left running on this machine, or trip over
     # the stale record (ray_current_cluster) of one that was stopped.
@@ -156,7 +157,7 @@ async def _start_all(plan: ClusterPlan, secret: str, cluster: RunningCluster) ->
 async def _start_instance(
     plan: ClusterPlan, instance: InstancePlan, secret: str, cluster: RunningCluster
 ) -> None:
-    bundle = {"CPU": CPUS_PER_INSTANCE, **instance.resources}
+    bundle = {"CPU": instance.num_cpus, **instance.resources}
     if instance.num_gpus:
         bundle["GPU"] = instance.num_gpus
     # The secret's prefix keeps two deployments on one Ray cluster apart.
@@ -171,14 +172,15 @@ async def _start_instance(
         pending.actor = (
             _actor_class(instance.role)
             .options(
-                num_cpus=CPUS_PER_INSTANCE,
+                num_cpus=instance.num_cpus,
                 num_gpus=instance.num_gpus,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group),
                 name=label,
                 max_concurrency=1000,
                 max_restarts=MAX_RESTARTS,
+                runtime_env={"env_vars": worker_env(instance)},
             )
-            .remote(config, instance.name)
+            .remote(config, instance.name, *_role_argument(instance))
         )
         await pending.actor.start.remote()
         health = await pending.actor.health.remote()
@@ -197,6 +199,27 @@ def _actor_class(role: str) -> Any:
     from decode_worker.worker import GenerationWorker
 
     return ray.remote(GenerationWorker)
+
+
+def worker_env(instance: InstancePlan) -> dict[str, str]:
+    """Environment variables of an instance's worker process (merged by Ray
+    with the job's).
+
+    On CPU, OpenMP threads wait passively at the end of a parallel region
+    instead of spinning (libgomp's default): they share the instance's cores
+    with its event loop and Ray's I/O threads (and, on one machine, with the
+    router), which spinning starves. On 2 shared cores, an aggregated
+    instance with num_cpus 2 served 118-263 output tok/s spinning and
+    826-959 passive. A value set in the environment of `serve` is kept.
+    """
+    if instance.device != "cpu":
+        return {}
+    return {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+
+
+def _role_argument(instance: InstancePlan) -> tuple[str, ...]:
+    """The generation actor's `role` argument; a context actor takes none."""
+    return () if instance.role == "context" else (instance.worker_role,)
 
 
 def _node_ip(group: PlacementGroup) -> str:

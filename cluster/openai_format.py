@@ -53,7 +53,25 @@ def usage(delta: Delta) -> dict[str, Any]:
 
 
 def sse(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+    return f"data: {_dumps(body)}\n\n"
+
+
+def _dumps(body: Any) -> str:
+    return json.dumps(body, separators=(",", ":"))
+
+
+class ChunkWriter:
+    """SSE lines of one stream's chunks. The fields every chunk repeats (id,
+    object, created, model) are serialized once per stream; each chunk
+    serializes only its own choice. The line is what `sse` makes of the
+    whole chunk object."""
+
+    def __init__(self, meta: ResponseMeta, obj: str) -> None:
+        head = _dumps({"id": meta.id, "object": obj, "created": meta.created, "model": meta.model})
+        self._prefix = f'data: {head[:-1]},"choices":['
+
+    def line(self, choice: dict[str, Any]) -> str:
+        return f"{self._prefix}{_dumps(choice)}]}}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -105,6 +123,10 @@ def completion_logprobs(
     }
 
 
+def completion_choice(text: str, finish: str | None, logprobs: Any) -> dict[str, Any]:
+    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
 def completion_chunk(
     meta: ResponseMeta, text: str, finish: str | None, logprobs: Any
 ) -> dict[str, Any]:
@@ -113,7 +135,7 @@ def completion_chunk(
         "object": "text_completion",
         "created": meta.created,
         "model": meta.model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        "choices": [completion_choice(text, finish, logprobs)],
     }
 
 
@@ -159,6 +181,10 @@ def chat_logprobs(delta: Delta, tokenizer: TokenText, num_top: int) -> dict[str,
     return {"content": content}
 
 
+def chat_choice(delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> dict[str, Any]:
+    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+
+
 def chat_chunk(
     meta: ResponseMeta, delta: dict[str, Any], finish: str | None, logprobs: Any = None
 ) -> dict[str, Any]:
@@ -167,7 +193,7 @@ def chat_chunk(
         "object": "chat.completion.chunk",
         "created": meta.created,
         "model": meta.model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        "choices": [chat_choice(delta, finish, logprobs)],
     }
 
 

@@ -7,8 +7,11 @@ managers fails here with one message, so nothing is started for it.
 
 `format_plan` renders the plan as the table `disagg serve` prints:
 
-    instance    role        manager  transceiver  block  blocks  slots  device
-    context-0   context     v1       python       16     512     0      cpu
+    instance    role        manager  transceiver  block  blocks  slots  device  cpus
+    context-0   context     v1       python       16     512     0      cpu     1
+
+With `context_servers.num_instances: 0` the plan is aggregated only: every
+generation instance runs whole requests (role "aggregated", no transceiver).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from kvcache.hashing import cache_namespace
 from kvcache.resolution import (
     resolve_block_reuse,
     resolve_cluster_managers,
+    resolve_manager,
     resolve_transceiver,
 )
 from kvcache.sizing import CacheSizing, size_instance_cache
@@ -36,6 +40,8 @@ from models.registry import model_preferences
 DEFAULT_MAX_TOKENS = 8192
 # `org/name` as the Hugging Face Hub spells a model id.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# The transceiver of an aggregated-only plan.
+NO_TRANSCEIVER = "none"
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,10 @@ class InstancePlan:
     num_gpus: float
     lease_s: float
     transfer_timeout_s: float
+    num_cpus: float = 1.0
+    # A generation instance of a cluster with no context instances: it runs
+    # every request whole and builds no transceiver.
+    aggregated: bool = False
     # A worker never needs to queue more than the whole cluster admits.
     max_num_waiting: int = 1024
     # "tcp", "ucx" or "auto"; auto is resolved on the worker (see WorkerConfig).
@@ -76,6 +86,11 @@ class InstancePlan:
     def device(self) -> str:
         return "cuda" if self.num_gpus > 0 else "cpu"
 
+    @property
+    def worker_role(self) -> str:
+        """The role its worker actor runs as: context, generation or aggregated."""
+        return "aggregated" if self.aggregated else self.role
+
     def worker_config(
         self, checkpoint: str, cluster_secret: str, transfer_host: str
     ) -> WorkerConfig:
@@ -84,7 +99,8 @@ class InstancePlan:
             dtype=self.dtype,
             device=self.device,
             manager=self.manager,
-            transceiver=self.transceiver,
+            # An aggregated worker builds no transceiver; the field keeps a valid value.
+            transceiver="python" if self.aggregated else self.transceiver,
             block_size=self.block_size,
             max_tokens=self.max_tokens,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
@@ -117,6 +133,15 @@ class ClusterPlan:
     def of_role(self, role: str) -> list[InstancePlan]:
         return [i for i in self.instances if i.role == role]
 
+    @property
+    def aggregated_only(self) -> bool:
+        return not self.of_role("context")
+
+    @property
+    def num_cpus(self) -> float:
+        """CPUs all instances together ask Ray for."""
+        return sum(i.num_cpus for i in self.instances)
+
 
 def resolve_plan(config: ClusterConfig, source: str = "<config>") -> ClusterPlan:
     """Resolve every `auto` of `config`; raises `ConfigError` naming what to change."""
@@ -132,10 +157,17 @@ def resolve_plan(config: ClusterConfig, source: str = "<config>") -> ClusterPlan
     context = config.role_settings("context_servers")
     generation = config.role_settings("generation_servers")
     try:
-        transceiver = _one_transceiver(context, generation, preferred_transceiver)
-        managers = resolve_cluster_managers(
-            context.kv_cache.manager, generation.kv_cache.manager, preferred_manager, transceiver
-        )
+        if context.num_instances == 0:  # aggregated only: no cache ever moves
+            transceiver = NO_TRANSCEIVER
+            managers = ("", resolve_manager(generation.kv_cache.manager, preferred_manager))
+        else:
+            transceiver = _one_transceiver(context, generation, preferred_transceiver)
+            managers = resolve_cluster_managers(
+                context.kv_cache.manager,
+                generation.kv_cache.manager,
+                preferred_manager,
+                transceiver,
+            )
     except ResolutionError as exc:
         raise ConfigError(f"{source}: {exc}") from exc
     spec = model_config.cache_spec(_dtype(config.dtype))
@@ -221,6 +253,8 @@ def _instance(
         max_num_waiting=max_num_waiting,
         transfer_wire=settings.cache_transceiver.wire,
         resources=dict(settings.resources),
+        num_cpus=settings.num_cpus,
+        aggregated=transceiver == NO_TRANSCEIVER,
     )
 
 
@@ -279,21 +313,37 @@ def _dtype(value: str) -> str | None:
 
 
 def format_plan(plan: ClusterPlan) -> str:
-    header = ("instance", "role", "manager", "transceiver", "block", "blocks", "slots", "device")
+    header = (
+        "instance",
+        "role",
+        "manager",
+        "transceiver",
+        "block",
+        "blocks",
+        "slots",
+        "device",
+        "cpus",
+    )
     rows = [header] + [
         (
             i.name,
-            i.role,
+            i.worker_role,
             i.manager,
             i.transceiver,
             str(i.block_size),
             "by memory" if i.num_blocks is None else str(i.num_blocks),
             str(i.num_mamba_slots),
             i.device,
+            f"{i.num_cpus:g}",
         )
         for i in plan.instances
     ]
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     title = f"model {plan.checkpoint} ({plan.architecture}), transceiver {plan.transceiver}"
+    if plan.aggregated_only:
+        title = (
+            f"model {plan.checkpoint} ({plan.architecture}), aggregated only: no context "
+            "instances, every request runs whole on a generation instance"
+        )
     return "\n".join([title, *(line.rstrip() for line in lines)])

@@ -3,6 +3,10 @@
     prompt ──► policy picks a context worker ──► ContextResult (first token + handle)
            └─► policy picks a generation worker ──► token stream ──► caller
 
+A generation worker's tokens for all its requests arrive on one stream per
+worker, one message per engine step (`cluster.worker_channel`), and are
+split per request here.
+
 Conditional disaggregation: when the part of the prompt no generation worker
 already caches is at most `max_local_prefill_length` tokens, the context hop
 is skipped and one generation worker runs the whole request.
@@ -37,6 +41,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from cluster.metrics import ServingMetrics
 from cluster.policies import RoutingPolicy, WorkerState, make_policy
+from cluster.worker_channel import WorkerChannel
 from engine.errors import RequestFailedError
 from engine.messages import ContextRequest, ContextResult, GenerationRequest, TokenEvent
 from kvcache.hashing import hash_full_blocks, root_hash
@@ -84,6 +89,7 @@ class Router:
         self._generation_policy = make_policy(settings.policy)
         self._root = root_hash(settings.hash_namespace)
         self._poller: asyncio.Task[None] | None = None
+        self._channels = {e.name: WorkerChannel(e.name, e.actor) for e in self.generation}
 
     @property
     def workers(self) -> list[WorkerEndpoint]:
@@ -100,6 +106,8 @@ class Router:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
             self._poller = None
+        for channel in self._channels.values():
+            await channel.stop()
 
     def block_hashes(self, prompt: Sequence[int], block_size: int) -> list[bytes]:
         """Chained hashes of the prompt's full blocks, as the workers compute them."""
@@ -224,16 +232,17 @@ class Router:
             streamed = False
             started = time.perf_counter()
             try:
-                async for ref in endpoint.actor.generate.remote(request):
-                    event: TokenEvent = await ref
-                    if not streamed and event.error is not None and request.context is not None:
-                        raise RequestFailedError(request.request_id, event.error)
-                    if event.cache_ready and request.context is not None:
-                        self._record_transfer(request.context, started)
-                    streamed = True
-                    yield event
-                    if event.finished:
-                        return
+                channel = self._channels[endpoint.name]
+                async with contextlib.aclosing(channel.stream(request)) as events:
+                    async for event in events:
+                        if not streamed and event.error is not None and request.context is not None:
+                            raise RequestFailedError(request.request_id, event.error)
+                        if event.cache_ready and request.context is not None:
+                            self._record_transfer(request.context, started)
+                        streamed = True
+                        yield event
+                        if event.finished:
+                            return
                 raise RequestFailedError(request.request_id, "the stream ended unfinished")
             except Exception as exc:
                 failure = self._failed(endpoint, exc, "generation")

@@ -96,14 +96,14 @@ def build_app(
 class _Shape:
     """How one endpoint renders its output.
 
-    opening: chunks sent before the first token (chat's role chunk).
-    chunk / whole: a streamed chunk for one delta / the body for all of them.
+    opening: SSE lines sent before the first token (chat's role chunk).
+    chunk / whole: the SSE line of one delta / the body for all of them.
     """
 
     endpoint: str
     meta: fmt.ResponseMeta
-    opening: list[dict[str, Any]]
-    chunk: Callable[[Delta], dict[str, Any]]
+    opening: list[str]
+    chunk: Callable[[Delta], str]
     whole: Callable[[Delta], dict[str, Any]]
     chunk_object: str
 
@@ -151,13 +151,14 @@ class _OpenAIRoutes:
         meta = fmt.ResponseMeta(prepared.request_id, int(time.time()), self.model.name)
         num_top = body.logprobs or 0
         tokenizer = self.model.tokenizer
+        writer = fmt.ChunkWriter(meta, "text_completion")
         offset = 0
 
-        def chunk(delta: Delta) -> dict[str, Any]:
+        def chunk(delta: Delta) -> str:
             nonlocal offset
             logprobs = fmt.completion_logprobs(delta, tokenizer, num_top, offset)
             offset += len(delta.text)
-            return fmt.completion_chunk(meta, delta.text, delta.finish_reason, logprobs)
+            return writer.line(fmt.completion_choice(delta.text, delta.finish_reason, logprobs))
 
         def whole(delta: Delta) -> dict[str, Any]:
             logprobs = fmt.completion_logprobs(delta, tokenizer, num_top, 0)
@@ -174,12 +175,13 @@ class _OpenAIRoutes:
         meta = fmt.ResponseMeta(prepared.request_id, int(time.time()), self.model.name)
         tokenizer = self.model.tokenizer
         num_top = body.top_logprobs or 0
-        opening = [fmt.chat_chunk(meta, {"role": "assistant", "content": ""}, None)]
+        writer = fmt.ChunkWriter(meta, "chat.completion.chunk")
+        opening = [writer.line(fmt.chat_choice({"role": "assistant", "content": ""}, None))]
 
-        def chunk(delta: Delta) -> dict[str, Any]:
+        def chunk(delta: Delta) -> str:
             content = {"content": delta.text} if delta.text else {}
             lp = fmt.chat_logprobs(delta, tokenizer, num_top)
-            return fmt.chat_chunk(meta, content, delta.finish_reason, lp)
+            return writer.line(fmt.chat_choice(content, delta.finish_reason, lp))
 
         def whole(delta: Delta) -> dict[str, Any]:
             return fmt.chat_body(meta, delta, fmt.chat_logprobs(delta, tokenizer, num_top))
@@ -297,14 +299,14 @@ class _OpenAIRoutes:
     ) -> AsyncIterator[str]:
         status = "200"
         try:
-            for item in shape.opening:
-                yield fmt.sse(item)
+            for line in shape.opening:
+                yield line
             last = first
-            yield fmt.sse(shape.chunk(first))
+            yield shape.chunk(first)
             if first.finish_reason is None:
                 async for delta in deltas:
                     last = delta
-                    yield fmt.sse(shape.chunk(delta))
+                    yield shape.chunk(delta)
             if include_usage:
                 yield fmt.sse(fmt.usage_chunk(shape.meta, shape.chunk_object, last))
         except (CompletionFailedError, RequestFailedError, NoWorkerError) as exc:

@@ -76,7 +76,7 @@ class ServingCluster:
     async def _launch(self) -> RunningCluster:
         # Ray installs its own SIGTERM handler when it connects; take the
         # signals back afterwards so a stop request always ends in `_close`.
-        owns_ray = connect_ray(self.config.address, len(self.plan.instances))
+        owns_ray = connect_ray(self.config.address, self.plan.num_cpus)
         self._catch_signals()
         launching = asyncio.ensure_future(
             launch(self.plan, self.config.startup_timeout_s, owns_ray=owns_ray)

@@ -1,19 +1,21 @@
 """The generation-phase actor (and the aggregated one).
 
-`GenerationWorker.generate` takes a `GenerationRequest` and streams
-`TokenEvent`s. With a context result attached it allocates blocks (and a
-Mamba slot), pulls the prompt's cache through the transceiver in its own
-task — the running batch keeps stepping meanwhile — and then joins the
-running batch; its stream starts with one `cache_ready` event (no tokens)
+`GenerationWorker.submit` takes a `GenerationRequest`; the events of all
+requests leave through one stream, `events()`, one list per engine step
+(`engine.event_stream`), which the router reads and splits per request.
+With a context result attached the worker allocates blocks (and a Mamba
+slot), pulls the prompt's cache through the transceiver in its own task —
+the running batch keeps stepping meanwhile — and then joins the running
+batch; the request's events start with one `cache_ready` event (no tokens)
 once the pull completed, then the *second* token (the first one came with
 the `ContextResult`). Without one it runs the whole request locally
 (aggregated mode and conditional disaggregation) and streams from the first
 token.
 
 Run as a Ray actor: `ray.remote(GenerationWorker).options(num_cpus=...).remote(config, id, role)`;
-iterate `actor.generate.remote(req)` as a streaming generator. An actor Ray
-restarts after a crash is rebuilt from the same arguments and starts itself
-on its first request.
+iterate `actor.events.remote()` as a streaming generator once, and send
+requests with `actor.submit.remote(req)`. An actor Ray restarts after a
+crash is rebuilt from the same arguments and starts itself on its first call.
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from engine.aborts import AbortedIds
+from engine.errors import RequestFailedError
+from engine.event_stream import EventDemux, EventOutbox, read_stream
 from engine.instance import EngineInstance
 from engine.messages import (
+    ContextResult,
     GenerationRequest,
     KVEventBatch,
     TokenEvent,
@@ -61,8 +66,13 @@ class GenerationWorker:
             else None
         )
         self._pulls: dict[str, asyncio.Task[None]] = {}
-        self._active: set[str] = set()  # ids between generate() start and end
-        self._aborted = AbortedIds()  # aborts that arrived before their generate()
+        self._admitting: set[asyncio.Task[None]] = set()  # pull, then join the batch
+        self._active: set[str] = set()  # ids between submit() and their final event
+        self._aborted = AbortedIds()  # aborts that arrived before their submit()
+        self._outbox = EventOutbox()
+        self.engine.loop.on_events = self._post
+        self._local = EventDemux()  # generate()'s own reading of events()
+        self._reader: asyncio.Future[None] | None = None
         self._starting: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -77,49 +87,77 @@ class GenerationWorker:
             await self.transceiver.start()
         self.engine.loop.start()
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
-        """Stream a request's tokens; the last event has `finish_reason` set."""
+    async def submit(self, request: GenerationRequest) -> None:
+        """Accept a request; its events arrive on the `events()` stream.
+
+        With a context result attached the cache is pulled in the background
+        and announced by a `cache_ready` event. An abort that overtook this
+        call arrives there too, as a final "abort" event; an id already in
+        flight here raises `RequestFailedError`.
+        """
         await self.start()
         rid = request.request_id
         req = Request(rid, list(request.prompt_token_ids), request.params)
         if rid in self._active:
-            yield _error(req, "a request with this id is already in flight on this worker")
-            return
+            raise RequestFailedError(rid, "a request with this id is already in flight here")
         if self._aborted.take(rid):
-            yield _error(req, "aborted before it reached this worker", reason="abort")
+            reason = "aborted before it reached this worker"
+            self._outbox.post([_error(req, reason, reason="abort")])
             return
         self._active.add(rid)
+        if request.context is None:
+            self.engine.loop.submit(req)
+        elif self.transceiver is None:
+            self._post([_error(req, "this worker runs aggregated and cannot pull a cache")])
+        else:
+            # The pull task is registered before this call returns, so an
+            # abort from now on finds and cancels it.
+            pull = self._start_pull(req, request.context)
+            self._admitting.add(asyncio.get_running_loop().create_task(self._admit(req, pull)))
+
+    async def events(self) -> AsyncIterator[list[TokenEvent]]:
+        """Every request's events, one list per engine step (or per wake-up,
+        when the reader lags): the router's single stream from this worker.
+
+        A later call takes over from an earlier one; events that find no
+        reader wait for the next.
+        """
+        await self.start()
+        async for batch in self._outbox.batches():
+            yield batch
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """One request's events, for a caller that drives this worker alone
+        (tests, offline benchmarks): it reads `events()` itself, so it must not
+        share the worker with a router. Leaving early aborts the request."""
+        if self._reader is None or self._reader.done():
+            self._reader = asyncio.ensure_future(self._read_locally())
+        queue = self._local.open(request.request_id)
         finished = False
         try:
-            if request.context is None:
-                stream = self.engine.loop.submit(req)
-            else:
-                error = await self._pull(req, request)
-                if error is not None:
-                    finished = True
-                    yield error
-                    return
-                stream = self.engine.loop.submit(req, prefilled=True)
-                yield TokenEvent(rid, [], num_prompt_tokens=req.num_prompt_tokens, cache_ready=True)
-            while not finished:
-                event = await stream.get()
+            await self.submit(request)
+            async for event in read_stream(queue):
                 finished = event.finished
                 yield event
         finally:
-            self._active.discard(rid)
-            if not finished:  # the consumer went away or the call was cancelled
-                self.abort(rid)
-                self.engine.loop.detach(rid)
+            self._local.close(request.request_id)
+            if not finished:
+                self.abort(request.request_id)
+
+    async def _read_locally(self) -> None:
+        async for batch in self.events():
+            self._local.deliver(batch)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request anywhere in its life; frees its blocks and slot.
 
         Its stream ends with a final "abort" event. An abort that arrives
-        before its `generate` call (Ray does not order calls to an async
+        before its `submit` call (Ray does not order calls to an async
         actor) makes that call end at once with "abort".
         """
         if request_id not in self._active:
             self._aborted.add(request_id)
+            return
         pull = self._pulls.pop(request_id, None)
         if pull is not None:
             if self.transceiver is not None:
@@ -158,33 +196,59 @@ class GenerationWorker:
         error) and close the transceiver; frees everything."""
         for task in list(self._pulls.values()):
             task.cancel()
+        await asyncio.gather(*self._admitting, return_exceptions=True)
         await self.engine.loop.stop()
+        if self._reader is not None:
+            self._reader.cancel()
         if self.transceiver is not None:
             await self.transceiver.close()
 
-    async def _pull(self, req: Request, request: GenerationRequest) -> TokenEvent | None:
-        """Allocate, pull and admit-ready `req`; an error event on failure."""
-        context = request.context
-        assert context is not None
-        rid = req.request_id
-        if self.transceiver is None:
-            return _error(req, "this worker runs aggregated and cannot pull a cache")
+    async def _admit(self, req: Request, pull: asyncio.Task[None]) -> None:
+        """Wait for the pull, announce it (`cache_ready`) and join the batch."""
+        try:
+            error = await self._finish_pull(req, pull)
+            if error is not None:
+                self._post([error])
+                return
+            ready = TokenEvent(
+                req.request_id, [], num_prompt_tokens=req.num_prompt_tokens, cache_ready=True
+            )
+            self._post([ready])
+            self.engine.loop.submit(req, prefilled=True)
+        finally:
+            self._admitting.discard(asyncio.current_task())  # type: ignore[arg-type]
+
+    def _post(self, events: list[TokenEvent]) -> None:
+        """Send events to the reader; a final one ends its request here."""
+        for event in events:
+            if event.finish_reason is not None:
+                self._active.discard(event.request_id)
+        self._outbox.post(events)
+
+    def _start_pull(self, req: Request, context: ContextResult) -> asyncio.Task[None]:
+        """Seed `req` with the context's first token and start pulling its cache."""
         req.output_token_ids.append(context.first_token_id)
         if context.first_logprob is not None:
             req.output_logprobs.append(context.first_logprob)
         req.num_computed_tokens = req.num_prompt_tokens
         req.first_token_time = time.monotonic()
         task = asyncio.get_running_loop().create_task(self._pull_into_cache(req, context.handle))
-        self._pulls[rid] = task
+        self._pulls[req.request_id] = task
+        return task
+
+    async def _finish_pull(self, req: Request, pull: asyncio.Task[None]) -> TokenEvent | None:
+        """Wait for the pull; on failure free what it allocated and return the
+        request's final error (or abort) event."""
+        rid = req.request_id
         try:
-            await task
+            await pull
         except (asyncio.CancelledError, Exception) as exc:
             aborted = rid not in self._pulls  # abort() took it out
             await self._between_steps(lambda: self.engine.manager.free(rid))
-            if isinstance(exc, asyncio.CancelledError) and not aborted:
-                raise  # our caller went away
             if aborted:
                 return _error(req, "aborted while its cache was in transfer", reason="abort")
+            if isinstance(exc, asyncio.CancelledError):  # shutdown()
+                return _error(req, "the worker is shutting down; retry on another worker")
             # TransferTimeout, LayoutMismatch, PeerGone, no free blocks in time
             return _error(req, f"cache transfer failed: {exc}")
         else:

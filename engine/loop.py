@@ -7,6 +7,9 @@ mutation of engine state — adding, aborting, freeing a handed-off request —
 is queued with `call_between_steps` and applied on the event loop while no
 step is running, so the scheduler and the cache manager only ever see one
 thread at a time.
+
+Token events leave through one callback per step (`on_events`) with every
+request's new tokens of that step, never one call per token.
 """
 
 from __future__ import annotations
@@ -59,7 +62,9 @@ class EngineLoop:
         self.core = core
         self.stats = StepStats()
         self.on_handoff: Callable[[Request], None] | None = None
-        self._streams: dict[str, asyncio.Queue[TokenEvent]] = {}
+        # Receives each step's events in one list; set before `start`.
+        self.on_events: Callable[[list[TokenEvent]], None] = _drop
+        self._open: set[str] = set()  # submitted, final event not yet sent
         self._pending: list[Callable[[], None]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -117,17 +122,16 @@ class EngineLoop:
         self.call_between_steps(run)
         return await future
 
-    def submit(self, request: Request, prefilled: bool = False) -> asyncio.Queue[TokenEvent]:
-        """Queue a request; returns the queue its `TokenEvent`s arrive on.
+    def submit(self, request: Request, prefilled: bool = False) -> None:
+        """Queue a request; its `TokenEvent`s go to `on_events`.
 
         `prefilled` admits it straight into the running batch (its cache was
         pulled). Raises ValueError for an id already in flight; capacity
         errors surface as a final event with `error` set.
         """
-        if request.request_id in self._streams:
+        if request.request_id in self._open:
             raise ValueError(f"request id {request.request_id!r} is already in flight here")
-        stream: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        self._streams[request.request_id] = stream
+        self._open.add(request.request_id)
 
         def add() -> None:
             try:
@@ -136,10 +140,9 @@ class EngineLoop:
                 else:
                     self.core.add(request)
             except Exception as exc:  # CapacityError or a duplicate id
-                self._deliver(_error_event(request, str(exc)))
+                self._emit([_error_event(request, str(exc))])
 
         self.call_between_steps(add)
-        return stream
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its stream gets a final "abort" event."""
@@ -147,15 +150,9 @@ class EngineLoop:
         def drop() -> None:
             request = self.core.abort(request_id)
             if request is not None:
-                self._deliver(
-                    TokenEvent(request_id=request_id, token_ids=[], finish_reason="abort")
-                )
+                self._emit([TokenEvent(request_id=request_id, token_ids=[], finish_reason="abort")])
 
         self.call_between_steps(drop)
-
-    def detach(self, request_id: str) -> None:
-        """Stop delivering events for a request (its consumer went away)."""
-        self._streams.pop(request_id, None)
 
     async def _run(self) -> None:
         try:
@@ -183,10 +180,12 @@ class EngineLoop:
 
     def _fail_open_streams(self, error: str) -> None:
         """End every stream still open with a final error event."""
-        for request_id in list(self._streams):
-            self._deliver(
+        self._emit(
+            [
                 TokenEvent(request_id=request_id, token_ids=[], finish_reason="error", error=error)
-            )
+                for request_id in self._open
+            ]
+        )
 
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []
@@ -197,16 +196,19 @@ class EngineLoop:
         for request in result.handoffs:
             if self.on_handoff is not None:
                 self.on_handoff(request)
-        for event in result.events:
-            self._deliver(event)
+        if result.events:
+            self._emit(result.events)
 
-    def _deliver(self, event: TokenEvent) -> None:
-        stream = self._streams.get(event.request_id)
-        if stream is None:
-            return
-        stream.put_nowait(event)
-        if event.finished:
-            del self._streams[event.request_id]
+    def _emit(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            if event.finish_reason is not None:
+                self._open.discard(event.request_id)
+        if events:
+            self.on_events(events)
+
+
+def _drop(events: list[TokenEvent]) -> None:
+    """The default `on_events` of a loop nobody reads."""
 
 
 def _error_event(request: Request, message: str) -> TokenEvent:

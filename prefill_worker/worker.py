@@ -21,6 +21,7 @@ from typing import Any
 
 from engine.aborts import AbortedIds
 from engine.errors import RequestFailedError
+from engine.event_stream import EventDemux, read_stream
 from engine.instance import EngineInstance
 from engine.messages import (
     ContextRequest,
@@ -51,6 +52,10 @@ class ContextWorker:
         self._active: set[str] = set()  # ids between prefill() start and end
         self._aborted = AbortedIds()  # aborts that arrived before their prefill()
         self._starting: asyncio.Task[None] | None = None
+        # A context request ends at its first token: its one event, however
+        # many prompts finished in the same step.
+        self._results = EventDemux()
+        self.engine.loop.on_events = self._results.deliver
 
     async def start(self) -> None:
         """Start the transceiver and the engine loop; idempotent (later calls
@@ -75,11 +80,13 @@ class ContextWorker:
         if self._aborted.take(rid):
             raise RequestFailedError(rid, "aborted before it reached this worker")
         req = Request(rid, list(request.prompt_token_ids), request.params)
-        stream = self.engine.loop.submit(req)
+        results = self._results.open(rid)
+        self.engine.loop.submit(req)
         self._active.add(rid)
         try:
-            event = await stream.get()
+            event = await anext(read_stream(results))
         except asyncio.CancelledError:
+            self._results.close(rid)
             self.abort(rid)
             raise
         finally:

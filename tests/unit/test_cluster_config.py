@@ -167,9 +167,50 @@ def test_plan_sizes_blocks_and_prints_a_table(llama_dir: Path) -> None:
     assert plan.max_model_len == 64  # the smallest cache bounds a request
     table = format_plan(plan).splitlines()
     assert table[1].split() == [
-        "instance", "role", "manager", "transceiver", "block", "blocks", "slots", "device"
+        "instance", "role", "manager", "transceiver", "block", "blocks", "slots", "device", "cpus"
     ]  # fmt: skip
-    assert table[3].split() == ["generation-0", "generation", "v1", "python", "8", "9", "0", "cpu"]
+    assert table[3].split() == [
+        "generation-0", "generation", "v1", "python", "8", "9", "0", "cpu", "1"
+    ]  # fmt: skip
+
+
+def test_no_context_instances_is_an_aggregated_only_plan(llama_dir: Path) -> None:
+    raw = {
+        "model": str(llama_dir),
+        "cache_transceiver": {"backend": "nixl"},  # nothing moves: not even checked
+        "context_servers": {"num_instances": 0},
+        "generation_servers": {"num_instances": 2, "kv_cache": {"max_tokens": 64}},
+    }
+    plan = resolve_plan(config_from_dict(raw))
+    assert plan.aggregated_only and [i.worker_role for i in plan.instances] == ["aggregated"] * 2
+    assert plan.transceiver == "none"
+    table = format_plan(plan).splitlines()
+    assert "aggregated only" in table[0] and "every request runs whole" in table[0]
+    assert [row.split()[:4] for row in table[2:]] == [
+        ["generation-0", "aggregated", "v1", "none"],
+        ["generation-1", "aggregated", "v1", "none"],
+    ]
+
+
+def test_generation_servers_cannot_be_empty() -> None:
+    with pytest.raises(ConfigError, match="generation_servers.num_instances is 0.*1 or more"):
+        config_from_dict({"model": "m", "generation_servers": {"num_instances": 0}})
+
+
+def test_num_cpus_per_section_reaches_every_instance_and_the_ray_size(llama_dir: Path) -> None:
+    raw = {
+        "model": str(llama_dir),
+        "cache_transceiver": {"backend": "python"},
+        "kv_cache": {"max_tokens": 64},
+        "context_servers": {"num_cpus": 2},
+        "generation_servers": {"num_instances": 2, "num_cpus": 0.5},
+    }
+    plan = resolve_plan(config_from_dict(raw))
+    assert [i.num_cpus for i in plan.instances] == [2.0, 0.5, 0.5]
+    assert plan.num_cpus == 3.0
+    assert [row.split()[-1] for row in format_plan(plan).splitlines()[2:]] == ["2", "0.5", "0.5"]
+    with pytest.raises(ConfigError, match="num_cpus"):
+        config_from_dict({"model": "m", "context_servers": {"num_cpus": 0}})
 
 
 def test_cpu_memory_fraction_needs_a_cpu_budget(llama_dir: Path) -> None:

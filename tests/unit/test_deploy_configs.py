@@ -65,8 +65,10 @@ def test_gpu_cluster_installs_cpu_torch_on_the_head_and_cuda_torch_on_workers() 
 @pytest.mark.parametrize("path", DISAGG_CONFIGS, ids=lambda p: p.name)
 def test_disagg_config_loads(path: Path) -> None:
     config = load_config(path)
-    for role in ("context_servers", "generation_servers"):
-        assert config.role_settings(role).num_instances >= 1
+    assert config.role_settings("generation_servers").num_instances >= 1
+    # Only the aggregated-only example has no context instance.
+    context = config.role_settings("context_servers").num_instances
+    assert context >= 1 or path.name == "aggregated.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +95,7 @@ def test_disagg_config_resolves_a_plan(
     roles = [i.role for i in plan.instances]
     assert roles.count("context") == raw["context_servers"]["num_instances"]
     assert roles.count("generation") == raw["generation_servers"]["num_instances"]
-    if raw["cache_transceiver"]["backend"] == "nixl":
+    if raw.get("cache_transceiver", {}).get("backend") == "nixl":
         assert len({i.manager for i in plan.instances}) == 1
     if arch == "nemotron_h":
         assert plan.is_hybrid and {i.manager for i in plan.instances} == {"v2"}

@@ -15,11 +15,16 @@ from cluster.api_errors import APIError, handle_validation_error, validation_err
 from cluster.bench_stats import SLO, RequestRecord, percentile, summarize
 from cluster.completion import Delta
 from cluster.openai_format import (
+    ChunkWriter,
     ResponseMeta,
+    chat_choice,
     chat_chunk,
     chat_logprobs,
+    completion_choice,
+    completion_chunk,
     completion_logprobs,
     merge,
+    sse,
     usage,
 )
 from cluster.protocol import ChatCompletionRequest, CompletionRequest
@@ -253,6 +258,18 @@ def test_chat_chunk_has_the_openai_chunk_shape() -> None:
     assert chunk["choices"] == [
         {"index": 0, "delta": {"content": "hi"}, "logprobs": None, "finish_reason": None}
     ]
+
+
+def test_chunk_writer_lines_equal_the_whole_chunk_serialized() -> None:
+    meta = ResponseMeta('cmpl-"x"', 5, "m/é")  # quotes and non-ASCII survive the template
+    text = ChunkWriter(meta, "text_completion")
+    assert text.line(completion_choice('a "b"\n', "stop", None)) == sse(
+        completion_chunk(meta, 'a "b"\n', "stop", None)
+    )
+    chat = ChunkWriter(meta, "chat.completion.chunk")
+    assert chat.line(chat_choice({"content": "hi"}, None)) == sse(
+        chat_chunk(meta, {"content": "hi"}, None)
+    )
 
 
 def test_bench_statistics_percentiles_tpot_and_goodput() -> None:

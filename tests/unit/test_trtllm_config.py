@@ -179,7 +179,7 @@ def _plan_rows(out: str) -> list[tuple[str, ...]]:
         if not line.strip():
             break
         name, _role, *rest = re.split(r"\s{2,}", line.strip())
-        rows.append((name, *rest))
+        rows.append((name, *rest[:6]))  # manager to device; the cpus column is num_cpus
     return rows
 
 

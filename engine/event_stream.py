@@ -1,0 +1,114 @@
+"""Token events in batches: one message per engine step, not one per token.
+
+A worker's engine produces the new tokens of all its running requests at
+each step. They leave the worker together, as one `list[TokenEvent]`, over
+one long-lived stream per worker; the reader splits them back into
+per-request streams:
+
+    engine step ──► EventOutbox.post(events) ──► batches() ──► (one Ray stream)
+                                                                   │
+    request queues ◄── EventDemux.deliver(batch) ◄─────────────────┘
+
+`EventOutbox` coalesces whatever was posted since its reader last woke (one
+step, or several when the reader is slower than the engine), so the number
+of messages never grows with the number of requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable
+
+from engine.messages import TokenEvent
+
+# What a request's queue yields: its events, or the exception that broke the
+# stream they came on (the worker died); nothing follows either a final event
+# or an exception.
+StreamItem = TokenEvent | BaseException
+
+
+class EventOutbox:
+    """A worker's outgoing token events, handed out one batch per wake-up.
+
+    One reader at a time: a new `batches()` call takes over from the previous
+    one (which ends at its next wake-up), and events posted while nobody
+    reads wait for the next reader.
+    """
+
+    def __init__(self) -> None:
+        self._events: list[TokenEvent] = []
+        self._ready = asyncio.Event()
+        self._reader = 0
+
+    def post(self, events: Iterable[TokenEvent]) -> None:
+        self._events.extend(events)
+        if self._events:
+            self._ready.set()
+
+    async def batches(self) -> AsyncIterator[list[TokenEvent]]:
+        """Every event posted from now on (and any still waiting), in order."""
+        self._reader += 1
+        me = self._reader
+        self._ready.set()  # a previous reader wakes up and sees it is replaced
+        while True:
+            await self._ready.wait()
+            if self._reader != me:
+                return
+            self._ready.clear()
+            if self._events:
+                batch, self._events = self._events, []
+                yield batch
+
+
+class EventDemux:
+    """Splits batches of token events into one queue per open request.
+
+    Events of requests nobody opened (or closed: the consumer went away) are
+    dropped. A request's queue is forgotten after its final event.
+    """
+
+    def __init__(self) -> None:
+        self._queues: dict[str, asyncio.Queue[StreamItem]] = {}
+
+    def __len__(self) -> int:
+        return len(self._queues)
+
+    def open(self, request_id: str) -> asyncio.Queue[StreamItem]:
+        """The queue `request_id`'s events will arrive on; open it before the
+        request is sent, so no event can come first."""
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in flight here")
+        queue: asyncio.Queue[StreamItem] = asyncio.Queue()
+        self._queues[request_id] = queue
+        return queue
+
+    def close(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    def deliver(self, batch: Iterable[TokenEvent]) -> None:
+        queues = self._queues
+        for event in batch:
+            queue = queues.get(event.request_id)
+            if queue is None:
+                continue
+            queue.put_nowait(event)
+            if event.finish_reason is not None:
+                del queues[event.request_id]
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every open stream with `error` (the stream they share broke)."""
+        queues, self._queues = self._queues, {}
+        for queue in queues.values():
+            queue.put_nowait(error)
+
+
+async def read_stream(queue: asyncio.Queue[StreamItem]) -> AsyncIterator[TokenEvent]:
+    """One request's events off its queue, up to and including the final one;
+    raises the exception that broke the stream instead, if one arrives."""
+    while True:
+        item = await queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+        if item.finish_reason is not None:
+            return

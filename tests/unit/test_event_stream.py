@@ -1,0 +1,86 @@
+"""Token events leave a worker one batch per engine step and are split per request."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from decode_worker.worker import GenerationWorker
+from engine.event_stream import EventDemux, EventOutbox, read_stream
+from engine.messages import GenerationRequest, TokenEvent
+from engine.sampling import SamplingParams
+from engine.worker_config import WorkerConfig
+from models.embedded.writer import write_checkpoint
+
+
+def _event(rid: str, token: int, reason: str | None = None) -> TokenEvent:
+    return TokenEvent(rid, [token], finish_reason=reason)
+
+
+async def test_outbox_hands_out_everything_posted_since_the_last_wake_as_one_batch() -> None:
+    outbox = EventOutbox()
+    outbox.post([_event("a", 1), _event("b", 1)])  # no reader yet: the events wait
+    outbox.post([_event("a", 2)])
+    batches = outbox.batches()
+    first = await anext(batches)
+    assert [(e.request_id, e.token_ids) for e in first] == [("a", [1]), ("b", [1]), ("a", [2])]
+    outbox.post([_event("b", 2)])
+    assert [e.token_ids for e in await anext(batches)] == [[2]]
+
+
+async def test_a_new_outbox_reader_takes_over_from_the_old_one() -> None:
+    outbox = EventOutbox()
+    old = outbox.batches()
+    waiting = asyncio.ensure_future(anext(old))
+    await asyncio.sleep(0)
+    new = outbox.batches()
+    outbox.post([_event("a", 1)])
+    assert [e.token_ids for e in await anext(new)] == [[1]]
+    with pytest.raises(StopAsyncIteration):
+        await waiting
+
+
+async def test_demux_routes_by_request_drops_strangers_and_forgets_finished() -> None:
+    demux = EventDemux()
+    a, b = demux.open("a"), demux.open("b")
+    with pytest.raises(ValueError, match="already in flight"):
+        demux.open("a")
+    demux.deliver([_event("a", 1), _event("x", 9), _event("b", 1), _event("a", 2, "length")])
+    assert [e.token_ids for e in [a.get_nowait(), a.get_nowait()]] == [[1], [2]]
+    assert b.get_nowait().token_ids == [1] and len(demux) == 1  # "a" ended
+    demux.deliver([_event("a", 3)])  # late events of a finished request go nowhere
+    assert a.empty()
+    demux.fail_all(ConnectionError("worker died"))
+    with pytest.raises(ConnectionError, match="worker died"):
+        await anext(read_stream(b))
+    assert len(demux) == 0
+
+
+async def test_a_worker_sends_each_step_of_all_its_requests_as_one_message(
+    tmp_path: Path,
+) -> None:
+    write_checkpoint(tmp_path, "llama", "tiny")
+    config = WorkerConfig(checkpoint=str(tmp_path), block_size=4, max_tokens=512)
+    worker = GenerationWorker(config, "batches", "aggregated")
+    num_requests, max_tokens = 4, 6
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    try:
+        await worker.start()  # the engine idles: the four requests start in one step
+        batches = worker.events()
+        for i in range(num_requests):
+            await worker.submit(GenerationRequest(f"r{i}", [5 + i, 6, 7], params))
+        received: list[list[TokenEvent]] = []
+        while sum(e.finished for batch in received for e in batch) < num_requests:
+            received.append(await anext(batches))
+    finally:
+        await worker.shutdown()
+    per_request = {f"r{i}": 0 for i in range(num_requests)}
+    for batch in received:
+        for event in batch:
+            per_request[event.request_id] += len(event.token_ids)
+    assert per_request == {rid: max_tokens for rid in per_request}
+    # The four requests share steps, so they share messages.
+    assert len(received) <= max_tokens + 1
+    assert any(len({e.request_id for e in batch}) == num_requests for batch in received)
