@@ -99,3 +99,16 @@ def test_disagg_config_resolves_a_plan(
         assert len({i.manager for i in plan.instances}) == 1
     if arch == "nemotron_h":
         assert plan.is_hybrid and {i.manager for i in plan.instances} == {"v2"}
+
+
+def test_serve_address_flag_joins_a_cluster_with_a_local_config() -> None:
+    import argparse
+
+    from cluster.serve import add_arguments, build_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    local = DEPLOY / "configs" / "2p2d.yaml"
+    assert build_config(parser.parse_args(["-c", str(local)])).address is None
+    args = parser.parse_args(["-c", str(local), "--address", "auto"])
+    assert build_config(args).address == "auto"
