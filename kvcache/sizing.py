@@ -133,14 +133,6 @@ def size_instance_cache(
     `gpu_share` (known only inside the worker) sizes it when neither
     `max_tokens` nor `memory_bytes` is given.
     """
-    if max_tokens is None and memory_bytes is None and gpu_share is not None:
-        budget, source = gpu_share.budget()
-        max_len = model_len
-        slots = MAMBA_SLOTS_PER_BATCH_SLOT * max_batch_size if spec.is_hybrid else 0
-        sizing = CacheSizing(
-            0, slots, block_size, bytes_per_block(spec, block_size), bytes_per_mamba_slot(spec)
-        )
-        return _from_budget(sizing, budget, source, max_len, -(-max_len // block_size))
     return size_cache(
         spec,
         block_size=block_size,
@@ -150,6 +142,7 @@ def size_instance_cache(
         memory_bytes=memory_bytes,
         device=device,
         num_mamba_slots=MAMBA_SLOTS_PER_BATCH_SLOT * max_batch_size,
+        gpu_share=gpu_share,
     )
 
 
@@ -164,12 +157,13 @@ def size_cache(
     memory_fraction: float | None = None,
     device: object | None = None,
     num_mamba_slots: int | None = None,
+    gpu_share: GpuShare | None = None,
 ) -> CacheSizing:
     """Blocks and slots for the cache; see the module docstring for the modes.
 
     `max_tokens` wins when set. Otherwise `memory_bytes` (times
-    `memory_fraction`, default 1.0) or, with a CUDA `device`, its free memory
-    times `memory_fraction` (default 0.9). Raises CacheSizingError when one
+    `memory_fraction`, default 1.0), or `gpu_share`'s budget, or, with a CUDA
+    `device`, its free memory times `memory_fraction` (default 0.9). Raises CacheSizingError when one
     sequence of `max_model_len` tokens plus the Mamba slots does not fit.
     """
     if memory_fraction is not None and not 0.0 < memory_fraction <= 1.0:
@@ -190,6 +184,9 @@ def size_cache(
         fraction = 1.0 if memory_fraction is None else memory_fraction
         source = f"{fraction:g} x kv_cache_memory_bytes ({memory_bytes / _MIB:.1f} MiB)"
         return _from_budget(sizing, int(memory_bytes * fraction), source, max_model_len, needed)
+    if gpu_share is not None:
+        budget, source = gpu_share.budget()
+        return _from_budget(sizing, budget, source, max_model_len, needed)
     if is_cuda:
         from kvcache.tensors import free_device_memory  # torch only on the GPU path
 

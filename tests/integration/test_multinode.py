@@ -90,6 +90,16 @@ def _greedy(checkpoint: Path, prompt: str) -> str:
     return str(tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
 
 
+def _check_greedy_completions(server: ServeProcess, checkpoint: Path) -> None:
+    for prompt in PROMPTS:
+        body = {"model": checkpoint.name, "prompt": prompt, "max_tokens": MAX_TOKENS}
+        reply = httpx.post(
+            server.url + "/completions", json={**body, "temperature": 0}, timeout=120
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == _greedy(checkpoint, prompt)
+
+
 def _listening_addresses(cluster: RayCluster, marker: str) -> set[str]:
     """The addresses that worker processes whose command line holds `marker`
     listen on, less Ray's own RPC port (in the node's worker port range, and
@@ -135,19 +145,7 @@ def test_context_and_generation_on_two_nodes_match_transformers(
         metrics = httpx.get(server.base + "/metrics").text
         nodes = dict(re.findall(r'disagg_worker_node\{node="([\d.]+)",role="(\w+)"', metrics))
         assert nodes == {PREFILL_NODE: "context", decode_node.group(1): "generation"}, metrics
-        for prompt in PROMPTS:
-            reply = httpx.post(
-                server.url + "/completions",
-                json={
-                    "model": checkpoint.name,
-                    "prompt": prompt,
-                    "max_tokens": MAX_TOKENS,
-                    "temperature": 0,
-                },
-                timeout=120,
-            )
-            assert reply.status_code == 200, reply.text
-            assert reply.json()["choices"][0]["text"] == _greedy(checkpoint, prompt)
+        _check_greedy_completions(server, checkpoint)
         routed = re.findall(
             r'disagg_routed_requests_total\{phase="(\w+)"', httpx.get(server.base + "/metrics").text
         )
@@ -224,19 +222,7 @@ def test_a_lost_generation_node_fails_its_streams_and_the_rest_keep_serving(
             assert time.monotonic() < deadline, health()
             time.sleep(1)
         # The survivors serve new requests, and hold nothing once they are done.
-        for prompt in PROMPTS:
-            reply = httpx.post(
-                server.url + "/completions",
-                json={
-                    "model": checkpoint.name,
-                    "prompt": prompt,
-                    "max_tokens": MAX_TOKENS,
-                    "temperature": 0,
-                },
-                timeout=120,
-            )
-            assert reply.status_code == 200, reply.text
-            assert reply.json()["choices"][0]["text"] == _greedy(checkpoint, prompt)
+        _check_greedy_completions(server, checkpoint)
         time.sleep(2)  # a poll of every worker's load
         metrics = httpx.get(server.base + "/metrics").text
         held = re.findall(
