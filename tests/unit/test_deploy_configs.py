@@ -112,3 +112,25 @@ def test_serve_address_flag_joins_a_cluster_with_a_local_config() -> None:
     assert build_config(parser.parse_args(["-c", str(local)])).address is None
     args = parser.parse_args(["-c", str(local), "--address", "auto"])
     assert build_config(args).address == "auto"
+
+
+def test_every_ray_exec_command_serves_a_config_that_joins_the_cluster() -> None:
+    """A config without `address` starts a Ray of its own; on a `ray up` head
+    that would leave the GPU nodes idle."""
+    import re
+
+    readme = DEPLOY.parent / "README.md"
+    readmes = [readme, DEPLOY / "README.md"]
+    texts = [path.read_text() for path in [*readmes, *CLUSTER_YAMLS]]
+    commands = [
+        " ".join(line.split())
+        for text in texts
+        # the quoted command of a `ray exec` (runs on the head)
+        for line in re.findall(r"disagg serve -c (deploy/configs/\S+?\.yaml[^'\n]*)'", text)
+    ]
+    assert len(commands) >= 3, commands
+    for command in commands:
+        config_path, *flags = command.split()
+        address = load_config(DEPLOY.parent / config_path).address
+        joins = address == "auto" or "--address auto" in " ".join(flags)
+        assert joins, f"`disagg serve -c {command}` would start its own Ray on the head"
