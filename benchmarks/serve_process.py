@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from benchmarks.process_group import descendants
+
 ROOT = Path(__file__).resolve().parents[1]
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
@@ -122,23 +124,10 @@ class ServeProcess:
 
 def process_tree_rss(root_pid: int) -> int:
     """Sum of resident set sizes of `root_pid` and all its descendants (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    rss: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    total = 0
+    for pid in [root_pid, *descendants(root_pid)]:
         try:
-            stat = (entry / "stat").read_text()
-            pages = int((entry / "statm").read_text().split()[1])
+            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE_SIZE
         except (OSError, IndexError, ValueError):
             continue  # the process exited while we looked
-        # Field 4 (ppid) follows the parenthesised command name, which may hold spaces.
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-        rss[int(entry.name)] = pages * _PAGE_SIZE
-    total, stack = 0, [root_pid]
-    while stack:
-        pid = stack.pop()
-        total += rss.get(pid, 0)
-        stack.extend(children.get(pid, []))
     return total

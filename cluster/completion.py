@@ -17,6 +17,7 @@ from typing import Any
 from cluster.metrics import ServingMetrics
 from cluster.router import Router
 from cluster.stop_strings import StopStringFilter
+from engine.multimodal import ImageInput
 
 
 class CompletionFailedError(RuntimeError):
@@ -33,6 +34,7 @@ class PreparedRequest:
     stop_strings: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     arrival: float = field(default_factory=time.perf_counter)
+    images: tuple[ImageInput, ...] = ()  # for the worker that prefills
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,9 @@ async def stream_completion(
     stops = StopStringFilter(request.stop_strings, request.include_stop_str_in_output)
     output_ids: list[int] = []
     latency = _Latency(metrics, request.arrival)
-    events = router.generate(request.request_id, request.prompt_token_ids, request.params)
+    events = router.generate(
+        request.request_id, request.prompt_token_ids, request.params, request.images
+    )
     num_cached = 0
     try:
         async for event in events:

@@ -136,6 +136,19 @@ class ServerSectionConfig(_Strict):
         return value
 
 
+class MediaConfig(_Strict):
+    """Where chat image parts may come from, and their limits (see cluster/media.py)."""
+
+    # Folder whose files `file://` image URLs may name; None refuses them.
+    allowed_local_media_path: str | None = None
+    # Fetch `http(s)://` image URLs (within the limits below); off refuses them.
+    allow_remote_urls: bool = False
+    remote_timeout_s: float = Field(default=10.0, gt=0)
+    max_image_bytes: int = Field(default=10 << 20, gt=0)
+    max_image_pixels: int = Field(default=25_000_000, gt=0)
+    max_images_per_request: int = Field(default=8, ge=0)
+
+
 class RoleSettings(_Strict):
     """The merged settings every instance of one role runs with."""
 
@@ -161,6 +174,7 @@ class ClusterConfig(_Strict):
     api_key: str | None = Field(default=None, min_length=1)
     max_request_body_bytes: int = Field(default=1 << 20, gt=0)
     router: RouterConfig = RouterConfig()
+    media: MediaConfig = MediaConfig()
     conditional_disagg: ConditionalDisaggConfig = ConditionalDisaggConfig()
     cache_transceiver: CacheTransceiverConfig = CacheTransceiverConfig()
     kv_cache: KvCacheConfig = KvCacheConfig()

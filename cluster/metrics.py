@@ -79,6 +79,12 @@ class ServingMetrics:
             ["worker"],
             registry=r,
         )
+        self.encoder_cache = Gauge(
+            "disagg_encoder_cache_images",
+            "Images each worker's vision encoder served from its cache (hit) or ran (miss).",
+            ["worker", "result"],
+            registry=r,
+        )
         self.dispatch_failures = Counter(
             "disagg_dispatch_failures",
             "Dispatches to a worker that failed (retried elsewhere while nothing was streamed).",

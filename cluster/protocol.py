@@ -9,6 +9,7 @@ sampling extensions `top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -138,19 +139,47 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] = "auto"  # accepted; images keep their own size
+
+
+class ImagePart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+# OpenAI's other content parts, refused by name rather than as a schema mismatch.
+_UNSUPPORTED_PARTS = ("input_audio", "audio_url", "video_url", "file", "refusal")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
 
-    def text(self) -> str:
+    @field_validator("content", mode="before")
+    @classmethod
+    def _known_part_types(cls, value: Any) -> Any:
+        for part in value if isinstance(value, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _UNSUPPORTED_PARTS:
+                raise ValueError(
+                    f"content parts of type {kind!r} are not supported; "
+                    "this server takes 'text' and 'image_url' parts"
+                )
+        return value
+
+    def parts(self) -> list[TextPart | ImagePart]:
         if self.content is None:
-            return ""
+            return []
         if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+            return [TextPart(type="text", text=self.content)]
+        return list(self.content)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -172,6 +201,26 @@ class ChatCompletionRequest(SamplingFields):
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as the plain dicts a Hugging Face chat template expects."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def image_parts(self) -> list[tuple[str, ImagePart]]:
+        """`(param, part)` of every image part in message order, `param` naming
+        it as `messages[i].content[j]`."""
+        return [
+            (f"messages[{i}].content[{j}]", part)
+            for i, message in enumerate(self.messages)
+            for j, part in enumerate(message.parts())
+            if isinstance(part, ImagePart)
+        ]
+
+    def template_messages(self, image_texts: Sequence[str] = ()) -> list[dict[str, Any]]:
+        """Messages as the plain dicts a Hugging Face chat template expects; the
+        k-th image part becomes `image_texts[k]` (its placeholder tokens)."""
+        texts = iter(image_texts)
+        return [
+            {
+                "role": m.role,
+                "content": "".join(
+                    part.text if isinstance(part, TextPart) else next(texts) for part in m.parts()
+                ),
+            }
+            for m in self.messages
+        ]

@@ -44,6 +44,7 @@ from cluster.policies import RoutingPolicy, WorkerState, make_policy
 from cluster.worker_channel import WorkerChannel
 from engine.errors import RequestFailedError
 from engine.messages import ContextRequest, ContextResult, GenerationRequest, TokenEvent
+from engine.multimodal import ImageInput
 from kvcache.hashing import hash_full_blocks, root_hash
 
 logger = logging.getLogger(__name__)
@@ -109,9 +110,12 @@ class Router:
         for channel in self._channels.values():
             await channel.stop()
 
-    def block_hashes(self, prompt: Sequence[int], block_size: int) -> list[bytes]:
-        """Chained hashes of the prompt's full blocks, as the workers compute them."""
-        return hash_full_blocks(prompt, block_size, self._root)
+    def block_hashes(
+        self, prompt: Sequence[int], block_size: int, images: Sequence[ImageInput] = ()
+    ) -> list[bytes]:
+        """Chained hashes of the prompt's full blocks, as the workers compute them
+        (each with the content hashes of the images overlapping it)."""
+        return hash_full_blocks(prompt, block_size, self._root, spans=images)
 
     def runs_locally(self, prompt: Sequence[int], hashes: Sequence[bytes]) -> bool:
         """Conditional disaggregation: is the uncached prompt short enough?
@@ -125,23 +129,29 @@ class Router:
         return uncached <= self.settings.max_local_prefill_length
 
     async def generate(
-        self, request_id: str, prompt: list[int], params: Any
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: Any,
+        images: tuple[ImageInput, ...] = (),
     ) -> AsyncGenerator[TokenEvent, None]:
         """Stream a request's `TokenEvent`s; the last one has `finish_reason` set.
 
+        `images` go to the worker that prefills (a context worker, or the
+        generation worker of a request run locally), never to one that pulls.
         Raises `RequestFailedError` (or `NoWorkerError`) only before the first
         event; later failures arrive as a final event with `error` set.
         """
-        hashes = self.block_hashes(prompt, self.settings.generation_block_size)
+        hashes = self.block_hashes(prompt, self.settings.generation_block_size, images)
         touched: list[WorkerEndpoint] = []
         finished = False
         try:
             if self.runs_locally(prompt, hashes):
                 events = self._stream_generation(
-                    GenerationRequest(request_id, prompt, params), hashes, touched
+                    GenerationRequest(request_id, prompt, params, images=images), hashes, touched
                 )
             else:
-                events = self._disaggregated(request_id, prompt, params, hashes, touched)
+                events = self._disaggregated(request_id, prompt, params, images, hashes, touched)
             async for event in events:
                 finished = event.finished
                 yield event
@@ -154,6 +164,7 @@ class Router:
         request_id: str,
         prompt: list[int],
         params: Any,
+        images: tuple[ImageInput, ...],
         hashes: Sequence[bytes],
         touched: list[WorkerEndpoint],
     ) -> AsyncIterator[TokenEvent]:
@@ -161,16 +172,20 @@ class Router:
         reached the caller (the first token waits for `cache_ready`)."""
         context_hashes = hashes
         if self.settings.context_block_size != self.settings.generation_block_size:
-            context_hashes = self.block_hashes(prompt, self.settings.context_block_size)
+            context_hashes = self.block_hashes(prompt, self.settings.context_block_size, images)
         errors: list[str] = []
         for _ in range(self.settings.max_attempts):
-            context = await self._run_context(request_id, prompt, params, context_hashes, touched)
+            context = await self._run_context(
+                ContextRequest(request_id, prompt, params, images), context_hashes, touched
+            )
             holder = touched[-1]
             first = _first_event(context)
             if first.finished:
                 yield first
                 return
-            request = GenerationRequest(request_id, prompt, params, context)
+            request = GenerationRequest(
+                request_id, prompt, params, context, tuple(i.without_data() for i in images)
+            )
             try:
                 async for event in self._stream_generation(request, hashes, touched):
                     if event.cache_ready:
@@ -186,13 +201,11 @@ class Router:
 
     async def _run_context(
         self,
-        request_id: str,
-        prompt: list[int],
-        params: Any,
+        request: ContextRequest,
         hashes: Sequence[bytes],
         touched: list[WorkerEndpoint],
     ) -> ContextResult:
-        cost = len(prompt) + 1
+        cost = len(request.prompt_token_ids) + 1
         errors: list[str] = []
         for _ in range(self.settings.max_attempts):
             endpoint = self._pick(self.context, self._context_policy, hashes, touched)
@@ -200,15 +213,13 @@ class Router:
             endpoint.state.tokens_in_flight += cost
             self.metrics.routed.labels(endpoint.name, "context").inc()
             try:
-                result: ContextResult = await endpoint.actor.prefill.remote(
-                    ContextRequest(request_id, prompt, params)
-                )
+                result: ContextResult = await endpoint.actor.prefill.remote(request)
                 return result
             except Exception as exc:  # a dead actor or a failed prefill: try another
                 errors.append(self._failed(endpoint, exc, "context"))
             finally:
                 endpoint.state.tokens_in_flight -= cost
-        raise RequestFailedError(request_id, "context phase failed: " + "; ".join(errors))
+        raise RequestFailedError(request.request_id, "context phase failed: " + "; ".join(errors))
 
     async def _stream_generation(
         self,
@@ -318,6 +329,9 @@ class Router:
         state.num_total_blocks = load.num_total_blocks
         held = load.num_waiting + load.num_running + load.num_transferring
         self.metrics.worker_requests.labels(endpoint.name).set(held)
+        if load.encoder_cache_hits or load.encoder_cache_misses:
+            self.metrics.encoder_cache.labels(endpoint.name, "hit").set(load.encoder_cache_hits)
+            self.metrics.encoder_cache.labels(endpoint.name, "miss").set(load.encoder_cache_misses)
         if load.num_total_blocks:
             used = 1 - load.num_free_blocks / load.num_total_blocks
             self.metrics.cache_usage.labels(endpoint.name).set(used)

@@ -33,11 +33,14 @@ from cluster.api_errors import (
 )
 from cluster.completion import CompletionFailedError, Delta, PreparedRequest, stream_completion
 from cluster.http_guards import DEFAULT_MAX_BODY_BYTES, RequestGuard
+from cluster.image_prompt import ImageSupport, load_chat_images, place_images
+from cluster.media import MediaConfig
 from cluster.metrics import ServingMetrics
 from cluster.policies import NoWorkerError
 from cluster.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from cluster.router import Router
 from engine.errors import RequestFailedError
+from engine.multimodal import ImageInput
 from engine.sampling import SamplingParams
 
 _DISCONNECT_POLL_S = 0.25
@@ -57,6 +60,8 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     aliases: tuple[str, ...] = ()
+    images: ImageSupport | None = None  # None: the model takes no images
+    media: MediaConfig = MediaConfig()
 
 
 @dataclass(frozen=True)
@@ -169,9 +174,13 @@ class _OpenAIRoutes:
 
     async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
         self._check_model(body.model)
-        prompt = self._render_chat(body)
+        images = await load_chat_images(body, self.model.images, self.model.media)
+        prompt = self._render_chat(body, images.texts)
+        placed: tuple[ImageInput, ...] = ()
+        if self.model.images is not None:
+            placed = place_images(prompt, images.inputs, self.model.images.vision.image_token_id)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        prepared = self._prepare("chatcmpl", body, prompt, body.output_limit, logprobs)
+        prepared = self._prepare("chatcmpl", body, prompt, body.output_limit, logprobs, placed)
         meta = fmt.ResponseMeta(prepared.request_id, int(time.time()), self.model.name)
         tokenizer = self.model.tokenizer
         num_top = body.top_logprobs or 0
@@ -200,10 +209,10 @@ class _OpenAIRoutes:
                 code="model_not_found",
             )
 
-    def _render_chat(self, body: ChatCompletionRequest) -> list[int]:
+    def _render_chat(self, body: ChatCompletionRequest, image_texts: list[str]) -> list[int]:
         try:
             rendered = self.model.tokenizer.apply_chat_template(
-                body.template_messages(), add_generation_prompt=True
+                body.template_messages(image_texts), add_generation_prompt=True
             )
         except Exception as exc:  # a template error names the message it disliked
             raise APIError(
@@ -220,6 +229,7 @@ class _OpenAIRoutes:
         prompt: list[int],
         max_tokens: int | None,
         logprobs: int | None,
+        images: tuple[ImageInput, ...] = (),
     ) -> PreparedRequest:
         limit = self.model.max_model_len
         if not prompt:
@@ -252,6 +262,7 @@ class _OpenAIRoutes:
             params=_sampling_params(body, max_tokens or room, logprobs),
             stop_strings=tuple(body.stop_strings),
             include_stop_str_in_output=body.include_stop_str_in_output,
+            images=images,
         )
 
     # --- responding ------------------------------------------------------------

@@ -18,10 +18,12 @@ import signal
 import socket
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import uvicorn
 
 from cluster.config import ClusterConfig
+from cluster.image_prompt import ImageSupport
 from cluster.launcher import LaunchError, RunningCluster, connect_ray, launch
 from cluster.metrics import ServingMetrics
 from cluster.plan import ClusterPlan
@@ -197,10 +199,30 @@ def _served_model(config: ClusterConfig, plan: ClusterPlan) -> ServedModel:
 
     checkpoint = Path(plan.checkpoint)
     aliases = (config.model, str(checkpoint.resolve()))
+    tokenizer = load_tokenizer(checkpoint)
     return ServedModel(
         name=checkpoint.resolve().name,
-        tokenizer=load_tokenizer(checkpoint),
+        tokenizer=tokenizer,
         max_model_len=plan.max_model_len,
         vocab_size=plan.vocab_size,
         aliases=aliases,
+        images=_image_support(checkpoint, tokenizer),
+        media=config.media,
+    )
+
+
+def _image_support(checkpoint: Path, tokenizer: Any) -> ImageSupport | None:
+    """The image path's settings for a VL checkpoint folder; None otherwise."""
+    from models.hf_config import load_model_config
+    from models.image_processing import load_image_processor_config
+
+    if not (checkpoint / "config.json").is_file():  # a GGUF file: text only
+        return None
+    vision = load_model_config(checkpoint).vision
+    if vision is None:
+        return None
+    return ImageSupport(
+        vision=vision,
+        processing=load_image_processor_config(checkpoint, vision),
+        placeholder=tokenizer.decode([vision.image_token_id], skip_special_tokens=False),
     )

@@ -97,7 +97,7 @@ class GenerationWorker:
         """
         await self.start()
         rid = request.request_id
-        req = Request(rid, list(request.prompt_token_ids), request.params)
+        req = Request(rid, list(request.prompt_token_ids), request.params, images=request.images)
         if rid in self._active:
             raise RequestFailedError(rid, "a request with this id is already in flight here")
         if self._aborted.take(rid):
@@ -189,7 +189,7 @@ class GenerationWorker:
         return self.engine.drain_kv_events()
 
     def step_stats(self) -> dict[str, float]:
-        return dict(vars(self.engine.loop.stats))
+        return self.engine.step_stats()
 
     async def shutdown(self) -> None:
         """Cancel pulls in flight, stop the engine (open streams end with an
@@ -275,7 +275,9 @@ class GenerationWorker:
         await self.transceiver.pull(
             handle, regions, manager.layout_signature(), self.config.transfer_timeout_s
         )
-        await self._between_steps(lambda: manager.finish_transfer(rid, req.prompt_token_ids))
+        await self._between_steps(
+            lambda: manager.finish_transfer(rid, req.prompt_token_ids, req.images)
+        )
 
     async def _between_steps(self, fn: Callable[[], T]) -> T:
         return await self.engine.loop.run_between_steps(fn)

@@ -11,8 +11,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from engine.core import EngineCore, StopCheck
 from engine.decode_graphs import graph_batch_sizes
+from engine.image_encoder import ImageEncoder, VisionModel
 from engine.loop import EngineLoop
 from engine.messages import KVEventBatch, WorkerIntegrity, WorkerLoad
 from engine.model_runner import ModelRunner
@@ -30,6 +33,7 @@ from kvcache.tensors import CacheTensors, allocate_cache_tensors
 from models.base import CausalLM
 from models.config import ModelConfig
 from models.dtypes import DTYPE_BYTES
+from models.image_processing import load_image_processor_config
 from models.loader import load_model
 from models.tokenizer import Tokenizer, load_tokenizer
 
@@ -71,6 +75,7 @@ class EngineInstance:
             Sampler(),
             device=config.device,
             is_hybrid=spec.is_hybrid,
+            image_encoder=_build_image_encoder(config, model, model_config),
         )
         # No sequence grows past the checkpoint's context or the whole cache.
         capacity = manager.num_usable_blocks * config.block_size
@@ -102,6 +107,7 @@ class EngineInstance:
     def load(self, num_transferring: int) -> WorkerLoad:
         sched = self.core.scheduler
         in_flight = sum(r.num_tokens for r in (*sched.waiting, *sched.running))
+        encoder = self.runner.image_encoder
         return WorkerLoad(
             worker_id=self.worker_id,
             role=self.role,
@@ -114,6 +120,8 @@ class EngineInstance:
                 self.manager.mamba_pool.num_free_slots if self.manager.mamba_pool else 0
             ),
             num_tokens_in_flight=in_flight,
+            encoder_cache_hits=encoder.stats.hits if encoder is not None else 0,
+            encoder_cache_misses=encoder.stats.misses if encoder is not None else 0,
         )
 
     def integrity(self, num_in_transfer: int, num_pinned: int) -> WorkerIntegrity:
@@ -140,6 +148,27 @@ class EngineInstance:
 
     def drain_kv_events(self) -> KVEventBatch:
         return KVEventBatch(worker_id=self.worker_id, events=list(self.manager.drain_events()))
+
+    def step_stats(self) -> dict[str, float]:
+        """The loop's step counters, plus the encoder cache's for a VL model."""
+        stats = dict(vars(self.loop.stats))
+        encoder = self.runner.image_encoder
+        if encoder is not None:
+            stats["encoder_cache_hits"] = encoder.stats.hits
+            stats["encoder_cache_misses"] = encoder.stats.misses
+        return stats
+
+
+def _build_image_encoder(
+    config: WorkerConfig, model: CausalLM, model_config: ModelConfig
+) -> ImageEncoder | None:
+    """The vision path of a VL model with its preprocessing settings; None for
+    text-only models (a generation worker builds one too: in aggregated mode
+    and under conditional disaggregation it prefills images itself)."""
+    if model_config.vision is None or not isinstance(model, VisionModel):
+        return None
+    processing = load_image_processor_config(Path(config.checkpoint), model_config.vision)
+    return ImageEncoder(model, processing, torch.device(config.device))
 
 
 def _build_scheduler(config: WorkerConfig, manager: KVCacheManager) -> Scheduler:

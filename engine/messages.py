@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from engine.multimodal import ImageInput
+
 if TYPE_CHECKING:
     from engine.sampling import SamplingParams
     from transfer.base import TransferHandle
@@ -23,6 +25,8 @@ class ContextRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # Images whose embeddings replace the prompt's placeholders (VL models).
+    images: tuple[ImageInput, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,13 +57,15 @@ class GenerationRequest:
     With `context` set, the prompt's cache lives on a context worker and is
     pulled through `context.handle`; the first token is `context.first_token_id`.
     With `context` None the worker runs the whole request itself (aggregated
-    mode and conditional disaggregation).
+    mode and conditional disaggregation); only then does it carry `images`,
+    since a pulled cache already holds their effect.
     """
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     context: ContextResult | None = None
+    images: tuple[ImageInput, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,9 @@ class WorkerLoad:
     num_total_blocks: int
     num_free_mamba_slots: int
     num_tokens_in_flight: int  # tokens of every queued or running request
+    # Images the vision encoder served from its cache / ran (VL models).
+    encoder_cache_hits: int = 0
+    encoder_cache_misses: int = 0
 
 
 @dataclass(frozen=True)

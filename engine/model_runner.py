@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.decode_graphs import DecodeGraphs, build_decode_graphs
+from engine.image_encoder import ImageChunk, ImageEncoder
 from engine.scheduler import ScheduledSequence
 from models.batch import CacheViews, ForwardBatch
 
@@ -68,6 +69,7 @@ class ModelRunner:
         sampler: Any,
         device: str = "cpu",
         is_hybrid: bool = False,
+        image_encoder: ImageEncoder | None = None,
     ) -> None:
         self.model = model
         self.caches = caches
@@ -76,6 +78,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = torch.device(device)
         self.is_hybrid = is_hybrid
+        self.image_encoder = image_encoder
         # Per-request torch.Generator for seeded sampling; created lazily.
         self.generators: dict[str, torch.Generator | None] = {}
         # Captured decode steps (CUDA only), set by `prepare`.
@@ -131,10 +134,13 @@ class ModelRunner:
         tables: list[list[int]] = []
         mamba_slots: list[int] = []
         logits_indices: list[int] = []
+        image_chunks: list[ImageChunk] = []
         bs = self.block_size
         for seq in seqs:
             req = seq.request
             start, end = seq.start, seq.start + seq.num_new_tokens
+            if req.images:
+                image_chunks.append(ImageChunk(req.images, start, end, len(input_ids)))
             table = self.addressing.block_table(req.request_id)
             input_ids.extend(req.token_ids_between(start, end))
             positions.extend(range(start, end))
@@ -147,7 +153,7 @@ class ModelRunner:
                 mamba_slots.append(_require_slot(self.addressing, req.request_id))
             if seq.samples:
                 logits_indices.append(len(input_ids) - 1)
-        return ForwardBatch.from_host(
+        batch = ForwardBatch.from_host(
             input_ids=input_ids,
             positions=positions,
             query_start_loc=query_start_loc,
@@ -160,6 +166,11 @@ class ModelRunner:
             mamba_slots=mamba_slots if self.is_hybrid else None,
             logits_indices=logits_indices,
         )
+        if image_chunks and self.image_encoder is not None:
+            images = self.image_encoder.rows(image_chunks)
+            if images is not None:
+                batch.image_rows, batch.image_embeds = images
+        return batch
 
     def execute(self, seqs: Sequence[ScheduledSequence]) -> RunnerOutput:
         """Run one step; return the sampled token of every sampling sequence."""

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.multimodal import ImageInput
+
 if TYPE_CHECKING:  # sampling imports torch; request state stays pure Python
     from engine.sampling import SamplingParams
 
@@ -63,6 +65,9 @@ class Request:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # Prompt tokens found in the prefix cache on first admission.
     num_cached_tokens: int = 0
+    # Images whose embeddings replace placeholder tokens of the prompt, in
+    # prompt order (context and aggregated workers only).
+    images: tuple[ImageInput, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -93,6 +98,12 @@ class Request:
         if start >= prompt:
             return self.output_token_ids[start - prompt : end - prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt]
+
+    @property
+    def can_recompute(self) -> bool:
+        """Whether preemption by recompute can rebuild this request's cache: not
+        when it holds images without their bytes (pulled from a context worker)."""
+        return all(image.data for image in self.images)
 
     @property
     def num_uncomputed_tokens(self) -> int:

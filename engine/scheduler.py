@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.request import FinishReason, Request, RequestStatus
+from kvcache.hashing import ContentSpan
 
 
 class BlockManager(Protocol):
@@ -39,10 +40,16 @@ class BlockManager(Protocol):
     def num_free_blocks(self) -> int: ...
 
     def allocate_slots(
-        self, request_id: str, num_tokens: int, token_ids: Sequence[int] | None = None
+        self,
+        request_id: str,
+        num_tokens: int,
+        token_ids: Sequence[int] | None = None,
+        spans: Sequence[ContentSpan] = (),
     ) -> bool: ...
 
-    def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int: ...
+    def match_prefix(
+        self, request_id: str, token_ids: Sequence[int], spans: Sequence[ContentSpan] = ()
+    ) -> int: ...
 
     def free(self, request_id: str) -> None: ...
 
@@ -212,13 +219,17 @@ class Scheduler:
             return
         # The manager leaves at least the last token to compute: its logits
         # give the next token.
-        cached = self.manager.match_prefix(request.request_id, request.all_token_ids)
+        cached = self.manager.match_prefix(
+            request.request_id, request.all_token_ids, request.images
+        )
         request.num_computed_tokens = cached
         request.num_cached_tokens = cached
 
     def _allocate(self, request: Request, num_new: int) -> bool:
         total = request.num_computed_tokens + num_new
-        return self.manager.allocate_slots(request.request_id, total, request.all_token_ids[:total])
+        return self.manager.allocate_slots(
+            request.request_id, total, request.all_token_ids[:total], request.images
+        )
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
         """Free the victim's cache and requeue it at the head of the waiting
@@ -231,6 +242,15 @@ class Scheduler:
                 refund = seq.num_new_tokens
                 out.sequences.remove(seq)
                 break
+        if not victim.can_recompute:
+            victim.finish(
+                FinishReason.ERROR,
+                f"request {victim.request_id!r} was preempted, and its images were encoded "
+                "on a context worker, so it cannot be computed again here; give generation "
+                "workers more KV cache (kv_cache.max_tokens)",
+            )
+            out.failed.append(victim)
+            return refund
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1

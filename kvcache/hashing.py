@@ -4,7 +4,15 @@
     h1 = H(h0,    tokens[bs:2bs], extra)          H = sha256 over a canonical encoding
 
 A block's hash therefore names the whole prefix up to and including it, so two
-requests share block `i` only if they agree on every token before it. The hash
+requests share block `i` only if they agree on every token before it.
+
+Tokens alone do not fix a block's KV when it holds image placeholders: every
+image shows as the same `<image>` tokens. Each block therefore also hashes
+the content hash of every image whose placeholders overlap it (`spans`), and
+the chain carries that to every later block:
+
+    block:    [ t t <image> <image> ] [ <image> t t t ] [ t t t t ]
+    extra:      (image A)               (image A)         ()  <- still differs via h1 The hash
 must be identical in every process and on every machine (a prefix-aware router
 compares hashes reported by different workers), which rules out Python's
 `hash()` (salted per process) and pickle (not canonical); the encoding below is
@@ -16,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from typing import Protocol
 
 BlockHash = bytes
 
@@ -25,6 +34,22 @@ ExtraKey = int | str | bytes
 ExtraKeys = tuple[ExtraKey, ...]
 
 _ROOT_TAG = b"disagg.kvcache.block-hash.v1"
+
+
+class ContentSpan(Protocol):
+    """Prompt positions whose KV depends on content beyond their token ids
+    (an image's placeholders); `engine.multimodal.ImageInput` is one."""
+
+    @property
+    def content_hash(self) -> bytes: ...
+
+    def overlaps(self, start: int, end: int) -> bool: ...
+
+
+def span_keys(index: int, block_size: int, spans: Sequence[ContentSpan]) -> ExtraKeys:
+    """Content hashes of the spans overlapping block `index`, in span order."""
+    start = index * block_size
+    return tuple(s.content_hash for s in spans if s.overlaps(start, start + block_size))
 
 
 def cache_namespace(architecture: str, dtype: str) -> str:
@@ -60,16 +85,20 @@ def hash_full_blocks(
     parent: BlockHash,
     start_block: int = 0,
     extra_keys: ExtraKeys = (),
+    spans: Sequence[ContentSpan] = (),
 ) -> list[BlockHash]:
     """Hashes of the full blocks `start_block, start_block + 1, ...` of `token_ids`.
 
     `parent` is the hash of block `start_block - 1` (or the root hash when
-    `start_block == 0`). A trailing partial block is not hashed.
+    `start_block == 0`). A trailing partial block is not hashed. `spans` add
+    their content hash to the blocks they overlap.
     """
     hashes: list[BlockHash] = []
     for index in range(start_block, len(token_ids) // block_size):
         parent = hash_block(
-            parent, token_ids[index * block_size : (index + 1) * block_size], extra_keys
+            parent,
+            token_ids[index * block_size : (index + 1) * block_size],
+            extra_keys + span_keys(index, block_size, spans),
         )
         hashes.append(parent)
     return hashes

@@ -30,7 +30,7 @@ from kvcache.block import KVBlock
 from kvcache.block_pool import NULL_BLOCK_ID, BlockPool
 from kvcache.errors import IntegrityError, RequestStateError
 from kvcache.events import KVEvent
-from kvcache.hashing import hash_block, root_hash
+from kvcache.hashing import ContentSpan, hash_block, root_hash, span_keys
 from kvcache.layout import LayoutSignature, RequestRegions
 from kvcache.mamba_pool import MambaStatePool
 from kvcache.pool_layout import CacheLayout, layout_for
@@ -44,6 +44,7 @@ class _RequestState:
     num_tokens: int = 0  # tokens the table was last sized for
     block_hashes: list[bytes] = field(default_factory=list)  # of its leading full blocks
     in_transfer: bool = False
+    spans: Sequence[ContentSpan] = ()  # its images, hashed into the blocks they overlap
 
 
 class KVCacheManager:
@@ -132,15 +133,20 @@ class KVCacheManager:
         return not self._needs_slot(request_id) or self._mamba().num_free_slots > 0
 
     def allocate_slots(
-        self, request_id: str, num_tokens: int, token_ids: Sequence[int] | None = None
+        self,
+        request_id: str,
+        num_tokens: int,
+        token_ids: Sequence[int] | None = None,
+        spans: Sequence[ContentSpan] = (),
     ) -> bool:
         """Grow the request's table to hold `num_tokens` tokens in total (and give
         a hybrid request its Mamba slot). Returns False and changes nothing when
         blocks or slots are short.
 
         With reuse on, `token_ids` (the request's tokens so far) publish every
-        block they fill within `num_tokens`; the caller computes those blocks'
-        KV in the step it allocates them for, before any other step reads them.
+        block they fill within `num_tokens`, each hashed with the `spans`
+        (images) overlapping it; the caller computes those blocks' KV in the
+        step it allocates them for, before any other step reads them.
         """
         state = self._requests.get(request_id)
         if state is not None and state.in_transfer:
@@ -151,11 +157,15 @@ class KVCacheManager:
             return False
         state = self._grow(request_id, num_tokens)
         if token_ids is not None:
+            state.spans = spans
             self._publish(state, token_ids)
         return True
 
-    def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
-        """Take the longest cached chain of full blocks that starts `token_ids`.
+    def match_prefix(
+        self, request_id: str, token_ids: Sequence[int], spans: Sequence[ContentSpan] = ()
+    ) -> int:
+        """Take the longest cached chain of full blocks that starts `token_ids`
+        (with the same images, `spans`, where they overlap those blocks).
 
         Returns the number of tokens covered (a multiple of `block_size`, and at
         most `len(token_ids) - 1` so one token is always left to compute). The
@@ -174,7 +184,9 @@ class KVCacheManager:
         parent = self._root_hash
         bs = self.block_size
         for index in range(max(len(token_ids) - 1, 0) // bs):
-            parent = hash_block(parent, token_ids[index * bs : (index + 1) * bs])
+            parent = hash_block(
+                parent, token_ids[index * bs : (index + 1) * bs], span_keys(index, bs, spans)
+            )
             block = self._pool.lookup(parent)
             if block is None:
                 break
@@ -212,14 +224,20 @@ class KVCacheManager:
         self._grow(request_id, num_tokens).in_transfer = True
         return True
 
-    def finish_transfer(self, request_id: str, token_ids: Sequence[int] | None = None) -> None:
+    def finish_transfer(
+        self,
+        request_id: str,
+        token_ids: Sequence[int] | None = None,
+        spans: Sequence[ContentSpan] = (),
+    ) -> None:
         """Mark the transferred cache complete; with reuse on, `token_ids`
-        publish the full blocks it filled."""
+        (with the `spans` of its images) publish the full blocks it filled."""
         state = self._requests.get(request_id)
         if state is None or not state.in_transfer:
             raise RequestStateError(f"request {request_id!r} has no transfer in progress")
         state.in_transfer = False
         if token_ids is not None:
+            state.spans = spans
             self._publish(state, token_ids)
 
     # -- queries -------------------------------------------------------------
@@ -281,7 +299,9 @@ class KVCacheManager:
         num_full = min(len(token_ids), state.num_tokens) // bs
         for index in range(len(state.block_hashes), num_full):
             parent = state.block_hashes[-1] if state.block_hashes else self._root_hash
-            block_hash = hash_block(parent, token_ids[index * bs : (index + 1) * bs])
+            block_hash = hash_block(
+                parent, token_ids[index * bs : (index + 1) * bs], span_keys(index, bs, state.spans)
+            )
             state.block_hashes.append(block_hash)
             block = state.blocks[index]
             if block.block_hash is None:

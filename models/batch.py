@@ -163,6 +163,10 @@ class ForwardBatch:
     shape: StepShape = None  # type: ignore[assignment]
     # Mamba index tensors; built from `shape` when not given (hybrid models only).
     mamba_rows: MambaRows | None = None
+    # Image placeholder tokens: row `image_rows[i]` of the step takes embedding
+    # `image_embeds[i]` instead of its token's (VL models; None without images).
+    image_rows: torch.Tensor | None = None  # [M] int64
+    image_embeds: torch.Tensor | None = None  # [M, hidden_size]
 
     def __post_init__(self) -> None:
         if self.shape is None:
@@ -242,6 +246,13 @@ class ForwardBatch:
             shape=shape,
             mamba_rows=MambaRows(*rows) if mamba_slots is not None else None,
         )
+
+    def input_embeddings(self, embedding: torch.nn.Embedding) -> torch.Tensor:
+        """`[T, hidden]` token embeddings, image rows replaced by their embeddings."""
+        hidden = embedding(self.input_ids)
+        if self.image_rows is not None and self.image_embeds is not None:
+            hidden[self.image_rows] = self.image_embeds.to(hidden.dtype)
+        return hidden
 
     @property
     def num_seqs(self) -> int:

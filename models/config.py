@@ -69,6 +69,47 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """The image path of a VL / Omni wrapper: RADIO tower, pixel shuffle, projector.
+
+    An image of `grid_hw` patches (each `patch_size` pixels square) runs through
+    the tower as `num_prefix_tokens` learned tokens plus one token per patch;
+    the patch features are pixel-shuffled by `merge_size` per side and
+    projected to the language model's hidden size, one embedding per
+    `image_token_id` placeholder of the prompt.
+    """
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    mlp_ratio: float
+    layer_norm_eps: float
+    qkv_bias: bool
+    num_channels: int
+    patch_size: int
+    max_img_size: int
+    num_prefix_tokens: int  # cls + register tokens before the patches
+    downsample_ratio: float
+    projector_hidden_size: int
+    image_token_id: int
+    final_layernorm: bool  # a LayerNorm on the tower output (checkpoints with MTP layers)
+    hidden_act: str = "gelu"
+
+    @property
+    def merge_size(self) -> int:
+        """Patches merged per side by the pixel shuffle (2 for ratio 0.5)."""
+        return round(1 / self.downsample_ratio)
+
+    @property
+    def patch_dim(self) -> int:
+        return self.num_channels * self.patch_size**2
+
+    def num_image_tokens(self, grid_hw: tuple[int, int]) -> int:
+        """Placeholder tokens (and embeddings) of an image of `grid_hw` patches."""
+        return grid_hw[0] * grid_hw[1] // self.merge_size**2
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -96,6 +137,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     dtype: str = "float32"
+    # The image path of a VL / Omni wrapper; None for text-only models.
+    vision: VisionConfig | None = None
 
     @property
     def num_hidden_layers(self) -> int:

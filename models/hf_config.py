@@ -33,6 +33,7 @@ from models.config import (
     ModelConfig,
     MoEConfig,
     RopeConfig,
+    VisionConfig,
 )
 from models.dtypes import DTYPE_NAMES
 from models.errors import ConfigError, UnsupportedArchitectureError
@@ -42,6 +43,7 @@ CONFIG_FILE = "config.json"
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 HYBRID_ARCHITECTURE = "NemotronHForCausalLM"
 NESTED_CONFIG_KEYS = ("llm_config", "text_config")
+IMAGE_TOKEN_FIELDS = ("image_token_id", "img_context_token_id")
 
 # `hybrid_override_pattern` characters and `layers_block_type` names (both the
 # legacy and the current transformers spelling) -> ModelConfig layer kinds.
@@ -161,7 +163,51 @@ def _parse_wrapper(raw: Mapping[str, Any], architecture: str, source: str) -> Mo
     if inner in WRAPPER_ARCHITECTURES or not is_supported(inner):
         raise UnsupportedArchitectureError(inner, supported_architectures())
     parsed = _parse_language_model(_Fields(nested, f"{source} [{key}]"), inner)
-    return replace(parsed, architecture=architecture)
+    # Without a placeholder token id no prompt can hold an image: text only.
+    has_images = raw.get("vision_config") and _Fields(raw, source).has(*IMAGE_TOKEN_FIELDS)
+    vision = _parse_vision(_Fields(raw, source), nested) if has_images else None
+    return replace(parsed, architecture=architecture, vision=vision)
+
+
+def _parse_vision(outer: _Fields, language_model: Mapping[str, Any]) -> VisionConfig:
+    """The RADIO tower and projector of a wrapper; defaults follow transformers'
+    `RadioConfig` and `NemotronH_Omni_Reasoning_V3_Config`."""
+    if not isinstance(outer.raw["vision_config"], dict):
+        raise outer.error("field 'vision_config' must be an object")
+    f = _Fields(outer.raw["vision_config"], f"{outer.source} [vision_config]")
+    if f.first("model_type", default="radio") != "radio":
+        raise f.error(f"model_type is {f.first('model_type')!r}; only 'radio' towers are supported")
+    if f.flag("use_swiglu_ffn", default=False):
+        raise f.error("use_swiglu_ffn is true; only the GELU MLP of C-RADIO is supported")
+    hidden_act = f.first("hidden_act", default="gelu")
+    if hidden_act != "gelu":
+        raise f.error(f"hidden_act is {hidden_act!r}; only 'gelu' is supported")
+    hidden = f.integer("hidden_size", default=1280)
+    outer_hidden = outer.integer("vision_hidden_size", "vit_hidden_size", default=hidden)
+    if outer_hidden != hidden:
+        raise outer.error(
+            f"vision_hidden_size is {outer_hidden} but vision_config.hidden_size is {hidden}"
+        )
+    ratio = outer.number("downsample_ratio", default=0.5)
+    if not 0 < ratio <= 1 or abs(1 / ratio - round(1 / ratio)) > 1e-6:
+        raise outer.error(f"field 'downsample_ratio' must be 1/n for an integer n, got {ratio}")
+    return VisionConfig(
+        hidden_size=hidden,
+        num_layers=f.integer("num_hidden_layers", default=32),
+        num_heads=f.integer("num_attention_heads", default=16),
+        mlp_ratio=f.number("mlp_ratio", default=4.0),
+        layer_norm_eps=f.number("layer_norm_eps", default=1e-6),
+        qkv_bias=f.flag("qkv_bias", default=True),
+        num_channels=f.integer("num_channels", default=3),
+        patch_size=f.integer("patch_size", default=16),
+        max_img_size=f.integer("max_img_size", default=2048),
+        num_prefix_tokens=f.integer("num_cls_tokens", default=3)
+        + f.integer("num_registers", default=7, positive=False),
+        downsample_ratio=ratio,
+        projector_hidden_size=outer.integer("projector_hidden_size", default=4096),
+        image_token_id=outer.integer(*IMAGE_TOKEN_FIELDS, positive=False),
+        final_layernorm=bool(language_model.get("num_nextn_predict_layers") or 0),
+    )
 
 
 def _parse_language_model(f: _Fields, architecture: str) -> ModelConfig:

@@ -128,7 +128,7 @@ class NemotronHBackbone(nn.Module):
         self.norm_f = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch, caches: CacheViews) -> torch.Tensor:
-        hidden = self.embeddings(batch.input_ids)
+        hidden = batch.input_embeddings(self.embeddings)
         for block in self.layers:
             hidden = block(hidden, batch, caches)
         return self.norm_f(hidden)

@@ -1,25 +1,31 @@
-"""The Nemotron-H VL / Omni checkpoints, served through their language model.
+"""The Nemotron-H VL / Omni checkpoints: a Nemotron-H language model with an image path.
 
 One class serves the three wrapper architectures (`NemotronH_Nano_VL_V2`,
 `NemotronH_Nano_Omni_Reasoning_V3`, `NemotronH_Omni_Reasoning_V3`). It
 *composes* a `NemotronHForCausalLM` (attribute `language_model`, as in the
-checkpoint) rather than inheriting from it, and runs the text path only: token
-ids in, logits out; no vision or audio tower is built or run.
+checkpoint) rather than inheriting from it. With a `vision_config` it also
+builds the image path of transformers' `NemotronH_Omni_Reasoning_V3`:
+
+    pixel_values [gh * gw, 3 * p * p] -> RADIO tower (models/radio.py)
+      -> optional final LayerNorm -> pixel shuffle by `merge_size`
+      -> projector mlp1 (RMSNorm, Linear, ReLU^2, Linear)
+      -> [gh * gw / merge_size^2, text hidden]: one row per `<image>` token
+
+`encode_image` runs that path for one image; the engine puts its rows into
+`ForwardBatch.image_embeds` and the backbone uses them in place of the
+placeholder tokens' embeddings. Audio and video towers are not built.
 
 Everything that depends on the hybrid layer pattern comes from the backbone
 class: the `auto` preferences are copied from it at class level (the outer
 pretrained config holds the pattern one level down, so nothing reads it here),
 and `ModelConfig` already describes the nested language model.
 
-Checkpoint names (as transformers' `NemotronH_Omni_Reasoning_V3` saves them,
-and as the released VL checkpoints store them):
-
-    language_model.backbone.*, language_model.lm_head.weight  -> the backbone
-    vision_model.*, mlp1.*, vision_projector.*, sound_encoder.*,
-    sound_projection.* (and transformers' renamed multi_modal_projector.*,
-    vision_final_layernorm.*, audio_tower.*, embed_audio.*)     -> ignored
-
-Any other name is reported as unexpected.
+Checkpoint names: `language_model.backbone.*` / `language_model.lm_head.weight`
+go to the backbone; the image path loads from the release names or
+transformers' (see `models/vl_names.py`); the audio tensors (`sound_encoder.*`,
+`sound_projection.*`, `audio_tower.*`, `embed_audio.*`), video patch embedder,
+input conditioner and summary indices are skipped. Any other name is reported
+as unexpected.
 """
 
 from __future__ import annotations
@@ -28,38 +34,71 @@ from collections.abc import Iterable, Iterator
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from models.base import CausalLM
 from models.batch import CacheViews, ForwardBatch
 from models.config import ModelConfig
 from models.errors import CheckpointError
+from models.layers.norm import RMSNorm
 from models.nemotron_h import NemotronHForCausalLM
+from models.radio import RadioVisionTower
+from models.vl_names import RADIO_PREFIX, release_name
 
 LANGUAGE_MODEL_PREFIX = "language_model."
-NON_TEXT_PREFIXES = (
-    "vision_model.",
-    "mlp1.",
-    "vision_projector.",
+IMAGE_PATH_PREFIXES = ("vision_model.", "mlp1.", "vision_projector.")
+SKIPPED_PREFIXES = (
     "sound_encoder.",
     "sound_projection.",
-    "multi_modal_projector.",
-    "vision_final_layernorm.",
     "audio_tower.",
     "embed_audio.",
+    RADIO_PREFIX + "patch_generator.video_embedder.",
+    "vision_model.radio_model.input_conditioner.",
+    "vision_model.radio_model.summary_idxs",
 )
 
 
+class ReLUSquared(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.square(F.relu(x))
+
+
+def pixel_shuffle(features: torch.Tensor, ratio: float) -> torch.Tensor:
+    """`[1, gh, gw, C]` -> `[1, gh * r, gw * r, C / r^2]` as transformers' Omni
+    model does it: each output position gathers a `1/r x 1/r` patch square."""
+    _, rows, cols, channels = features.shape
+    x = features.view(1, rows, int(cols * ratio), int(channels / ratio))
+    x = x.transpose(1, 2).contiguous()
+    x = x.view(1, int(cols * ratio), int(rows * ratio), int(channels / ratio**2))
+    return x.transpose(1, 2).contiguous()
+
+
 class NemotronVLForCausalLM(CausalLM):
-    """Text path of a Nemotron-H VL / Omni checkpoint around a composed backbone."""
+    """A Nemotron-H VL / Omni checkpoint around a composed backbone."""
 
     backbone_class: ClassVar[type[NemotronHForCausalLM]] = NemotronHForCausalLM
     preferred_kv_manager: ClassVar[str | None] = NemotronHForCausalLM.preferred_kv_manager
     preferred_transceiver: ClassVar[str | None] = NemotronHForCausalLM.preferred_transceiver
 
     def __init__(self, config: ModelConfig) -> None:
-        """`config` describes the nested language model (`llm_config`/`text_config`)."""
+        """`config` describes the nested language model; `config.vision` the image path."""
         super().__init__(config)
         self.language_model = self.backbone_class(config)
+        self.vision = config.vision
+        if config.vision is not None:
+            v = config.vision
+            self.vision_model = RadioVisionTower(v)
+            self.vision_final_layernorm = (
+                nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps) if v.final_layernorm else None
+            )
+            shuffled = v.hidden_size * v.merge_size**2
+            self.mlp1 = nn.Sequential(
+                RMSNorm(shuffled, eps=1e-5),
+                nn.Linear(shuffled, v.projector_hidden_size, bias=False),
+                ReLUSquared(),
+                nn.Linear(v.projector_hidden_size, config.hidden_size, bias=False),
+            )
 
     def forward(self, batch: ForwardBatch, caches: CacheViews) -> torch.Tensor:
         return self.language_model(batch, caches)
@@ -67,18 +106,36 @@ class NemotronVLForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Hand `language_model.*` tensors to the backbone, skip the non-text towers.
+    def encode_image(self, pixel_values: torch.Tensor, grid_hw: tuple[int, int]) -> torch.Tensor:
+        """Embeddings `[num_image_tokens, hidden]` of one preprocessed image."""
+        v = self.vision
+        if v is None:
+            raise ValueError(f"{self.config.architecture} checkpoint has no vision_config")
+        dtype = self.vision_model.patch_generator.embedder.weight.dtype
+        features = self.vision_model(pixel_values.to(dtype), grid_hw)
+        if self.vision_final_layernorm is not None:
+            features = self.vision_final_layernorm(features)
+        shuffled = pixel_shuffle(features.view(1, *grid_hw, -1), v.downsample_ratio)
+        return self.mlp1(shuffled.flatten(0, 2))
 
-        Raises `CheckpointError` naming tensors under no known prefix, together
-        with whatever the backbone reports (missing, unexpected, mis-shaped).
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Hand `language_model.*` tensors to the backbone, load the image path.
+
+        Raises `CheckpointError` naming tensors under no known prefix, missing
+        or mis-shaped image-path tensors, together with whatever the backbone
+        reports (missing, unexpected, mis-shaped).
         """
         unknown: list[str] = []
         problems: list[str] = []
+        image_path = _ImagePathLoader(self) if self.vision is not None else None
         try:
-            self.language_model.load_weights(self._language_model_weights(weights, unknown))
+            self.language_model.load_weights(
+                self._language_model_weights(weights, unknown, image_path)
+            )
         except CheckpointError as exc:
             problems.append(f"under {LANGUAGE_MODEL_PREFIX!r}: {exc}")
+        if image_path is not None:
+            problems.extend(image_path.problems())
         if unknown:
             problems.append(
                 f"tensors outside the language model and the known non-text prefixes: "
@@ -90,10 +147,80 @@ class NemotronVLForCausalLM(CausalLM):
 
     @staticmethod
     def _language_model_weights(
-        weights: Iterable[tuple[str, torch.Tensor]], unknown: list[str]
+        weights: Iterable[tuple[str, torch.Tensor]],
+        unknown: list[str],
+        image_path: _ImagePathLoader | None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             if name.startswith(LANGUAGE_MODEL_PREFIX):
                 yield name.removeprefix(LANGUAGE_MODEL_PREFIX), tensor
-            elif not name.startswith(NON_TEXT_PREFIXES):
+                continue
+            disk_name, part = release_name(name)
+            if disk_name.startswith(SKIPPED_PREFIXES):
+                continue
+            if not disk_name.startswith(IMAGE_PATH_PREFIXES):
                 unknown.append(name)
+            elif image_path is not None:
+                image_path.load(name, disk_name, part, tensor)
+
+
+class _ImagePathLoader:
+    """Copies release-named image-path tensors into the wrapper's parameters."""
+
+    def __init__(self, model: NemotronVLForCausalLM) -> None:
+        self.params = {
+            name: param
+            for name, param in model.named_parameters()
+            if not name.startswith(LANGUAGE_MODEL_PREFIX)
+        }
+        self.seen: set[str] = set()
+        self.unexpected: list[str] = []
+        self.mismatched: list[str] = []
+
+    def load(self, name: str, disk_name: str, part: int | None, tensor: torch.Tensor) -> None:
+        target = _parameter_name(disk_name)
+        param = self.params.get(target)
+        if param is None:
+            self.unexpected.append(name)
+            return
+        rows = param.shape[0] // 3
+        dest = param if part is None else param[part * rows : (part + 1) * rows]
+        if tuple(tensor.shape) != tuple(dest.shape):
+            self.mismatched.append(
+                f"{name}: expected {tuple(dest.shape)}, found {tuple(tensor.shape)}"
+            )
+            return
+        with torch.no_grad():
+            dest.copy_(tensor.to(dtype=param.dtype))
+        self.seen.update(_pieces(target) if part is None else [f"{target}#{part}"])
+
+    def problems(self) -> list[str]:
+        expected = {
+            piece
+            for name in self.params
+            if not name.endswith(RadioVisionTower.OPTIONAL_SUFFIXES)
+            for piece in _pieces(name)
+        }
+        missing = sorted(expected - self.seen)
+        found = []
+        for label, names in (
+            ("image-path tensors missing", missing),
+            ("unexpected image-path tensors", self.unexpected),
+            ("image-path shape mismatches", self.mismatched),
+        ):
+            if names:
+                found.append(f"{label}: {', '.join(names[:20])}")
+        return found
+
+
+def _pieces(name: str) -> list[str]:
+    """What loading `name` whole covers: a fused qkv tensor is three pieces, since
+    transformers' layout loads it a third at a time."""
+    return [f"{name}#{part}" for part in range(3)] if ".attn.qkv." in name else [name]
+
+
+def _parameter_name(disk_name: str) -> str:
+    """Release name -> the wrapper's parameter name."""
+    if disk_name.startswith(RADIO_PREFIX):
+        return "vision_model." + disk_name.removeprefix(RADIO_PREFIX)
+    return disk_name.replace("vision_projector.vision_final_layernorm.", "vision_final_layernorm.")

@@ -79,7 +79,7 @@ class ContextWorker:
         rid = request.request_id
         if self._aborted.take(rid):
             raise RequestFailedError(rid, "aborted before it reached this worker")
-        req = Request(rid, list(request.prompt_token_ids), request.params)
+        req = Request(rid, list(request.prompt_token_ids), request.params, images=request.images)
         results = self._results.open(rid)
         self.engine.loop.submit(req)
         self._active.add(rid)
@@ -144,7 +144,7 @@ class ContextWorker:
         return self.engine.drain_kv_events()
 
     def step_stats(self) -> dict[str, float]:
-        return dict(vars(self.engine.loop.stats))
+        return self.engine.step_stats()
 
     async def shutdown(self) -> None:
         """Unpin every published cache, then stop the engine; frees everything."""

@@ -67,6 +67,8 @@ class _Sequence:
     num_computed: int = 0
     prompt_logits: list[torch.Tensor] = field(default_factory=list)
     decode_logits: list[torch.Tensor] = field(default_factory=list)
+    # Prompt positions whose embedding replaces their token's (image placeholders).
+    embeds_at: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -97,8 +99,10 @@ class PagedHarness:
         self.next_block = NULL_BLOCK + 1
         self.sequences: list[_Sequence] = []
 
-    def add(self, prompt: list[int]) -> int:
-        self.sequences.append(_Sequence(prompt=list(prompt), slot=len(self.sequences) + 1))
+    def add(self, prompt: list[int], embeds_at: dict[int, torch.Tensor] | None = None) -> int:
+        self.sequences.append(
+            _Sequence(prompt=list(prompt), slot=len(self.sequences) + 1, embeds_at=embeds_at or {})
+        )
         self.sequences[-1].tokens = list(prompt)
         return len(self.sequences) - 1
 
@@ -112,9 +116,15 @@ class PagedHarness:
     def build_batch(self, feeds: list[tuple[_Sequence, list[int]]]) -> ForwardBatch:
         ids, positions, slots, starts = [], [], [], [0]
         context_lens, seq_lens = [], []
+        image_rows: list[int] = []
+        image_embeds: list[torch.Tensor] = []
         for seq, tokens in feeds:
             ctx = seq.num_computed
             self._reserve(seq, ctx + len(tokens))
+            for pos in range(ctx, ctx + len(tokens)):
+                if pos in seq.embeds_at:
+                    image_rows.append(len(ids) + pos - ctx)
+                    image_embeds.append(seq.embeds_at[pos])
             ids += tokens
             for pos in range(ctx, ctx + len(tokens)):
                 block = seq.blocks[pos // self.block_size]
@@ -135,6 +145,8 @@ class PagedHarness:
             slot_mapping=_long(slots),
             block_size=self.block_size,
             mamba_slots=_long([seq.slot for seq, _ in feeds]),
+            image_rows=_long(image_rows) if image_rows else None,
+            image_embeds=torch.stack(image_embeds) if image_embeds else None,
         )
 
     @torch.no_grad()
@@ -173,17 +185,20 @@ def run_paged_generation(
     decode_steps: int,
     block_size: int = 4,
     block_major: bool = False,
+    embeds_at: list[dict[int, torch.Tensor]] | None = None,
 ) -> GenerationTrace:
     """Prefill `prompts` in chunks and decode `decode_steps` greedy tokens each.
 
     `decode_logits[i]` has `decode_steps` rows: row j is the logits that chose
     generated token j + 1 (token 0 comes from the last prompt row).
+    `embeds_at[i]` maps prompt positions of sequence i to the embeddings that
+    replace their tokens' (image placeholders).
     """
     harness = PagedHarness(
         model, spec, block_size=block_size, max_seqs=len(prompts), block_major=block_major
     )
-    for prompt in prompts:
-        harness.add(prompt)
+    for i, prompt in enumerate(prompts):
+        harness.add(prompt, embeds_at[i] if embeds_at else None)
     num_steps = 0
     while harness.step(chunk_size, decode_steps + 1):
         num_steps += 1
@@ -204,15 +219,18 @@ def assert_matches_reference(
     prompts: list[list[int]],
     trace: GenerationTrace,
     decode_steps: int,
+    reference_inputs: list[dict[str, torch.Tensor]] | None = None,
 ) -> None:
     """Prompt and decode logits within `PARITY_TOLERANCE` of `reference`'s own
-    forward over each whole sequence, and the same greedy tokens."""
+    forward over each whole sequence, and the same greedy tokens.
+    `reference_inputs[i]` adds keyword inputs for sequence i (its images)."""
     for i, prompt in enumerate(prompts):
         generated = trace.generated[i]
         assert len(generated) == decode_steps + 1
         full = torch.tensor([prompt + generated[:-1]])
+        extra = reference_inputs[i] if reference_inputs else {}
         with torch.no_grad():
-            ref_logits = reference(full).logits[0]
+            ref_logits = reference(full, **extra).logits[0]
         ours = torch.cat([trace.prompt_logits[i], trace.decode_logits[i]])
         assert ours.shape == ref_logits.shape
         scale = ref_logits.abs().max()

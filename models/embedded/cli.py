@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--size",
         default="tiny",
         choices=SIZES,
-        help="tiny: fast tests (hidden 64); small: compute-bound decode on CPU (hidden 512)",
+        help="tiny: fast tests (hidden 64); small: compute-bound decode on CPU (hidden 512); "
+        "mini: the served benchmark's model (hidden 256, 4 layers)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     parser.add_argument(

@@ -11,6 +11,9 @@ Sizes:
   under a second, for tests.
 - `small` — hidden 512, 8+ layers, vocab 4096: big enough that one decode step
   is compute-bound on a CPU, for benchmarks and demos.
+- `mini` — hidden 256, 4 Llama layers, vocab 4096: the served benchmark's
+  model (`benchmarks.serve_compare`), light enough that two CPU cores serve
+  dozens of concurrent requests, so the serving path shows in the figures.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from models.embedded.tokenizer import (
 )
 
 ARCHS: tuple[str, ...] = ("llama", "nemotron_h", "nemotron_vl")
-SIZES: tuple[str, ...] = ("tiny", "small")
+SIZES: tuple[str, ...] = ("tiny", "small", "mini")
 VL_ARCHITECTURES: tuple[str, ...] = (
     "NemotronH_Nano_VL_V2",
     "NemotronH_Nano_Omni_Reasoning_V3",
@@ -112,6 +115,24 @@ _SHAPES: dict[str, _Shape] = {
         vision_hidden_size=32,
         projector_hidden_size=256,
     ),
+    "mini": _Shape(
+        vocab_size=4096,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=768,
+        llama_layers=4,
+        hybrid_pattern="M*-ME*-",
+        mamba_num_heads=8,
+        mamba_head_dim=64,
+        mamba_n_groups=2,
+        ssm_state_size=32,
+        mamba_chunk_size=64,
+        moe_intermediate_size=256,
+        vision_hidden_size=32,
+        projector_hidden_size=128,
+    ),
 }
 
 
@@ -125,7 +146,7 @@ def _check_choice(field: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 def shape_of(size: str) -> _Shape:
-    """The dimensions of `size` ("tiny" or "small")."""
+    """The dimensions of `size` (one of `SIZES`)."""
     _check_choice("size", size, SIZES)
     return _SHAPES[size]
 
@@ -286,6 +307,28 @@ def nemotron_vl_config(
         "initializer_range": initializer_range,
         "tie_word_embeddings": False,
         "dtype": DTYPE,
+    }
+
+
+def image_processor_config(size: str) -> dict[str, Any]:
+    """The `preprocessor_config.json` body of a VL checkpoint (transformers' Omni
+    image processor fields), with a patch budget small enough that an image
+    takes 1 to 16 prompt tokens."""
+    shape_of(size)
+    return {
+        "image_processor_type": "NemotronH_Omni_Reasoning_V3ImageProcessor",
+        "patch_size": 16,
+        "downsample_ratio": 0.5,
+        "min_num_patches": 4,
+        "max_num_patches": 64,
+        "max_model_len": 4096,
+        "do_convert_rgb": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "resample": 3,
     }
 
 

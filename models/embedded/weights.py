@@ -21,32 +21,13 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from models.embedded.configs import VL_ARCHITECTURES
+from models.vl_names import release_name
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
 _EXPERTS = re.compile(r"(?P<stem>.*\.mixer\.experts)\.(?P<proj>up_proj|down_proj)")
-_QKV = re.compile(r"(?P<stem>.*)\.attention\.(?P<part>q|k|v)_proj\.(?P<kind>weight|bias)")
-
-# RADIO tower renames, in order: the longer `video_patch_projection` must be
-# renamed before `patch_projection`, which it contains.
-_RADIO_RENAMES: tuple[tuple[str, str], ...] = (
-    ("embeddings.video_patch_projection", "radio_model.model.patch_generator.video_embedder"),
-    ("embeddings.patch_projection", "radio_model.model.patch_generator.embedder"),
-    ("embeddings.position_embedding", "radio_model.model.patch_generator.pos_embed"),
-    ("embeddings.cls_register_token", "radio_model.model.patch_generator.cls_token.token"),
-    ("encoder.layer.", "radio_model.model.blocks."),
-    ("attention.o_proj", "attn.proj"),
-    ("input_conditioner", "radio_model.input_conditioner"),
-    ("summary_idxs", "radio_model.summary_idxs"),
-)
-_PROJECTOR_RENAMES: tuple[tuple[str, str], ...] = (
-    ("multi_modal_projector.layer_norm.", "mlp1.0."),
-    ("multi_modal_projector.linear_1.", "mlp1.1."),
-    ("multi_modal_projector.linear_2.", "mlp1.3."),
-    ("vision_final_layernorm.", "vision_projector.vision_final_layernorm."),
-)
 
 
 def build_model(config: dict[str, Any], seed: int) -> PreTrainedModel:
@@ -122,37 +103,17 @@ def _nemotron_h_disk_names(state: dict[str, torch.Tensor], prefix: str) -> dict[
 def _vl_disk_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     language = {k: v for k, v in state.items() if k.startswith("language_model.")}
     out = _nemotron_h_disk_names(language, prefix="language_model.")
-    qkv_parts: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    qkv_parts: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in state.items():
         if name.startswith("language_model."):
             continue
-        if name.startswith("vision_model."):
-            match = _QKV.fullmatch(name)
-            if match is not None:
-                key = (_radio_name(match["stem"]), match["kind"])
-                qkv_parts.setdefault(key, {})[match["part"]] = tensor
-                continue
-            out[_radio_name(name)] = tensor.contiguous()
-            continue
-        out[_renamed(name, _PROJECTOR_RENAMES)] = tensor.contiguous()
+        disk_name, part = release_name(name)
+        if part is None:
+            out[disk_name] = tensor.contiguous()
+        else:
+            qkv_parts.setdefault(disk_name, {})[part] = tensor
     import torch
 
-    for (stem, kind), parts in qkv_parts.items():
-        out[f"{stem}.attn.qkv.{kind}"] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
+    for disk_name, parts in qkv_parts.items():
+        out[disk_name] = torch.cat([parts[i] for i in sorted(parts)], dim=0)
     return out
-
-
-def _radio_name(name: str) -> str:
-    """`vision_model.<transformers name>` -> `vision_model.<RADIO release name>`."""
-    rest = name.removeprefix("vision_model.")
-    for old, new in _RADIO_RENAMES:
-        rest = rest.replace(old, new, 1)
-    return "vision_model." + rest
-
-
-def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
-    """Apply the first prefix rename of `renames` that matches `name`."""
-    for old, new in renames:
-        if name.startswith(old):
-            return new + name[len(old) :]
-    return name

@@ -7,6 +7,7 @@ Folder contents:
     model.safetensors        seeded random weights, real on-disk key names
     tokenizer.json           byte-level BPE trained on the built-in corpus
     tokenizer_config.json    special tokens + ChatML chat template
+    preprocessor_config.json image preprocessing (VL checkpoints only)
     embedded_checkpoint.json how the folder was made (arch, size, seed, ...)
 
 Every file is written to a temporary name and renamed into place, and the
@@ -24,9 +25,11 @@ from typing import Any
 from models.embedded.configs import (
     DEFAULT_INITIALIZER_RANGE,
     checkpoint_config,
+    image_processor_config,
     language_model_config,
 )
 from models.embedded.tokenizer import tokenizer_files
+from models.image_processing import PREPROCESSOR_FILE
 
 MANIFEST_NAME = "embedded_checkpoint.json"
 CHECKPOINT_FILES: tuple[str, ...] = (
@@ -39,7 +42,7 @@ CHECKPOINT_FILES: tuple[str, ...] = (
 )
 # Bump when the folder's contents change for the same arguments, so
 # `ensure_checkpoint` rewrites folders made by an older layout.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 class CheckpointWriteError(OSError):
@@ -67,7 +70,7 @@ def write_checkpoint(
     config = checkpoint_config(arch, size, vl_architecture, initializer_range)
     _prepare_folder(out)
     try:
-        _write_all(out, config, seed, progress)
+        _write_all(out, config, size, seed, progress)
         _write_json(out / MANIFEST_NAME, _manifest(arch, size, seed, config))
     except OSError as error:
         raise CheckpointWriteError(
@@ -124,7 +127,7 @@ def _manifest(arch: str, size: str, seed: int, config: dict[str, Any]) -> dict[s
     }
 
 
-def _write_all(out: Path, config: dict[str, Any], seed: int, progress: bool) -> None:
+def _write_all(out: Path, config: dict[str, Any], size: str, seed: int, progress: bool) -> None:
     from models.embedded.safetensors_file import write_safetensors
     from models.embedded.weights import build_state_dict
 
@@ -132,6 +135,8 @@ def _write_all(out: Path, config: dict[str, Any], seed: int, progress: bool) -> 
     for name, text in tokenizer_files(llm["vocab_size"]).items():
         _write_text(out / name, text)
     _write_json(out / "generation_config.json", _generation_config(llm))
+    if "vision_config" in config:
+        _write_json(out / PREPROCESSOR_FILE, image_processor_config(size))
     tensors = build_state_dict(config, seed)
     tmp = _tmp_path(out / "model.safetensors")
     try:

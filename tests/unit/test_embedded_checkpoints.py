@@ -44,7 +44,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def test_constants() -> None:
     assert ARCHS == ("llama", "nemotron_h", "nemotron_vl")
-    assert SIZES == ("tiny", "small")
+    assert SIZES == ("tiny", "small", "mini")
     assert "NemotronH_Nano_VL_V2" in VL_ARCHITECTURES
 
 
@@ -124,6 +124,31 @@ def test_omni_checkpoint_loads_in_transformers_omni_class(checkpoints: dict[str,
     assert not info["missing_keys"] and not info["unexpected_keys"]
     out = model.generate(torch.tensor([[1, 50, 60, 70]]), max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 8)
+
+
+def test_vl_checkpoint_image_path_matches_transformers(checkpoints: dict[str, Path]) -> None:
+    """The written vision tower and projector load into our wrapper, and an image
+    preprocessed per the written preprocessor_config.json embeds as transformers'."""
+    from PIL import Image
+    from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
+
+    from models.image_processing import load_image_processor_config, preprocess_image
+    from models.loader import load_model
+
+    path = checkpoints["omni"]
+    ours, config = load_model(path)
+    assert config.vision is not None
+    processing = load_image_processor_config(path, config.vision)
+    grid = processing.patch_grid(100, 60)
+    assert config.vision.num_image_tokens(grid) <= 16  # the tiny budget
+    pixels = torch.randint(0, 256, (100, 60, 3), generator=torch.Generator().manual_seed(0))
+    pixel_values = preprocess_image(Image.fromarray(pixels.byte().numpy()), grid, processing)
+    reference = NemotronH_Omni_Reasoning_V3.from_pretrained(path).eval()
+    with torch.no_grad():
+        expected = reference.get_image_features(pixel_values, torch.tensor([grid])).pooler_output
+        embeds = ours.encode_image(pixel_values, grid)  # type: ignore[operator]
+    assert embeds.shape == (config.vision.num_image_tokens(grid), config.hidden_size)
+    torch.testing.assert_close(embeds, expected[0], rtol=0, atol=1e-5)
 
 
 def test_vl_default_wrapper_nests_llm_config() -> None:

@@ -274,6 +274,29 @@ def test_vl_wrapper_takes_fields_from_nested_config(architecture: str, nested_ke
     assert config.cache_spec().is_hybrid
 
 
+def test_vl_wrapper_vision_config_parses_with_radio_defaults() -> None:
+    raw = {
+        "architectures": ["NemotronH_Nano_VL_V2"],
+        "llm_config": {**nemotron_h_dict(), "num_nextn_predict_layers": 1},
+        "vision_config": {"model_type": "radio", "hidden_size": 32, "patch_size": 14},
+        "vit_hidden_size": 32,
+        "img_context_token_id": 6,
+        "downsample_ratio": 0.25,
+    }
+    vision = parse_model_config(raw).vision
+    assert vision is not None
+    assert (vision.hidden_size, vision.patch_size, vision.image_token_id) == (32, 14, 6)
+    assert (vision.num_layers, vision.num_prefix_tokens, vision.merge_size) == (32, 10, 4)
+    assert vision.final_layernorm  # the language model has MTP layers
+    assert vision.num_image_tokens((8, 12)) == 6
+    without_token = {k: v for k, v in raw.items() if k != "img_context_token_id"}
+    assert parse_model_config(without_token).vision is None
+    with pytest.raises(ConfigError, match="vision_hidden_size is 48"):
+        parse_model_config({**raw, "vit_hidden_size": 48})
+    with pytest.raises(ConfigError, match="only 'radio'"):
+        parse_model_config({**raw, "vision_config": {"model_type": "siglip"}})
+
+
 def test_vl_wrapper_vocab_falls_back_to_outer() -> None:
     nested = nemotron_h_dict()
     del nested["vocab_size"]

@@ -6,10 +6,11 @@ import logging
 
 import pytest
 
+from engine.multimodal import ImageInput
 from kvcache import resolution
 from kvcache.errors import RequestStateError
 from kvcache.events import BLOCK_REMOVED, BLOCK_STORED
-from kvcache.hashing import hash_full_blocks, root_hash
+from kvcache.hashing import hash_full_blocks, root_hash, span_keys
 from kvcache.manager_v2 import KVCacheManagerV2
 from kvcache.spec import CacheSpec
 
@@ -141,3 +142,34 @@ def test_hybrid_model_keeps_reuse_off_and_says_why(
     manager.free("a")
     assert manager.match_prefix("b", PROMPT) == 0
     manager.check_integrity()
+
+
+IMAGE_TOKEN = 6
+
+
+def image(tag: bytes, offset: int, num_tokens: int) -> ImageInput:
+    return ImageInput(content_hash=tag * 32, offset=offset, num_tokens=num_tokens)
+
+
+def test_same_text_with_another_image_never_shares_blocks(manager: KVCacheManagerV2) -> None:
+    """Blocks 0 and 1 hold placeholders of the image; block 2 follows it. Only
+    the same image (and text) reuses them, and the events carry those hashes."""
+    prompt = [100, 101, IMAGE_TOKEN, IMAGE_TOKEN, IMAGE_TOKEN, 105, 106, 107, 108, 109, 110, 111, 1]
+    cat, dog = (image(b"c", 2, 3),), (image(b"d", 2, 3),)
+    assert manager.match_prefix("a", prompt, cat) == 0
+    assert manager.allocate_slots("a", len(prompt), prompt, cat)
+    stored = [e.block_hash for e in manager.drain_events()]
+    assert stored == hash_full_blocks(prompt, 4, root_hash("m"), spans=cat)
+    assert stored != hash_full_blocks(prompt, 4, root_hash("m"))
+    assert manager.match_prefix("b", prompt, dog) == 0
+    manager.free("b")
+    assert manager.match_prefix("c", prompt, cat) == 12
+    manager.check_integrity()
+
+
+def test_block_keys_name_the_images_overlapping_each_block() -> None:
+    spans = (image(b"a", 2, 3), image(b"b", 5, 6))
+    assert span_keys(0, 4, spans) == (b"a" * 32,)
+    assert span_keys(1, 4, spans) == (b"a" * 32, b"b" * 32)
+    assert span_keys(2, 4, spans) == (b"b" * 32,)
+    assert span_keys(3, 4, spans) == ()

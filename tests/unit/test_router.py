@@ -14,6 +14,7 @@ from cluster.policies import (
     make_policy,
 )
 from cluster.router import Router, RoutingSettings, WorkerEndpoint
+from engine.multimodal import ImageInput
 
 
 def _h(*ids: int) -> list[bytes]:
@@ -138,3 +139,22 @@ def test_block_hashes_chain_over_the_prefix() -> None:
     b = router.block_hashes([1, 2, 3, 4, 0, 6, 7, 8], 4)
     assert len(a) == 2  # the partial third block is not hashed
     assert a[0] == b[0] and a[1] != b[1]
+
+
+def test_block_hashes_differ_by_image_and_match_for_the_same_image() -> None:
+    """Same placeholder tokens, other image: every block from the image on
+    differs; the same image gives the same hashes, so prefix_aware routes the
+    repeat where the first one's blocks are."""
+    router = _router(max_local=0)
+    prompt = [1, 2, 6, 6, 6, 6, 7, 8, 9, 10, 11, 12]
+    cat = (ImageInput(b"c" * 32, b"png bytes", (4, 4), offset=2, num_tokens=4),)
+    dog = (ImageInput(b"d" * 32, b"png bytes", (4, 4), offset=2, num_tokens=4),)
+    with_cat = router.block_hashes(prompt, 4, cat)
+    with_dog = router.block_hashes(prompt, 4, dog)
+    assert all(a != b for a, b in zip(with_cat, with_dog, strict=True))
+    assert with_cat == router.block_hashes(prompt, 4, cat)
+    assert with_cat != router.block_hashes(prompt, 4)
+    pool = _pool(2)
+    pool[1].apply_kv_event(stored=with_cat, removed=[])
+    assert PrefixAwarePolicy().choose(pool, with_cat).name == "w1"
+    assert PrefixAwarePolicy().choose(pool, with_dog).name == "w0"

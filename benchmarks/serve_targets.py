@@ -1,0 +1,250 @@
+"""The servers `benchmarks.serve_compare` measures: how each one starts.
+
+| key | what runs | CPUs |
+| --- | --- | --- |
+| `vllm-agg` | one `vllm serve` | all of `--cpus`, one OpenMP thread each |
+| `vllm-1p1d` | a prefill and a decode `vllm serve` joined by NixlConnector, and `benchmarks.pd_proxy` in front | one CPU each |
+| `ours-agg` | `disagg serve`, every request whole on one generation instance | see `aggregated_sections` |
+| `ours-1p1d-python`, `ours-1p1d-nixl` | `disagg serve`, one context + one generation instance on that transceiver | one CPU each |
+
+Every server is reached at `http://127.0.0.1:<port>`, gets the same batch
+limits (`Setup.max_num_seqs`, `Setup.max_num_tokens`) and prefix caching
+(vLLM) / block reuse (ours) on or off together.
+
+The vLLM processes load `benchmarks/vllm_site/sitecustomize.py`, which gives
+NIXL agents the progress-thread delay ours use (nixl's default spins a core per
+agent) and keeps vLLM's NIXL thread pinning inside each instance's own CPU
+(by default both instances pin to the machine's last core).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from benchmarks.process_group import GroupProcess
+from cluster.config import ConfigError, config_from_dict
+from transfer.nixl_agent import DEFAULT_PROGRESS_DELAY_US
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_SITE = Path(__file__).resolve().parent / "vllm_site"
+DEFAULT_VLLM_PYTHON = Path("/work/vllm-venv/bin/python")
+BLOCK_SIZE = 16
+NIXL_SIDE_CHANNEL_OFFSET = 10  # vLLM instance i's NIXL handshake port: port + offset + i
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every server of one comparison shares."""
+
+    model: Path
+    dtype: str
+    cpus: tuple[int, ...]
+    port: int
+    max_num_seqs: int
+    max_num_tokens: int
+    max_model_len: int
+    prefix_caching: bool
+    vllm_python: Path
+    workdir: Path  # logs and generated configs
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def kv_tokens(self) -> int:
+        """Our KV cache size: every sequence of a full batch at its longest, plus a block each."""
+        return self.max_num_seqs * (self.max_model_len + BLOCK_SIZE)
+
+    def log(self, name: str) -> Path:
+        return self.workdir / f"{name}.log"
+
+
+@dataclass
+class Launch:
+    """One server as processes in start order.
+
+    ready_urls: for each process, the base URL whose `/v1/models` answers 200
+        once it is up (None: nothing to wait for).
+    """
+
+    label: str
+    ports: tuple[int, ...]
+    processes: list[GroupProcess]
+    ready_urls: list[str | None]
+
+
+# ------------------------------------------------------------------- vLLM
+
+
+def vllm_executable(setup: Setup) -> str:
+    return str(setup.vllm_python.parent / "vllm")
+
+
+def vllm_env(setup: Setup, cpus: tuple[int, ...], **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_CPU_AFFINITY", "PYTHONPATH")}
+    env.update(
+        PYTHONPATH=str(VLLM_SITE),
+        VLLM_CPU_OMP_THREADS_BIND=",".join(str(c) for c in cpus),
+        OMP_NUM_THREADS=str(len(cpus)),
+        VLLM_CPU_KVCACHE_SPACE="1",
+        **extra,
+    )
+    return env
+
+
+def _vllm_serve(setup: Setup, port: int, extra: list[str]) -> list[str]:
+    caching = "--enable-prefix-caching" if setup.prefix_caching else "--no-enable-prefix-caching"
+    return [
+        vllm_executable(setup),
+        "serve",
+        str(setup.model),
+        *("--host", "127.0.0.1", "--port", str(port), "--dtype", setup.dtype),
+        *("--max-model-len", str(setup.max_model_len), "--max-num-seqs", str(setup.max_num_seqs)),
+        *("--max-num-batched-tokens", str(setup.max_num_tokens), "--seed", "0"),
+        caching,
+        *extra,
+    ]
+
+
+def vllm_aggregated(setup: Setup) -> Launch:
+    proc = GroupProcess(
+        "vllm-agg",
+        _vllm_serve(setup, setup.port, []),
+        vllm_env(setup, setup.cpus),
+        setup.log("vllm-agg"),
+        cpus=setup.cpus,
+    )
+    label = f"vLLM-CPU aggregated ({len(setup.cpus)} threads)"
+    return Launch(label, (setup.port,), [proc], [setup.url])
+
+
+def vllm_1p1d(setup: Setup) -> Launch:
+    if len(setup.cpus) < 2:
+        raise ValueError("vllm-1p1d needs two CPUs in --cpus, one per instance")
+    procs: list[GroupProcess] = []
+    urls: list[str | None] = []
+    ports = [setup.port]
+    for i, (role, kv_role) in enumerate((("prefill", "kv_producer"), ("decode", "kv_consumer"))):
+        port, side_port = setup.port + 1 + i, setup.port + NIXL_SIDE_CHANNEL_OFFSET + i
+        cpus = (setup.cpus[i],)
+        env = vllm_env(
+            setup,
+            cpus,
+            VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+            VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_port),
+            SERVE_COMPARE_NIXL_DELAY_US=str(DEFAULT_PROGRESS_DELAY_US),
+            SERVE_COMPARE_KEEP_AFFINITY="1",
+        )
+        transfer = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"}
+        argv = _vllm_serve(setup, port, ["--kv-transfer-config", json.dumps(transfer)])
+        procs.append(GroupProcess(f"vllm-{role}", argv, env, setup.log(f"vllm-{role}"), cpus))
+        urls.append(f"http://127.0.0.1:{port}")
+        ports += [port, side_port]
+    proxy = [sys.executable, "-m", "benchmarks.pd_proxy", "--port", str(setup.port)]
+    proxy += ["--prefill", str(urls[0]), "--decode", str(urls[1])]
+    procs.append(
+        GroupProcess("vllm-proxy", proxy, dict(os.environ), setup.log("vllm-proxy"), cwd=ROOT)
+    )
+    urls.append(setup.url)
+    label = (
+        f"vLLM-CPU 1P1D NixlConnector (1 core each, NIXL progress delay "
+        f"{DEFAULT_PROGRESS_DELAY_US} us)"
+    )
+    return Launch(label, tuple(ports), procs, urls)
+
+
+# -------------------------------------------------------------------- ours
+
+
+def base_config(setup: Setup, backend: str) -> dict[str, Any]:
+    return {
+        "model": str(setup.model),
+        "hostname": "127.0.0.1",
+        "port": setup.port,
+        "dtype": setup.dtype,
+        "router": {"type": "least_loaded"},
+        "cache_transceiver": {"backend": backend},
+        "kv_cache": {
+            # Block reuse is a V2 feature; V1 (the Llama default) otherwise.
+            "manager": "v2" if setup.prefix_caching else "auto",
+            "block_size": BLOCK_SIZE,
+            "max_tokens": setup.kv_tokens,
+            "enable_block_reuse": setup.prefix_caching,
+        },
+        "max_num_tokens": setup.max_num_tokens,
+        "max_batch_size": setup.max_num_seqs,
+    }
+
+
+def accepts(config: dict[str, Any]) -> bool:
+    """True when this checkout's config schema takes `config`."""
+    try:
+        config_from_dict(config, source="<serve_compare>")
+    except ConfigError:
+        return False
+    return True
+
+
+def aggregated_sections(config: dict[str, Any], threads: int) -> tuple[dict[str, Any], str]:
+    """`config` made aggregated-only, and how (for the table's label).
+
+    The one place that decides what "our aggregated" means. Preferred: no
+    context instance (`context_servers.num_instances: 0`) and one generation
+    instance with all `threads` (`num_cpus`). Where the schema does not take
+    those keys yet, the nearest equivalent: every prompt is prefilled locally
+    on the generation instance (`conditional_disagg`), which runs on one
+    thread while the context instance idles.
+    """
+    only = {"context_servers": {"num_instances": 0}}
+    with_cpus = config | only | {"generation_servers": {"num_instances": 1, "num_cpus": threads}}
+    if accepts(with_cpus):
+        return with_cpus, f"aggregated-only ({threads} threads)"
+    if accepts(config | only):
+        return config | only, "aggregated-only (1 thread)"
+    local = config | {"conditional_disagg": {"max_local_prefill_length": 1 << 20}}
+    return local, "prefill local on the generation instance (1 thread; context idles)"
+
+
+def _ours(setup: Setup, key: str, config: dict[str, Any], label: str) -> Launch:
+    path = setup.workdir / f"{key}.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    argv = [sys.executable, "-m", "cluster.cli", "serve", "-c", str(path)]
+    proc = GroupProcess(key, argv, dict(os.environ), setup.log(key), setup.cpus, cwd=ROOT)
+    return Launch(label, (setup.port,), [proc], [setup.url])
+
+
+def ours_aggregated(setup: Setup) -> Launch:
+    config, how = aggregated_sections(base_config(setup, "python"), len(setup.cpus))
+    return _ours(setup, "ours-agg", config, f"disagg {how}")
+
+
+def ours_1p1d(backend: str) -> Callable[[Setup], Launch]:
+    def launch(setup: Setup) -> Launch:
+        config = base_config(setup, backend)
+        return _ours(setup, f"ours-1p1d-{backend}", config, f"disagg 1P1D {backend}")
+
+    return launch
+
+
+TARGETS: dict[str, Callable[[Setup], Launch]] = {
+    "vllm-agg": vllm_aggregated,
+    "vllm-1p1d": vllm_1p1d,
+    "ours-agg": ours_aggregated,
+    "ours-1p1d-python": ours_1p1d("python"),
+    "ours-1p1d-nixl": ours_1p1d("nixl"),
+}
+# (ours, vLLM's counterpart) for the ratio table.
+PAIRS: tuple[tuple[str, str], ...] = (
+    ("ours-agg", "vllm-agg"),
+    ("ours-1p1d-python", "vllm-1p1d"),
+    ("ours-1p1d-nixl", "vllm-1p1d"),
+)

@@ -1,0 +1,187 @@
+"""The served comparison's own parts: arguments, table and ratios, configs, process
+groups and port checks. (Running vLLM is the benchmark's job, not the suite's.)"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks.pd_proxy import decode_request, prefill_request
+from benchmarks.process_group import (
+    GroupProcess,
+    PortBusy,
+    check_ports_free,
+    descendants,
+    listener_pid,
+)
+from benchmarks.serve_compare import (
+    Measurement,
+    Row,
+    bench_command,
+    format_ratios,
+    format_table,
+    parse_args,
+    rate_seeds,
+)
+from benchmarks.serve_targets import Setup, accepts, aggregated_sections, base_config
+
+
+def _setup(tmp_path: Path, prefix_caching: bool = False) -> Setup:
+    return Setup(
+        model=tmp_path / "model",
+        dtype="float32",
+        cpus=(0, 1),
+        port=18100,
+        max_num_seqs=64,
+        max_num_tokens=2048,
+        max_model_len=384,
+        prefix_caching=prefix_caching,
+        vllm_python=tmp_path / "venv" / "bin" / "python",
+        workdir=tmp_path,
+    )
+
+
+def _m(tok_s: float, ttft: float, itl: float) -> Measurement:
+    return Measurement(tok_s, ttft, 2 * ttft, itl, 3 * itl, completed=64, failed=0)
+
+
+def test_defaults_quick_and_rates() -> None:
+    assert parse_args([]).rates == ["2", "8", "inf"]
+    assert parse_args(["--quick"]).rates == ["8", "inf"]
+    args = parse_args(["--rates", "0.5", "Inf", "--servers", "ours-agg", "vllm-agg"])
+    assert args.rates == ["0.5", "inf"] and args.servers == ["ours-agg", "vllm-agg"]
+    assert parse_args(["--cpus", "2,5"]).cpus == (2, 5)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--rates", "0"], ["--rates", "fast"], ["--cpus", "0,0"], ["--servers", "tgi"]],
+)
+def test_bad_arguments_exit_with_usage(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+
+
+def test_each_rate_has_its_own_seed_and_every_server_the_same() -> None:
+    seeds = rate_seeds(["2", "8", "inf"], base_seed=0)
+    assert len({seed for _, seed in seeds}) == 3
+    assert seeds == rate_seeds(["2", "8", "inf"], base_seed=0)
+    assert 0 not in {seed for _, seed in seeds}  # seed 0 is the warm-up's
+
+
+def test_client_command_carries_the_workload(tmp_path: Path) -> None:
+    from benchmarks.serve_compare import Workload
+
+    out = tmp_path / "r.json"
+    argv = bench_command(_setup(tmp_path), "m", Workload(256, 64, 64, 0), "inf", 7, out)
+    joined = " ".join(argv)
+    assert argv[0] == str(tmp_path / "venv" / "bin" / "vllm")
+    for part in ("--random-input-len 256", "--random-output-len 64", "--num-prompts 64"):
+        assert part in joined
+    assert "--ignore-eos" in argv and "--request-rate inf" in joined and "--seed 7" in joined
+    assert f"--result-filename {out.name}" in joined
+
+
+def test_table_rows_and_a_failed_server() -> None:
+    rows = [
+        Row("vllm-agg", "vLLM agg", "inf", False, _m(1000.0, 500.0, 20.0)),
+        Row("ours-agg", "ours agg", "inf", True, None, "exited 1"),
+    ]
+    table = format_table(rows).splitlines()
+    assert table[0].startswith("| server | prefix cache | rate | out tok/s")
+    assert table[2] == "| vLLM agg | off | inf | 1000 | 500 / 1000 | 20.0 / 60.0 |"
+    assert table[3].startswith("| ours agg | on | inf | failed: exited 1")
+
+
+def test_ratios_pair_ours_with_vllm_per_rate() -> None:
+    rows = [
+        Row("vllm-1p1d", "v", "8", False, _m(400.0, 200.0, 10.0)),
+        Row("ours-1p1d-python", "p", "8", False, _m(440.0, 100.0, 20.0)),
+        Row("ours-1p1d-nixl", "n", "8", False, None, "failed"),
+    ]
+    lines = format_ratios(rows).splitlines()
+    assert len(lines) == 3  # header, rule, one pair (nixl failed; no aggregated rows)
+    assert (
+        lines[2] == "| ours-1p1d-python / vllm-1p1d | 8 | 1.10x | 0.50x / 0.50x | 2.00x / 2.00x |"
+    )
+
+
+def test_no_ratio_over_a_zero_latency() -> None:
+    rows = [
+        Row("vllm-agg", "v", "2", False, _m(126.0, 50.0, 0.0)),
+        Row("ours-agg", "o", "2", False, _m(127.0, 60.0, 3.0)),
+    ]
+    expected = "| ours-agg / vllm-agg | 2 | 1.01x | 1.20x / 1.20x | - / - |"
+    assert format_ratios(rows).splitlines()[2] == expected
+
+
+def test_our_configs_validate_and_aggregated_says_how(tmp_path: Path) -> None:
+    setup = _setup(tmp_path)
+    for backend in ("python", "nixl"):
+        assert accepts(base_config(setup, backend))
+    config, how = aggregated_sections(base_config(setup, "python"), threads=2)
+    assert accepts(config)
+    no_context = base_config(setup, "python") | {"context_servers": {"num_instances": 0}}
+    if accepts(no_context):
+        assert config["context_servers"] == {"num_instances": 0} and "aggregated-only" in how
+    else:
+        assert config["conditional_disagg"]["max_local_prefill_length"] >= setup.max_model_len
+        assert "prefill local" in how
+
+
+def test_block_reuse_follows_prefix_caching(tmp_path: Path) -> None:
+    kv = base_config(_setup(tmp_path, prefix_caching=True), "nixl")["kv_cache"]
+    assert kv["enable_block_reuse"] and kv["manager"] == "v2"
+    assert not base_config(_setup(tmp_path), "nixl")["kv_cache"]["enable_block_reuse"]
+
+
+def test_proxy_splits_a_request_into_prefill_and_decode() -> None:
+    body = {"model": "m", "prompt": "hi", "max_tokens": 64, "stream": True}
+    body |= {"stream_options": {"include_usage": True}, "ignore_eos": True}
+    prefill = prefill_request(body)
+    assert prefill["max_tokens"] == 1 and prefill["stream"] is False
+    assert "stream_options" not in prefill and prefill["ignore_eos"] is True
+    assert prefill["kv_transfer_params"]["do_remote_decode"] is True
+    params = {"remote_engine_id": "e", "remote_block_ids": [1, 2]}
+    decode = decode_request(body, {"kv_transfer_params": params})
+    assert decode["kv_transfer_params"] == params and decode["max_tokens"] == 64
+    assert decode_request(body, {}) == body
+
+
+def test_a_held_port_is_reported_with_its_owner() -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert listener_pid(port) is not None
+        with pytest.raises(PortBusy, match=f"port {port} is in use by pid"):
+            check_ports_free([port], wait_s=0.5)
+    check_ports_free([port], wait_s=0.5)
+
+
+def test_stop_ends_descendants_that_left_the_group(tmp_path: Path) -> None:
+    # The child starts a grandchild in a session of its own, as Ray's helpers do.
+    script = "import subprocess, time; subprocess.Popen(['sleep', '300'], start_new_session=True); time.sleep(300)"
+    proc = GroupProcess("t", [sys.executable, "-c", script], {}, tmp_path / "t.log")
+    proc.start()
+    assert proc.process is not None
+    deadline = time.monotonic() + 10
+    while not descendants(proc.process.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    grandchildren = descendants(proc.process.pid)
+    assert grandchildren
+    proc.stop(grace_s=5)
+    assert proc.process.poll() is not None
+    for pid in grandchildren:
+        assert not _running(pid)
+
+
+def _running(pid: int) -> bool:
+    stat = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True)
+    return stat.returncode == 0 and not stat.stdout.strip().startswith("Z")
