@@ -111,17 +111,6 @@ class ServerSectionConfig(_Strict):
     max_num_tokens: int | None = Field(default=None, gt=0)
     max_batch_size: int | None = Field(default=None, gt=0)
 
-    @field_validator("tensor_parallel_size")
-    @classmethod
-    def _no_tensor_parallel(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError(
-                f"tensor_parallel_size is {value}, but tensor parallelism is not "
-                "implemented yet; set tensor_parallel_size: 1 and scale out with "
-                "num_instances instead"
-            )
-        return value
-
     @field_validator("resources")
     @classmethod
     def _custom_resources_only(cls, value: dict[str, float]) -> dict[str, float]:
@@ -154,6 +143,7 @@ class RoleSettings(_Strict):
 
     role: Literal["context", "generation"]
     num_instances: int
+    tensor_parallel_size: int
     num_gpus: float
     resources: dict[str, float]
     num_cpus: float
@@ -196,6 +186,25 @@ class ClusterConfig(_Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _tensor_parallel_on_generation_only(self) -> ClusterConfig:
+        gpus, ranks = self.generation_servers.num_gpus, self.generation_servers.tensor_parallel_size
+        if ranks > 1 and 0 < gpus < 1:
+            raise ValueError(
+                f"generation_servers.num_gpus is {gpus} with tensor_parallel_size {ranks}: "
+                "each rank needs a GPU of its own (NCCL runs one rank per device); "
+                "set num_gpus to 1"
+            )
+        size = self.context_servers.tensor_parallel_size
+        if size != 1:
+            raise ValueError(
+                f"context_servers.tensor_parallel_size is {size}, but a context instance "
+                "runs one rank so far (caches cannot be transferred out of tensor-parallel "
+                "ranks yet); set it to 1 and scale out with num_instances, or set "
+                "generation_servers.tensor_parallel_size, whose instances prefill locally"
+            )
+        return self
+
     def role_settings(self, section_name: str) -> RoleSettings:
         """Merge the top level with one section; raises ValueError on a conflict."""
         section: ServerSectionConfig = getattr(self, section_name)
@@ -208,6 +217,7 @@ class ClusterConfig(_Strict):
         return RoleSettings(
             role="context" if section_name == "context_servers" else "generation",
             num_instances=section.num_instances,
+            tensor_parallel_size=section.tensor_parallel_size,
             num_gpus=section.num_gpus,
             resources=section.resources,
             num_cpus=section.num_cpus,

@@ -162,7 +162,10 @@ async def _start_instance(
         bundle["GPU"] = instance.num_gpus
     # The secret's prefix keeps two deployments on one Ray cluster apart.
     label = f"disagg-{instance.name}-{secret[:8]}"
-    group = placement_group([bundle], strategy="STRICT_PACK", name=label)
+    # One bundle per tensor-parallel rank, packed onto one node; the worker
+    # (rank 0) takes bundle 0 and starts the other ranks in the others.
+    bundles = [bundle] * instance.tensor_parallel_size
+    group = placement_group(bundles, strategy="STRICT_PACK", name=label)
     pending = LaunchedInstance(instance, None, group, "")
     cluster.instances.append(pending)
     try:
@@ -174,7 +177,9 @@ async def _start_instance(
             .options(
                 num_cpus=instance.num_cpus,
                 num_gpus=instance.num_gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=0
+                ),
                 name=label,
                 max_concurrency=1000,
                 max_restarts=MAX_RESTARTS,

@@ -12,6 +12,10 @@ managers fails here with one message, so nothing is started for it.
 
 With `context_servers.num_instances: 0` the plan is aggregated only: every
 generation instance runs whole requests (role "aggregated", no transceiver).
+
+An instance of N tensor-parallel ranks shows its device as `cpu xN` and asks
+for its cpus once per rank; its blocks and slots are each rank's (every rank
+holds the same block ids, over its own KV heads).
 """
 
 from __future__ import annotations
@@ -34,8 +38,11 @@ from kvcache.sizing import CacheSizing, size_instance_cache
 from kvcache.spec import CacheSpec
 from models.checkpoint_source import checkpoint_folder
 from models.config import ModelConfig
+from models.errors import ConfigError as ModelConfigError
 from models.hf_config import load_model_config
-from models.registry import model_preferences
+from models.registry import check_tensor_parallel, model_preferences
+from models.sharding import shard_config
+from transfer.nixl_agent import nixl_available
 
 DEFAULT_MAX_TOKENS = 8192
 # `org/name` as the Hugging Face Hub spells a model id.
@@ -81,6 +88,8 @@ class InstancePlan:
     transfer_wire: str = "tcp"
     # Custom Ray resources the instance's bundle asks for (placement by role).
     resources: dict[str, float] = field(default_factory=dict)
+    # Ranks of the instance; the cache sizes above are each rank's.
+    tensor_parallel_size: int = 1
 
     @property
     def device(self) -> str:
@@ -115,6 +124,7 @@ class InstancePlan:
             cluster_secret=cluster_secret,
             transfer_host=transfer_host,
             transfer_wire=self.transfer_wire,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
 
@@ -139,8 +149,8 @@ class ClusterPlan:
 
     @property
     def num_cpus(self) -> float:
-        """CPUs all instances together ask Ray for."""
-        return sum(i.num_cpus for i in self.instances)
+        """CPUs all instances together ask Ray for (once per tensor-parallel rank)."""
+        return sum(i.num_cpus * i.tensor_parallel_size for i in self.instances)
 
 
 def resolve_plan(config: ClusterConfig, source: str = "<config>") -> ClusterPlan:
@@ -174,10 +184,20 @@ def resolve_plan(config: ClusterConfig, source: str = "<config>") -> ClusterPlan
     model_len = model_config.max_position_embeddings
     max_waiting = config.router.max_queued_requests
     instances = tuple(
-        _instance(settings, index, manager, transceiver, spec, model_len, source, max_waiting)
+        _instance(
+            settings,
+            index,
+            manager,
+            transceiver,
+            _rank_spec(model_config, settings, _dtype(config.dtype), source),
+            model_len,
+            source,
+            max_waiting,
+        )
         for settings, manager in ((context, managers[0]), (generation, managers[1]))
         for index in range(settings.num_instances)
     )
+    _check_local_prefill(config, generation, _max_model_len(model_config, instances), source)
     return ClusterPlan(
         checkpoint=str(checkpoint),
         architecture=model_config.architecture,
@@ -202,9 +222,42 @@ def _not_a_local_model(model: str, source: str) -> str:
     return message
 
 
+def _rank_spec(
+    model_config: ModelConfig, settings: RoleSettings, dtype: str | None, source: str
+) -> CacheSpec:
+    """The cache of one rank of the role's instances (its KV heads only)."""
+    size = settings.tensor_parallel_size
+    if size == 1:
+        return model_config.cache_spec(dtype)
+    try:
+        check_tensor_parallel(model_config, size)
+        rank_config = shard_config(model_config, 0, size)
+    except ModelConfigError as exc:
+        raise ConfigError(f"{source}: {settings.role}_servers: {exc}") from exc
+    return rank_config.cache_spec(dtype)
+
+
+def _check_local_prefill(
+    config: ClusterConfig, generation: RoleSettings, max_model_len: int, source: str
+) -> None:
+    """Caches cannot be pulled into tensor-parallel ranks yet: a tensor-parallel
+    generation instance must prefill every prompt itself."""
+    size = generation.tensor_parallel_size
+    local = config.conditional_disagg.max_local_prefill_length
+    aggregated_only = config.context_servers.num_instances == 0
+    if size > 1 and not aggregated_only and local < max_model_len:
+        raise ConfigError(
+            f"{source}: generation_servers.tensor_parallel_size is {size}, and caches cannot "
+            "be transferred into tensor-parallel instances yet, so they must prefill every "
+            "prompt themselves: run aggregated only (context_servers.num_instances: 0) or set "
+            f"conditional_disagg.max_local_prefill_length to at least {max_model_len} (the "
+            f"longest request), not {local}"
+        )
+
+
 def _one_transceiver(context: RoleSettings, generation: RoleSettings, preferred: str | None) -> str:
     chosen = {
-        role.role: resolve_transceiver(role.cache_transceiver.backend, preferred)
+        role.role: resolve_transceiver(role.cache_transceiver.backend, preferred, nixl_available())
         for role in (context, generation)
     }
     if chosen["context"] != chosen["generation"]:
@@ -253,6 +306,7 @@ def _instance(
         max_num_waiting=max_num_waiting,
         transfer_wire=settings.cache_transceiver.wire,
         resources=dict(settings.resources),
+        tensor_parallel_size=settings.tensor_parallel_size,
         num_cpus=settings.num_cpus,
         aggregated=transceiver == NO_TRANSCEIVER,
     )
@@ -333,7 +387,7 @@ def format_plan(plan: ClusterPlan) -> str:
             str(i.block_size),
             "by memory" if i.num_blocks is None else str(i.num_blocks),
             str(i.num_mamba_slots),
-            i.device,
+            i.device if i.tensor_parallel_size == 1 else f"{i.device} x{i.tensor_parallel_size}",
             f"{i.num_cpus:g}",
         )
         for i in plan.instances

@@ -41,8 +41,8 @@ from engine.messages import (
 )
 from engine.request import Request
 from engine.threads import configure_torch_threads, run_on_compute_thread
-from engine.transceivers import make_transceiver
 from engine.worker_config import WorkerConfig
+from transfer.factory import create_transceiver
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,14 @@ class GenerationWorker:
         self.role = role
         self.engine = run_on_compute_thread(lambda: EngineInstance.build(config, role, worker_id))
         self.transceiver: Any = (
-            make_transceiver(config, self.engine.cache.buffers(), worker_id)
+            create_transceiver(
+                config.transceiver,
+                self.engine.cache.buffers(),
+                secret=config.cluster_secret.encode(),
+                name=worker_id,
+                host=config.transfer_host,
+                wire=config.transfer_wire,
+            )
             if role == "generation"
             else None
         )
@@ -109,6 +116,9 @@ class GenerationWorker:
             self.engine.loop.submit(req)
         elif self.transceiver is None:
             self._post([_error(req, "this worker runs aggregated and cannot pull a cache")])
+        elif self.config.tensor_parallel_size > 1:
+            reason = "a cache cannot be pulled into a tensor-parallel instance yet"
+            self._post([_error(req, reason)])
         else:
             # The pull task is registered before this call returns, so an
             # abort from now on finds and cancels it.
@@ -202,6 +212,7 @@ class GenerationWorker:
             self._reader.cancel()
         if self.transceiver is not None:
             await self.transceiver.close()
+        self.engine.close()
 
     async def _admit(self, req: Request, pull: asyncio.Task[None]) -> None:
         """Wait for the pull, announce it (`cache_ready`) and join the batch."""

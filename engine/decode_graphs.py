@@ -31,7 +31,8 @@ from typing import Protocol
 
 import torch
 
-from models.batch import CacheViews, ForwardBatch, StepShape
+from kvcache.views import CacheViews
+from models.batch import ForwardBatch, StepShape
 
 logger = logging.getLogger(__name__)
 

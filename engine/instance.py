@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from engine.cache_build import build_cache, gpu_share
 from engine.core import EngineCore, StopCheck
 from engine.decode_graphs import graph_batch_sizes
 from engine.image_encoder import ImageEncoder, VisionModel
@@ -23,16 +24,13 @@ from engine.request import FinishReason, Request
 from engine.sampling import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stop import StopChecker
+from engine.tensor_parallel import RankGroup
 from engine.worker_config import WorkerConfig
 from kvcache.errors import IntegrityError
-from kvcache.factory import create_manager
-from kvcache.hashing import cache_namespace
 from kvcache.manager import KVCacheManager
-from kvcache.sizing import GpuShare, size_instance_cache, step_activation_bytes
-from kvcache.tensors import CacheTensors, allocate_cache_tensors
+from kvcache.tensors import CacheTensors
 from models.base import CausalLM
-from models.config import ModelConfig
-from models.dtypes import DTYPE_BYTES
+from models.config import ModelConfig, TensorParallelShard
 from models.image_processing import load_image_processor_config
 from models.loader import load_model
 from models.tokenizer import Tokenizer, load_tokenizer
@@ -55,17 +53,23 @@ class EngineInstance:
     runner: ModelRunner
     core: EngineCore
     loop: EngineLoop
+    ranks: RankGroup | None = None  # ranks 1.. of a tensor-parallel instance
 
     @classmethod
     def build(cls, config: WorkerConfig, role: str, worker_id: str) -> EngineInstance:
         if role not in ROLES:
             raise ValueError(f"worker role must be one of {ROLES}, got {role!r}")
+        num_ranks = config.tensor_parallel_size
         model, model_config = load_model(
-            Path(config.checkpoint), dtype=config.dtype, device=config.device
+            Path(config.checkpoint),
+            dtype=config.dtype,
+            device=config.device,
+            tp=TensorParallelShard(0, num_ranks),
         )
         tokenizer = load_tokenizer(config.checkpoint)
-        share = _gpu_share(config, model_config, model)
-        manager, cache = _build_cache(config, model_config, share)
+        share = gpu_share(config, model_config, model)
+        manager, cache, sizing = build_cache(config, model_config, gpu_share=share)
+        ranks = RankGroup.start(config, worker_id, sizing) if num_ranks > 1 else None
         spec = model_config.cache_spec(config.dtype)
         runner = ModelRunner(
             model,
@@ -76,12 +80,15 @@ class EngineInstance:
             device=config.device,
             is_hybrid=spec.is_hybrid,
             image_encoder=_build_image_encoder(config, model, model_config),
+            followers=ranks,
         )
         # No sequence grows past the checkpoint's context or the whole cache.
         capacity = manager.num_usable_blocks * config.block_size
         longest = min(model_config.max_position_embeddings, capacity)
         # Context workers prefill: their few decode steps are not worth graphs.
-        sizes = graph_batch_sizes(config.max_batch_size) if role != "context" else ()
+        # Graphs do not capture the other ranks' steps of a tensor-parallel instance.
+        with_graphs = role != "context" and ranks is None
+        sizes = graph_batch_sizes(config.max_batch_size) if with_graphs else ()
         runner.prepare(-(-longest // config.block_size), sizes)
         eos = model_config.eos_token_ids or tokenizer.eos_token_ids
         core = EngineCore(
@@ -102,7 +109,13 @@ class EngineInstance:
             runner=runner,
             core=core,
             loop=EngineLoop(core),
+            ranks=ranks,
         )
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel instance (none otherwise)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def load(self, num_transferring: int) -> WorkerLoad:
         sched = self.core.scheduler
@@ -182,54 +195,6 @@ def _build_scheduler(config: WorkerConfig, manager: KVCacheManager) -> Scheduler
         ),
         manager,
     )
-
-
-def _gpu_share(config: WorkerConfig, model_config: ModelConfig, model: CausalLM) -> GpuShare | None:
-    """This instance's part of its GPU, measured now that the weights are in."""
-    if config.memory_fraction is None or not config.device.startswith("cuda"):
-        return None
-    from kvcache.tensors import device_memory
-
-    dtype = config.dtype or model_config.dtype
-    activations = step_activation_bytes(
-        num_tokens=config.max_num_tokens,
-        num_sequences=config.max_batch_size,
-        hidden_size=model_config.hidden_size,
-        intermediate_size=model_config.intermediate_size,
-        vocab_size=model_config.vocab_size,
-        dtype_bytes=DTYPE_BYTES[dtype],
-    )
-    tensors = [*model.parameters(), *model.buffers()]
-    weights = sum(t.numel() * t.element_size() for t in tensors)
-    memory = device_memory(config.device, weights)
-    return GpuShare(memory, config.gpu_share, config.memory_fraction, activations)
-
-
-def _build_cache(
-    config: WorkerConfig, model_config: ModelConfig, gpu_share: GpuShare | None = None
-) -> tuple[KVCacheManager, CacheTensors]:
-    """Size the pools, build the manager and allocate its tensors."""
-    spec = model_config.cache_spec(config.dtype)
-    sizing = size_instance_cache(
-        spec,
-        block_size=config.block_size,
-        model_len=model_config.max_position_embeddings,
-        max_batch_size=config.max_batch_size,
-        max_tokens=config.max_tokens,
-        memory_bytes=config.kv_cache_memory_bytes,
-        device=config.device,
-        gpu_share=gpu_share,
-    )
-    manager = create_manager(
-        config.manager,
-        spec,
-        sizing.num_blocks,
-        config.block_size,
-        sizing.num_mamba_slots,
-        enable_block_reuse=config.enable_block_reuse,
-        hash_namespace=cache_namespace(model_config.architecture, spec.dtype),
-    )
-    return manager, allocate_cache_tensors(manager, config.device)
 
 
 def _stop_check(request: Request, eos: tuple[int, ...], tokenizer: Tokenizer) -> StopCheck:

@@ -19,7 +19,8 @@ import torch
 from engine.decode_graphs import DecodeGraphs, build_decode_graphs
 from engine.image_encoder import ImageChunk, ImageEncoder
 from engine.scheduler import ScheduledSequence
-from models.batch import CacheViews, ForwardBatch
+from kvcache.views import CacheViews
+from models.batch import ForwardBatch
 
 
 class CacheAddressing(Protocol):
@@ -34,6 +35,51 @@ class CausalModel(Protocol):
     def forward(self, batch: ForwardBatch, caches: CacheViews) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+class StepFollowers(Protocol):
+    """The other ranks of a tensor-parallel instance (`engine.tensor_parallel.RankGroup`)."""
+
+    def send(self, step: StepInput) -> None: ...
+
+    def abandon(self) -> None:
+        """Rank 0's step failed: the ranks are out of step for good."""
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One step's batch as host lists (see `ForwardBatch.from_host`).
+
+    What rank 0 of a tensor-parallel instance sends the other ranks each
+    step: every rank builds the same `ForwardBatch` from it over its own
+    cache, whose block ids and Mamba slots are rank 0's.
+    """
+
+    input_ids: list[int]
+    positions: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    slot_mapping: list[int]
+    block_size: int
+    mamba_slots: list[int] | None
+    logits_indices: list[int]
+
+    def to_batch(self, device: torch.device) -> ForwardBatch:
+        return ForwardBatch.from_host(
+            input_ids=self.input_ids,
+            positions=self.positions,
+            query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens,
+            context_lens=self.context_lens,
+            block_tables=self.block_tables,
+            slot_mapping=self.slot_mapping,
+            block_size=self.block_size,
+            device=device,
+            mamba_slots=self.mamba_slots,
+            logits_indices=self.logits_indices,
+        )
 
 
 @dataclass
@@ -70,8 +116,12 @@ class ModelRunner:
         device: str = "cpu",
         is_hybrid: bool = False,
         image_encoder: ImageEncoder | None = None,
+        followers: StepFollowers | None = None,
     ) -> None:
         self.model = model
+        # Tensor parallelism: every step (warm-up ones too) goes to the other
+        # ranks first, whose shards join this one's collectives.
+        self.followers = followers
         self.caches = caches
         self.addressing = addressing
         self.block_size = block_size
@@ -95,7 +145,7 @@ class ModelRunner:
         """
         with torch.inference_mode():
             for width in sorted({1, max_blocks_per_seq}):
-                self.model.forward(self._warm_up_batch(width), self.caches)
+                self._run(self._warm_up_step(width))
         self.graphs = build_decode_graphs(
             self.model,
             self.caches,
@@ -106,9 +156,9 @@ class ModelRunner:
             is_hybrid=self.is_hybrid,
         )
 
-    def _warm_up_batch(self, width: int) -> ForwardBatch:
+    def _warm_up_step(self, width: int) -> StepInput:
         """One decode token at position 1 of a sequence held in the null block."""
-        return ForwardBatch.from_host(
+        return StepInput(
             input_ids=[0],
             positions=[1],
             query_start_loc=[0, 1],
@@ -117,7 +167,6 @@ class ModelRunner:
             block_tables=[[0] * width],
             slot_mapping=[1],
             block_size=self.block_size,
-            device=self.device,
             mamba_slots=[0] if self.is_hybrid else None,
             logits_indices=[0],
         )
@@ -125,6 +174,10 @@ class ModelRunner:
     def build_batch(self, seqs: Sequence[ScheduledSequence]) -> ForwardBatch:
         """Flatten the step's chunks into one batch (one host-to-device copy);
         see `models/batch.py`."""
+        return self._batch(*self.describe(seqs))
+
+    def describe(self, seqs: Sequence[ScheduledSequence]) -> tuple[StepInput, list[ImageChunk]]:
+        """The step's chunks flattened into host lists, and where its images go."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -153,7 +206,7 @@ class ModelRunner:
                 mamba_slots.append(_require_slot(self.addressing, req.request_id))
             if seq.samples:
                 logits_indices.append(len(input_ids) - 1)
-        batch = ForwardBatch.from_host(
+        step = StepInput(
             input_ids=input_ids,
             positions=positions,
             query_start_loc=query_start_loc,
@@ -162,12 +215,15 @@ class ModelRunner:
             block_tables=tables,
             slot_mapping=slot_mapping,
             block_size=bs,
-            device=self.device,
             mamba_slots=mamba_slots if self.is_hybrid else None,
             logits_indices=logits_indices,
         )
+        return step, image_chunks
+
+    def _batch(self, step: StepInput, image_chunks: Sequence[ImageChunk] = ()) -> ForwardBatch:
+        batch = step.to_batch(self.device)
         if image_chunks and self.image_encoder is not None:
-            images = self.image_encoder.rows(image_chunks)
+            images = self.image_encoder.rows(list(image_chunks))
             if images is not None:
                 batch.image_rows, batch.image_embeds = images
         return batch
@@ -176,28 +232,49 @@ class ModelRunner:
         """Run one step; return the sampled token of every sampling sequence."""
         timings = StepTimings()
         t0 = time.perf_counter()
-        batch = self.build_batch(seqs)
+        step, image_chunks = self.describe(seqs)
         t1 = time.perf_counter()
         with torch.inference_mode():
-            hidden = self.graphs.run(batch) if self.graphs is not None else None
-            if hidden is None:
-                hidden = self.model.forward(batch, self.caches)
-            assert batch.logits_indices is not None
+            logits = self._run(step, image_chunks)
+            if logits is not None and self.device.type == "cuda":
+                torch.cuda.synchronize()
+            t2 = time.perf_counter()
             sampling = [s for s in seqs if s.samples]
-            tokens: list[SampledToken] = []
-            if sampling:
-                logits = self.model.compute_logits(hidden[batch.logits_indices])
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-                t2 = time.perf_counter()
-                tokens = self._sample(logits, sampling)
-            else:
-                t2 = time.perf_counter()
+            tokens = self._sample(logits, sampling) if logits is not None else []
         t3 = time.perf_counter()
         timings.build_s, timings.forward_s, timings.sample_s = t1 - t0, t2 - t1, t3 - t2
         it = iter(tokens)
         sampled = [next(it) if s.samples else None for s in seqs]
         return RunnerOutput(sampled=sampled, timings=timings)
+
+    def follow(self, step: StepInput) -> None:
+        """Run rank 0's `step` on this rank's shard (ranks 1.. of a
+        tensor-parallel instance); the logits are rank 0's to sample."""
+        with torch.inference_mode():
+            self._run(step)
+
+    def _run(self, step: StepInput, image_chunks: Sequence[ImageChunk] = ()) -> torch.Tensor | None:
+        """Forward, then the logits of the sampling rows (None if there are none)."""
+        if self.followers is None:
+            return self._forward(step, image_chunks)
+        self.followers.send(step)
+        try:
+            return self._forward(step, image_chunks)
+        except BaseException:
+            self.followers.abandon()
+            raise
+
+    def _forward(
+        self, step: StepInput, image_chunks: Sequence[ImageChunk] = ()
+    ) -> torch.Tensor | None:
+        batch = self._batch(step, image_chunks)
+        hidden = self.graphs.run(batch) if self.graphs is not None else None
+        if hidden is None:
+            hidden = self.model.forward(batch, self.caches)
+        if not step.logits_indices:
+            return None
+        assert batch.logits_indices is not None
+        return self.model.compute_logits(hidden[batch.logits_indices])
 
     def release(self, request_id: str) -> None:
         """Forget per-request sampling state (its seeded generator)."""

@@ -54,6 +54,8 @@ class WorkerConfig:
     transfer_timeout_s: how long a generation worker waits for one pull.
     cluster_secret: shared token that transceivers use to authenticate peers.
     transfer_host: address the transceiver listens on and advertises.
+    tensor_parallel_size: ranks of the instance; this worker is rank 0 and
+        starts the others (`engine.tensor_parallel`).
     transfer_wire: what the Python transceiver listens on: "tcp", "ucx" or
         "auto" (UCX when `ucxx` imports on this node). Pulls follow the wire
         the holder's handle names.
@@ -78,6 +80,7 @@ class WorkerConfig:
     cluster_secret: str = ""
     transfer_host: str = "127.0.0.1"
     transfer_wire: str = "tcp"
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.manager not in MANAGERS:
@@ -105,6 +108,7 @@ class WorkerConfig:
                 "(or memory_fraction on a CUDA device)"
             )
         _require_positive("block_size", self.block_size)
+        _require_positive("tensor_parallel_size", self.tensor_parallel_size)
         _require_positive("max_num_tokens", self.max_num_tokens)
         _require_positive("max_batch_size", self.max_batch_size)
         _require_positive("max_num_waiting", self.max_num_waiting)

@@ -8,7 +8,6 @@ this module never imports `models`.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 from kvcache.errors import LayoutConflictError, ResolutionError
@@ -45,17 +44,14 @@ def resolve_manager(requested: str, preferred: str | None) -> str:
     return V1
 
 
-def resolve_transceiver(
-    requested: str, preferred: str | None, nixl_importable: bool | None = None
-) -> str:
+def resolve_transceiver(requested: str, preferred: str | None, nixl_importable: bool) -> str:
     """`cache_transceiver.backend`: "auto" takes the model's preference, else
     NIXL when the `nixl` package is importable, else Python.
 
-    `nixl_importable` None means: look for the package now.
+    `nixl_importable`: the caller asks `transfer.nixl_agent.nixl_available()`,
+    the same check the NIXL transceiver makes, so the two cannot disagree.
     """
     _check_choice("cache_transceiver.backend", requested, TRANSCEIVER_CHOICES)
-    if nixl_importable is None:
-        nixl_importable = importlib.util.find_spec("nixl") is not None
     if requested == NIXL and not nixl_importable:
         raise ResolutionError(
             "cache_transceiver.backend is 'nixl' but the nixl package cannot be imported; "

@@ -17,7 +17,7 @@ from kvcache.layout import CONV, SSM, Region, TensorPlacement
 from kvcache.manager import KVCacheManager
 from kvcache.pool_layout import CacheLayout
 from kvcache.sizing import DeviceMemory
-from models.batch import AttentionLayerCache, CacheViews, MambaLayerCache
+from kvcache.views import AttentionLayerCache, CacheViews, MambaLayerCache
 from models.dtypes import torch_dtype
 
 

@@ -17,7 +17,8 @@ from typing import ClassVar
 
 import torch
 
-from models.batch import CacheViews, ForwardBatch
+from kvcache.views import CacheViews
+from models.batch import ForwardBatch
 from models.config import ModelConfig
 from models.errors import CheckpointError
 
@@ -30,6 +31,8 @@ class CausalLM(torch.nn.Module):
 
     preferred_kv_manager: ClassVar[str | None] = None
     preferred_transceiver: ClassVar[str | None] = None
+    # Whether the class runs as tensor-parallel shards (`models.tensor_parallel`).
+    supports_tensor_parallel: ClassVar[bool] = False
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

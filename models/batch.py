@@ -29,39 +29,6 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass
-class AttentionLayerCache:
-    """One attention layer's paged KV: both `[num_blocks, block_size, kv_heads, head_dim]`.
-
-    The tensors may be strided views into a larger pool (V1 per-layer tensor or
-    the V2 block-major buffer); writes through them land in the pool.
-    """
-
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
-
-
-@dataclass
-class MambaLayerCache:
-    """One Mamba layer's state pool, indexed by slot.
-
-    conv_state: `[num_slots, conv_dim, conv_kernel - 1]` in the model dtype.
-    ssm_state: `[num_slots, num_heads, head_dim, state_size]` in float32.
-    """
-
-    conv_state: torch.Tensor
-    ssm_state: torch.Tensor
-
-
-@dataclass
-class CacheViews:
-    """Caches by ordinal: `attention[k]` serves the k-th attention layer of
-    `CacheSpec.attention_layers`, `mamba[k]` the k-th Mamba layer."""
-
-    attention: list[AttentionLayerCache]
-    mamba: list[MambaLayerCache]
-
-
 @dataclass(frozen=True)
 class StepShape:
     """The step's per-sequence counts on the host, where layers branch on them.
@@ -247,8 +214,9 @@ class ForwardBatch:
             mamba_rows=MambaRows(*rows) if mamba_slots is not None else None,
         )
 
-    def input_embeddings(self, embedding: torch.nn.Embedding) -> torch.Tensor:
-        """`[T, hidden]` token embeddings, image rows replaced by their embeddings."""
+    def input_embeddings(self, embedding: torch.nn.Module) -> torch.Tensor:
+        """`[T, hidden]` token embeddings (`embedding` maps ids to rows: a plain or a
+        vocab-parallel table), image rows replaced by their embeddings."""
         hidden = embedding(self.input_ids)
         if self.image_rows is not None and self.image_embeds is not None:
             hidden[self.image_rows] = self.image_embeds.to(hidden.dtype)

@@ -69,6 +69,19 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class TensorParallelShard:
+    """Which shard a model is: rank `rank` of the `size` ranks of one instance.
+
+    The ranks of an instance are the processes of one torch.distributed group
+    (the process's default group); `models.tensor_parallel` says which slice
+    of every weight each rank holds.
+    """
+
+    rank: int = 0
+    size: int = 1
+
+
+@dataclass(frozen=True)
 class VisionConfig:
     """The image path of a VL / Omni wrapper: RADIO tower, pixel shuffle, projector.
 
@@ -139,6 +152,9 @@ class ModelConfig:
     dtype: str = "float32"
     # The image path of a VL / Omni wrapper; None for text-only models.
     vision: VisionConfig | None = None
+    # A rank's config (`models.tensor_parallel.shard_config`) holds its share
+    # of the heads and the MLP width; `vocab_size` stays the whole vocabulary.
+    tp: TensorParallelShard = field(default_factory=TensorParallelShard)
 
     @property
     def num_hidden_layers(self) -> int:

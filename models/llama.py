@@ -1,5 +1,10 @@
 """Llama-style dense decoder (also Mistral and Qwen2) over the paged KV cache.
 
+Built from a rank's config (`models.tensor_parallel.shard_config`), the same
+classes run one tensor-parallel shard: layers come out sized for the rank's
+heads and MLP width, and the decoder layer all-reduces the attention and MLP
+outputs.
+
 Module names mirror Hugging Face's `LlamaForCausalLM`, so checkpoint tensors
 load by name: `model.embed_tokens`, `model.layers.N.{self_attn.{q,k,v,o}_proj,
 mlp.{gate,up,down}_proj, input_layernorm, post_attention_layernorm}`,
@@ -9,11 +14,13 @@ mlp.{gate,up,down}_proj, input_layernorm, post_attention_layernorm}`,
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 
+from kvcache.views import AttentionLayerCache, CacheViews
 from models.base import CausalLM
-from models.batch import AttentionLayerCache, CacheViews, ForwardBatch
+from models.batch import ForwardBatch
 from models.config import DECODER, ModelConfig, RopeConfig
 from models.errors import ConfigError
 from models.kernels import dispatch
@@ -22,6 +29,9 @@ from models.layers.fused_linear import FusedLinear
 from models.layers.linear_mlp import SwiGLUMLP
 from models.layers.norm import RMSNorm
 from models.layers.rotary import RotaryEmbedding, apply_rotary
+from models.layers.vocab_parallel import VocabParallelEmbedding
+from models.sharding import vocab_rows_per_rank
+from models.tensor_parallel import all_reduce, gather_vocab
 
 
 class LlamaAttention(torch.nn.Module):
@@ -114,6 +124,7 @@ class LlamaDecoderLayer(torch.nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.tp = config.tp  # attention and MLP outputs are partial sums across ranks
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -132,9 +143,9 @@ class LlamaDecoderLayer(torch.nn.Module):
             normed = self.input_layernorm(hidden)
         else:
             normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
-        attn_out = self.self_attn(normed, cos_sin, layer_cache, batch)
+        attn_out = all_reduce(self.self_attn(normed, cos_sin, layer_cache, batch), self.tp)
         normed, residual = self.post_attention_layernorm.add_and_norm(attn_out, residual)
-        return self.mlp(normed), residual
+        return all_reduce(self.mlp(normed), self.tp), residual
 
 
 class LlamaModel(torch.nn.Module):
@@ -142,7 +153,7 @@ class LlamaModel(torch.nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, config.tp)
         self.layers = torch.nn.ModuleList(
             LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
         )
@@ -164,6 +175,8 @@ class LlamaModel(torch.nn.Module):
 class LlamaForCausalLM(CausalLM):
     """Dense decoder; no cache-manager or transceiver preference (`auto` defaults)."""
 
+    supports_tensor_parallel: ClassVar[bool] = True
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         if any(kind != DECODER for kind in config.layer_types):
@@ -172,7 +185,9 @@ class LlamaForCausalLM(CausalLM):
                 f"got {sorted(set(config.layer_types))}"
             )
         self.model = LlamaModel(config)
-        self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # This rank's vocab rows (all of them with one rank).
+        rows = vocab_rows_per_rank(config.vocab_size, config.tp.size)
+        self.lm_head = torch.nn.Linear(config.hidden_size, rows, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.logits_head: FusedLinear | None = None
@@ -187,8 +202,10 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.logits_head is not None and self.logits_head.is_current():
-            return self.logits_head(hidden)
-        return self.lm_head(hidden)
+            logits = self.logits_head(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        return gather_vocab(logits, self.config.tp, self.config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load by checkpoint name, then fuse Q/K/V and gate/up and prepack the

@@ -10,7 +10,7 @@ of the three.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -19,11 +19,13 @@ import torch
 from safetensors import safe_open
 
 from models.base import CausalLM
-from models.config import ModelConfig
+from models.config import ModelConfig, TensorParallelShard
 from models.dtypes import DTYPE_NAMES, torch_dtype
 from models.errors import CheckpointError, ConfigError
 from models.hf_config import load_model_config
-from models.registry import model_class_for
+from models.registry import check_tensor_parallel, model_class_for
+from models.sharding import shard_config
+from models.tensor_parallel import Cut, weight_cut
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -33,24 +35,33 @@ def load_model(
     checkpoint_dir: Path | str,
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
+    tp: TensorParallelShard | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     """Model in eval mode with the checkpoint's weights, and its config.
 
     `dtype` (`"float32"`, `"bfloat16"`, `"float16"` or the torch dtype)
     overrides the checkpoint's own; the returned config carries the dtype
     actually used, so `config.cache_spec()` matches the model.
+    `tp`: build and load only this tensor-parallel rank's shard (the returned
+    config is the rank's, see `models.tensor_parallel`); the rank joins the
+    process's torch.distributed group in the forward pass.
     """
     checkpoint_dir = Path(checkpoint_dir)
-    config = load_model_config(checkpoint_dir)
+    full = load_model_config(checkpoint_dir)
     if dtype is not None:
-        config = replace(config, dtype=dtype_name(dtype))
+        full = replace(full, dtype=dtype_name(dtype))
+    tp = tp or TensorParallelShard()
+    check_tensor_parallel(full, tp.size)
+    config = shard_config(full, tp.rank, tp.size) if tp.size > 1 else full
     model_cls = model_class_for(config.architecture)
     # Build directly in the target dtype and device: no fp32 copy of the
     # weights ever exists, so peak memory is one model.
     with torch.device(device), _default_dtype(torch_dtype(config.dtype)):
         model: CausalLM = model_cls(config)
     model.to(dtype=torch_dtype(config.dtype))
-    model.load_weights(iter_checkpoint_tensors(checkpoint_dir))
+    model.load_weights(
+        iter_checkpoint_tensors(checkpoint_dir, lambda name: weight_cut(name, full, tp))
+    )
     model.eval()
     return model, config
 
@@ -102,9 +113,19 @@ def _shards_from_index(index_path: Path) -> list[Path]:
     return shards
 
 
-def iter_checkpoint_tensors(checkpoint_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(name, tensor)` for every tensor of every checkpoint file, on CPU."""
+def iter_checkpoint_tensors(
+    checkpoint_dir: Path, cut_of: Callable[[str], Cut | None] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(name, tensor)` for every tensor of every checkpoint file, on CPU.
+
+    `cut_of(name)`, if given, names the part of a tensor to read (a
+    tensor-parallel rank's slice); only that part is read from the file.
+    """
     for path in checkpoint_files(Path(checkpoint_dir)):
         with safe_open(str(path), framework="pt", device="cpu") as shard:
             for name in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, shard.get_tensor(name)
+                cut = cut_of(name) if cut_of is not None else None
+                if cut is None:
+                    yield name, shard.get_tensor(name)
+                else:
+                    yield name, cut.read(shard.get_slice(name))

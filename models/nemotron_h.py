@@ -27,8 +27,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from kvcache.views import AttentionLayerCache, CacheViews
 from models.base import CausalLM
-from models.batch import AttentionLayerCache, CacheViews, ForwardBatch
+from models.batch import ForwardBatch
 from models.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig
 from models.errors import ConfigError
 from models.kernels import dispatch
@@ -37,6 +38,9 @@ from models.layers.mamba2 import Mamba2Mixer
 from models.layers.moe import NemotronHMoE
 from models.layers.norm import RMSNorm
 from models.layers.relu2_mlp import Relu2MLP
+from models.layers.vocab_parallel import VocabParallelEmbedding
+from models.sharding import vocab_rows_per_rank
+from models.tensor_parallel import all_reduce, gather_vocab
 
 HYBRID_LAYER_KINDS = (MAMBA, ATTENTION, MLP, MOE)
 _SKIPPED_PREFIXES = ("mtp.",)
@@ -77,6 +81,7 @@ class NemotronHBlock(nn.Module):
         super().__init__()
         self.kind = kind
         self.ordinal = ordinal
+        self.tp = config.tp  # every mixer's output is a partial sum across ranks
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mixer = _build_mixer(config, kind)
 
@@ -96,7 +101,7 @@ class NemotronHBlock(nn.Module):
             out = self.mixer(x, sync_free=sync_free)
         else:
             out = self.mixer(x)
-        return hidden + out
+        return hidden + all_reduce(out, self.tp)
 
 
 def _build_mixer(config: ModelConfig, kind: str) -> nn.Module:
@@ -118,7 +123,7 @@ class NemotronHBackbone(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, config.tp)
         seen = {kind: 0 for kind in HYBRID_LAYER_KINDS}
         blocks = []
         for kind in config.layer_types:
@@ -144,6 +149,7 @@ class NemotronHForCausalLM(CausalLM):
 
     preferred_kv_manager: ClassVar[str | None] = "v2"
     preferred_transceiver: ClassVar[str | None] = "python"
+    supports_tensor_parallel: ClassVar[bool] = True
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
@@ -151,7 +157,9 @@ class NemotronHForCausalLM(CausalLM):
         self.backbone = NemotronHBackbone(config)
         # Never shared with the embedding: transformers' Nemotron-H keeps (and
         # saves) its own lm_head even under tie_word_embeddings; see load_weights.
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # This rank's vocab rows (all of them with one rank).
+        rows = vocab_rows_per_rank(config.vocab_size, config.tp.size)
+        self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
         self.num_attention_layers = len(config.layers_of(ATTENTION))
         self.num_mamba_layers = len(config.layers_of(MAMBA))
 
@@ -167,7 +175,7 @@ class NemotronHForCausalLM(CausalLM):
         return self.backbone(batch, caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return gather_vocab(self.lm_head(hidden), self.config.tp, self.config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load by checkpoint name; with `tie_word_embeddings` and no `lm_head.weight`

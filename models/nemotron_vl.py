@@ -37,8 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvcache.views import CacheViews
 from models.base import CausalLM
-from models.batch import CacheViews, ForwardBatch
+from models.batch import ForwardBatch
 from models.config import ModelConfig
 from models.errors import CheckpointError
 from models.layers.norm import RMSNorm

@@ -15,7 +15,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from models.errors import UnsupportedArchitectureError
+from models.config import ModelConfig
+from models.errors import ConfigError, UnsupportedArchitectureError
+from models.sharding import check_shardable
 
 _DENSE = "models.llama:LlamaForCausalLM"
 _HYBRID = "models.nemotron_h:NemotronHForCausalLM"
@@ -77,3 +79,15 @@ def model_preferences(architecture: str) -> tuple[str | None, str | None]:
         getattr(cls, "preferred_kv_manager", None),
         getattr(cls, "preferred_transceiver", None),
     )
+
+
+def check_tensor_parallel(config: ModelConfig, size: int) -> None:
+    """Raise `ConfigError` unless `size` ranks can run this model: its class
+    must shard, and `size` must split its heads and widths (the error then
+    names the field and the allowed sizes)."""
+    if size != 1 and not model_class_for(config.architecture).supports_tensor_parallel:
+        raise ConfigError(
+            f"tensor_parallel_size {size}: {config.architecture} runs on one rank so far "
+            "(Llama-style and Nemotron-H models shard); set tensor_parallel_size to 1"
+        )
+    check_shardable(config, size)

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcache.spec import CacheSpec
+from kvcache.views import AttentionLayerCache, CacheViews, MambaLayerCache
 from models.base import CausalLM
-from models.batch import AttentionLayerCache, CacheViews, ForwardBatch, MambaLayerCache
+from models.batch import ForwardBatch
 from models.dtypes import torch_dtype
 
 NULL_BLOCK = 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -57,10 +58,18 @@ def create_agent(name: str, progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US) 
     return agent
 
 
+@functools.cache
 def nixl_available() -> bool:
+    """Whether NIXL is usable in this process: the one answer every caller uses.
+
+    The test is the import the agent itself needs (`nixl._api`, which loads
+    the native library), not a look for the package on the path: an installed
+    package whose native part fails to load is not usable, and the `auto`
+    rule must not pick it.
+    """
     try:
         import nixl._api  # noqa: F401
-    except ImportError:
+    except (ImportError, OSError):
         return False
     return True
 

@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models.batch import AttentionLayerCache, ForwardBatch
+from kvcache.views import AttentionLayerCache
+from models.batch import ForwardBatch
 from models.kernels import dispatch
 
 

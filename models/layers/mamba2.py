@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.batch import ForwardBatch, MambaLayerCache
+from kvcache.views import MambaLayerCache
+from models.batch import ForwardBatch
 from models.config import MambaConfig
 from models.kernels import dispatch
 from models.layers.ssd import ssd_chunked_scan

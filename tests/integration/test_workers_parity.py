@@ -407,3 +407,40 @@ async def test_stop_tokens_and_seeded_sampling_through_the_engine(
         assert [e.token_ids for e in first] == [e.token_ids for e in second]
     finally:
         await worker.shutdown()
+
+
+@pytest.mark.parametrize(("arch", "manager"), [("llama", "v1"), ("nemotron_h", "v2")])
+async def test_a_tensor_parallel_aggregated_instance_equals_transformers(
+    ray_session: Any,
+    checkpoints: dict[str, Path],
+    references: dict[str, list[list[int]]],
+    prompts: list[list[int]],
+    arch: str,
+    manager: str,
+) -> None:
+    """Two ranks (gloo) with the generation side's small cache: chunked prefill
+    and preemption happen on rank 0's schedule, every rank runs each step."""
+    config = WorkerConfig(
+        checkpoint=str(checkpoints[arch]),
+        manager=manager,
+        block_size=8,
+        max_tokens=GEN_MAX_TOKENS,
+        max_num_tokens=CHUNK,
+        max_batch_size=8,
+        cluster_secret=SECRET,
+        tensor_parallel_size=2,
+    )
+    name = f"tp2-{arch}"
+    actor = ray.remote(GenerationWorker).options(num_cpus=0.25, name=name)
+    worker = actor.remote(config, name, "aggregated")
+    try:
+        await worker.start.remote()
+        outputs = await asyncio.gather(
+            *[_aggregated(worker, f"{name}-{i}", p) for i, p in enumerate(prompts)]
+        )
+        assert outputs == references[arch]
+        assert (await worker.step_stats.remote())["preemptions"] > 0
+        await _assert_idle(worker)
+    finally:
+        await worker.shutdown.remote()
+        ray.kill(worker)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.batch import AttentionLayerCache, ForwardBatch
+from kvcache.views import AttentionLayerCache
+from models.batch import ForwardBatch
 from models.kernels import dispatch
 from models.layers.attention import paged_attention
 

@@ -72,12 +72,18 @@ def test_section_overrides_a_default_left_unset_at_top_level() -> None:
     assert (context.max_tokens, context.memory_fraction) == (None, 0.5)
 
 
-def test_tensor_parallel_above_one_is_a_clear_error() -> None:
+def test_tensor_parallel_on_context_servers_is_a_clear_error() -> None:
     with pytest.raises(ConfigError) as info:
         config_from_dict({"model": "m", "context_servers": {"tensor_parallel_size": 2}})
     message = str(info.value)
-    assert "context_servers.tensor_parallel_size" in message
-    assert "tensor parallelism is not implemented" in message
+    assert "context_servers.tensor_parallel_size is 2" in message
+    assert "generation_servers.tensor_parallel_size" in message
+    config = config_from_dict({"model": "m", "generation_servers": {"tensor_parallel_size": 2}})
+    assert config.role_settings("generation_servers").tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match="each rank needs a GPU of its own"):
+        config_from_dict(
+            {"model": "m", "generation_servers": {"tensor_parallel_size": 2, "num_gpus": 0.5}}
+        )
 
 
 def test_both_cache_sizing_keys_is_an_error() -> None:

@@ -66,9 +66,9 @@ def test_gpu_cluster_installs_cpu_torch_on_the_head_and_cuda_torch_on_workers() 
 def test_disagg_config_loads(path: Path) -> None:
     config = load_config(path)
     assert config.role_settings("generation_servers").num_instances >= 1
-    # Only the aggregated-only example has no context instance.
+    # Only the aggregated-only examples have no context instance.
     context = config.role_settings("context_servers").num_instances
-    assert context >= 1 or path.name == "aggregated.yaml"
+    assert context >= 1 or path.name.startswith("aggregated")
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +99,8 @@ def test_disagg_config_resolves_a_plan(
         assert len({i.manager for i in plan.instances}) == 1
     if arch == "nemotron_h":
         assert plan.is_hybrid and {i.manager for i in plan.instances} == {"v2"}
+    ranks = raw["generation_servers"].get("tensor_parallel_size", 1)
+    assert {i.tensor_parallel_size for i in plan.of_role("generation")} == {ranks}
 
 
 def test_serve_address_flag_joins_a_cluster_with_a_local_config() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.batch import AttentionLayerCache
+from kvcache.views import AttentionLayerCache
 from models.kernels import cpu_build, cpu_rope
 from models.layers.rotary import apply_rotary
 

@@ -8,7 +8,8 @@ import torch
 from transformers import NemotronHConfig
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
 
-from models.batch import ForwardBatch, MambaLayerCache
+from kvcache.views import MambaLayerCache
+from models.batch import ForwardBatch
 from models.config import MambaConfig
 from models.layers.mamba2 import Mamba2Mixer
 from models.layers.ssd import ssd_chunked_scan

@@ -15,9 +15,8 @@ import torch
 
 from cluster.config import config_from_dict
 from cluster.plan import InstancePlan
-from engine.transceivers import make_transceiver
-from engine.worker_config import WorkerConfig
 from transfer.errors import WireError
+from transfer.factory import create_transceiver
 from transfer.wire import client_handshake, tune_socket
 
 SECRET = "a3f1c2d4e5b6a7980112233445566778"
@@ -28,14 +27,12 @@ def _buffers() -> dict[str, torch.Tensor]:
 
 
 def test_an_empty_cluster_secret_is_refused() -> None:
-    config = WorkerConfig(checkpoint="unused", cluster_secret="")
     with pytest.raises(ValueError, match="cluster_secret is empty"):
-        make_transceiver(config, _buffers(), "generation-0")
+        create_transceiver("python", _buffers(), secret=b"")
 
 
 async def test_the_listener_binds_the_configured_node_address_only() -> None:
-    config = WorkerConfig(checkpoint="unused", cluster_secret=SECRET, transfer_host="127.0.0.1")
-    xcvr = make_transceiver(config, _buffers(), "context-0")
+    xcvr = create_transceiver("python", _buffers(), secret=SECRET.encode(), host="127.0.0.1")
     await xcvr.start()
     try:
         host, port = xcvr.endpoint

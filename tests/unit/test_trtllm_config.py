@@ -8,7 +8,6 @@ plan written here. Two of them are also served end to end with greedy parity
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 from typing import Any
@@ -20,10 +19,11 @@ from cluster.cli import main
 from cluster.config import ConfigError, LoadedConfig, config_from_dict, load_config, read_config
 from cluster.plan import resolve_plan
 from cluster.trtllm_config import is_trtllm, translate
+from transfer.nixl_agent import nixl_available
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "tests" / "configs" / "trtllm"
-NIXL = importlib.util.find_spec("nixl") is not None
+NIXL = nixl_available()
 AUTO = "nixl" if NIXL else "python"  # what backend DEFAULT resolves to on a dense model
 
 # file -> expected plan rows: (instance, manager, transceiver, block, blocks, slots, device)

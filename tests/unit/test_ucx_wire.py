@@ -24,14 +24,13 @@ import torch
 
 from cluster.config import ConfigError, config_from_dict
 from cluster.plan import resolve_plan
-from engine.transceivers import make_transceiver
 from engine.worker_config import WorkerConfig, WorkerConfigError
 from kvcache.spec import CacheSpec
 from models.embedded.configs import checkpoint_config
 from tests.transfer_harness import BLOCK_SIZE, HYBRID, Endpoint
 from transfer.base import TransferHandle
 from transfer.errors import LayoutMismatch, PeerGone, WireError
-from transfer.factory import WireUnavailable, resolve_wire
+from transfer.factory import WireUnavailable, create_transceiver, resolve_wire
 from transfer.python_transceiver import PythonTransceiver
 from transfer.ucx_wire import SMALL_FRAME_BYTES, UcxWire, ucx_importable
 from transfer.wire import MAX_HEADER_BYTES, recv_header, send_header
@@ -311,8 +310,8 @@ def test_the_wire_flows_from_the_yaml_to_every_worker(tmp_path: Path) -> None:
 @pytest.mark.parametrize("wire", ["tcp", pytest.param("ucx", marks=needs_ucx)])
 @module_loop
 async def test_a_worker_listens_and_publishes_on_its_configured_wire(wire: str) -> None:
-    config = WorkerConfig(checkpoint="unused", cluster_secret="s", transfer_wire=wire)
-    xcvr = make_transceiver(config, {"kv": torch.zeros(4096, dtype=torch.uint8)}, "context-0")
+    buffers = {"kv": torch.zeros(4096, dtype=torch.uint8)}
+    xcvr = create_transceiver("python", buffers, secret=b"s", wire=wire)
     assert isinstance(xcvr, PythonTransceiver) and xcvr.wire == wire
     await xcvr.start()
     try:

@@ -1,0 +1,182 @@
+"""The ranks of a tensor-parallel instance.
+
+Rank 0 is the worker actor itself: it runs everything a one-rank worker runs
+(scheduler, cache manager, transceiver, sampling) over its own shard of the
+model. Ranks 1.. are `TensorParallelRank` actors it starts in its own
+placement group, one bundle per rank. Each holds its shard of the model
+(`models.tensor_parallel`) and a cache of its own KV heads sized like rank
+0's, so block ids, block tables and Mamba slots, all rank 0's, mean the same
+on every rank.
+
+    rank 0 (worker)                         rank r (TensorParallelRank)
+    schedule -> StepInput --run_step------> StepInput
+    forward on shard 0  <== all-reduce ==>  forward on shard r
+    logits (all-gather) <===============>   logits (dropped)
+    sample
+
+Each step's `StepInput` (host lists) goes to the other ranks by one Ray
+actor call per rank, sent before rank 0's own forward; a rank actor runs its
+calls one at a time, in order. A call rather than a broadcast collective:
+an idle instance then waits inside no collective, which would time out.
+The collectives inside the model tie the ranks' steps together. A rank that
+dies makes the next collective fail on the others, so rank 0's step fails;
+rank 0 then exits (`RankGroup.abandon`) and Ray restarts the instance with
+fresh ranks, as for any dead worker; rank 0 owns the rank actors, so they go
+down with it.
+
+The ranks of an instance form one torch.distributed group, gloo on CPU and
+NCCL on CUDA, which rank 0 sets up on a free port of its node.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from typing import Any
+
+import ray
+import torch.distributed as dist
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from engine.cache_build import build_cache
+from engine.model_runner import ModelRunner, StepInput
+from engine.threads import configure_torch_threads, run_on_compute_thread
+from engine.worker_config import WorkerConfig
+from kvcache.sizing import CacheSizing
+from models.config import TensorParallelShard
+from models.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+# How long a rank waits for the others to join the group, and for one
+# collective of a step.
+GROUP_TIMEOUT_S = 300.0
+
+
+def join_group(address: str, rank: int, size: int, device: str) -> None:
+    """Join the instance's process group at `address` ("host:port") as `rank`."""
+    dist.init_process_group(
+        "nccl" if device.startswith("cuda") else "gloo",
+        init_method=f"tcp://{address}",
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+    )
+
+
+def _free_address(host: str) -> str:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return f"{host}:{sock.getsockname()[1]}"
+
+
+class TensorParallelRank:
+    """Rank `rank` >= 1 of a tensor-parallel instance (run as a Ray actor)."""
+
+    def __init__(self, config: WorkerConfig, rank: int, address: str, sizing: CacheSizing) -> None:
+        configure_torch_threads(config.device)
+        self.runner = run_on_compute_thread(lambda: self._build(config, rank, address, sizing))
+
+    @staticmethod
+    def _build(config: WorkerConfig, rank: int, address: str, sizing: CacheSizing) -> ModelRunner:
+        join_group(address, rank, config.tensor_parallel_size, config.device)
+        model, model_config = load_model(
+            config.checkpoint,
+            dtype=config.dtype,
+            device=config.device,
+            tp=TensorParallelShard(rank, config.tensor_parallel_size),
+        )
+        manager, cache, _ = build_cache(config, model_config, sizing)
+        return ModelRunner(
+            model,
+            cache.views(),
+            manager,
+            config.block_size,
+            sampler=None,  # rank 0 samples
+            device=config.device,
+            is_hybrid=model_config.cache_spec(config.dtype).is_hybrid,
+        )
+
+    def ready(self) -> None:
+        """Returns once the rank is built (its shard loaded, its cache allocated)."""
+
+    def run_step(self, step: StepInput) -> None:
+        try:
+            run_on_compute_thread(lambda: self.runner.follow(step))
+        except BaseException:
+            # Rank 0 is inside this step's collectives by now and would wait
+            # out GROUP_TIMEOUT_S for this rank; leaving the group at once
+            # fails its step now instead.
+            logger.exception("tensor-parallel rank failed a step; leaving the instance")
+            os._exit(1)
+
+
+class RankGroup:
+    """Rank 0's side: the other ranks' actors, and each step sent to them."""
+
+    def __init__(self, ranks: list[Any]) -> None:
+        self.ranks = ranks
+
+    @classmethod
+    def start(cls, config: WorkerConfig, worker_id: str, sizing: CacheSizing) -> RankGroup:
+        """Start ranks 1.. (each loads its shard and sizes its cache by `sizing`,
+        rank 0's) and join the group with them as rank 0.
+
+        Called on rank 0's compute thread after its own model and cache exist.
+        """
+        size = config.tensor_parallel_size
+        address = _free_address(config.transfer_host)
+        # Unnamed: a restarted rank 0 must not meet its old ranks' names, nor
+        # another deployment's on a shared Ray cluster.
+        actor: Any = ray.remote(TensorParallelRank)
+        group = get_current_placement_group()
+        resources = ray.get_runtime_context().get_assigned_resources()
+        # The other ranks wait for OpenMP work the way rank 0 was told to.
+        env = {k: os.environ[k] for k in ("OMP_WAIT_POLICY",) if k in os.environ}
+        ranks: list[Any] = [
+            actor.options(
+                num_cpus=resources.get("CPU", 1.0),
+                num_gpus=resources.get("GPU", 0.0),
+                runtime_env={"env_vars": env},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=rank
+                )
+                if group is not None
+                else None,
+            ).remote(config, rank, address, sizing)
+            for rank in range(1, size)
+        ]
+        try:
+            join_group(address, 0, size, config.device)
+            # Surfaces a rank that failed to load its shard.
+            ray.get([rank.ready.remote() for rank in ranks])
+        except BaseException:
+            for rank in ranks:
+                ray.kill(rank)
+            raise
+        logger.info("%s: %d tensor-parallel ranks joined at %s", worker_id, size, address)
+        return cls(ranks)
+
+    def send(self, step: StepInput) -> None:
+        for rank in self.ranks:
+            rank.run_step.remote(step)
+
+    def abandon(self) -> None:
+        """Rank 0's step failed (a rank died, or a collective failed): the
+        other ranks may be inside that step's collectives, and no later step
+        can line up with them. The worker process exits, so Ray restarts it
+        (the launcher's `max_restarts`) with fresh ranks; its rank actors go
+        down with it, their owner. Requests in flight fail as on any dead worker."""
+        logger.error("a tensor-parallel step failed; restarting the instance with fresh ranks")
+        logging.shutdown()
+        os._exit(1)
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            ray.kill(rank)
+        self.ranks = []
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,121 @@
+"""Tensor-parallel Llama and Nemotron-H shards vs transformers, fp32, over gloo.
+
+Two processes form one torch.distributed group (gloo, as an instance's ranks
+do on CPU); each loads only its shard of a tiny checkpoint written by
+transformers and runs chunked prefill and greedy decode through the paged
+cache; every rank's logits must match transformers' forward. The checkpoints
+cover KV heads split (2 KV heads at TP 2) and replicated (1 KV head at TP 2),
+a vocabulary that does not split evenly, tied embeddings and biases on every
+projection (the row-parallel biases are added once), and a Nemotron-H with
+every layer kind (Mamba2 split per x | B | C section, attention, MLP, MoE).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import transformers
+
+from models.config import TensorParallelShard
+from models.errors import ConfigError
+from models.hf_config import load_model_config
+from models.loader import load_model
+from models.sharding import allowed_sizes, shard_config
+from models.tensor_parallel import Cut, weight_cut
+from tests.paged_harness import assert_matches_reference, run_paged_generation
+from tests.unit.test_llama_parity import write_checkpoint
+from tests.unit.test_nemotron_h_parity import write_checkpoint as write_nemotron_h
+
+TP = 2
+DECODE_STEPS = 8
+NEMOTRON_H = "nemotron-h"
+CHECKPOINTS = {
+    "kv-heads-split": {"num_key_value_heads": 2, "vocab_size": 255},
+    "kv-heads-replicated": {
+        "num_key_value_heads": 1,
+        "tie_word_embeddings": True,
+        "attention_bias": True,
+        "mlp_bias": True,
+    },
+}
+
+
+def _rank_main(rank: int, root: Path) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{root / 'group'}", rank=rank, world_size=TP
+    )
+    try:
+        for name in [*CHECKPOINTS, NEMOTRON_H]:
+            path = root / name
+            model, config = load_model(path, tp=TensorParallelShard(rank, TP))
+            # The rank holds its shard only: half the heads and vocab rows, one KV head.
+            assert config.num_key_value_heads == 1 and config.num_attention_heads == 2
+            assert model.lm_head.weight.shape[0] == -(-load_model_config(path).vocab_size // TP)
+            if config.mamba is not None:
+                assert (config.mamba.num_heads, config.mamba.n_groups) == (4, 1)
+            gen = torch.Generator().manual_seed(3)
+            prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (11, 5, 17)]
+            trace = run_paged_generation(
+                model, config.cache_spec(), prompts, chunk_size=6, decode_steps=DECODE_STEPS
+            )
+            reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+            assert_matches_reference(reference, prompts, trace, DECODE_STEPS)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_match_transformers(tmp_path: Path) -> None:
+    # Nemotron-H with Mamba2 (8 heads, 2 groups), attention, MLP and MoE layers.
+    write_nemotron_h(tmp_path / NEMOTRON_H)
+    for name, overrides in CHECKPOINTS.items():
+        reference = write_checkpoint(tmp_path / name, **overrides)
+        # transformers starts biases at zero; random ones show each is added once.
+        with torch.no_grad():
+            for param_name, param in reference.named_parameters():
+                if param_name.endswith(".bias"):
+                    param.normal_(std=0.1)
+        reference.save_pretrained(tmp_path / name)
+    mp.spawn(_rank_main, args=(tmp_path,), nprocs=TP, join=True)
+
+
+def _config(tmp_path: Path, **overrides: object):  # type: ignore[no-untyped-def]
+    write_checkpoint(tmp_path, **overrides)
+    return load_model_config(tmp_path)
+
+
+def test_sizes_that_do_not_split_the_heads_are_refused_naming_field_and_sizes(
+    tmp_path: Path,
+) -> None:
+    config = _config(tmp_path, num_attention_heads=4, num_key_value_heads=2)
+    assert allowed_sizes(config) == [1, 2, 4]
+    with pytest.raises(ConfigError, match=r"num_attention_heads = 4 .* values .*: 1, 2, 4"):
+        shard_config(config, 0, 3)
+
+
+def test_replicated_kv_heads_go_to_the_ranks_whose_queries_read_them(tmp_path: Path) -> None:
+    config = _config(tmp_path, num_attention_heads=4, num_key_value_heads=2)  # head_dim 16
+    # TP 4: query heads 0,1 read KV head 0; query heads 2,3 read KV head 1.
+    firsts = [
+        weight_cut("model.layers.0.self_attn.k_proj.weight", config, TensorParallelShard(r, 4))
+        for r in range(4)
+    ]
+    assert [c.ranges for c in firsts if c] == [((0, 16),), ((0, 16),), ((16, 32),), ((16, 32),)]
+    o_bias = [
+        weight_cut("model.layers.1.self_attn.o_proj.bias", config, TensorParallelShard(r, 2))
+        for r in range(2)
+    ]
+    assert [(c.ranges, c.length) for c in o_bias if c] == [(((0, 64),), 64), (((0, 0),), 64)]
+    assert weight_cut("model.norm.weight", config, TensorParallelShard(1, 2)) is None
+
+
+def test_a_cut_reads_its_rows_or_columns_and_zero_pads_the_vocab_tail() -> None:
+    table = torch.arange(15.0).view(5, 3)
+    assert torch.equal(Cut.span(1, 1, 3).read(table), table[:, 1:3])
+    assert torch.equal(Cut(0, ((0, 1), (3, 5)), 3).read(table), table[[0, 3, 4]])
+    tail = Cut.span(0, 3, 5, 3).read(table)
+    assert torch.equal(tail[:2], table[3:]) and torch.equal(tail[2], torch.zeros(3))
