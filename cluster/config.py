@@ -101,12 +101,28 @@ class ServerSectionConfig(_Strict):
     num_instances: int = Field(default=1, ge=0)
     tensor_parallel_size: int = Field(default=1, ge=1)
     num_gpus: float = Field(default=0.0, ge=0)
+    # Custom Ray resources each instance's bundle asks for, so the role lands
+    # on the nodes that offer them (`ray start --resources '{"prefill": 4}'`).
+    resources: dict[str, float] = Field(default_factory=dict)
     # Ray CPU grant per instance; on CPU it is also the instance's torch threads.
     num_cpus: float = Field(default=1.0, gt=0)
     kv_cache: KvCacheConfig | None = None
     cache_transceiver: CacheTransceiverConfig | None = None
     max_num_tokens: int | None = Field(default=None, gt=0)
     max_batch_size: int | None = Field(default=None, gt=0)
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources_only(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(
+                    f"resources names {name!r}, which Ray sizes itself; set num_gpus for "
+                    "GPUs and list only custom resources here"
+                )
+            if amount <= 0:
+                raise ValueError(f"resources.{name} is {amount}; give a positive amount")
+        return value
 
 
 class MediaConfig(_Strict):
@@ -129,6 +145,7 @@ class RoleSettings(_Strict):
     num_instances: int
     tensor_parallel_size: int
     num_gpus: float
+    resources: dict[str, float]
     num_cpus: float
     kv_cache: KvCacheConfig
     cache_transceiver: CacheTransceiverConfig
@@ -202,6 +219,7 @@ class ClusterConfig(_Strict):
             num_instances=section.num_instances,
             tensor_parallel_size=section.tensor_parallel_size,
             num_gpus=section.num_gpus,
+            resources=section.resources,
             num_cpus=section.num_cpus,
             kv_cache=KvCacheConfig.model_validate(kv_cache),
             cache_transceiver=CacheTransceiverConfig.model_validate(transceiver),

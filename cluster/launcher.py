@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _SHUTDOWN_TIMEOUT_S = 10.0
+# While waiting on Ray at shutdown, how often to check that it still runs.
+_RAY_ALIVE_POLL_S = 0.2
 # A worker process that dies (OOM, a crash, a killed node) is restarted by Ray
 # this many times, in its placement group; the router routes around it until
 # it answers polls again. Calls in flight when it died fail (no task retries):
@@ -69,15 +71,23 @@ class RunningCluster:
     def actors(self, role: str) -> list[LaunchedInstance]:
         return [i for i in self.instances if i.plan.role == role]
 
+    def placement(self) -> str:
+        """Where each instance runs, one line each: `context-0 on 127.0.0.3`."""
+        return "\n".join(f"{i.plan.name} on {i.node_ip}" for i in self.instances)
+
     async def shutdown(self) -> None:
         """Stop every actor (gracefully, then by force), remove the placement
         groups, and stop Ray if this process started it."""
         if self._stopped:
             return
         self._stopped = True
-        await asyncio.gather(*(_stop_actor(i) for i in self.instances))
-        for instance in self.instances:
-            await _ray_call(remove_placement_group, instance.placement_group)
+        if _local_ray_alive():
+            await asyncio.gather(*(_stop_instance(i) for i in self.instances))
+        else:
+            # A signal to the whole process group stopped our Ray first: its
+            # actors and placement groups went with it, and every call to it
+            # would only wait out its timeout.
+            logger.warning("the local Ray is gone; not stopping its actors one by one")
         self.instances.clear()
         if self.owns_ray and ray.is_initialized():
             ray.shutdown()
@@ -102,7 +112,11 @@ def connect_ray(address: str | None, num_cpus: float) -> bool:
     # A local cluster grants every instance its num_cpus even on a smaller
     # machine: the grant sizes each worker's torch threads, it does not pin cores.
     cpus = max(os.cpu_count() or 1, math.ceil(num_cpus))
+    # "local" always starts a Ray of our own: without it Ray would join a
+    # cluster that `ray start` left running on this machine, or trip over
+    # the stale record (ray_current_cluster) of one that was stopped.
     ray.init(
+        address="local",
         num_cpus=cpus,
         include_dashboard=False,
         runtime_env=env,
@@ -143,7 +157,7 @@ async def _start_all(plan: ClusterPlan, secret: str, cluster: RunningCluster) ->
 async def _start_instance(
     plan: ClusterPlan, instance: InstancePlan, secret: str, cluster: RunningCluster
 ) -> None:
-    bundle = {"CPU": instance.num_cpus}
+    bundle = {"CPU": instance.num_cpus, **instance.resources}
     if instance.num_gpus:
         bundle["GPU"] = instance.num_gpus
     # The secret's prefix keeps two deployments on one Ray cluster apart.
@@ -157,8 +171,7 @@ async def _start_instance(
     try:
         await group.ready()
         pending.node_ip = _node_ip(group)
-        memory = await _kv_budget(plan, instance, group)
-        config = instance.worker_config(plan.checkpoint, secret, pending.node_ip, memory)
+        config = instance.worker_config(plan.checkpoint, secret, pending.node_ip)
         pending.actor = (
             _actor_class(instance.role)
             .options(
@@ -214,38 +227,6 @@ def _role_argument(instance: InstancePlan) -> tuple[str, ...]:
     return () if instance.role == "context" else (instance.worker_role,)
 
 
-async def _kv_budget(
-    plan: ClusterPlan, instance: InstancePlan, group: PlacementGroup
-) -> int | None:
-    """Bytes for the KV cache of an instance sized by `memory_fraction` on a GPU:
-    that fraction of the GPU's free memory once the checkpoint's weights are in.
-
-    Measured on the instance's own GPU before its worker starts.
-    """
-    if instance.num_blocks is not None or instance.memory_fraction is None:
-        return None
-    strategy = PlacementGroupSchedulingStrategy(group)
-    probe = _gpu_free_bytes.options(num_gpus=instance.num_gpus, scheduling_strategy=strategy)
-    free = int(await probe.remote())
-    weights = sum(p.stat().st_size for p in Path(plan.checkpoint).glob("*.safetensors"))
-    budget = int((free - weights) * instance.memory_fraction)
-    if budget <= 0:
-        raise LaunchError(
-            f"instance {instance.name}: the GPU has {free} bytes free, which the "
-            f"{weights} bytes of weights leave no room for a KV cache; use a larger GPU "
-            "or a smaller checkpoint"
-        )
-    return budget
-
-
-@ray.remote(num_cpus=0)
-def _gpu_free_bytes() -> int:
-    import torch
-
-    free, _total = torch.cuda.mem_get_info()
-    return int(free)
-
-
 def _node_ip(group: PlacementGroup) -> str:
     """The IP of the node the (single-bundle) group landed on."""
     node_id = placement_group_table(group)["bundles_to_node_id"][0]
@@ -255,14 +236,44 @@ def _node_ip(group: PlacementGroup) -> str:
     return "127.0.0.1"
 
 
-async def _stop_actor(instance: LaunchedInstance) -> None:
-    if instance.actor is None:
-        return
+async def _stop_instance(instance: LaunchedInstance) -> None:
+    """Stop the actor (gracefully, then by force), then remove its placement group."""
+    if instance.actor is not None:
+        try:
+            await _unless_ray_dies(instance.actor.shutdown.remote())
+        except Exception as exc:  # already dead or stuck: kill it below anyway
+            logger.debug("graceful shutdown of %s failed: %s", instance.plan.name, exc)
+        await _ray_call(ray.kill, instance.actor, no_restart=True)
+    await _ray_call(remove_placement_group, instance.placement_group)
+
+
+def _local_ray_alive() -> bool:
+    """False once a Ray this process started has lost one of its processes.
+
+    A joined cluster's processes are not ours to watch: True.
+    """
+    node = getattr(ray._private.worker, "_global_node", None)
+    if node is None:
+        return True
     try:
-        await asyncio.wait_for(instance.actor.shutdown.remote(), _SHUTDOWN_TIMEOUT_S)
-    except Exception as exc:  # already dead or stuck: kill it below anyway
-        logger.debug("graceful shutdown of %s failed: %s", instance.plan.name, exc)
-    await _ray_call(ray.kill, instance.actor, no_restart=True)
+        return bool(node.remaining_processes_alive())
+    except Exception:  # Ray's internals moved: assume alive, the timeouts still bound us
+        return True
+
+
+async def _unless_ray_dies(work: Awaitable[T]) -> T | None:
+    """Await `work` for up to the shutdown timeout, giving up early (None) when
+    the local Ray dies meanwhile."""
+    task = asyncio.ensure_future(work)
+    deadline = asyncio.get_running_loop().time() + _SHUTDOWN_TIMEOUT_S
+    while not task.done():
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0 or not _local_ray_alive():
+            task.cancel()
+            logger.warning("Ray did not answer within %.0fs or is gone", _SHUTDOWN_TIMEOUT_S)
+            return None
+        await asyncio.wait([task], timeout=min(left, _RAY_ALIVE_POLL_S))
+    return task.result()
 
 
 async def _ray_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
@@ -289,10 +300,7 @@ async def _ray_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
             done.set_result(None)
 
     threading.Thread(target=call, daemon=True, name=f"ray-{fn.__name__}").start()
-    try:
-        await asyncio.wait_for(done, _SHUTDOWN_TIMEOUT_S)
-    except TimeoutError:
-        logger.warning("Ray did not answer %s within %.0fs", fn.__name__, _SHUTDOWN_TIMEOUT_S)
+    await _unless_ray_dies(done)
 
 
 async def _within(work: Awaitable[T], timeout_s: float, what: str, plan: ClusterPlan) -> T:

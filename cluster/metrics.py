@@ -91,6 +91,12 @@ class ServingMetrics:
             ["phase"],
             registry=r,
         )
+        self.worker_node = Gauge(
+            "disagg_worker_node",
+            "1 for each worker, labelled with its role and the address of its Ray node.",
+            ["worker", "role", "node"],
+            registry=r,
+        )
         self.in_flight = Gauge(
             "disagg_requests_in_flight", "Requests being served right now.", registry=r
         )

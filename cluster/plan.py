@@ -21,7 +21,7 @@ holds the same block ids, over its own KV heads).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.config import ClusterConfig, ConfigError, KvCacheConfig, RoleSettings
@@ -34,7 +34,7 @@ from kvcache.resolution import (
     resolve_manager,
     resolve_transceiver,
 )
-from kvcache.sizing import CacheSizing, size_cache
+from kvcache.sizing import CacheSizing, size_instance_cache
 from kvcache.spec import CacheSpec
 from models.checkpoint_source import checkpoint_folder
 from models.config import ModelConfig
@@ -47,9 +47,6 @@ from transfer.nixl_agent import nixl_available
 DEFAULT_MAX_TOKENS = 8192
 # `org/name` as the Hugging Face Hub spells a model id.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-# Workers keep as many Mamba slots again as batch slots, for pinned handoffs
-# and pulls in flight (engine.instance sizes its cache the same way).
-MAMBA_SLOTS_PER_BATCH_SLOT = 2
 # The transceiver of an aggregated-only plan.
 NO_TRANSCEIVER = "none"
 
@@ -59,8 +56,8 @@ class InstancePlan:
     """One worker actor, fully resolved.
 
     num_blocks is None when the cache is sized from device memory that only
-    the worker can see (`memory_fraction` on a GPU); the launcher fills
-    `kv_cache_memory_bytes` from a probe on the instance's own GPU.
+    the worker can see (`memory_fraction` on a GPU): the worker measures its
+    share of the GPU once its weights are loaded.
     """
 
     name: str
@@ -89,6 +86,8 @@ class InstancePlan:
     max_num_waiting: int = 1024
     # "tcp", "ucx" or "auto"; auto is resolved on the worker (see WorkerConfig).
     transfer_wire: str = "tcp"
+    # Custom Ray resources the instance's bundle asks for (placement by role).
+    resources: dict[str, float] = field(default_factory=dict)
     # Ranks of the instance; the cache sizes above are each rank's.
     tensor_parallel_size: int = 1
 
@@ -102,11 +101,7 @@ class InstancePlan:
         return "aggregated" if self.aggregated else self.role
 
     def worker_config(
-        self,
-        checkpoint: str,
-        cluster_secret: str,
-        transfer_host: str,
-        kv_cache_memory_bytes: int | None = None,
+        self, checkpoint: str, cluster_secret: str, transfer_host: str
     ) -> WorkerConfig:
         return WorkerConfig(
             checkpoint=checkpoint,
@@ -117,7 +112,9 @@ class InstancePlan:
             transceiver="python" if self.aggregated else self.transceiver,
             block_size=self.block_size,
             max_tokens=self.max_tokens,
-            kv_cache_memory_bytes=kv_cache_memory_bytes or self.kv_cache_memory_bytes,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            memory_fraction=self.memory_fraction if self.num_blocks is None else None,
+            gpu_share=self.num_gpus or 1.0,
             max_num_tokens=self.max_num_tokens,
             max_batch_size=self.max_batch_size,
             max_num_waiting=self.max_num_waiting,
@@ -308,6 +305,7 @@ def _instance(
         transfer_timeout_s=settings.cache_transceiver.timeout_s,
         max_num_waiting=max_num_waiting,
         transfer_wire=settings.cache_transceiver.wire,
+        resources=dict(settings.resources),
         tensor_parallel_size=settings.tensor_parallel_size,
         num_cpus=settings.num_cpus,
         aggregated=transceiver == NO_TRANSCEIVER,
@@ -345,14 +343,13 @@ def _size(
 ) -> CacheSizing:
     """The blocks and slots the worker will build, with the worker's own rule."""
     try:
-        return size_cache(
+        return size_instance_cache(
             spec,
             block_size=settings.kv_cache.block_size,
-            max_model_len=min(model_len, max_tokens) if max_tokens else model_len,
+            model_len=model_len,
             max_batch_size=settings.max_batch_size,
             max_tokens=max_tokens,
             memory_bytes=memory_bytes,
-            num_mamba_slots=MAMBA_SLOTS_PER_BATCH_SLOT * settings.max_batch_size,
         )
     except CacheSizingError as exc:
         raise ConfigError(f"{source}: {settings.role}_servers.kv_cache: {exc}") from exc

@@ -55,6 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="bind address; overrides the config's `hostname`")
     parser.add_argument("--port", type=int, help="port (0 picks a free one); overrides `port`")
     parser.add_argument(
+        "--address",
+        help="Ray cluster to join (`auto` on a `ray up` head); overrides `address`",
+    )
+    parser.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV) or None,
         help=f"bearer token the /v1 API requires (default: ${API_KEY_ENV}); overrides `api_key`",
@@ -80,6 +84,8 @@ def read_args_config(args: argparse.Namespace) -> LoadedConfig:
         overrides["hostname"] = args.host
     if args.port is not None:
         overrides["port"] = args.port
+    if getattr(args, "address", None) is not None:
+        overrides["address"] = args.address
     if getattr(args, "api_key", None) is not None:
         overrides["api_key"] = args.api_key
     if not overrides:
@@ -140,5 +146,7 @@ async def _serve(config: ClusterConfig, plan: Any, log_level: str) -> None:
     from cluster.serving import ServingCluster
 
     async with ServingCluster(config, plan, log_level) as serving:
+        assert serving.cluster is not None
+        print(serving.cluster.placement(), flush=True)
         print(f"serving {Path(plan.checkpoint).resolve().name} at {serving.url}", flush=True)
         await serving.wait_stopped()

@@ -6,36 +6,59 @@ from engine.worker_config import WorkerConfig
 from kvcache.factory import create_manager
 from kvcache.hashing import cache_namespace
 from kvcache.manager import KVCacheManager
-from kvcache.sizing import CacheSizing, size_cache
+from kvcache.sizing import CacheSizing, GpuShare, size_instance_cache, step_activation_bytes
 from kvcache.tensors import CacheTensors, allocate_cache_tensors
+from models.base import CausalLM
 from models.config import ModelConfig
+from models.dtypes import DTYPE_BYTES
+
+
+def gpu_share(config: WorkerConfig, model_config: ModelConfig, model: CausalLM) -> GpuShare | None:
+    """This instance's part of its GPU, measured now that its weights are in;
+    None unless its cache is sized by `memory_fraction` on CUDA."""
+    if config.memory_fraction is None or not config.device.startswith("cuda"):
+        return None
+    from kvcache.tensors import device_memory
+
+    dtype = config.dtype or model_config.dtype
+    activations = step_activation_bytes(
+        num_tokens=config.max_num_tokens,
+        num_sequences=config.max_batch_size,
+        hidden_size=model_config.hidden_size,
+        intermediate_size=model_config.intermediate_size,
+        vocab_size=model_config.vocab_size,
+        dtype_bytes=DTYPE_BYTES[dtype],
+    )
+    tensors = [*model.parameters(), *model.buffers()]
+    weights = sum(t.numel() * t.element_size() for t in tensors)
+    memory = device_memory(config.device, weights)
+    return GpuShare(memory, config.gpu_share, config.memory_fraction, activations)
 
 
 def build_cache(
-    config: WorkerConfig, model_config: ModelConfig, sizing: CacheSizing | None = None
+    config: WorkerConfig,
+    model_config: ModelConfig,
+    sizing: CacheSizing | None = None,
+    gpu_share: GpuShare | None = None,
 ) -> tuple[KVCacheManager, CacheTensors, CacheSizing]:
     """The manager, its pool tensors and the sizing they were built with.
 
     `model_config` is the rank's (its KV heads only, with tensor parallelism).
-    `sizing` None sizes the pools here; ranks 1.. of a tensor-parallel
-    instance pass rank 0's, so block ids and slots mean the same on every rank.
+    `sizing` None sizes the pools here (by `gpu_share` when the cache is sized
+    from the GPU); ranks 1.. of a tensor-parallel instance pass rank 0's, so
+    block ids and slots mean the same on every rank.
     """
     spec = model_config.cache_spec(config.dtype)
     if sizing is None:
-        max_len = model_config.max_position_embeddings
-        if config.max_tokens is not None:
-            max_len = min(max_len, config.max_tokens)
-        sizing = size_cache(
+        sizing = size_instance_cache(
             spec,
             block_size=config.block_size,
-            max_model_len=max_len,
+            model_len=model_config.max_position_embeddings,
             max_batch_size=config.max_batch_size,
             max_tokens=config.max_tokens,
             memory_bytes=config.kv_cache_memory_bytes,
             device=config.device,
-            # Pinned handoffs (context) and pulls in flight (generation) hold a
-            # slot outside the running batch: leave as many again for them.
-            num_mamba_slots=2 * config.max_batch_size,
+            gpu_share=gpu_share,
         )
     manager = create_manager(
         config.manager,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cache_build import build_cache
+from engine.cache_build import build_cache, gpu_share
 from engine.core import EngineCore, StopCheck
 from engine.decode_graphs import graph_batch_sizes
 from engine.image_encoder import ImageEncoder, VisionModel
@@ -67,7 +67,8 @@ class EngineInstance:
             tp=TensorParallelShard(0, num_ranks),
         )
         tokenizer = load_tokenizer(config.checkpoint)
-        manager, cache, sizing = build_cache(config, model_config)
+        share = gpu_share(config, model_config, model)
+        manager, cache, sizing = build_cache(config, model_config, gpu_share=share)
         ranks = RankGroup.start(config, worker_id, sizing) if num_ranks > 1 else None
         spec = model_config.cache_spec(config.dtype)
         runner = ModelRunner(

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from models.dtypes import DTYPE_NAMES
+
 MANAGERS = ("v1", "v2")
 TRANSCEIVERS = ("python", "nixl")
 TRANSFER_WIRES = ("tcp", "ucx", "auto")
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 class WorkerConfigError(ValueError):
@@ -36,6 +37,11 @@ class WorkerConfig:
         None, `kv_cache_memory_bytes` sizes the cache instead.
     kv_cache_memory_bytes: memory budget for KV blocks and Mamba slots; used
         only when `max_tokens` is None.
+    memory_fraction: with neither of the two above, on CUDA: the fraction of
+        this instance's share of its GPU (`gpu_share` times its memory) that
+        weights, one step's activations and the cache may take together,
+        measured by the worker once its weights are loaded.
+    gpu_share: the instance's `num_gpus` (0.5 when two share a GPU).
     max_num_tokens: per-step token budget (decode tokens + prefill chunks).
     max_batch_size: most sequences in one step; also the number of Mamba
         state slots a hybrid model gets.
@@ -63,6 +69,8 @@ class WorkerConfig:
     block_size: int = 16
     max_tokens: int | None = 8192
     kv_cache_memory_bytes: int | None = None
+    memory_fraction: float | None = None
+    gpu_share: float = 1.0
     max_num_tokens: int = 512
     max_batch_size: int = 64
     max_num_waiting: int = 1024
@@ -89,10 +97,16 @@ class WorkerConfig:
             raise WorkerConfigError(
                 f"transfer_wire must be one of {TRANSFER_WIRES}, got {self.transfer_wire!r}"
             )
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise WorkerConfigError(f"dtype must be one of {DTYPES} or None, got {self.dtype!r}")
-        if self.max_tokens is None and self.kv_cache_memory_bytes is None:
-            raise WorkerConfigError("set max_tokens or kv_cache_memory_bytes to size the KV cache")
+        if self.dtype is not None and self.dtype not in DTYPE_NAMES:
+            raise WorkerConfigError(
+                f"dtype must be one of {DTYPE_NAMES} or None, got {self.dtype!r}"
+            )
+        sized_by_gpu = self.memory_fraction is not None and self.device.startswith("cuda")
+        if self.max_tokens is None and self.kv_cache_memory_bytes is None and not sized_by_gpu:
+            raise WorkerConfigError(
+                "set max_tokens or kv_cache_memory_bytes to size the KV cache "
+                "(or memory_fraction on a CUDA device)"
+            )
         _require_positive("block_size", self.block_size)
         _require_positive("tensor_parallel_size", self.tensor_parallel_size)
         _require_positive("max_num_tokens", self.max_num_tokens)

@@ -1,9 +1,10 @@
 """How many KV blocks and Mamba slots a worker's cache gets.
 
 Either from a token capacity (`max_tokens`, rounded down to whole blocks) or
-from memory: a fraction of a stated byte budget (any device), or, when a CUDA
-device is given and no budget, a fraction of the device's free memory measured
-after the weights are loaded. Mamba slots (one per running request, default
+from memory: a fraction of a stated byte budget (any device), a fraction of
+the instance's share of its GPU (`GpuShare`, measured by the worker after its
+weights are loaded), or, when a CUDA device is given and nothing else, a
+fraction of the device's free memory. Mamba slots (one per running request, default
 `max_batch_size`) come out of the budget first; the rest becomes KV blocks.
 Sizing fails early, naming the numbers and the setting to change, when one
 max-length sequence would not fit.
@@ -19,6 +20,69 @@ from kvcache.spec import CacheSpec
 
 DEFAULT_GPU_MEMORY_FRACTION = 0.9
 _MIB = 1 << 20
+# A worker keeps as many Mamba slots again as batch slots: pinned handoffs
+# (context) and pulls in flight (generation) hold one outside the running batch.
+MAMBA_SLOTS_PER_BATCH_SLOT = 2
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What a worker sees of its GPU once its weights are loaded, in bytes."""
+
+    total: int  # the whole device
+    free: int  # free on the whole device now (other instances' use is gone)
+    weights: int  # what this instance holds already (its weights)
+
+
+@dataclass(frozen=True)
+class GpuShare:
+    """An instance's part of a GPU it may share with others.
+
+    share: its `num_gpus` (0.5 when two instances share one GPU).
+    fraction: `kv_cache.memory_fraction`, a fraction of the share.
+    activation_bytes: headroom for one step's activations (see
+        `step_activation_bytes`), kept out of the cache.
+    """
+
+    memory: DeviceMemory
+    share: float
+    fraction: float
+    activation_bytes: int
+
+    def budget(self) -> tuple[int, str]:
+        """(bytes for the KV cache, how they were reckoned).
+
+        `fraction` of the share is all this instance may hold: weights,
+        activations and cache together. So instances whose shares add up to
+        one GPU never ask for more than it has, whichever starts first; and
+        none takes more than is free when it starts.
+        """
+        memory = self.memory
+        share_bytes = int(memory.total * self.share * self.fraction)
+        by_share = share_bytes - memory.weights - self.activation_bytes
+        by_free = memory.free - self.activation_bytes
+        source = (
+            f"{self.fraction:g} x {self.share:g} of {memory.total / _MIB:.1f} MiB, less "
+            f"{memory.weights / _MIB:.1f} MiB of weights and {self.activation_bytes / _MIB:.1f} "
+            f"MiB of activations; {memory.free / _MIB:.1f} MiB free"
+        )
+        return min(by_share, by_free), source
+
+
+def step_activation_bytes(
+    *,
+    num_tokens: int,
+    num_sequences: int,
+    hidden_size: int,
+    intermediate_size: int,
+    vocab_size: int,
+    dtype_bytes: int,
+) -> int:
+    """A bound on one step's live activations at `num_tokens` tokens: a few
+    hidden-sized tensors and the MLP's gate and up projections per token, and
+    float32 logits for every sequence sampled."""
+    per_token = 4 * hidden_size + 2 * intermediate_size
+    return num_tokens * per_token * dtype_bytes + num_sequences * vocab_size * 4
 
 
 @dataclass(frozen=True)
@@ -51,6 +115,37 @@ def bytes_per_mamba_slot(spec: CacheSpec) -> int:
     return block_major_slot_layout(spec)[0] if spec.is_hybrid else 0
 
 
+def size_instance_cache(
+    spec: CacheSpec,
+    *,
+    block_size: int,
+    model_len: int,
+    max_batch_size: int,
+    max_tokens: int | None = None,
+    memory_bytes: int | None = None,
+    device: object | None = None,
+    gpu_share: GpuShare | None = None,
+) -> CacheSizing:
+    """The cache of one serving instance: the plan sizes it with this before any
+    worker starts (to print and check it), the worker again to build it.
+
+    No sequence is longer than the model allows or than `max_tokens`. A
+    `gpu_share` (known only inside the worker) sizes it when neither
+    `max_tokens` nor `memory_bytes` is given.
+    """
+    return size_cache(
+        spec,
+        block_size=block_size,
+        max_model_len=min(model_len, max_tokens) if max_tokens else model_len,
+        max_batch_size=max_batch_size,
+        max_tokens=max_tokens,
+        memory_bytes=memory_bytes,
+        device=device,
+        num_mamba_slots=MAMBA_SLOTS_PER_BATCH_SLOT * max_batch_size,
+        gpu_share=gpu_share,
+    )
+
+
 def size_cache(
     spec: CacheSpec,
     *,
@@ -62,12 +157,13 @@ def size_cache(
     memory_fraction: float | None = None,
     device: object | None = None,
     num_mamba_slots: int | None = None,
+    gpu_share: GpuShare | None = None,
 ) -> CacheSizing:
     """Blocks and slots for the cache; see the module docstring for the modes.
 
     `max_tokens` wins when set. Otherwise `memory_bytes` (times
-    `memory_fraction`, default 1.0) or, with a CUDA `device`, its free memory
-    times `memory_fraction` (default 0.9). Raises CacheSizingError when one
+    `memory_fraction`, default 1.0), or `gpu_share`'s budget, or, with a CUDA
+    `device`, its free memory times `memory_fraction` (default 0.9). Raises CacheSizingError when one
     sequence of `max_model_len` tokens plus the Mamba slots does not fit.
     """
     if memory_fraction is not None and not 0.0 < memory_fraction <= 1.0:
@@ -88,6 +184,9 @@ def size_cache(
         fraction = 1.0 if memory_fraction is None else memory_fraction
         source = f"{fraction:g} x kv_cache_memory_bytes ({memory_bytes / _MIB:.1f} MiB)"
         return _from_budget(sizing, int(memory_bytes * fraction), source, max_model_len, needed)
+    if gpu_share is not None:
+        budget, source = gpu_share.budget()
+        return _from_budget(sizing, budget, source, max_model_len, needed)
     if is_cuda:
         from kvcache.tensors import free_device_memory  # torch only on the GPU path
 

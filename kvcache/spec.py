@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from models.dtypes import DTYPE_BYTES
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,9 @@ import torch
 from kvcache.layout import CONV, SSM, Region, TensorPlacement
 from kvcache.manager import KVCacheManager
 from kvcache.pool_layout import CacheLayout
+from kvcache.sizing import DeviceMemory
 from kvcache.views import AttentionLayerCache, CacheViews, MambaLayerCache
-
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+from models.dtypes import torch_dtype
 
 
 @dataclass
@@ -78,7 +74,7 @@ class CacheTensors:
         return CacheViews(attention=attention, mamba=mamba)
 
     def _placed(self, placement: TensorPlacement, count: int) -> torch.Tensor:
-        dtype = TORCH_DTYPES[placement.dtype]
+        dtype = torch_dtype(placement.dtype)
         typed = self.raw[placement.buffer].view(dtype)
         itemsize = typed.element_size()
         if placement.offset % itemsize or placement.stride % itemsize:
@@ -107,6 +103,13 @@ def allocate_cache_tensors(
         for name, num_bytes in layout.buffers().items()
     }
     return CacheTensors(layout=layout, raw=raw)
+
+
+def device_memory(device: str | torch.device, weights: int) -> DeviceMemory:
+    """Total and free bytes of a CUDA device now, with the `weights` bytes an
+    instance has loaded there."""
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    return DeviceMemory(int(total), int(free), weights)
 
 
 def free_device_memory(device: str | torch.device) -> int:

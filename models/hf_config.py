@@ -35,6 +35,7 @@ from models.config import (
     RopeConfig,
     VisionConfig,
 )
+from models.dtypes import DTYPE_NAMES
 from models.errors import ConfigError, UnsupportedArchitectureError
 from models.registry import WRAPPER_ARCHITECTURES, is_supported, supported_architectures
 
@@ -55,7 +56,6 @@ _BLOCK_TYPES = {
     "mlp": MLP,
     "moe": MOE,
 }
-_TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def load_model_config(checkpoint_dir: Path) -> ModelConfig:
@@ -242,8 +242,8 @@ def _common_fields(f: _Fields) -> dict[str, Any]:
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in eos_ids):
         raise f.error(f"field 'eos_token_id' must be an int or a list of ints, got {eos!r}")
     dtype_name = f.first("dtype", "torch_dtype", default="float32")
-    if dtype_name not in _TORCH_DTYPES:
-        raise f.error(f"field 'torch_dtype' is {dtype_name!r}; use one of {sorted(_TORCH_DTYPES)}")
+    if dtype_name not in DTYPE_NAMES:
+        raise f.error(f"field 'torch_dtype' is {dtype_name!r}; use one of {sorted(DTYPE_NAMES)}")
     bos = f.first("bos_token_id")
     return {
         "vocab_size": f.integer("vocab_size"),
@@ -251,7 +251,7 @@ def _common_fields(f: _Fields) -> dict[str, Any]:
         "tie_word_embeddings": f.flag("tie_word_embeddings", default=False),
         "eos_token_ids": eos_ids,
         "bos_token_id": bos if isinstance(bos, int) else None,
-        "dtype": _TORCH_DTYPES[dtype_name],
+        "dtype": dtype_name,
         **_attention_shape(f),
     }
 

@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from models.base import CausalLM
 from models.config import ModelConfig, TensorParallelShard
+from models.dtypes import DTYPE_NAMES, torch_dtype
 from models.errors import CheckpointError, ConfigError
 from models.hf_config import load_model_config
 from models.registry import check_tensor_parallel, model_class_for
@@ -28,7 +29,6 @@ from models.tensor_parallel import Cut, weight_cut
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_model(
@@ -56,9 +56,9 @@ def load_model(
     model_cls = model_class_for(config.architecture)
     # Build directly in the target dtype and device: no fp32 copy of the
     # weights ever exists, so peak memory is one model.
-    with torch.device(device), _default_dtype(TORCH_DTYPES[config.dtype]):
+    with torch.device(device), _default_dtype(torch_dtype(config.dtype)):
         model: CausalLM = model_cls(config)
-    model.to(dtype=TORCH_DTYPES[config.dtype])
+    model.to(dtype=torch_dtype(config.dtype))
     model.load_weights(
         iter_checkpoint_tensors(checkpoint_dir, lambda name: weight_cut(name, full, tp))
     )
@@ -79,8 +79,8 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def dtype_name(dtype: str | torch.dtype) -> str:
     """`"bfloat16"` for `torch.bfloat16` or `"bfloat16"`; `ConfigError` if unsupported."""
     name = str(dtype).removeprefix("torch.")
-    if name not in TORCH_DTYPES:
-        raise ConfigError(f"dtype {dtype!r} is not supported; use one of {sorted(TORCH_DTYPES)}")
+    if name not in DTYPE_NAMES:
+        raise ConfigError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPE_NAMES)}")
     return name
 
 

@@ -25,16 +25,16 @@ from kvcache.spec import CacheSpec
 from kvcache.views import AttentionLayerCache, CacheViews, MambaLayerCache
 from models.base import CausalLM
 from models.batch import ForwardBatch
+from models.dtypes import torch_dtype
 
 NULL_BLOCK = 0
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_cache_views(
     spec: CacheSpec, num_blocks: int, block_size: int, num_slots: int, block_major: bool = False
 ) -> CacheViews:
     """Zeroed caches for `spec`; attention views are strided slices of one pool."""
-    dtype = _TORCH_DTYPES[spec.dtype]
+    dtype = torch_dtype(spec.dtype)
     kv_shape = (block_size, spec.num_kv_heads, spec.head_dim)
     attention: list[AttentionLayerCache] = []
     if block_major:  # V2: [num_blocks, layers, 2, block_size, kv_heads, head_dim]

@@ -9,6 +9,7 @@ blocks when the pull fails).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 
 import torch
@@ -91,3 +92,36 @@ class Endpoint:
             self.manager.free(rid)
             raise
         self.manager.finish_transfer(rid)
+
+
+async def check_skewed_wall_clocks(
+    src: Endpoint, dst: Endpoint, skew_clock: Callable[[float], None]
+) -> None:
+    """Leases hold whatever the wall clocks read: `skew_clock(seconds)` moves
+    `time.time()` after the holder published, as a puller on a node whose clock
+    differs by that much would see it.
+
+    A clock an hour behind must not make a puller read an expired request's
+    blocks, which the holder has meanwhile handed to another request; a clock
+    an hour ahead must not make it refuse a live one.
+    """
+    from transfer.errors import UnknownRequest
+
+    src.fill("expired", BLOCK_SIZE)
+    late = src.publish("expired", lease_s=0.05)
+    while "expired" not in src.released:
+        await asyncio.sleep(0.01)
+    reused = src.fill("reuser", BLOCK_SIZE)  # the freed blocks, new bytes
+    skew_clock(-3600.0)
+    try:
+        await dst.pull(late, BLOCK_SIZE)
+    except UnknownRequest:
+        pass
+    else:
+        raise AssertionError("a pull behind the holder's clock read a freed request")
+    seen = b"".join(t.numpy().tobytes() for t in dst.tensors.buffers().values())
+    assert not any(chunk in seen for chunk in reused.values() if any(chunk))
+    skew_clock(+3600.0)
+    sent = src.fill("live", BLOCK_SIZE)
+    await dst.pull(src.publish("live", lease_s=30.0), BLOCK_SIZE)
+    assert dst.segments("live") == sent

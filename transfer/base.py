@@ -77,7 +77,10 @@ class TransferHandle:
     agent_name / agent_metadata: the holder's NIXL agent and its metadata blob.
     buffers: the holder's registered buffers (NIXL builds remote descriptors
         from them once per peer).
-    lease_expiry: unix time after which the holder frees the cache unpulled.
+
+    The handle carries no lease expiry: clocks of two nodes need not agree,
+    so only the holder decides, on its own monotonic clock, when a lease has
+    run out, and a puller learns it from the holder.
     """
 
     request_id: str
@@ -85,7 +88,6 @@ class TransferHandle:
     kind: str
     regions: RequestRegions
     signature: dict[str, Any]
-    lease_expiry: float
     endpoint: tuple[str, int] | None = None
     agent_name: str | None = None
     agent_metadata: bytes | None = None
@@ -107,7 +109,6 @@ class TransferHandle:
             "kind": self.kind,
             "regions": regions_to_dict(self.regions),
             "signature": self.signature,
-            "lease_expiry": self.lease_expiry,
             "endpoint": list(self.endpoint) if self.endpoint else None,
             "agent_name": self.agent_name,
             "agent_metadata": self.agent_metadata,
@@ -124,7 +125,6 @@ class TransferHandle:
             kind=data["kind"],
             regions=regions_from_dict(data["regions"]),
             signature=data["signature"],
-            lease_expiry=data["lease_expiry"],
             endpoint=(endpoint[0], endpoint[1]) if endpoint else None,
             agent_name=data["agent_name"],
             agent_metadata=data["agent_metadata"],

@@ -6,14 +6,16 @@ worker's `on_release(request_id)` once (so blocks and slots are freed once);
 later releases are no-ops. While bytes of a request are being streamed out,
 expiry is deferred to the end of the stream so freed blocks are never sent.
 
-Expiry runs on event-loop timers; the table itself is plain Python.
+Expiry runs on event-loop timers, that is on this process's monotonic clock:
+the holder alone decides when a lease has run out (no wall-clock stamp
+crosses to another node, whose clock may differ). The table itself is plain
+Python.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +29,6 @@ class Lease:
 
     request_id: str
     transfer_id: str
-    expires_at: float  # unix time
     on_release: Callable[[str], None]
     payload: Any = None
     streams: int = 0  # transfers currently reading this request's bytes
@@ -61,7 +62,7 @@ class LeaseTable:
             raise ValueError(f"request {request_id!r} is already published; release it first")
         if lease_s <= 0:
             raise ValueError(f"cache_transceiver.lease_s must be positive, got {lease_s}")
-        lease = Lease(request_id, transfer_id, time.time() + lease_s, on_release, payload)
+        lease = Lease(request_id, transfer_id, on_release, payload)
         lease.timer = asyncio.get_running_loop().call_later(lease_s, self._expire, request_id)
         self._leases[request_id] = lease
         return lease

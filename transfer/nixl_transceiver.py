@@ -6,6 +6,9 @@
         metadata, buffer addresses,                load holder metadata (once per peer)
         descriptors}        --- Ray --->           READ descriptor indices from tables
                                                    prepared once per (peer, buffer)
+    lease live? pin it    <--- notif ---           "claim <rid> <tid> <metadata>"
+    for a window W        --- notif --->           "grant <rid> <tid> <W>" (or "expired")
+                                                   READ, within W of sending the claim
     poll notifications   <--- notif ---            "release <rid> <tid>" when all READs done
     -> on_release(rid)
 
@@ -20,10 +23,14 @@ the loop; the agent, its prepared tables and the peer maps stay on the thread.
 A pull that fails, times out or is aborted raises only once its READs are
 over or released, since its caller frees the destination blocks right after.
 
-READs are one-sided, so the holder cannot see them: a pull must start and
-finish inside the lease (the puller checks the handle's expiry before and
-after its READs), and a holder that aborts a request while a READ is in
-flight cannot stop it; keep `cache_transceiver.lease_s` above `timeout_s`.
+READs are one-sided, so the holder cannot see them. Before reading, the
+puller claims the request; the holder, whose monotonic clock alone decides
+whether the lease is still live, answers "expired" or pins the blocks for a
+window W past the lease. The puller counts W on its own monotonic clock from
+*before* it sent the claim, so its window closes before the holder's does
+whatever the two clocks read (only their rates must agree); READs not done
+by then are released and the pull fails with `UnknownRequest`. A holder that
+aborts a request while a READ is in flight still cannot stop it.
 """
 
 from __future__ import annotations
@@ -56,7 +63,12 @@ __all__ = ["DEFAULT_PROGRESS_DELAY_US", "NixlTransceiver", "create_agent", "nixl
 logger = logging.getLogger(__name__)
 
 _RELEASE = b"release"
+_CLAIM = b"claim"
+_GRANT = b"grant"
+_EXPIRED = b"expired"
 _LOCAL_AGENT = "NIXL_INIT_AGENT"
+# Notification polls of an agent with nothing pinned or claimed.
+_IDLE_POLL_INTERVAL_S = 0.05
 # Completion polls of a READ still in flight (RDMA, GPU) sleep a small fraction
 # of its age, so a short READ is seen done within microseconds and a long one
 # costs at most one poll per `_MAX_POLL_GAP_S`.
@@ -72,8 +84,9 @@ class NixlTransceiver(Transceiver):
     buffers: name -> flat uint8 tensor (`CacheTensors.buffers()`), registered
         once as DRAM or VRAM.
     name: the agent name, unique in the cluster (a random one by default).
-    poll_interval_s: how often the holder polls release notifications while
-        it has pinned requests (it does not poll when idle).
+    poll_interval_s: how often notifications are polled while requests are
+        pinned here or claims are pending (every 50 ms otherwise).
+    claim_window_s: how long a granted claim pins a request for its READs.
     """
 
     kind = "nixl"
@@ -84,12 +97,16 @@ class NixlTransceiver(Transceiver):
         name: str | None = None,
         progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
         poll_interval_s: float = 0.005,
+        claim_window_s: float = 30.0,
     ) -> None:
         super().__init__()
         self._tensors = dict(buffers)
         self.name = name or f"disagg-{uuid.uuid4().hex[:12]}"
         self._progress_delay_us = progress_delay_us
         self._poll_interval_s = poll_interval_s
+        self._claim_window_s = claim_window_s
+        # Puller: claims sent and not yet answered, by (request id, transfer id).
+        self._claims: dict[tuple[str, str], asyncio.Future[float | None]] = {}
         self._thread = AgentThread(f"nixl-{self.name}")
         # Owned by the agent thread from start() to close():
         self._agent: Any = None
@@ -97,6 +114,7 @@ class NixlTransceiver(Transceiver):
         self._local: PreparedTables | None = None
         self._remote: dict[str, PreparedTables] = {}
         self._remote_metadata: dict[str, bytes] = {}
+        self._claimants: dict[str, bytes] = {}  # pullers loaded to answer their claims
         self._metadata = b""
         self._buffers = {n: _buffer_info(t) for n, t in self._tensors.items()}
         self._sizes = {n: b.num_bytes for n, b in self._buffers.items()}
@@ -129,16 +147,14 @@ class NixlTransceiver(Transceiver):
             raise RuntimeError("NixlTransceiver.start() has not run")
         check_bounds(request_id, regions.descriptors, self._sizes)
         tid = self.new_transfer_id()
-        lease = self._leases.add(request_id, tid, lease_s, on_release)
-        if self._poller is None or self._poller.done():
-            self._poller = asyncio.create_task(self._poll_releases())
+        self._leases.add(request_id, tid, lease_s, on_release)
+        self._ensure_poller()
         return TransferHandle(
             request_id=request_id,
             transfer_id=tid,
             kind=self.kind,
             regions=regions,
             signature=signature.to_dict(),
-            lease_expiry=lease.expires_at,
             agent_name=self.name,
             agent_metadata=self._metadata,
             buffers=dict(self._buffers),
@@ -146,21 +162,51 @@ class NixlTransceiver(Transceiver):
 
     # ----------------------------------------------------------------- holder
 
-    async def _poll_releases(self) -> None:
-        """Apply release notifications; runs only while something is pinned."""
-        while len(self._leases):
-            notifications = await self._thread.run(self._agent.get_new_notifs)
-            for messages in notifications.values():
-                for message in messages:
-                    self._apply_notification(message)
-            await asyncio.sleep(self._poll_interval_s)
+    def _ensure_poller(self) -> None:
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.create_task(self._poll_notifications())
 
-    def _apply_notification(self, message: bytes) -> None:
-        parts = message.split(b" ")
-        if len(parts) == 3 and parts[0] == _RELEASE:
-            self._leases.release(parts[1].decode(), parts[2].decode())
+    async def _poll_notifications(self) -> None:
+        """Apply notifications from the first publish or claim until `close`.
+
+        Slowly while nothing is pinned or claimed: a late claim of an expired
+        lease must still get its answer.
+        """
+        while True:
+            notifications = await self._thread.run(self._agent.get_new_notifs)
+            for sender, messages in notifications.items():
+                for message in messages:
+                    self._apply_notification(sender, message)
+            busy = len(self._leases) or self._claims
+            await asyncio.sleep(self._poll_interval_s if busy else _IDLE_POLL_INTERVAL_S)
+
+    def _apply_notification(self, sender: str, message: bytes) -> None:
+        kind, _, rest = message.partition(b" ")
+        parts = rest.split(b" ", 2)
+        if kind == _RELEASE and len(parts) == 2:
+            self._leases.release(parts[0].decode(), parts[1].decode())
+        elif kind == _CLAIM and len(parts) == 3:
+            self._answer_claim(sender, parts[0].decode(), parts[1].decode(), parts[2])
+        elif kind in (_GRANT, _EXPIRED) and len(parts) >= 2:
+            claim = self._claims.get((parts[0].decode(), parts[1].decode()))
+            if claim is not None and not claim.done():
+                claim.set_result(float(parts[2]) if kind == _GRANT else None)
         else:
             logger.warning("ignoring unexpected NIXL notification %r", message[:64])
+
+    def _answer_claim(self, puller: str, rid: str, tid: str, metadata: bytes) -> None:
+        """Grant a live lease's blocks to a puller for the claim window, or say it expired."""
+        lease = self._leases.get(rid, tid)
+        ids = [rid.encode(), tid.encode()]
+        if lease is None:
+            answer = b" ".join([_EXPIRED, *ids])
+        else:
+            # An expiry meanwhile is deferred until the window ends (or the release).
+            self._leases.begin_stream(lease)
+            loop = asyncio.get_running_loop()
+            loop.call_later(self._claim_window_s, self._leases.end_stream, lease)
+            answer = b" ".join([_GRANT, *ids, repr(self._claim_window_s).encode()])
+        self._thread.submit(self._send_answer, puller, metadata, answer)
 
     # ----------------------------------------------------------------- puller
 
@@ -168,14 +214,15 @@ class NixlTransceiver(Transceiver):
         self, handle: TransferHandle, dest_regions: RequestRegions, dest: LayoutSignature
     ) -> None:
         self._check_request(handle, dest_regions, dest)
-        # READs are one-sided: the holder cannot defer its lease while bytes
-        # move, so a READ must start and end inside the lease.
-        self._check_lease(handle)
+        # Counted from before the claim leaves, so it ends before the holder's window.
+        claimed_at = time.monotonic()
+        window = await self._claim(handle)
+        deadline = claimed_at + window
         groups = group_pairs(handle.regions.descriptors, dest_regions.descriptors)
         xfers: list[Any] = []  # filled on the agent thread, released there too
         try:
             states = await self._thread.run(self._post_reads, handle, groups, xfers)
-            await self._wait(handle, xfers, states)
+            await self._wait(handle, xfers, states, deadline)
         except BaseException as exc:
             # Bytes may land in the destination blocks until the post returns
             # (a CPU READ copies inside it) and its READs are released (which
@@ -188,7 +235,7 @@ class NixlTransceiver(Transceiver):
             if translated is exc:
                 raise
             raise translated from exc
-        if time.time() >= handle.lease_expiry:  # the holder may have freed them mid-READ
+        if time.monotonic() >= deadline:  # the holder may have freed them mid-READ
             self._thread.submit(_release, xfers)
             raise UnknownRequest(handle.request_id, handle.peer)
         # The holder learns in the background; the caller has its bytes now.
@@ -230,11 +277,34 @@ class NixlTransceiver(Transceiver):
             states.append(state)
         return states
 
-    async def _wait(self, handle: TransferHandle, xfers: list[Any], states: list[str]) -> None:
-        """Poll until every READ is done (on CPU loopback they finish inside the post)."""
+    async def _claim(self, handle: TransferHandle) -> float:
+        """Ask the holder to pin the request for our READs; the window it grants.
+
+        Raises `UnknownRequest` when the holder answers that the lease is over.
+        """
+        key = (handle.request_id, handle.transfer_id)
+        answer: asyncio.Future[float | None] = asyncio.get_running_loop().create_future()
+        self._claims[key] = answer
+        try:
+            self._ensure_poller()
+            await self._thread.run(self._send_claim, handle)
+            window = await answer
+        finally:
+            del self._claims[key]
+        if window is None:
+            raise UnknownRequest(handle.request_id, handle.peer)
+        return window
+
+    async def _wait(
+        self, handle: TransferHandle, xfers: list[Any], states: list[str], deadline: float
+    ) -> None:
+        """Poll until every READ is done (on CPU loopback they finish inside the post);
+        past `deadline` the holder may free the blocks, so stop with `UnknownRequest`."""
         start = time.monotonic()
         pending = [x for x, s in zip(xfers, states, strict=True) if s != "DONE"]
         while pending:
+            if time.monotonic() >= deadline:
+                raise UnknownRequest(handle.request_id, handle.peer)
             await asyncio.sleep(min(_MAX_POLL_GAP_S, (time.monotonic() - start) * _POLL_FRACTION))
             states = await self._thread.run(self._states, pending)
             if "ERR" in states:
@@ -243,12 +313,6 @@ class NixlTransceiver(Transceiver):
 
     def _states(self, xfers: list[Any]) -> list[str]:
         return [self._agent.check_xfer_state(x) for x in xfers]
-
-    @staticmethod
-    def _check_lease(handle: TransferHandle) -> None:
-        """Raise `UnknownRequest` once the holder may have freed the blocks."""
-        if time.time() >= handle.lease_expiry:
-            raise UnknownRequest(handle.request_id, handle.peer)
 
     def _translate(self, handle: TransferHandle, exc: Exception) -> Exception:
         """NIXL binding errors as transfer errors; a lost peer is forgotten."""
@@ -282,6 +346,10 @@ class NixlTransceiver(Transceiver):
                 tables.release()
         for peer in list(self._remote):
             self._forget(peer)
+        for puller in self._claimants:
+            with contextlib.suppress(Exception):
+                self._agent.remove_remote_agent(puller)
+        self._claimants.clear()
         for reg in self._registered:
             self._agent.deregister_memory(reg)
         self._registered.clear()
@@ -326,6 +394,25 @@ class NixlTransceiver(Transceiver):
         _release(xfers)
         message = b" ".join([_RELEASE, handle.request_id.encode(), handle.transfer_id.encode()])
         self._agent.send_notif(handle.agent_name, message)
+
+    def _send_claim(self, handle: TransferHandle) -> None:
+        """Claim a request; our metadata lets the holder answer."""
+        self._remote_tables(handle)  # loads the holder, whom notifications need
+        ids = [handle.request_id.encode(), handle.transfer_id.encode()]
+        self._agent.send_notif(handle.agent_name, b" ".join([_CLAIM, *ids, self._metadata]))
+
+    def _send_answer(self, puller: str, metadata: bytes, answer: bytes) -> None:
+        """Answer a claim, loading the puller first (again, if it restarted)."""
+        try:
+            if puller not in self._remote and self._claimants.get(puller) != metadata:
+                if puller in self._claimants:
+                    self._agent.remove_remote_agent(puller)
+                self._agent.add_remote_agent(metadata)
+                self._claimants[puller] = metadata
+            self._agent.send_notif(puller, answer)
+        except Exception as exc:  # the puller died; its pull ends by timeout
+            self._claimants.pop(puller, None)
+            logger.warning("cannot answer the claim of %s: %s", puller, exc)
 
     def _send_abort(self, peer: str, message: bytes) -> None:
         """Best effort, to a peer this agent has loaded; others never got our READs."""

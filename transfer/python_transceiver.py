@@ -155,16 +155,13 @@ class PythonTransceiver(Transceiver):
     ) -> TransferHandle:
         check_bounds(request_id, segment_regions(regions), self._sizes)
         tid = self.new_transfer_id()
-        lease = self._leases.add(
-            request_id, tid, lease_s, on_release, Coverage(segment_regions(regions))
-        )
+        self._leases.add(request_id, tid, lease_s, on_release, Coverage(segment_regions(regions)))
         return TransferHandle(
             request_id=request_id,
             transfer_id=tid,
             kind=self.kind,
             regions=regions,
             signature=signature.to_dict(),
-            lease_expiry=lease.expires_at,
             endpoint=self.endpoint,
             wire=self.wire,
         )

@@ -104,3 +104,26 @@ async def test_1p1d_one_gpu_per_worker(checkpoint: Path, backend: str) -> None:
 @pytest.mark.parametrize("backend", ["nixl", "python"])
 async def test_1p1d_sharing_one_gpu(checkpoint: Path, backend: str) -> None:
     await _disaggregated_equals_aggregated(checkpoint, backend, 0.5)
+
+
+@pytest.mark.gpu(1)
+async def test_two_half_gpu_instances_sized_by_memory_fraction_fit_together(
+    checkpoint: Path,
+) -> None:
+    """Each worker sizes its cache from its half of the GPU after loading its
+    weights: both start, serve, and together stay within the fraction (plus
+    the CUDA contexts) whichever measured first."""
+    import torch
+
+    config = _config(checkpoint, "python", 0.5)
+    config["kv_cache"] = {"manager": "v1", "block_size": 16, "memory_fraction": 0.4}
+    plan = resolve_plan(config_from_dict(config))
+    assert {i.num_blocks for i in plan.instances} == {None}
+    cluster = await launch(plan, 300)
+    try:
+        outputs = await _outputs(_router(cluster, 0), "by-memory")
+        assert [len(o) for o in outputs] == [NEW_TOKENS] * len(PROMPTS)
+        free, total = torch.cuda.mem_get_info()
+        assert total - free <= 0.45 * total, (free, total)
+    finally:
+        await cluster.shutdown()

@@ -14,13 +14,11 @@ import asyncio
 import contextlib
 import json
 import os
-import queue
 import re
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,6 +29,8 @@ import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.serve_process import start_serve, stop_group
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "tests" / "configs" / "trtllm" / "2p2d-python-reuse.yaml"
@@ -55,50 +55,11 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path) -> Iterator[Server]:
-    command = [sys.executable, "-m", "cluster.cli", "serve", "-c", str(CONFIG)]
-    command += ["--model", str(checkpoint), "--host", "127.0.0.1", "--port", "0"]
-    process = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    output: list[str] = []
-
-    def drain() -> None:  # keep the pipe empty so the server never blocks on it
-        assert process.stdout is not None
-        for line in process.stdout:
-            output.append(line)
-            lines.put(line)
-
-    threading.Thread(target=drain, daemon=True).start()
-    url = _wait_for_url(process, lines, output)
+    running = start_serve(CONFIG, checkpoint)
     try:
-        yield Server(process, url, checkpoint.name, output)
+        yield Server(running.process, running.url, checkpoint.name, running.output)
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def _wait_for_url(
-    process: subprocess.Popen[str], lines: queue.Queue[str], output: list[str]
-) -> str:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=1)
-        except queue.Empty:
-            if process.poll() is not None:
-                break
-            continue
-        match = re.match(r"serving \S+ at (http://\S+)", line)
-        if match:
-            return match.group(1)
-    process.kill()
-    raise AssertionError("disagg serve did not start:\n" + "".join(output[-40:]))
+        stop_group(running.process)
 
 
 @pytest.fixture(scope="module")

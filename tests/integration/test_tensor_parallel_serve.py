@@ -11,11 +11,7 @@ each rank holds half the Mamba heads and one of the two B/C groups).
 from __future__ import annotations
 
 import os
-import queue
 import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +22,8 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.integration.test_serve_openai import Server, _greedy, _wait_for_url
+from tests.integration.test_serve_openai import Server, _greedy
+from tests.serve_process import start_serve, stop_group
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 12
@@ -53,32 +50,11 @@ def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     }
     path = tmp_path_factory.mktemp("config") / "tp2.yaml"
     path.write_text(yaml.safe_dump(config))
-    command = [sys.executable, "-m", "cluster.cli", "serve", "-c", str(path)]
-    command += ["--host", "127.0.0.1", "--port", "0"]
-    process = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    output: list[str] = []
-
-    def drain() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            output.append(line)
-            lines.put(line)
-
-    threading.Thread(target=drain, daemon=True).start()
-    url = _wait_for_url(process, lines, output)
+    running = start_serve(path, checkpoint)
     try:
-        yield Server(process, url, checkpoint.name, output)
+        yield Server(running.process, running.url, checkpoint.name, running.output)
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_group(running.process)
 
 
 def test_the_plan_shows_two_ranks_on_the_generation_instance(server: Server) -> None:

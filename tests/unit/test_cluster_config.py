@@ -256,3 +256,13 @@ def test_serve_refuses_a_conflicting_config_before_starting_ray(
     err = capsys.readouterr().err
     assert err.startswith(f"error: {path}: kv_cache.manager is 'v1' on context_servers")
     assert ray.is_initialized() == ray_was_up
+
+
+def test_section_resources_place_roles_and_refuse_what_ray_sizes_itself() -> None:
+    config = config_from_dict({"model": "m", "context_servers": {"resources": {"prefill": 1}}})
+    assert config.role_settings("context_servers").resources == {"prefill": 1}
+    assert config.role_settings("generation_servers").resources == {}
+    with pytest.raises(ConfigError, match="'GPU', which Ray sizes itself; set num_gpus"):
+        config_from_dict({"model": "m", "generation_servers": {"resources": {"GPU": 1}}})
+    with pytest.raises(ConfigError, match="resources.decode is 0"):
+        config_from_dict({"model": "m", "generation_servers": {"resources": {"decode": 0}}})

@@ -101,3 +101,38 @@ def test_disagg_config_resolves_a_plan(
         assert plan.is_hybrid and {i.manager for i in plan.instances} == {"v2"}
     ranks = raw["generation_servers"].get("tensor_parallel_size", 1)
     assert {i.tensor_parallel_size for i in plan.of_role("generation")} == {ranks}
+
+
+def test_serve_address_flag_joins_a_cluster_with_a_local_config() -> None:
+    import argparse
+
+    from cluster.serve import add_arguments, build_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    local = DEPLOY / "configs" / "2p2d.yaml"
+    assert build_config(parser.parse_args(["-c", str(local)])).address is None
+    args = parser.parse_args(["-c", str(local), "--address", "auto"])
+    assert build_config(args).address == "auto"
+
+
+def test_every_ray_exec_command_serves_a_config_that_joins_the_cluster() -> None:
+    """A config without `address` starts a Ray of its own; on a `ray up` head
+    that would leave the GPU nodes idle."""
+    import re
+
+    readme = DEPLOY.parent / "README.md"
+    readmes = [readme, DEPLOY / "README.md"]
+    texts = [path.read_text() for path in [*readmes, *CLUSTER_YAMLS]]
+    commands = [
+        " ".join(line.split())
+        for text in texts
+        # the quoted command of a `ray exec` (runs on the head)
+        for line in re.findall(r"disagg serve -c (deploy/configs/\S+?\.yaml[^'\n]*)'", text)
+    ]
+    assert len(commands) >= 3, commands
+    for command in commands:
+        config_path, *flags = command.split()
+        address = load_config(DEPLOY.parent / config_path).address
+        joins = address == "auto" or "--address auto" in " ".join(flags)
+        assert joins, f"`disagg serve -c {command}` would start its own Ray on the head"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvcache.spec import CacheSpec
-from tests.transfer_harness import BLOCK_SIZE, Endpoint
+from tests.transfer_harness import BLOCK_SIZE, Endpoint, check_skewed_wall_clocks
 from transfer.base import TransferHandle
 from transfer.errors import LayoutMismatch, TransferAborted, UnknownRequest
 from transfer.nixl_transceiver import NixlTransceiver, nixl_available
@@ -273,3 +273,14 @@ def record_agent_threads(xcvr: NixlTransceiver) -> set[int]:
 
         setattr(agent, name, recorded)
     return seen
+
+
+async def test_leases_hold_whatever_the_wall_clocks_read(
+    workers: dict[str, Endpoint],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    src, dst = workers["v2"], workers["v2b"]
+    real = time.time
+    await check_skewed_wall_clocks(
+        src, dst, lambda skew: monkeypatch.setattr(time, "time", lambda: real() + skew)
+    )

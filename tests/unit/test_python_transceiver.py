@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 import tracemalloc
 from collections.abc import AsyncIterator
 
@@ -12,7 +13,7 @@ import pytest
 from kvcache.factory import create_manager
 from kvcache.spec import CacheSpec
 from kvcache.tensors import allocate_cache_tensors
-from tests.transfer_harness import BLOCK_SIZE, HYBRID, Endpoint
+from tests.transfer_harness import BLOCK_SIZE, HYBRID, Endpoint, check_skewed_wall_clocks
 from transfer.base import TransferHandle
 from transfer.errors import (
     LayoutMismatch,
@@ -259,3 +260,14 @@ def test_factory_refuses_an_unresolved_backend() -> None:
     assert isinstance(create_transceiver("python", buffers, secret=SECRET), PythonTransceiver)
     with pytest.raises(ValueError, match="cache_transceiver.backend"):
         create_transceiver("auto", buffers, secret=SECRET)
+
+
+async def test_leases_hold_whatever_the_wall_clocks_read(
+    pair: tuple[Endpoint, Endpoint],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    src, dst = pair
+    real = time.time
+    await check_skewed_wall_clocks(
+        src, dst, lambda skew: monkeypatch.setattr(time, "time", lambda: real() + skew)
+    )
