@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine.worker_config import WorkerConfig
+from kvcache.dtypes import DTYPE_BYTES
 from kvcache.factory import create_manager
 from kvcache.hashing import cache_namespace
 from kvcache.manager import KVCacheManager
@@ -10,7 +11,6 @@ from kvcache.sizing import CacheSizing, GpuShare, size_instance_cache, step_acti
 from kvcache.tensors import CacheTensors, allocate_cache_tensors
 from models.base import CausalLM
 from models.config import ModelConfig
-from models.dtypes import DTYPE_BYTES
 
 
 def gpu_share(config: WorkerConfig, model_config: ModelConfig, model: CausalLM) -> GpuShare | None:

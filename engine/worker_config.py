@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.dtypes import DTYPE_NAMES
+from kvcache.dtypes import DTYPE_NAMES
 
 MANAGERS = ("v1", "v2")
 TRANSCEIVERS = ("python", "nixl")

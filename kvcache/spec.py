@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from models.dtypes import DTYPE_BYTES
+from kvcache.dtypes import DTYPE_BYTES
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcache.dtypes import torch_dtype
 from kvcache.layout import CONV, SSM, Region, TensorPlacement
 from kvcache.manager import KVCacheManager
 from kvcache.pool_layout import CacheLayout
 from kvcache.sizing import DeviceMemory
 from kvcache.views import AttentionLayerCache, CacheViews, MambaLayerCache
-from models.dtypes import torch_dtype
 
 
 @dataclass

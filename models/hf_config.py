@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kvcache.dtypes import DTYPE_NAMES
 from models.config import (
     ATTENTION,
     DECODER,
@@ -35,7 +36,6 @@ from models.config import (
     RopeConfig,
     VisionConfig,
 )
-from models.dtypes import DTYPE_NAMES
 from models.errors import ConfigError, UnsupportedArchitectureError
 from models.registry import WRAPPER_ARCHITECTURES, is_supported, supported_architectures
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kvcache.dtypes import DTYPE_NAMES, torch_dtype
 from models.base import CausalLM
 from models.config import ModelConfig, TensorParallelShard
-from models.dtypes import DTYPE_NAMES, torch_dtype
 from models.errors import CheckpointError, ConfigError
 from models.hf_config import load_model_config
 from models.registry import check_tensor_parallel, model_class_for

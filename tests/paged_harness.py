@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcache.dtypes import torch_dtype
 from kvcache.spec import CacheSpec
 from kvcache.views import AttentionLayerCache, CacheViews, MambaLayerCache
 from models.base import CausalLM
 from models.batch import ForwardBatch
-from models.dtypes import torch_dtype
 
 NULL_BLOCK = 0
 
