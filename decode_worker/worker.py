@@ -42,7 +42,6 @@ from engine.messages import (
 from engine.request import Request
 from engine.threads import configure_torch_threads, run_on_compute_thread
 from engine.worker_config import WorkerConfig
-from transfer.factory import create_transceiver
 
 logger = logging.getLogger(__name__)
 
@@ -60,18 +59,7 @@ class GenerationWorker:
         self.config = config
         self.role = role
         self.engine = run_on_compute_thread(lambda: EngineInstance.build(config, role, worker_id))
-        self.transceiver: Any = (
-            create_transceiver(
-                config.transceiver,
-                self.engine.cache.buffers(),
-                secret=config.cluster_secret.encode(),
-                name=worker_id,
-                host=config.transfer_host,
-                wire=config.transfer_wire,
-            )
-            if role == "generation"
-            else None
-        )
+        self.transceiver: Any = self.engine.create_transceiver() if role == "generation" else None
         self._pulls: dict[str, asyncio.Task[None]] = {}
         self._admitting: set[asyncio.Task[None]] = set()  # pull, then join the batch
         self._active: set[str] = set()  # ids between submit() and their final event

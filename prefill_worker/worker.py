@@ -34,7 +34,6 @@ from engine.messages import (
 from engine.request import Request
 from engine.threads import configure_torch_threads, run_on_compute_thread
 from engine.worker_config import WorkerConfig
-from transfer.factory import create_transceiver
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +45,7 @@ class ContextWorker:
         self.engine = run_on_compute_thread(
             lambda: EngineInstance.build(config, "context", worker_id)
         )
-        self.transceiver: Any = create_transceiver(
-            config.transceiver,
-            self.engine.cache.buffers(),
-            secret=config.cluster_secret.encode(),
-            name=worker_id,
-            host=config.transfer_host,
-            wire=config.transfer_wire,
-        )
+        self.transceiver: Any = self.engine.create_transceiver()
         self._handles: dict[str, Any] = {}
         self._publish_errors: dict[str, str] = {}
         self._active: set[str] = set()  # ids between prefill() start and end
