@@ -59,12 +59,15 @@ class CacheTransceiverConfig(_Strict):
     """How caches move. `wire` is the Python backend's transport: "tcp"
     (default), "ucx" (needs the `ucx` extra on every node), or "auto" (UCX
     where `ucxx` imports on the worker's node, else TCP). A puller dials the
-    wire the holder's handle names, so the two roles need not agree."""
+    wire the holder's handle names, so the two roles need not agree.
+    `pipelined_transfer`: a prompt longer than a context prefill chunk is
+    pulled chunk by chunk while it prefills (off: in one pull after it)."""
 
     backend: Literal["auto", "nixl", "python"] = "auto"
     wire: Literal["tcp", "ucx", "auto"] = "tcp"
     timeout_s: float = Field(default=30.0, gt=0)
     lease_s: float = Field(default=60.0, gt=0)
+    pipelined_transfer: bool = True
 
     @field_validator("wire")
     @classmethod

@@ -11,6 +11,11 @@ Conditional disaggregation: when the part of the prompt no generation worker
 already caches is at most `max_local_prefill_length` tokens, the context hop
 is skipped and one generation worker runs the whole request.
 
+Chunk-pipelined transfer: for a prompt longer than one context prefill
+chunk the router picks the generation worker first and sends it a
+`PrefetchRequest` as it dispatches the prompt, so the finished chunks' blocks
+move while later chunks compute; the `GenerationRequest` then joins that pull.
+
 Failure rules: a dispatch that fails before any token reached the caller is
 retried on another worker of the same pool (a dead worker is marked
 unhealthy until it answers polls again, e.g. after Ray restarted it); after
@@ -43,7 +48,13 @@ from cluster.metrics import ServingMetrics
 from cluster.policies import RoutingPolicy, WorkerState, make_policy
 from cluster.worker_channel import WorkerChannel
 from engine.errors import RequestFailedError
-from engine.messages import ContextRequest, ContextResult, GenerationRequest, TokenEvent
+from engine.messages import (
+    ContextRequest,
+    ContextResult,
+    GenerationRequest,
+    PrefetchRequest,
+    TokenEvent,
+)
 from engine.multimodal import ImageInput
 from kvcache.hashing import hash_full_blocks, root_hash
 
@@ -70,6 +81,9 @@ class RoutingSettings:
     max_attempts: int = 2
     # Namespace of block hashes; workers of one cluster share it.
     hash_namespace: str = ""
+    # Prompts longer than this (the context workers' prefill chunk) are
+    # pulled chunk-pipelined; None: never.
+    pipeline_above_tokens: int | None = None
 
 
 class Router:
@@ -174,20 +188,23 @@ class Router:
         if self.settings.context_block_size != self.settings.generation_block_size:
             context_hashes = self.block_hashes(prompt, self.settings.context_block_size, images)
         errors: list[str] = []
-        for _ in range(self.settings.max_attempts):
+        for attempt in range(self.settings.max_attempts):
+            target = self._prefetch_target(prompt, hashes, touched) if attempt == 0 else None
             context = await self._run_context(
-                ContextRequest(request_id, prompt, params, images), context_hashes, touched
+                ContextRequest(request_id, prompt, params, images), context_hashes, touched, target
             )
             holder = touched[-1]
             first = _first_event(context)
             if first.finished:
+                if target is not None:  # nothing to pull: end the prefetch
+                    target.actor.abort.remote(request_id)
                 yield first
                 return
             request = GenerationRequest(
                 request_id, prompt, params, context, tuple(i.without_data() for i in images)
             )
             try:
-                async for event in self._stream_generation(request, hashes, touched):
+                async for event in self._stream_generation(request, hashes, touched, target):
                     if event.cache_ready:
                         yield first
                     else:
@@ -199,12 +216,27 @@ class Router:
                 self._abort_everywhere(request_id, [holder])
         raise RequestFailedError(request_id, "cache transfer failed: " + "; ".join(errors))
 
+    def _prefetch_target(
+        self, prompt: list[int], hashes: Sequence[bytes], touched: list[WorkerEndpoint]
+    ) -> WorkerEndpoint | None:
+        """The generation worker that pulls a prompt while it prefills, when
+        the prompt spans more than one context chunk (else None)."""
+        limit = self.settings.pipeline_above_tokens
+        if limit is None or len(prompt) <= limit:
+            return None
+        target = self._pick(self.generation, self._generation_policy, hashes, touched)
+        touched.append(target)
+        return target
+
     async def _run_context(
         self,
         request: ContextRequest,
         hashes: Sequence[bytes],
         touched: list[WorkerEndpoint],
+        prefetch_to: WorkerEndpoint | None = None,
     ) -> ContextResult:
+        """Run the context phase; with `prefetch_to`, that generation worker
+        starts pulling from the first context worker tried as it prefills."""
         cost = len(request.prompt_token_ids) + 1
         errors: list[str] = []
         for _ in range(self.settings.max_attempts):
@@ -212,6 +244,12 @@ class Router:
             touched.append(endpoint)
             endpoint.state.tokens_in_flight += cost
             self.metrics.routed.labels(endpoint.name, "context").inc()
+            if prefetch_to is not None and not errors:
+                images = tuple(i.without_data() for i in request.images)
+                prefetch = PrefetchRequest(
+                    request.request_id, request.prompt_token_ids, endpoint.actor, images
+                )
+                prefetch_to.actor.prefetch.remote(prefetch)
             try:
                 result: ContextResult = await endpoint.actor.prefill.remote(request)
                 return result
@@ -226,17 +264,21 @@ class Router:
         request: GenerationRequest,
         hashes: Sequence[bytes],
         touched: list[WorkerEndpoint],
+        target: WorkerEndpoint | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """Stream from a generation worker. A whole request moves to another
         worker while nothing was streamed; a disaggregated one raises
         `_PullFailed` until its `cache_ready` event (its cache is gone then,
-        so only a new prefill can run it), and ends with an error event after."""
+        so only a new prefill can run it), and ends with an error event after.
+        `target`: the worker to use (it prefetches the cache)."""
         cost = len(request.prompt_token_ids) + _max_tokens(request.params)
         phase = "generation" if request.context is not None else "whole"
         attempts = self.settings.max_attempts if request.context is None else 1
         errors: list[str] = []
         for _ in range(attempts):
-            endpoint = self._pick(self.generation, self._generation_policy, hashes, touched)
+            endpoint = target or self._pick(
+                self.generation, self._generation_policy, hashes, touched
+            )
             touched.append(endpoint)
             endpoint.state.tokens_in_flight += cost
             self.metrics.routed.labels(endpoint.name, phase).inc()

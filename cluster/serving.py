@@ -184,12 +184,15 @@ def _build_router(
         ]
 
     block_size = {i.role: i.block_size for i in cluster.plan.instances}
+    chunk = {i.role: i.max_num_tokens for i in cluster.plan.instances}
+    pipelined = config.cache_transceiver.pipelined_transfer and "context" in chunk
     settings = RoutingSettings(
         policy=config.router.type,
         max_local_prefill_length=config.conditional_disagg.max_local_prefill_length,
         context_block_size=block_size.get("context", block_size["generation"]),
         generation_block_size=block_size["generation"],
         hash_namespace=cluster.plan.hash_namespace,
+        pipeline_above_tokens=chunk["context"] if pipelined else None,
     )
     return Router(endpoints("context"), endpoints("generation"), settings, metrics)
 

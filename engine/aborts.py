@@ -37,6 +37,11 @@ class AbortedIds:
         self._expire()
         return self._ids.pop(request_id, None) is not None
 
+    def __contains__(self, request_id: object) -> bool:
+        """Whether `request_id` was aborted before it arrived (not consumed)."""
+        self._expire()
+        return request_id in self._ids
+
     def __len__(self) -> int:
         return len(self._ids)
 

@@ -35,6 +35,10 @@ class StepResult:
     finished: list[Request] = field(default_factory=list)
     # Context role: requests whose cache now waits for a pull (still allocated).
     handoffs: list[Request] = field(default_factory=list)
+    # Requests that ran a prefill chunk short of their last token this step
+    # (their leading full blocks are final), and requests preempted by it.
+    prefilling: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
     num_tokens: int = 0
     num_preempted: int = 0
     schedule_s: float = 0.0
@@ -92,6 +96,7 @@ class EngineCore:
             num_tokens=sched.num_tokens,
             num_preempted=len(sched.preempted),
             schedule_s=time.perf_counter() - t0,
+            preempted=list(sched.preempted),
         )
         for failed in sched.failed:
             result.events.append(self._final_event(failed, []))
@@ -103,6 +108,7 @@ class EngineCore:
         result.timings = runner_out.timings
         self.scheduler.commit(sched)
         self._apply_samples(sched, runner_out.sampled, result)
+        result.prefilling = [seq.request for seq in sched.sequences if not seq.samples]
         return result
 
     def _apply_samples(

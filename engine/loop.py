@@ -62,6 +62,8 @@ class EngineLoop:
         self.core = core
         self.stats = StepStats()
         self.on_handoff: Callable[[Request], None] | None = None
+        # Sees every step's result before its handoffs (between steps).
+        self.on_step: Callable[[StepResult], None] | None = None
         # Receives each step's events in one list; set before `start`.
         self.on_events: Callable[[list[TokenEvent]], None] = _drop
         self._open: set[str] = set()  # submitted, final event not yet sent
@@ -193,6 +195,8 @@ class EngineLoop:
             fn()
 
     def _dispatch(self, result: StepResult) -> None:
+        if self.on_step is not None:
+            self.on_step(result)
         for request in result.handoffs:
             if self.on_handoff is not None:
                 self.on_handoff(request)

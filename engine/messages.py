@@ -69,6 +69,45 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class PrefetchRequest:
+    """Start pulling a prompt's cache while its context worker still prefills it
+    (chunk-pipelined transfer).
+
+    The generation worker allocates blocks for the whole prompt and asks
+    `holder` (the context worker's actor) for finished blocks with
+    `blocks_ready`, pulling each batch as it is offered and the rest (with the
+    Mamba state) once the prompt is published. The `GenerationRequest` that
+    follows with the `ContextResult` joins this pull instead of starting one.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    holder: Any  # a Ray ActorHandle of a ContextWorker
+    images: tuple[ImageInput, ...] = ()
+
+
+@dataclass(frozen=True)
+class BlocksReady:
+    """A context worker's answer to `blocks_ready(request_id, num_pulled)`.
+
+    `handle` addresses logical blocks `[first_block, end_block)` of the
+    prompt. With `final` False they are offered blocks of a prompt still
+    prefilling (pull them with `release=False`); with `final` True the prompt
+    is published and the handle covers every block from `first_block` on plus
+    the Mamba state (pull and release). `handle` None: there is nothing to
+    pull (the prompt failed, was aborted or finished at its first token);
+    with `pending` set instead, nothing new was ready in time: ask again.
+    """
+
+    request_id: str
+    handle: TransferHandle | None
+    first_block: int = 0
+    end_block: int = 0
+    final: bool = False
+    pending: bool = False
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One chunk of a token stream: new tokens of one request, in order.
 

@@ -10,6 +10,11 @@ Request lifecycle as the engine drives it:
     can_allocate(rid, n) / allocate_slots(rid, n, tokens)   # every step
     free(rid)                            # finished, aborted or preempted
 
+and on the context side, while a prompt's finished blocks may be read by a
+puller before its prefill ends (chunk-pipelined transfer):
+
+    hold(rid) ... free(rid) keeps the blocks ... release_hold(rid)
+
 and on the generation side of a disaggregated cluster:
 
     allocate_for_transfer(rid, n) -> pull the cache -> finish_transfer(rid, tokens)
@@ -87,6 +92,8 @@ class KVCacheManager:
         )
         self._root_hash = root_hash(hash_namespace)
         self._requests: dict[str, _RequestState] = {}
+        # Request id -> block lists it lost through `free` while held.
+        self._holds: dict[str, list[list[KVBlock]]] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -205,9 +212,36 @@ class KVCacheManager:
         last) and its Mamba slot. A no-op for unknown request ids."""
         state = self._requests.pop(request_id, None)
         if state is not None:
-            self._pool.release(state.blocks[::-1])
+            held = self._holds.get(request_id)
+            if held is not None:
+                held.append(state.blocks)
+            else:
+                self._pool.release(state.blocks[::-1])
         if self.mamba_pool is not None:
             self.mamba_pool.free(request_id)
+
+    def hold(self, request_id: str) -> None:
+        """From now on, blocks `request_id` loses through `free` (a preemption,
+        an abort, the end of its lease) stay allocated until `release_hold`.
+
+        A context worker holds a prompt whose finished blocks it offered to a
+        puller while the prompt still prefills: a preemption then must not
+        hand those blocks to another request while a pull may be reading
+        them. The Mamba slot is not held (states move only at the end).
+        Idempotent.
+        """
+        self._holds.setdefault(request_id, [])
+
+    def release_hold(self, request_id: str) -> None:
+        """Free every block kept for `request_id` since `hold` and end the hold;
+        its current table (if any) stays. A no-op for a request not held."""
+        for blocks in self._holds.pop(request_id, []):
+            self._pool.release(blocks[::-1])
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks kept by holds after their request freed them."""
+        return sum(len(blocks) for held in self._holds.values() for blocks in held)
 
     # -- transfer-in ---------------------------------------------------------
 
@@ -311,7 +345,8 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         """Raise IntegrityError unless the pool is consistent and every block's
-        ref count equals the number of tables holding it (one table at most
+        ref count equals the number of tables holding it (a held block list
+        counts as a table; one table at most
         without reuse), every table is sized for its tokens, and each hybrid
         request owns exactly one Mamba slot."""
         problems: list[str] = []
@@ -331,6 +366,9 @@ class KVCacheManager:
                 problems.append(
                     f"request {request_id!r}: {len(ids)} blocks for {state.num_tokens} tokens"
                 )
+        for held in self._holds.values():
+            for blocks in held:
+                owners.update(block.block_id for block in blocks)
         for block in self._pool.blocks[1:]:
             if block.ref_cnt != owners[block.block_id]:
                 problems.append(

@@ -7,6 +7,11 @@ Mamba slot stay allocated and are published through the transceiver with a
 lease; they are freed exactly once, when the puller releases them or the
 lease runs out (whichever comes first).
 
+Chunk-pipelined transfer: a generation worker may ask `blocks_ready` while
+a long prompt still prefills; it gets the blocks its finished chunks filled
+(offered through the transceiver, see `prefill_worker.chunk_progress`) and,
+once the prompt is published, the rest with the Mamba state.
+
 Run as a Ray actor: `ray.remote(ContextWorker).options(num_cpus=...).remote(config, id)`.
 An actor Ray restarts after a crash is rebuilt from the same arguments and
 starts itself on its first request, so the router can use it again as soon
@@ -16,14 +21,17 @@ as it answers polls.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from typing import Any
 
 from engine.aborts import AbortedIds
+from engine.core import StepResult
 from engine.errors import RequestFailedError
 from engine.event_stream import EventDemux, read_stream
 from engine.instance import EngineInstance
 from engine.messages import (
+    BlocksReady,
     ContextRequest,
     ContextResult,
     KVEventBatch,
@@ -34,6 +42,7 @@ from engine.messages import (
 from engine.request import Request
 from engine.threads import configure_torch_threads, run_on_compute_thread
 from engine.worker_config import WorkerConfig
+from prefill_worker.chunk_progress import ChunkProgress
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +64,8 @@ class ContextWorker:
         # many prompts finished in the same step.
         self._results = EventDemux()
         self.engine.loop.on_events = self._results.deliver
+        self._progress = ChunkProgress(self.engine.manager)
+        self.engine.loop.on_step = self._on_step
 
     async def start(self) -> None:
         """Start the transceiver and the engine loop; idempotent (later calls
@@ -87,12 +98,15 @@ class ContextWorker:
         except asyncio.CancelledError:
             self._results.close(rid)
             self.abort(rid)
+            self._end_offers(rid)
             raise
         finally:
             self._active.discard(rid)
+        handle = self._handles.pop(request.request_id, None)
+        if handle is None:
+            self._end_offers(rid)
         if event.finish_reason in ("error", "abort"):
             raise RequestFailedError(request.request_id, event.error or event.finish_reason)
-        handle = self._handles.pop(request.request_id, None)
         if event.finish_reason == "handoff" and handle is None:
             reason = self._publish_errors.pop(request.request_id, "not published")
             raise RequestFailedError(request.request_id, f"cache could not be published: {reason}")
@@ -107,6 +121,32 @@ class ContextWorker:
             num_cached_tokens=req.num_cached_tokens,
             first_token_time=event.timestamp,
         )
+
+    async def blocks_ready(self, request_id: str, num_pulled: int) -> BlocksReady:
+        """What a puller holding the first `num_pulled` blocks of a prompt can
+        pull next: offered final blocks while it prefills, the rest and the
+        Mamba state once it is published, or nothing (see `BlocksReady`).
+
+        Waits up to `transfer_timeout_s` for news; may run before `prefill`.
+        """
+        await self.start()
+        progress = await self._progress.wait(request_id, num_pulled, self.config.transfer_timeout_s)
+        layout = self.engine.manager.layout
+        if progress.published is not None:
+            whole = progress.published.regions
+            rest = layout.request_regions(whole.block_ids[num_pulled:], whole.mamba_slot)
+            handle = dataclasses.replace(progress.published, regions=rest)
+            end = len(whole.block_ids)
+            return BlocksReady(request_id, handle, num_pulled, end, final=True)
+        if progress.ended or progress.withdrawn:
+            return BlocksReady(request_id, None)
+        if progress.num_ready <= num_pulled:
+            if request_id not in self._active:  # never came: forget the ask
+                self._progress.forget(request_id)
+            return BlocksReady(request_id, None, pending=True)
+        ready = layout.request_regions(progress.block_ids[num_pulled:], None)
+        handle = self.transceiver.offer(request_id, ready, layout.signature())
+        return BlocksReady(request_id, handle, num_pulled, progress.num_ready)
 
     def abort(self, request_id: str) -> None:
         """Cancel a prompt still prefilling, or unpin one already published.
@@ -155,13 +195,15 @@ class ContextWorker:
         rid = request.request_id
         manager = self.engine.manager
         try:
-            self._handles[rid] = self.transceiver.publish(
+            handle = self.transceiver.publish(
                 rid,
                 manager.regions(rid),
                 manager.layout_signature(),
                 self.config.lease_s,
                 self._on_release,
             )
+            self._handles[rid] = handle
+            self._progress.published(rid, handle)
         except Exception as exc:  # a broken publish must not stop the engine loop
             logger.exception("publishing the cache of request %r failed", rid)
             self._publish_errors[rid] = str(exc)
@@ -170,4 +212,28 @@ class ContextWorker:
     def _on_release(self, request_id: str) -> None:
         # Called by the transceiver (pulled, aborted or lease expired): free
         # the cache once, between steps.
-        self.engine.loop.call_between_steps(lambda: self.engine.manager.free(request_id))
+        self._progress.forget(request_id)
+        self.engine.loop.call_between_steps(lambda: self._free(request_id))
+
+    def _free(self, request_id: str) -> None:
+        self.engine.manager.free(request_id)
+        self.engine.manager.release_hold(request_id)
+
+    def _on_step(self, result: StepResult) -> None:
+        """Between steps: record which prompts' blocks became final; stop
+        offering prompts a preemption moved (their held blocks come back once
+        no read of them is in flight)."""
+        for rid in self._progress.on_step(result.prefilling, result.preempted):
+            self.transceiver.withdraw(rid, lambda rid=rid: self._release_hold(rid))
+
+    def _end_offers(self, request_id: str) -> None:
+        """A prompt ended without a published cache: tell its pullers, then
+        free what a hold kept once no read is in flight."""
+        self._progress.ended(request_id)
+        self.transceiver.withdraw(request_id, lambda: self._release_hold(request_id))
+        # Late askers still learn that it ended; then the entry goes.
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.config.transfer_timeout_s, self._progress.forget, request_id)
+
+    def _release_hold(self, request_id: str) -> None:
+        self.engine.loop.call_between_steps(lambda: self.engine.manager.release_hold(request_id))

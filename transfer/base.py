@@ -9,6 +9,12 @@ Generation side (puller)::
 
     await xcvr.pull(handle, dest_regions, dest_signature, timeout_s)
 
+Chunk-pipelined transfer (see `transfer.offers`): while a prompt still
+prefills, the holder offers the blocks of each finished chunk
+(`offer` -> a handle over just those blocks), the puller reads them with
+`pull(..., release=False)`, and the final pull after `publish` moves the
+rest and releases. `publish` keeps the offers' transfer id.
+
 The holder keeps the request's blocks (and Mamba slot) pinned until the puller
 releases them after a complete pull, the holder aborts, or the lease expires;
 each ends in exactly one `on_release(request_id)` call, so the worker frees
@@ -32,6 +38,8 @@ import msgpack
 from kvcache.layout import LayoutSignature, Region, RequestRegions
 from transfer.errors import LayoutMismatch, TransferAborted, TransferTimeout, UnknownRequest
 from transfer.leases import LeaseTable
+from transfer.offers import Offer
+from transfer.plan import segment_regions
 
 
 def regions_to_dict(regions: RequestRegions) -> dict[str, Any]:
@@ -164,6 +172,7 @@ class Transceiver(ABC):
 
     def __init__(self) -> None:
         self._leases = LeaseTable()
+        self._offers: dict[str, Offer] = {}
         self._pulls: dict[str, asyncio.Task[None]] = {}
 
     @property
@@ -194,6 +203,51 @@ class Transceiver(ABC):
     ) -> TransferHandle:
         """Pin `regions` for pulling; `on_release(request_id)` runs exactly once."""
 
+    def offer(
+        self, request_id: str, regions: RequestRegions, signature: LayoutSignature
+    ) -> TransferHandle:
+        """Make `regions` (finished blocks of a prompt still prefilling) readable
+        by `pull(..., release=False)` ahead of `publish`; returns a handle over
+        exactly them. Offers of one request accumulate under one transfer id,
+        which `publish` keeps. The caller keeps the blocks allocated (they are
+        not pinned by this) until `publish`'s release or `withdraw`'s `on_quiet`.
+        """
+        offer = self._offers.get(request_id)
+        if offer is None:
+            offer = self._offers[request_id] = Offer(request_id, self.new_transfer_id())
+        offer.extend(segment_regions(regions))
+        return self._handle(request_id, offer.transfer_id, regions, signature)
+
+    def withdraw(self, request_id: str, on_quiet: Callable[[], None]) -> None:
+        """End the offers of a request that will not be published (aborted,
+        failed, finished at its first token, preempted); `on_quiet()` runs once
+        no read of them is in flight (at once if there is none or no offer)."""
+        offer = self._offers.pop(request_id, None)
+        if offer is None:
+            on_quiet()
+            return
+        self._stop_reads(request_id)
+        offer.withdraw(on_quiet)
+
+    @abstractmethod
+    def _stop_reads(self, request_id: str) -> None:
+        """Cut reads of `request_id` this side serves, where the transport can."""
+
+    def _transfer_id_for(self, request_id: str) -> str:
+        """The id `publish` gives a request: its offers' id, or a new one."""
+        offer = self._offers.pop(request_id, None)
+        return offer.transfer_id if offer is not None else self.new_transfer_id()
+
+    @abstractmethod
+    def _handle(
+        self,
+        request_id: str,
+        transfer_id: str,
+        regions: RequestRegions,
+        signature: LayoutSignature,
+    ) -> TransferHandle:
+        """A handle that addresses `regions` of this holder."""
+
     def release(self, request_id: str) -> bool:
         """Unpin a published request locally; idempotent. True if it was pinned."""
         return self._leases.release(request_id)
@@ -216,8 +270,13 @@ class Transceiver(ABC):
         dest_regions: RequestRegions,
         dest_signature: LayoutSignature,
         timeout_s: float,
+        *,
+        release: bool = True,
     ) -> None:
         """Copy the handle's cache into `dest_regions`; on success the holder is released.
+
+        With `release=False` (a pull of offered blocks, or of part of a
+        published cache) the holder keeps the request: a later pull releases.
 
         Raises `LayoutMismatch` (before any byte moves), `TransferTimeout` after
         `timeout_s`, `PeerGone` if the holder died, `TransferAborted` if
@@ -234,7 +293,7 @@ class Transceiver(ABC):
         rid = handle.request_id
         # A task of its own, so `abort` can cancel the pull without cancelling
         # the caller; awaiting it directly keeps a small pull to a few loop turns.
-        task = asyncio.ensure_future(self._pull(handle, dest_regions, dest_signature))
+        task = asyncio.ensure_future(self._pull(handle, dest_regions, dest_signature, release))
         self._pulls[rid] = task
         try:
             async with asyncio.timeout(timeout_s):
@@ -263,9 +322,13 @@ class Transceiver(ABC):
 
     @abstractmethod
     async def _pull(
-        self, handle: TransferHandle, dest_regions: RequestRegions, dest: LayoutSignature
+        self,
+        handle: TransferHandle,
+        dest_regions: RequestRegions,
+        dest: LayoutSignature,
+        release: bool,
     ) -> None:
-        """Move the bytes and release the holder; errors as in `pull`."""
+        """Move the bytes and, with `release`, release the holder; errors as in `pull`."""
 
     @abstractmethod
     def _notify_abort(self, handle: TransferHandle) -> None:

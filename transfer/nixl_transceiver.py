@@ -12,6 +12,10 @@
     poll notifications   <--- notif ---            "release <rid> <tid>" when all READs done
     -> on_release(rid)
 
+Offered blocks of a prompt still prefilling (`transfer.offers`) are claimed
+the same way; the puller ends such a pull with "done <rid> <tid>" instead of
+"release", which closes that claim's window early and keeps the request.
+
 NIXL moves raw memory by descriptor, so both sides must lay their cache out
 identically (same manager, dtype, block size, heads, layers): the signature is
 compared before any byte moves. V1 <-> V2 needs the Python transceiver.
@@ -40,6 +44,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -56,6 +61,7 @@ from transfer.nixl_agent import (
     nixl_available,
 )
 from transfer.nixl_descriptors import PairGroups, PreparedTables, group_pairs
+from transfer.offers import Offer
 from transfer.plan import check_bounds
 
 __all__ = ["DEFAULT_PROGRESS_DELAY_US", "NixlTransceiver", "create_agent", "nixl_available"]
@@ -66,6 +72,7 @@ _RELEASE = b"release"
 _CLAIM = b"claim"
 _GRANT = b"grant"
 _EXPIRED = b"expired"
+_DONE = b"done"  # READs of offered blocks finished; the holder keeps the request
 _LOCAL_AGENT = "NIXL_INIT_AGENT"
 # Notification polls of an agent with nothing pinned or claimed.
 _IDLE_POLL_INTERVAL_S = 0.05
@@ -120,6 +127,8 @@ class NixlTransceiver(Transceiver):
         self._sizes = {n: b.num_bytes for n, b in self._buffers.items()}
         self._mem_type = _mem_type(self._tensors)
         self._poller: asyncio.Task[None] | None = None
+        # Holder: claim windows open on offers, oldest first, by (request id, transfer id).
+        self._windows: dict[tuple[str, str], deque[tuple[Offer, asyncio.TimerHandle]]] = {}
 
     async def start(self) -> None:
         await self._thread.run(self._start_agent)
@@ -131,6 +140,9 @@ class NixlTransceiver(Transceiver):
         # A cancelled pull returns once its READs are released, before the agent closes.
         await asyncio.gather(*tasks, return_exceptions=True)
         self._leases.release_all()
+        for rid, tid in list(self._windows):  # no READ reaches a closed agent
+            while (rid, tid) in self._windows:
+                self._close_window(rid, tid)
         if self._agent is not None:
             await self._thread.run(self._close_agent)
         self._thread.shutdown()
@@ -146,12 +158,21 @@ class NixlTransceiver(Transceiver):
         if self._agent is None:
             raise RuntimeError("NixlTransceiver.start() has not run")
         check_bounds(request_id, regions.descriptors, self._sizes)
-        tid = self.new_transfer_id()
+        tid = self._transfer_id_for(request_id)
         self._leases.add(request_id, tid, lease_s, on_release)
+        return self._handle(request_id, tid, regions, signature)
+
+    def _handle(
+        self,
+        request_id: str,
+        transfer_id: str,
+        regions: RequestRegions,
+        signature: LayoutSignature,
+    ) -> TransferHandle:
         self._ensure_poller()
         return TransferHandle(
             request_id=request_id,
-            transfer_id=tid,
+            transfer_id=transfer_id,
             kind=self.kind,
             regions=regions,
             signature=signature.to_dict(),
@@ -159,6 +180,10 @@ class NixlTransceiver(Transceiver):
             agent_metadata=self._metadata,
             buffers=dict(self._buffers),
         )
+
+    def _stop_reads(self, request_id: str) -> None:
+        """READs are one-sided: an offer's claim windows end them (or their
+        "done" notifications, sooner)."""
 
     # ----------------------------------------------------------------- holder
 
@@ -177,7 +202,7 @@ class NixlTransceiver(Transceiver):
             for sender, messages in notifications.items():
                 for message in messages:
                     self._apply_notification(sender, message)
-            busy = len(self._leases) or self._claims
+            busy = len(self._leases) or self._claims or self._offers
             await asyncio.sleep(self._poll_interval_s if busy else _IDLE_POLL_INTERVAL_S)
 
     def _apply_notification(self, sender: str, message: bytes) -> None:
@@ -185,6 +210,8 @@ class NixlTransceiver(Transceiver):
         parts = rest.split(b" ", 2)
         if kind == _RELEASE and len(parts) == 2:
             self._leases.release(parts[0].decode(), parts[1].decode())
+        elif kind == _DONE and len(parts) == 2:
+            self._close_window(parts[0].decode(), parts[1].decode())
         elif kind == _CLAIM and len(parts) == 3:
             self._answer_claim(sender, parts[0].decode(), parts[1].decode(), parts[2])
         elif kind in (_GRANT, _EXPIRED) and len(parts) >= 2:
@@ -195,23 +222,46 @@ class NixlTransceiver(Transceiver):
             logger.warning("ignoring unexpected NIXL notification %r", message[:64])
 
     def _answer_claim(self, puller: str, rid: str, tid: str, metadata: bytes) -> None:
-        """Grant a live lease's blocks to a puller for the claim window, or say it expired."""
+        """Grant a live lease's or offer's blocks to a puller for the claim
+        window, or say it expired."""
         lease = self._leases.get(rid, tid)
+        offer = self._offers.get(rid)
         ids = [rid.encode(), tid.encode()]
-        if lease is None:
-            answer = b" ".join([_EXPIRED, *ids])
-        else:
+        loop = asyncio.get_running_loop()
+        if lease is not None:
             # An expiry meanwhile is deferred until the window ends (or the release).
             self._leases.begin_stream(lease)
-            loop = asyncio.get_running_loop()
             loop.call_later(self._claim_window_s, self._leases.end_stream, lease)
-            answer = b" ".join([_GRANT, *ids, repr(self._claim_window_s).encode()])
+        elif offer is not None and offer.transfer_id == tid:
+            # A withdrawal meanwhile waits for the window (or the puller's "done").
+            offer.begin_read()
+            timer = loop.call_later(self._claim_window_s, self._close_window, rid, tid)
+            self._windows.setdefault((rid, tid), deque()).append((offer, timer))
+        else:
+            self._thread.submit(self._send_answer, puller, metadata, b" ".join([_EXPIRED, *ids]))
+            return
+        answer = b" ".join([_GRANT, *ids, repr(self._claim_window_s).encode()])
         self._thread.submit(self._send_answer, puller, metadata, answer)
+
+    def _close_window(self, rid: str, tid: str) -> None:
+        """End the oldest open claim window on an offer of (rid, tid), if any."""
+        windows = self._windows.get((rid, tid))
+        if not windows:
+            return
+        offer, timer = windows.popleft()
+        if not windows:
+            del self._windows[(rid, tid)]
+        timer.cancel()
+        offer.end_read()
 
     # ----------------------------------------------------------------- puller
 
     async def _pull(
-        self, handle: TransferHandle, dest_regions: RequestRegions, dest: LayoutSignature
+        self,
+        handle: TransferHandle,
+        dest_regions: RequestRegions,
+        dest: LayoutSignature,
+        release: bool,
     ) -> None:
         self._check_request(handle, dest_regions, dest)
         # Counted from before the claim leaves, so it ends before the holder's window.
@@ -239,7 +289,7 @@ class NixlTransceiver(Transceiver):
             self._thread.submit(_release, xfers)
             raise UnknownRequest(handle.request_id, handle.peer)
         # The holder learns in the background; the caller has its bytes now.
-        self._thread.submit(self._finish, xfers, handle)
+        self._thread.submit(self._finish, xfers, handle, _RELEASE if release else _DONE)
 
     def _check_request(
         self, handle: TransferHandle, dest_regions: RequestRegions, dest: LayoutSignature
@@ -389,10 +439,11 @@ class NixlTransceiver(Transceiver):
 
         return prepare
 
-    def _finish(self, xfers: list[Any], handle: TransferHandle) -> None:
-        """Release the finished READs, then tell the holder to unpin the request."""
+    def _finish(self, xfers: list[Any], handle: TransferHandle, kind: bytes) -> None:
+        """Release the finished READs, then tell the holder: unpin the request
+        (`_RELEASE`) or only that these READs are over (`_DONE`)."""
         _release(xfers)
-        message = b" ".join([_RELEASE, handle.request_id.encode(), handle.transfer_id.encode()])
+        message = b" ".join([kind, handle.request_id.encode(), handle.transfer_id.encode()])
         self._agent.send_notif(handle.agent_name, message)
 
     def _send_claim(self, handle: TransferHandle) -> None:

@@ -43,7 +43,6 @@ from transfer.connection import TCP, WIRES, Connection, ConnectionClosed, Wire
 from transfer.errors import LayoutMismatch, PeerGone, UnknownRequest, WireError
 from transfer.factory import create_wire, wire_unusable_reason
 from transfer.flow import ByteBudget
-from transfer.leases import Lease
 from transfer.plan import Coverage, check_bounds, plan_ranges, segment_regions
 from transfer.socket_buffers import SocketBuffers
 from transfer.wire import (
@@ -154,11 +153,20 @@ class PythonTransceiver(Transceiver):
         on_release: Callable[[str], None],
     ) -> TransferHandle:
         check_bounds(request_id, segment_regions(regions), self._sizes)
-        tid = self.new_transfer_id()
+        tid = self._transfer_id_for(request_id)
         self._leases.add(request_id, tid, lease_s, on_release, Coverage(segment_regions(regions)))
+        return self._handle(request_id, tid, regions, signature)
+
+    def _handle(
+        self,
+        request_id: str,
+        transfer_id: str,
+        regions: RequestRegions,
+        signature: LayoutSignature,
+    ) -> TransferHandle:
         return TransferHandle(
             request_id=request_id,
-            transfer_id=tid,
+            transfer_id=transfer_id,
             kind=self.kind,
             regions=regions,
             signature=signature.to_dict(),
@@ -170,9 +178,12 @@ class PythonTransceiver(Transceiver):
         # Stop streams first: once cancelled, nothing reads the pool (a UCX
         # connection aborts its endpoint on cancellation), so `on_release`
         # may hand the blocks to someone else right away.
+        self._stop_reads(request_id)
+        super().abort(request_id)
+
+    def _stop_reads(self, request_id: str) -> None:
         for task in self._serving.pop(request_id, set()):
             task.cancel()
-        super().abort(request_id)
 
     def _wire(self, name: str) -> Wire:
         wire = self._wires.get(name)
@@ -204,12 +215,19 @@ class PythonTransceiver(Transceiver):
             logger.info("connection from %s ended early: %s", conn.peer, exc)
 
     async def _serve_pull(self, conn: Connection, request: dict[str, Any]) -> None:
+        """Send the requested ranges of a published (leased) or offered request.
+
+        A pull with `keep` set (offered blocks, or part of a cache) ends with
+        the data; a full pull waits for the puller's release.
+        """
         rid, tid = str(request.get("rid")), str(request.get("tid"))
-        lease = self._leases.get(rid, tid)
-        if lease is None:
+        keep = request.get("keep") is True
+        readable = self._readable(rid, tid, keep)
+        if readable is None:
             await send_header(conn, {"t": "error", "code": "unknown", "message": rid})
             return
-        ranges = _parse_ranges(request.get("ranges"), lease)
+        coverage, begin_read, end_read = readable
+        ranges = _parse_ranges(request.get("ranges"), coverage, rid)
         if not conn.keeps_message_boundaries:
             # A byte stream may join ranges; a message wire sends them as the
             # puller receives them (see transfer.connection).
@@ -218,7 +236,7 @@ class PythonTransceiver(Transceiver):
         assert task is not None
         serving = self._serving.setdefault(rid, set())
         serving.add(task)
-        self._leases.begin_stream(lease)
+        begin_read()
         try:
             await send_header(conn, {"t": "data", "n": sum(n for _, _, n in ranges)})
             await self._buffers.send(conn, ranges, self._budget)
@@ -226,16 +244,40 @@ class PythonTransceiver(Transceiver):
             serving.discard(task)
             if not serving and self._serving.get(rid) is serving:
                 del self._serving[rid]
-            self._leases.end_stream(lease)
+            end_read()
+        if keep:
+            return
         release = expect(await recv_header(conn, 1024), "release")
         if release.get("rid") == rid and release.get("tid") == tid:
             self._leases.release(rid, tid)
         await send_header(conn, {"t": "released"})
 
+    def _readable(
+        self, rid: str, tid: str, keep: bool
+    ) -> tuple[Coverage, Callable[[], None], Callable[[], None]] | None:
+        """What a pull of (rid, tid) may read, and how to count it as a reader:
+        a live lease (its expiry waits for the stream), or with `keep` an offer."""
+        lease = self._leases.get(rid, tid)
+        if lease is not None:
+            leases = self._leases
+            return (
+                lease.payload,
+                lambda: leases.begin_stream(lease),
+                lambda: leases.end_stream(lease),
+            )
+        offer = self._offers.get(rid)
+        if keep and offer is not None and offer.transfer_id == tid:
+            return offer.coverage, offer.begin_read, offer.end_read
+        return None
+
     # ----------------------------------------------------------------- puller
 
     async def _pull(
-        self, handle: TransferHandle, dest_regions: RequestRegions, dest: LayoutSignature
+        self,
+        handle: TransferHandle,
+        dest_regions: RequestRegions,
+        dest: LayoutSignature,
+        release: bool,
     ) -> None:
         rid = handle.request_id
         _check_wire(handle)
@@ -246,7 +288,7 @@ class PythonTransceiver(Transceiver):
         for attempt in range(2):
             conn, reused = await self._checkout(handle)
             try:
-                await self._exchange(conn, handle, pairs)
+                await self._exchange(conn, handle, pairs, release)
             except _StaleConnection as exc:
                 conn.close()
                 if reused and attempt == 0:
@@ -303,12 +345,17 @@ class PythonTransceiver(Transceiver):
         return conn
 
     async def _exchange(
-        self, conn: Connection, handle: TransferHandle, pairs: list[tuple[Region, Region]]
+        self,
+        conn: Connection,
+        handle: TransferHandle,
+        pairs: list[tuple[Region, Region]],
+        release: bool,
     ) -> None:
         rid, tid = handle.request_id, handle.transfer_id
         ranges = [[s.buffer, s.offset, s.length] for s, _ in pairs]
+        frame = {"t": "pull", "rid": rid, "tid": tid, "ranges": ranges, "keep": not release}
         try:
-            await send_header(conn, {"t": "pull", "rid": rid, "tid": tid, "ranges": ranges})
+            await send_header(conn, frame)
             first = await recv_header(conn, 1024)
         except (ConnectionClosed, ConnectionResetError, BrokenPipeError) as exc:
             raise _StaleConnection() from exc
@@ -321,6 +368,8 @@ class PythonTransceiver(Transceiver):
                 f"where {declared} bytes were declared"
             )
         await self._buffers.recv(conn, [d for _, d in pairs])
+        if not release:
+            return
         await send_header(conn, {"t": "release", "rid": rid, "tid": tid})
         expect(await recv_header(conn, 1024), "released")
 
@@ -359,11 +408,10 @@ def _peer_key(handle: TransferHandle) -> tuple[str, str, int]:
     return handle.wire, handle.endpoint[0], handle.endpoint[1]
 
 
-def _parse_ranges(raw: object, lease: Lease) -> list[tuple[str, int, int]]:
-    """Validate a puller's ranges against what was published for the request."""
+def _parse_ranges(raw: object, coverage: Coverage, request_id: str) -> list[tuple[str, int, int]]:
+    """Validate a puller's ranges against what was published or offered for the request."""
     if not isinstance(raw, list):
         raise WireError("malformed pull frame: 'ranges' is not a list")
-    coverage: Coverage = lease.payload
     ranges: list[tuple[str, int, int]] = []
     for item in raw:
         if (
@@ -376,8 +424,7 @@ def _parse_ranges(raw: object, lease: Lease) -> list[tuple[str, int, int]]:
         buffer, offset, length = item
         if not coverage.covers(buffer, offset, length):
             raise WireError(
-                f"range {buffer}[{offset}:{offset + length}] is outside request "
-                f"{lease.request_id!r}"
+                f"range {buffer}[{offset}:{offset + length}] is outside request {request_id!r}"
             )
         ranges.append((buffer, offset, length))
     return ranges

@@ -19,7 +19,7 @@ import torch
 
 from decode_worker.worker import GenerationWorker
 from engine.errors import RequestFailedError
-from engine.messages import ContextRequest, GenerationRequest, TokenEvent
+from engine.messages import ContextRequest, GenerationRequest, PrefetchRequest, TokenEvent
 from engine.sampling import SamplingParams
 from engine.worker_config import WorkerConfig
 from models.embedded.writer import write_checkpoint
@@ -186,6 +186,13 @@ async def _disaggregated(ctx: Any, gen: Any, rid: str, prompt: list[int]) -> lis
     return [result.first_token_id] + [t for e in events for t in e.token_ids]
 
 
+async def _pipelined(ctx: Any, gen: Any, rid: str, prompt: list[int]) -> list[int]:
+    """As the router runs a prompt longer than a chunk: the generation worker
+    prefetches while the context worker prefills, then the submit joins it."""
+    await gen.prefetch.remote(PrefetchRequest(rid, prompt, ctx))
+    return await _disaggregated(ctx, gen, rid, prompt)
+
+
 async def _aggregated(gen: Any, rid: str, prompt: list[int]) -> list[int]:
     events = await _collect(gen.generate.remote(GenerationRequest(rid, prompt, _params())))
     assert events[-1].finish_reason == "length", events[-1]
@@ -224,6 +231,8 @@ async def test_disaggregated_equals_aggregated_equals_transformers(
 
 LLAMA_CTX = ("context", "llama", "v1", "python")
 LLAMA_GEN = ("generation", "llama", "v1", "python")
+LLAMA_CTX_PIPELINE = ("context", "llama", "v2", "python")
+LONG_PROMPT = 80  # five prefill chunks on the context side; fits the generation cache
 
 
 def _llama_config(checkpoints: dict[str, Path], **fields: Any) -> WorkerConfig:
@@ -444,3 +453,113 @@ async def test_a_tensor_parallel_aggregated_instance_equals_transformers(
     finally:
         await worker.shutdown.remote()
         ray.kill(worker)
+
+
+# Chunk-pipelined pulls: both transceivers, both managers (and V1 <-> V2), both
+# model families; the generation side preempts as in the parity test above.
+PIPELINED = [
+    ("llama", "v1", "v2", "python"),
+    ("llama", "v2", "v2", "nixl"),
+    ("llama", "v1", "v1", "nixl"),
+    ("nemotron_h", "v2", "v1", "python"),
+]
+
+
+@pytest.mark.parametrize(("arch", "ctx_mgr", "gen_mgr", "xcvr"), PIPELINED)
+async def test_pipelined_disaggregation_equals_transformers(
+    workers: dict[tuple[str, ...], Any],
+    references: dict[str, list[list[int]]],
+    prompts: list[list[int]],
+    arch: str,
+    ctx_mgr: str,
+    gen_mgr: str,
+    xcvr: str,
+) -> None:
+    ctx = workers[("context", arch, ctx_mgr, xcvr)]
+    gen = workers[("generation", arch, gen_mgr, xcvr)]
+    tag = f"{arch}-{ctx_mgr}-{gen_mgr}-{xcvr}"
+    before = await gen.step_stats.remote()
+    # Each prompt twice: pulls placed early must still overflow the generation cache.
+    outputs = await asyncio.gather(
+        *[_pipelined(ctx, gen, f"p-{tag}-{i}", p) for i, p in enumerate(prompts + prompts)]
+    )
+    assert outputs == references[arch] + references[arch]
+    after = await gen.step_stats.remote()
+    assert after["preemptions"] > before["preemptions"]
+    for actor in (ctx, gen):
+        integrity = await actor.integrity.remote()
+        assert integrity.idle, integrity
+
+
+async def test_offered_blocks_are_final_before_the_prompt_is_published(
+    workers: dict[tuple[str, ...], Any],
+) -> None:
+    """The holder's side of the protocol: offers while it prefills, then the rest."""
+    ctx = workers[LLAMA_CTX_PIPELINE]
+    prompt = list(range(10, 10 + LONG_PROMPT))
+    rid = "offers"
+    first = ctx.blocks_ready.remote(rid, 0)  # may run before the prefill: it waits
+    prefill = ctx.prefill.remote(ContextRequest(rid, prompt, _params()))
+    ready = await first
+    assert ready.handle is not None and not ready.final
+    assert ready.first_block == 0 and 2 <= ready.end_block < LONG_PROMPT // 8
+    assert {j for _, j in ready.handle.regions.kv_segments} == set(range(ready.end_block))
+    result = await prefill
+    rest = await ctx.blocks_ready.remote(rid, ready.end_block)
+    assert rest.final and rest.handle is not None
+    assert rest.handle.transfer_id == ready.handle.transfer_id == result.handle.transfer_id
+    assert rest.end_block == -(-LONG_PROMPT // 8)
+    assert rest.handle.regions.block_ids == result.handle.regions.block_ids[ready.end_block :]
+    await ctx.abort.remote(rid)
+    integrity = await ctx.integrity.remote()
+    assert integrity.idle, integrity
+
+
+async def test_a_long_prompt_moves_chunk_by_chunk_with_the_same_tokens(
+    workers: dict[tuple[str, ...], Any],
+) -> None:
+    ctx, gen = workers[LLAMA_CTX_PIPELINE], workers[LLAMA_GEN]
+    prompt = list(range(30, 30 + LONG_PROMPT))
+    whole = await _disaggregated(ctx, gen, "long-whole", prompt)
+    before = (await gen.step_stats.remote())["pipelined_blocks"]
+    chunked = await _pipelined(ctx, gen, "long-chunked", prompt)
+    assert chunked == whole
+    # Five chunks: the prefetch asked long before the last one ended.
+    assert (await gen.step_stats.remote())["pipelined_blocks"] > before
+    for actor in (ctx, gen):
+        assert await _becomes_idle(actor)
+
+
+@pytest.mark.parametrize("xcvr", ["python", "nixl"])
+async def test_abort_mid_prompt_frees_both_sides_of_a_pipelined_pull(
+    workers: dict[tuple[str, ...], Any], xcvr: str
+) -> None:
+    ctx = workers[("context", "llama", "v1", xcvr)]
+    gen = workers[("generation", "llama", "v1" if xcvr == "nixl" else "v2", xcvr)]
+    # An unpulled 100-token cache pins 13 of the holder's 20 blocks, so the
+    # 80-token prompt runs a few chunks, is preempted for want of blocks (its
+    # offers withdrawn), and tries again until the abort: it is always mid-prompt.
+    ballast = f"ballast-{xcvr}"
+    await ctx.prefill.remote(ContextRequest(ballast, list(range(40, 140)), _params()))
+    prompt = list(range(20, 20 + LONG_PROMPT))
+    rid = f"abort-pipelined-{xcvr}"
+    await gen.prefetch.remote(PrefetchRequest(rid, prompt, ctx))
+    prefill = ctx.prefill.remote(ContextRequest(rid, prompt, _params()))
+    await ctx.blocks_ready.remote(rid, 0)  # its first chunk ran (offered or withdrawn)
+    # The router's abort after a client disconnect reaches both sides.
+    await asyncio.gather(ctx.abort.remote(rid), gen.abort.remote(rid))
+    with pytest.raises(RequestFailedError, match="abort"):
+        await prefill
+    assert await _becomes_idle(gen)
+    await ctx.abort.remote(ballast)
+    assert await _becomes_idle(ctx)
+
+
+async def _becomes_idle(actor: Any) -> bool:
+    """Whether the actor's cache is all free again within a few seconds (frees
+    run between engine steps, and a NIXL holder's after a READ's window)."""
+    for _ in range(100):
+        if (await actor.integrity.remote()).idle:
+            return True
+        await asyncio.sleep(0.05)
+    return False
