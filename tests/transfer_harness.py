@@ -10,6 +10,7 @@ blocks when the pull fails).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable, Mapping
 
 import torch
@@ -125,3 +126,56 @@ async def check_skewed_wall_clocks(
     sent = src.fill("live", BLOCK_SIZE)
     await dst.pull(src.publish("live", lease_s=30.0), BLOCK_SIZE)
     assert dst.segments("live") == sent
+
+
+async def check_offered_blocks_then_the_rest(src: Endpoint, dst: Endpoint) -> None:
+    """Chunk-pipelined transfer: blocks offered while the prompt prefills move
+    with `pull(release=False)` and pin nothing; once published under the same
+    transfer id, the rest and the Mamba state move and release the holder. A
+    withdrawn offer is quiet at once (nothing reads it) and refuses later pulls."""
+    from transfer.errors import UnknownRequest
+
+    num_tokens = 3 * BLOCK_SIZE - 1
+    sent = src.fill("r", num_tokens)
+    src_layout, dst_layout = src.manager.layout, dst.manager.layout
+    signature = dst.manager.layout_signature()
+    table = src.manager.block_table("r")
+    offered = src.xcvr.offer(
+        "r", src_layout.request_regions(table[:2], None), src.manager.layout_signature()
+    )
+    assert dst.manager.allocate_for_transfer("r", num_tokens)
+    dest = dst.manager.block_table("r")
+    first = dst_layout.request_regions(dest[:2], None)
+    await dst.xcvr.pull(offered, first, signature, 10, release=False)
+    assert src.xcvr.num_pinned == 0 and src.released == []
+    whole = src.publish("r")
+    assert whole.transfer_id == offered.transfer_id
+    rest = src_layout.request_regions(table[2:], whole.regions.mamba_slot)
+    dest_rest = dst_layout.request_regions(dest[2:], dst.manager.mamba_slot("r"))
+    await dst.xcvr.pull(dataclasses.replace(whole, regions=rest), dest_rest, signature, 10)
+    dst.manager.finish_transfer("r")
+    assert dst.segments("r") == sent
+    for _ in range(500):  # NIXL's release notification arrives on its own time
+        if src.released:
+            break
+        await asyncio.sleep(0.01)
+    assert src.released == ["r"]
+
+    src.fill("w", BLOCK_SIZE)
+    withdrawn = src.xcvr.offer(
+        "w", src_layout.request_regions(src.manager.block_table("w"), None), signature
+    )
+    quiet: list[str] = []
+    src.xcvr.withdraw("w", lambda: quiet.append("w"))
+    assert quiet == ["w"]
+    assert dst.manager.allocate_for_transfer("w", BLOCK_SIZE)
+    regions = dst_layout.request_regions(dst.manager.block_table("w"), None)
+    try:
+        await dst.xcvr.pull(withdrawn, regions, signature, 10, release=False)
+    except UnknownRequest:
+        pass
+    else:
+        raise AssertionError("a withdrawn offer was read")
+    for endpoint in (src, dst):
+        endpoint.manager.free("w")
+        endpoint.manager.check_integrity()

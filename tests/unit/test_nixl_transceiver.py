@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from kvcache.spec import CacheSpec
-from tests.transfer_harness import BLOCK_SIZE, Endpoint, check_skewed_wall_clocks
+from tests.transfer_harness import (
+    BLOCK_SIZE,
+    Endpoint,
+    check_offered_blocks_then_the_rest,
+    check_skewed_wall_clocks,
+)
 from transfer.base import TransferHandle
 from transfer.errors import LayoutMismatch, TransferAborted, UnknownRequest
 from transfer.nixl_transceiver import NixlTransceiver, nixl_available
@@ -44,6 +49,13 @@ async def workers() -> AsyncIterator[dict[str, Endpoint]]:
     yield pool
     for worker in pool.values():
         await worker.xcvr.close()
+
+
+@pytest.mark.parametrize("src_name,dst_name", [("v1", "v1b"), ("v2", "v2b")])
+async def test_offered_blocks_move_early_and_the_published_rest_releases(
+    workers: dict[str, Endpoint], src_name: str, dst_name: str
+) -> None:
+    await check_offered_blocks_then_the_rest(workers[src_name], workers[dst_name])
 
 
 @pytest.mark.parametrize("src_name,dst_name", [("v1", "v1b"), ("v2", "v2b")])

@@ -13,7 +13,13 @@ import pytest
 from kvcache.factory import create_manager
 from kvcache.spec import CacheSpec
 from kvcache.tensors import allocate_cache_tensors
-from tests.transfer_harness import BLOCK_SIZE, HYBRID, Endpoint, check_skewed_wall_clocks
+from tests.transfer_harness import (
+    BLOCK_SIZE,
+    HYBRID,
+    Endpoint,
+    check_offered_blocks_then_the_rest,
+    check_skewed_wall_clocks,
+)
 from transfer.base import TransferHandle
 from transfer.errors import (
     LayoutMismatch,
@@ -151,6 +157,13 @@ async def test_payload_bytes_never_pass_through_python_memory() -> None:
     finally:
         await dst.xcvr.close()
         await src.xcvr.close()
+
+
+@pytest.mark.parametrize("pair", [("v2", "v2"), ("v1", "v2")], indirect=True)
+async def test_offered_blocks_move_early_and_the_published_rest_releases(
+    pair: tuple[Endpoint, Endpoint],
+) -> None:
+    await check_offered_blocks_then_the_rest(*pair)
 
 
 async def test_many_concurrent_pulls_share_the_byte_budget(pair: tuple[Endpoint, Endpoint]) -> None:
