@@ -34,12 +34,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+from decode_worker.prefetch import Prefetches
 from engine.aborts import AbortedIds
 from engine.errors import RequestFailedError
 from engine.event_stream import EventDemux, EventOutbox, read_stream
 from engine.instance import EngineInstance
 from engine.messages import (
-    BlocksReady,
     ContextResult,
     GenerationRequest,
     KVEventBatch,
@@ -71,10 +71,11 @@ class GenerationWorker:
         self.engine = run_on_compute_thread(lambda: EngineInstance.build(config, role, worker_id))
         self.transceiver: Any = self.engine.create_transceiver() if role == "generation" else None
         self._pulls: dict[str, asyncio.Task[None]] = {}
-        # Pulls started by `prefetch`: each ends with the transfer id of the
-        # cache it placed, or None after freeing what it had.
-        self._prefetches: dict[str, asyncio.Task[str | None]] = {}
-        self.num_pipelined_blocks = 0  # blocks pulled while their prompt prefilled
+        self._prefetches = (
+            Prefetches(self.engine, self.transceiver, config.transfer_timeout_s)
+            if self.transceiver is not None
+            else None
+        )
         self._admitting: set[asyncio.Task[None]] = set()  # pull, then join the batch
         self._active: set[str] = set()  # ids between submit() and their final event
         self._aborted = AbortedIds()  # aborts that arrived before their submit()
@@ -136,16 +137,13 @@ class GenerationWorker:
         await self.start()
         rid = request.request_id
         if (
-            self.transceiver is None
+            self._prefetches is None
             or self.config.tensor_parallel_size > 1
             or rid in self._active
-            or rid in self._prefetches
             or rid in self._aborted
         ):
             return
-        task = asyncio.get_running_loop().create_task(self._prefetch_cache(request))
-        self._prefetches[rid] = task
-        task.add_done_callback(lambda _: self._on_prefetch_done(rid, task))
+        self._prefetches.start(request)
 
     async def events(self) -> AsyncIterator[list[TokenEvent]]:
         """Every request's events, one list per engine step (or per wake-up,
@@ -187,7 +185,8 @@ class GenerationWorker:
         before its `submit` call (Ray does not order calls to an async
         actor) makes that call end at once with "abort".
         """
-        self._discard_prefetch(request_id)
+        if self._prefetches is not None:
+            self._prefetches.discard(request_id)
         if request_id not in self._active:
             self._aborted.add(request_id)
             return
@@ -208,13 +207,13 @@ class GenerationWorker:
         )
 
     def load(self) -> WorkerLoad:
-        return self.engine.load(num_transferring=len(self._pulls) + len(self._prefetches))
+        return self.engine.load(num_transferring=self._num_in_transfer)
 
     async def integrity(self) -> WorkerIntegrity:
         """Cache integrity and free blocks/slots, read between engine steps."""
         await self.start()
         pinned = self.transceiver.num_pinned if self.transceiver is not None else 0
-        in_transfer = len(self._pulls) + len(self._prefetches)
+        in_transfer = self._num_in_transfer
         return await self.engine.loop.run_between_steps(
             lambda: self.engine.integrity(in_transfer, pinned)
         )
@@ -222,14 +221,22 @@ class GenerationWorker:
     def drain_kv_events(self) -> KVEventBatch:
         return self.engine.drain_kv_events()
 
+    @property
+    def _num_in_transfer(self) -> int:
+        return len(self._pulls) + (len(self._prefetches) if self._prefetches is not None else 0)
+
     def step_stats(self) -> dict[str, float]:
-        return {**self.engine.step_stats(), "pipelined_blocks": self.num_pipelined_blocks}
+        """The engine's step counters, and blocks pulled while their prompt prefilled."""
+        pipelined = self._prefetches.num_pipelined_blocks if self._prefetches is not None else 0
+        return {**self.engine.step_stats(), "pipelined_blocks": pipelined}
 
     async def shutdown(self) -> None:
         """Cancel pulls in flight, stop the engine (open streams end with an
         error) and close the transceiver; frees everything."""
-        for task in [*self._pulls.values(), *self._prefetches.values()]:
+        for task in list(self._pulls.values()):
             task.cancel()
+        if self._prefetches is not None:
+            self._prefetches.cancel_all()
         await asyncio.gather(*self._admitting, return_exceptions=True)
         await self.engine.loop.stop()
         if self._reader is not None:
@@ -268,7 +275,7 @@ class GenerationWorker:
             req.output_logprobs.append(context.first_logprob)
         req.num_computed_tokens = req.num_prompt_tokens
         req.first_token_time = time.monotonic()
-        prefetch = self._prefetches.pop(req.request_id, None)
+        prefetch = self._prefetches.take(req.request_id) if self._prefetches is not None else None
         pull = self._pull_into_cache(req, context.handle, prefetch)
         task = asyncio.get_running_loop().create_task(pull)
         self._pulls[req.request_id] = task
@@ -324,82 +331,6 @@ class GenerationWorker:
         await self._between_steps(
             lambda: manager.finish_transfer(rid, req.prompt_token_ids, req.images)
         )
-
-    async def _prefetch_cache(self, request: PrefetchRequest) -> str | None:
-        """Pull a prompt's cache as its context worker offers it; returns the
-        transfer id once the whole cache is in place (the holder released),
-        or None after freeing the blocks (the submit then pulls as usual)."""
-        rid, manager = request.request_id, self.engine.manager
-        num_tokens = len(request.prompt_token_ids)
-        if not await self._between_steps(lambda: manager.allocate_for_transfer(rid, num_tokens)):
-            return None  # no room now; the submit's pull waits for blocks
-        try:
-            num_pulled = 0
-            while True:
-                ready: BlocksReady = await request.holder.blocks_ready.remote(rid, num_pulled)
-                if ready.handle is None:
-                    break  # nothing more will be offered
-                await self._pull_blocks(rid, ready)
-                if ready.final:
-                    await self._between_steps(
-                        lambda: manager.finish_transfer(
-                            rid, request.prompt_token_ids, request.images
-                        )
-                    )
-                    return ready.handle.transfer_id
-                self.num_pipelined_blocks += ready.end_block - num_pulled
-                num_pulled = ready.end_block
-        except asyncio.CancelledError:
-            await self._between_steps(lambda: manager.free(rid))
-            raise
-        except Exception as exc:  # the submit's own pull reports what is wrong
-            logger.info("prefetch of request %r stopped: %s", rid, exc)
-        await self._between_steps(lambda: manager.free(rid))
-        return None
-
-    async def _pull_blocks(self, rid: str, ready: BlocksReady) -> None:
-        """Pull the blocks `ready` offers into the same logical blocks here."""
-        manager = self.engine.manager
-
-        def regions() -> Any:
-            table = manager.block_table(rid)[ready.first_block : ready.end_block]
-            slot = manager.mamba_slot(rid) if ready.final else None
-            return manager.layout.request_regions(table, slot)
-
-        dest = await self._between_steps(regions)
-        await self.transceiver.pull(
-            ready.handle,
-            dest,
-            manager.layout_signature(),
-            self.config.transfer_timeout_s,
-            release=ready.final,
-        )
-
-    def _on_prefetch_done(self, rid: str, task: asyncio.Task[str | None]) -> None:
-        """A prefetch that freed its blocks is forgotten; one that placed the
-        cache waits for its submit, which must come within the transfer timeout."""
-        if self._prefetches.get(rid) is not task:
-            return
-        if task.cancelled() or task.exception() is not None or task.result() is None:
-            del self._prefetches[rid]
-            return
-        loop = asyncio.get_running_loop()
-        loop.call_later(self.config.transfer_timeout_s, self._expire_prefetch, rid, task)
-
-    def _expire_prefetch(self, rid: str, task: asyncio.Task[str | None]) -> None:
-        if self._prefetches.get(rid) is task:
-            logger.warning("request %r: no submit came for its pulled cache; freeing it", rid)
-            self._discard_prefetch(rid)
-
-    def _discard_prefetch(self, rid: str) -> None:
-        """Cancel a prefetch (it frees its blocks), or free the cache it placed."""
-        task = self._prefetches.pop(rid, None)
-        if task is None:
-            return
-        if not task.done():
-            task.cancel()
-        elif not task.cancelled() and task.exception() is None and task.result() is not None:
-            self.engine.loop.call_between_steps(lambda: self.engine.manager.free(rid))
 
     async def _between_steps(self, fn: Callable[[], T]) -> T:
         return await self.engine.loop.run_between_steps(fn)

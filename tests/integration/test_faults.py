@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import time
@@ -348,3 +349,43 @@ async def test_a_side_killed_mid_transfer_reruns_the_request_and_frees_the_other
     survivor = puller if victim == "holder" else holder
     await wait_idle(h.endpoint(survivor).actor, 5.0)
     await h.all_idle()
+
+
+PIPELINED_PROMPT = [10 + (3 * j) % 400 for j in range(300)]  # five 64-token prefill chunks
+
+
+@pytest.mark.parametrize("victim", ["holder", "puller"])
+async def test_a_side_killed_mid_prompt_of_a_pipelined_pull_reruns_and_frees_the_other(
+    harness: Harness, victim: str
+) -> None:
+    """Chunk-pipelined transfer: the generation worker pulls a long prompt's
+    chunks as the context worker offers them, and one side is killed once the
+    first chunk was offered. The prefetch gives up (or dies with its worker),
+    the request re-runs with a whole pull, and every worker, the restarted one
+    included, returns to all blocks free."""
+    h = harness
+    expected = tokens(await h.run(f"ref-pipelined-{victim}", PIPELINED_PROMPT, 8))
+    h.router.settings = dataclasses.replace(h.router.settings, pipeline_above_tokens=64)
+    pids = {e.name: await pid_of(e.actor) for e in h.router.workers}
+    before = h.counts("context", "context")
+    rid = f"pipelined-{victim}"
+    task = asyncio.ensure_future(h.run(rid, PIPELINED_PROMPT, 8))
+    holder = await h.wait_routed("context", "context", before)
+    await h.endpoint(holder).actor.blocks_ready.remote(rid, 0)  # a chunk was offered
+    if victim == "holder":
+        os.kill(pids[holder], signal.SIGKILL)
+    else:
+        os.kill(pids[await _prefetching(h)], signal.SIGKILL)
+    events = await asyncio.wait_for(task, 4 * TIMEOUT_S)
+    assert tokens(events) == expected and events[-1].finish_reason == "length"
+    await h.all_idle()
+
+
+async def _prefetching(h: Harness) -> str:
+    """The generation worker with a pull in flight (the prefetch)."""
+    for _ in range(400):
+        for e in h.router.generation:
+            if (await e.actor.load.remote()).num_transferring:
+                return str(e.name)
+        await asyncio.sleep(0.005)
+    raise AssertionError("no generation worker prefetched the prompt")

@@ -199,6 +199,15 @@ async def _aggregated(gen: Any, rid: str, prompt: list[int]) -> list[int]:
     return [t for e in events for t in e.token_ids]
 
 
+def _pair(
+    workers: dict[tuple[str, ...], Any], arch: str, ctx_mgr: str, gen_mgr: str, xcvr: str
+) -> tuple[Any, Any, str]:
+    """The context and generation actors of one pair, and a tag for request ids."""
+    ctx = workers[("context", arch, ctx_mgr, xcvr)]
+    gen = workers[("generation", arch, gen_mgr, xcvr)]
+    return ctx, gen, f"{arch}-{ctx_mgr}-{gen_mgr}-{xcvr}"
+
+
 @pytest.mark.parametrize(("arch", "ctx_mgr", "gen_mgr", "xcvr"), PAIRS)
 async def test_disaggregated_equals_aggregated_equals_transformers(
     workers: dict[tuple[str, ...], Any],
@@ -209,9 +218,7 @@ async def test_disaggregated_equals_aggregated_equals_transformers(
     gen_mgr: str,
     xcvr: str,
 ) -> None:
-    ctx = workers[("context", arch, ctx_mgr, xcvr)]
-    gen = workers[("generation", arch, gen_mgr, xcvr)]
-    tag = f"{arch}-{ctx_mgr}-{gen_mgr}-{xcvr}"
+    ctx, gen, tag = _pair(workers, arch, ctx_mgr, gen_mgr, xcvr)
     preemptions_before = (await gen.step_stats.remote())["preemptions"]
     disagg = await asyncio.gather(
         *[_disaggregated(ctx, gen, f"d-{tag}-{i}", p) for i, p in enumerate(prompts)]
@@ -475,9 +482,7 @@ async def test_pipelined_disaggregation_equals_transformers(
     gen_mgr: str,
     xcvr: str,
 ) -> None:
-    ctx = workers[("context", arch, ctx_mgr, xcvr)]
-    gen = workers[("generation", arch, gen_mgr, xcvr)]
-    tag = f"{arch}-{ctx_mgr}-{gen_mgr}-{xcvr}"
+    ctx, gen, tag = _pair(workers, arch, ctx_mgr, gen_mgr, xcvr)
     before = await gen.step_stats.remote()
     # Each prompt twice: pulls placed early must still overflow the generation cache.
     outputs = await asyncio.gather(
