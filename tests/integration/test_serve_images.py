@@ -1,7 +1,9 @@
-"""Images through a served 1P1D cluster, driven by the official `openai` client.
+"""Images through a served 2P1D cluster, driven by the official `openai` client.
 
 One `disagg serve` for the module on a tiny Nemotron Omni checkpoint (vision
-tower and projector included), Python transceiver, prefix-aware router.
+tower and projector included), Python transceiver, prefix-aware router: a
+repeated image+text goes back to the context worker that encoded the image
+(block reuse stays off for the hybrid model, so no KV block is shared).
 Conditional disaggregation is set between the two prompt lengths used, so
 the longer chat runs disaggregated (the context worker encodes the image and
 prefills; the generation worker only pulls the cache) and the shorter one
@@ -72,7 +74,7 @@ def serve_config(checkpoint: Path, num_context: int) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
     path = tmp_path_factory.mktemp("config") / "1p1d-images.yaml"
-    path.write_text(yaml.safe_dump(serve_config(checkpoint, num_context=1)))
+    path.write_text(yaml.safe_dump(serve_config(checkpoint, num_context=2)))
     with ServeProcess(path) as running:
         yield running
 
@@ -234,3 +236,37 @@ def test_bad_images_are_400s_and_the_server_keeps_serving(
     with pytest.raises(openai.BadRequestError, match="'input_audio' are not supported"):
         client.chat.completions.create(model=name, messages=audio, max_tokens=2)  # type: ignore[arg-type]
     assert ask(client, SHORT, data_url(picture(4)))
+
+
+def test_prefix_aware_sends_a_repeated_image_to_its_encoder(
+    client: openai.OpenAI, server: ServeProcess
+) -> None:
+    """Two context workers with equal loads would take turns; the encoder-cache
+    events steer the second fish to the worker that encoded the first."""
+    workers = ("context-0", "context-1")
+
+    def routed() -> dict[str, float]:
+        return {w: metric(server, "disagg_routed_requests_total", worker=w) for w in workers}
+
+    before, known = routed(), metric(server, "disagg_router_encoded_images")
+    hits = metric(server, "disagg_routed_cache_hits_total", phase="context", cache="encoder")
+    fish = data_url(picture(6))
+    first = ask(client, LONG, fish)
+    deadline = time.monotonic() + 10
+    while metric(server, "disagg_router_encoded_images") < known + 1:
+        assert time.monotonic() < deadline, "the router never heard of the encoded image"
+        time.sleep(0.2)
+    response = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=messages(LONG, fish),  # type: ignore[arg-type]
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+    )
+    assert response.choices[0].message.content == first
+    gains = sorted(routed()[w] - before[w] for w in workers)
+    assert gains == [0, 2], gains
+    after = metric(server, "disagg_routed_cache_hits_total", phase="context", cache="encoder")
+    assert after == hits + 1
+    # Prefix reuse stays off for the hybrid model: nothing came from a KV block.
+    assert response.usage is not None and response.usage.prompt_tokens_details is None
+    assert metric(server, "disagg_routed_cache_hits_total", cache="kv") == 0
