@@ -93,3 +93,17 @@ def place_images(
     return tuple(
         replace(image, offset=offset) for image, (offset, _) in zip(images, runs, strict=True)
     )
+
+
+def refuse_completion_images(prompt: Sequence[int], support: ImageSupport | None) -> None:
+    """`/v1/completions` takes no images: a prompt holding the image
+    placeholder token (which only an image's embeddings may fill) is a 400
+    that points at `/v1/chat/completions`."""
+    if support is not None and support.vision.image_token_id in prompt:
+        raise APIError(
+            400,
+            f"prompt: holds the image placeholder {support.placeholder!r}; /v1/completions "
+            "takes text only: send images as image_url content parts to /v1/chat/completions",
+            "prompt",
+            "invalid_image",
+        )

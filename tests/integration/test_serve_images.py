@@ -232,6 +232,10 @@ def test_bad_images_are_400s_and_the_server_keeps_serving(
         error = info.value.body
         assert isinstance(error, dict) and error["param"] == "messages[0].content[1]", error
         assert reason in error["message"]
+    # /v1/completions takes no images; its 400 points at the chat endpoint.
+    with pytest.raises(openai.BadRequestError, match="/v1/chat/completions") as refused:
+        client.completions.create(model=name, prompt="Describe <image> please.", max_tokens=2)
+    assert isinstance(refused.value.body, dict) and refused.value.body["param"] == "prompt"
     audio = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]
     with pytest.raises(openai.BadRequestError, match="'input_audio' are not supported"):
         client.chat.completions.create(model=name, messages=audio, max_tokens=2)  # type: ignore[arg-type]
