@@ -60,7 +60,7 @@ async def load_chat_images(
         loaded = await load_image(part.image_url.url, media, param)
         width, height = loaded.image.size
         grid = support.processing.patch_grid(height, width, len(parts))
-        num_tokens = support.vision.num_image_tokens(grid)
+        num_tokens = support.processing.num_image_tokens(grid)
         digest = hashlib.sha256(b"%dx%d:%dx%d:" % (*grid, width, height))
         digest.update(loaded.image.tobytes())
         inputs.append(ImageInput(digest.digest(), loaded.data, grid, 0, num_tokens))

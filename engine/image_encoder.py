@@ -114,8 +114,16 @@ class ImageEncoder:
             )
         with Image.open(io.BytesIO(image.data)) as decoded:
             pixels = preprocess_image(decoded, image.grid_hw, self.processing)
+        # One tower pass per encoder grid: the whole image, or each of its tiles.
+        grids = self.processing.encoder_grids(image.grid_hw)
+        pieces = pixels.to(self.device).split([rows * cols for rows, cols in grids])
         with torch.inference_mode():
-            return self.model.encode_image(pixels.to(self.device), image.grid_hw)
+            return torch.cat(
+                [
+                    self.model.encode_image(piece, grid)
+                    for piece, grid in zip(pieces, grids, strict=True)
+                ]
+            )
 
     def _remember(self, key: bytes, embeds: torch.Tensor) -> None:
         size = embeds.numel() * embeds.element_size()

@@ -127,7 +127,7 @@ def expected_text(checkpoint: Path, reference: Any, template: str, image: Image.
     assert vision is not None
     processing = load_image_processor_config(checkpoint, vision)
     grid = processing.patch_grid(image.height, image.width)
-    text = template.format(image=image_prompt_text(vision.num_image_tokens(grid), "<image>"))
+    text = template.format(image=image_prompt_text(processing.num_image_tokens(grid), "<image>"))
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     rendered = tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
