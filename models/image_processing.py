@@ -19,8 +19,9 @@ image, and the pixels are cut into tiles (plus a thumbnail) before the
 patches, each tile encoded on its own.
 
 Settings come from the checkpoint's `preprocessor_config.json` when it has
-one (`image_size` with `max_num_tiles` / `use_thumbnail` selects tiles), else
-from the model's vision config and transformers' defaults.
+one (`NemotronNanoVLV2ImageProcessor`, or `image_size` with `max_num_tiles` /
+`use_thumbnail`, selects tiles, with that processor's defaults 512 / 12 /
+thumbnail on), else from the model's vision config and transformers' defaults.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 IMAGE_START = "<img>"
 IMAGE_END = "</img>"
+# The released VL V2 checkpoints' image processor: tiles, 512 px unless its
+# config says otherwise.
+VL_V2_PROCESSOR = "NemotronNanoVLV2ImageProcessor"
+VL_V2_TILE_SIZE = 512
 
 
 @dataclass(frozen=True)
@@ -156,7 +161,7 @@ def load_image_processor_config(checkpoint_dir: Path, vision: VisionConfig) -> I
         max_model_len=int(raw.get("max_model_len", defaults.max_model_len)),
         image_mean=tuple(raw.get("image_mean", raw.get("norm_mean", OPENAI_CLIP_MEAN))),
         image_std=tuple(raw.get("image_std", raw.get("norm_std", OPENAI_CLIP_STD))),
-        tile_size=int(raw.get("image_size", 0)) if _is_tiled(raw) else 0,
+        tile_size=int(raw.get("image_size", VL_V2_TILE_SIZE)) if _is_tiled(raw) else 0,
         max_num_tiles=int(raw.get("max_num_tiles", defaults.max_num_tiles)),
         use_thumbnail=bool(raw.get("use_thumbnail", defaults.use_thumbnail)),
     )
@@ -170,7 +175,10 @@ def load_image_processor_config(checkpoint_dir: Path, vision: VisionConfig) -> I
 
 
 def _is_tiled(raw: dict[str, Any]) -> bool:
-    """The VL V2 tiling format names a tile size and a tile count or thumbnail."""
+    """The VL V2 tiling format: its processor's name, or a tile size with a
+    tile count or thumbnail setting."""
+    if raw.get("image_processor_type") == VL_V2_PROCESSOR:
+        return True
     return "image_size" in raw and ("max_num_tiles" in raw or "use_thumbnail" in raw)
 
 

@@ -324,16 +324,23 @@ def image_processor_config(size: str, image_format: str = DEFAULT_IMAGE_FORMAT) 
     """
     shape_of(size)
     _check_choice("image_format", image_format, IMAGE_FORMATS)
-    normalization = {
-        "patch_size": 16,
-        "downsample_ratio": 0.5,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
-    }
+    mean, std = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
     if image_format == "tiles":
-        return {"image_size": 64, "max_num_tiles": 4, "use_thumbnail": True, **normalization}
+        # The released processor's field names (norm_mean / norm_std included).
+        return {
+            "image_processor_type": "NemotronNanoVLV2ImageProcessor",
+            "image_size": 64,
+            "max_num_tiles": 4,
+            "use_thumbnail": True,
+            "patch_size": 16,
+            "downsample_ratio": 0.5,
+            "norm_mean": mean,
+            "norm_std": std,
+        }
     return {
         "image_processor_type": "NemotronH_Omni_Reasoning_V3ImageProcessor",
+        "patch_size": 16,
+        "downsample_ratio": 0.5,
         "min_num_patches": 4,
         "max_num_patches": 64,
         "max_model_len": 4096,
@@ -342,7 +349,8 @@ def image_processor_config(size: str, image_format: str = DEFAULT_IMAGE_FORMAT) 
         "rescale_factor": 1 / 255,
         "do_normalize": True,
         "resample": 3,
-        **normalization,
+        "image_mean": mean,
+        "image_std": std,
     }
 
 

@@ -116,6 +116,10 @@ def test_config_file_selects_tiles(tmp_path: Path) -> None:
     path.write_text(json.dumps(image_processor_config("tiny", "tiles")))
     config = load_image_processor_config(tmp_path, vision)
     assert (config.tile_size, config.max_num_tiles, config.use_thumbnail) == (64, 4, True)
+    # The released processor's name alone means its defaults.
+    path.write_text(json.dumps({"image_processor_type": "NemotronNanoVLV2ImageProcessor"}))
+    config = load_image_processor_config(tmp_path, vision)
+    assert (config.tile_size, config.max_num_tiles, config.use_thumbnail) == (512, 12, True)
     path.write_text(json.dumps({"image_size": 72, "max_num_tiles": 4}))
     with pytest.raises(ValueError, match="multiple of patch_size"):
         load_image_processor_config(tmp_path, vision)
