@@ -8,10 +8,12 @@ Conditional disaggregation is set between the two prompt lengths used, so
 the longer chat runs disaggregated (the context worker encodes the image and
 prefills; the generation worker only pulls the cache) and the shorter one
 runs whole on the generation worker. A second, aggregated-only cluster
-(`context_servers.num_instances: 0`) serves the long chat too. All give
-transformers' `NemotronH_Omni_Reasoning_V3` greedy text on the same pixels;
-another image gives another answer; the repeated image is an encoder-cache
-hit; bad images are 400s naming the part, and the server keeps serving.
+(`context_servers.num_instances: 0`) serves the long chat on the same
+weights with the VL V2 tiling format. All give transformers'
+`NemotronH_Omni_Reasoning_V3` greedy text on the same pixels; another image
+gives another answer; the repeated image is an encoder-cache hit; bad
+images and images on /v1/completions are 400s naming the part, and the
+server keeps serving.
 """
 
 from __future__ import annotations
@@ -40,19 +42,24 @@ SHORT = "Describe {image} please."
 LONG = "Look closely at this picture {image} and tell me what it shows, in a few words."
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_omni(out: Path, image_format: str) -> Path:
     from models.embedded.writer import ensure_checkpoint
 
     # A wider initialization than the default, so the image visibly steers
-    # the tiny model's answer.
+    # the tiny model's answer. The weights do not depend on the image format.
     return ensure_checkpoint(
-        tmp_path_factory.mktemp("vl") / "tiny-omni",
+        out,
         "nemotron_vl",
         "tiny",
         vl_architecture="NemotronH_Omni_Reasoning_V3",
         initializer_range=0.1,
+        image_format=image_format,
     )
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_omni(tmp_path_factory.mktemp("vl") / "tiny-omni", "dynamic")
 
 
 def serve_config(checkpoint: Path, num_context: int) -> dict[str, Any]:
@@ -91,8 +98,8 @@ def reference(checkpoint: Path) -> Any:
     return NemotronH_Omni_Reasoning_V3.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
 
-def picture(seed: int) -> Image.Image:
-    pixels = torch.randint(0, 256, (64, 64, 3), generator=torch.Generator().manual_seed(seed))
+def picture(seed: int, width: int = 64) -> Image.Image:
+    pixels = torch.randint(0, 256, (64, width, 3), generator=torch.Generator().manual_seed(seed))
     return Image.fromarray(pixels.byte().numpy())
 
 
@@ -137,23 +144,26 @@ def expected_text(checkpoint: Path, reference: Any, template: str, image: Image.
         out = reference.generate(
             torch.tensor([ids]),
             pixel_values=preprocess_image(image, grid, processing),
-            image_grid_hw=torch.tensor([grid]),
+            # Each tile of the VL V2 format is one image to transformers' tower.
+            image_grid_hw=torch.tensor(processing.encoder_grids(grid)),
             max_new_tokens=MAX_TOKENS,
             do_sample=False,
         )
     return str(tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
 
 
-def test_aggregated_only_cluster_gives_transformers_text(
-    checkpoint: Path, reference: Any, tmp_path: Path
+def test_aggregated_only_cluster_gives_transformers_text_on_tiles(
+    reference: Any, tmp_path: Path
 ) -> None:
-    """No context worker at all: the generation worker encodes and prefills."""
+    """No context worker at all: the generation worker encodes and prefills,
+    here on the VL V2 tiling format (2 x 1 tiles + thumbnail)."""
+    tiled = tiny_omni(tmp_path / "tiny-omni-tiles", "tiles")
     path = tmp_path / "aggregated-images.yaml"
-    path.write_text(yaml.safe_dump(serve_config(checkpoint, num_context=0)))
-    fish = picture(5)
+    path.write_text(yaml.safe_dump(serve_config(tiled, num_context=0)))
+    fish = picture(5, width=128)
     with ServeProcess(path) as aggregated:
         local = openai.OpenAI(base_url=aggregated.url, api_key="unused", timeout=120)
-        assert ask(local, LONG, data_url(fish)) == expected_text(checkpoint, reference, LONG, fish)
+        assert ask(local, LONG, data_url(fish)) == expected_text(tiled, reference, LONG, fish)
         assert metric(aggregated, "disagg_routed_requests_total", phase="whole") == 1
 
 
