@@ -73,6 +73,19 @@ class ServingMetrics:
             ["worker"],
             registry=r,
         )
+        self.encoded_images = Gauge(
+            "disagg_router_encoded_images",
+            "Images whose embeddings the router knows each worker's encoder cache holds.",
+            ["worker"],
+            registry=r,
+        )
+        self.routed_cache_hits = Counter(
+            "disagg_routed_cache_hits",
+            "Dispatches to a worker known to hold a leading KV block of the prompt (cache: kv) "
+            "or the embeddings of one of its images (cache: encoder).",
+            ["worker", "phase", "cache"],
+            registry=r,
+        )
         self.worker_requests = Gauge(
             "disagg_worker_requests",
             "Requests each worker holds (waiting, running or transferring), as last polled.",

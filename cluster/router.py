@@ -27,9 +27,9 @@ another context worker. When the caller stops iterating (client
 disconnect), the request is aborted on every worker it touched, so both
 sides free its blocks.
 
-Load and KV events are polled from every worker in the background; the
-router's own `tokens_in_flight` bookkeeping keeps `least_loaded` exact
-between polls.
+Load, KV events and encoder-cache events are polled from every worker in
+the background; the router's own `tokens_in_flight` bookkeeping keeps
+`least_loaded` exact between polls.
 """
 
 from __future__ import annotations
@@ -238,16 +238,20 @@ class Router:
         """Run the context phase; with `prefetch_to`, that generation worker
         starts pulling from the first context worker tried as it prefills."""
         cost = len(request.prompt_token_ids) + 1
+        images = [image.content_hash for image in request.images]
         errors: list[str] = []
         for _ in range(self.settings.max_attempts):
-            endpoint = self._pick(self.context, self._context_policy, hashes, touched)
+            endpoint = self._pick(self.context, self._context_policy, hashes, touched, images)
             touched.append(endpoint)
             endpoint.state.tokens_in_flight += cost
             self.metrics.routed.labels(endpoint.name, "context").inc()
+            self._count_cache_hits(endpoint, "context", hashes, images)
             if prefetch_to is not None and not errors:
-                images = tuple(i.without_data() for i in request.images)
                 prefetch = PrefetchRequest(
-                    request.request_id, request.prompt_token_ids, endpoint.actor, images
+                    request.request_id,
+                    request.prompt_token_ids,
+                    endpoint.actor,
+                    tuple(i.without_data() for i in request.images),
                 )
                 prefetch_to.actor.prefetch.remote(prefetch)
             try:
@@ -274,14 +278,18 @@ class Router:
         cost = len(request.prompt_token_ids) + _max_tokens(request.params)
         phase = "generation" if request.context is not None else "whole"
         attempts = self.settings.max_attempts if request.context is None else 1
+        # A worker that pulls the cache encodes nothing: images steer only a
+        # request it runs whole.
+        images = [i.content_hash for i in request.images] if request.context is None else []
         errors: list[str] = []
         for _ in range(attempts):
             endpoint = target or self._pick(
-                self.generation, self._generation_policy, hashes, touched
+                self.generation, self._generation_policy, hashes, touched, images
             )
             touched.append(endpoint)
             endpoint.state.tokens_in_flight += cost
             self.metrics.routed.labels(endpoint.name, phase).inc()
+            self._count_cache_hits(endpoint, phase, hashes, images)
             streamed = False
             started = time.perf_counter()
             try:
@@ -317,12 +325,24 @@ class Router:
         policy: RoutingPolicy,
         hashes: Sequence[bytes],
         tried: Sequence[WorkerEndpoint],
+        images: Sequence[bytes] = (),
     ) -> WorkerEndpoint:
         """The policy's choice among the pool, skipping workers this request
         already tried while others remain."""
         candidates = [e for e in pool if e not in tried and e.state.healthy] or pool
-        state = policy.choose([e.state for e in candidates], hashes)
+        state = policy.choose([e.state for e in candidates], hashes, images)
         return next(e for e in candidates if e.state is state)
+
+    def _count_cache_hits(
+        self, endpoint: WorkerEndpoint, phase: str, hashes: Sequence[bytes], images: Sequence[bytes]
+    ) -> None:
+        """Count a dispatch to a worker known to hold a leading block of the
+        prompt (`kv`) or the embeddings of one of its images (`encoder`)."""
+        hits = self.metrics.routed_cache_hits
+        if endpoint.state.prefix_match(hashes):
+            hits.labels(endpoint.name, phase, "kv").inc()
+        if endpoint.state.image_match(images):
+            hits.labels(endpoint.name, phase, "encoder").inc()
 
     def _record_transfer(self, context: ContextResult, started: float) -> None:
         """The pull ends before the generation worker's first token: time it,
@@ -381,6 +401,9 @@ class Router:
         removed = [e.block_hash for e in batch.events if e.kind == "removed"]
         state.apply_kv_event(stored, removed)
         self.metrics.cached_blocks.labels(endpoint.name).set(len(state.cached_blocks))
+        if batch.encoder_events or state.encoded_images:
+            state.apply_encoder_events(batch.encoder_events)
+            self.metrics.encoded_images.labels(endpoint.name).set(len(state.encoded_images))
 
 
 class _PullFailed(Exception):

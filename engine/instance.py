@@ -175,7 +175,12 @@ class EngineInstance:
         )
 
     def drain_kv_events(self) -> KVEventBatch:
-        return KVEventBatch(worker_id=self.worker_id, events=list(self.manager.drain_events()))
+        encoder = self.runner.image_encoder
+        return KVEventBatch(
+            worker_id=self.worker_id,
+            events=list(self.manager.drain_events()),
+            encoder_events=encoder.drain_events() if encoder is not None else [],
+        )
 
     def step_stats(self) -> dict[str, float]:
         """The loop's step counters, plus the encoder cache's for a VL model."""

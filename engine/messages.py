@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.multimodal import ImageInput
+from engine.multimodal import EncoderCacheEvent, ImageInput
 
 if TYPE_CHECKING:
     from engine.sampling import SamplingParams
@@ -157,10 +157,12 @@ class WorkerLoad:
 @dataclass(frozen=True)
 class KVEventBatch:
     """Cache events (blocks stored / removed) since the last drain, in order;
-    `events` holds whatever the worker's KV cache manager reports."""
+    `events` holds whatever the worker's KV cache manager reports, and
+    `encoder_events` the images its encoder cache took in or dropped."""
 
     worker_id: str
     events: list[Any]
+    encoder_events: list[EncoderCacheEvent] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
