@@ -24,7 +24,7 @@ class ServingMetrics:
         )
         self.routed = Counter(
             "disagg_routed_requests",
-            "Requests dispatched to each worker (phase: context, generation or whole).",
+            "Requests dispatched to each worker (phase: context, prefetch, generation or whole).",
             ["worker", "phase"],
             registry=r,
         )

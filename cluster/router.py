@@ -226,6 +226,7 @@ class Router:
             return None
         target = self._pick(self.generation, self._generation_policy, hashes, touched)
         touched.append(target)
+        self.metrics.routed.labels(target.name, "prefetch").inc()
         return target
 
     async def _run_context(

@@ -367,25 +367,13 @@ async def test_a_side_killed_mid_prompt_of_a_pipelined_pull_reruns_and_frees_the
     expected = tokens(await h.run(f"ref-pipelined-{victim}", PIPELINED_PROMPT, 8))
     h.router.settings = dataclasses.replace(h.router.settings, pipeline_above_tokens=64)
     pids = {e.name: await pid_of(e.actor) for e in h.router.workers}
-    before = h.counts("context", "context")
+    before = {**h.counts("context", "context"), **h.counts("generation", "prefetch")}
     rid = f"pipelined-{victim}"
     task = asyncio.ensure_future(h.run(rid, PIPELINED_PROMPT, 8))
     holder = await h.wait_routed("context", "context", before)
+    puller = await h.wait_routed("generation", "prefetch", before)
     await h.endpoint(holder).actor.blocks_ready.remote(rid, 0)  # a chunk was offered
-    if victim == "holder":
-        os.kill(pids[holder], signal.SIGKILL)
-    else:
-        os.kill(pids[await _prefetching(h)], signal.SIGKILL)
+    os.kill(pids[holder if victim == "holder" else puller], signal.SIGKILL)
     events = await asyncio.wait_for(task, 4 * TIMEOUT_S)
     assert tokens(events) == expected and events[-1].finish_reason == "length"
     await h.all_idle()
-
-
-async def _prefetching(h: Harness) -> str:
-    """The generation worker with a pull in flight (the prefetch)."""
-    for _ in range(400):
-        for e in h.router.generation:
-            if (await e.actor.load.remote()).num_transferring:
-                return str(e.name)
-        await asyncio.sleep(0.005)
-    raise AssertionError("no generation worker prefetched the prompt")
