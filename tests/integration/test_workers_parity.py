@@ -469,6 +469,7 @@ PIPELINED = [
     ("llama", "v2", "v2", "nixl"),
     ("llama", "v1", "v1", "nixl"),
     ("nemotron_h", "v2", "v1", "python"),
+    ("nemotron_h", "v2", "v2", "python"),
 ]
 
 
