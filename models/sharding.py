@@ -4,13 +4,23 @@ plan and the registry can check a size without loading torch).
 `shard_config(config, rank, size)` is the config rank `rank` builds its
 model from: its share of the attention heads, the MLP and MoE widths and the
 Mamba heads and groups. `models.tensor_parallel` cuts the weights to match.
+
+Mamba2 B/C groups: a rank keeps the groups its heads read. When `n_groups`
+splits over the ranks those are its own share; otherwise a group's heads
+span ranks and each of them keeps a copy of that group (8 heads, 1 group,
+2 ranks: both hold group 0), and the gated norm over the group's heads sums
+across the ranks (`models.layers.mamba2`):
+
+    heads    | 0 1 2 | 3 4 5 |     6 heads, 3 groups, 2 ranks
+    group    | 0 0 1 | 1 2 2 |     rank 0 keeps groups 0..1, rank 1 groups 1..2
+    rank     |   0   |   1   |
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from models.config import ModelConfig, TensorParallelShard
+from models.config import MambaConfig, MambaShard, ModelConfig, TensorParallelShard
 from models.errors import ConfigError
 
 
@@ -24,9 +34,8 @@ def _divides(size: int, config: ModelConfig) -> dict[str, bool]:
         "intermediate_size": config.intermediate_size % size == 0,
     }
     if config.mamba is not None:
+        # n_groups need not split: a group whose heads span ranks is kept by each.
         fields["mamba_num_heads"] = config.mamba.num_heads % size == 0
-        # The gated norm runs over groups of heads: a rank must hold whole groups.
-        fields["n_groups"] = config.mamba.n_groups % size == 0
     if config.moe is not None:
         fields["moe_intermediate_size"] = config.moe.intermediate_size % size == 0
         shared = config.moe.shared_intermediate_size
@@ -37,7 +46,6 @@ def _divides(size: int, config: ModelConfig) -> dict[str, bool]:
 def _field_value(config: ModelConfig, name: str) -> int:
     values = {
         "mamba_num_heads": lambda: config.mamba.num_heads if config.mamba else 0,
-        "n_groups": lambda: config.mamba.n_groups if config.mamba else 0,
         "moe_intermediate_size": lambda: config.moe.intermediate_size if config.moe else 0,
         "moe_shared_expert_intermediate_size": lambda: (
             config.moe.shared_intermediate_size if config.moe else 0
@@ -79,9 +87,7 @@ def shard_config(config: ModelConfig, rank: int, size: int) -> ModelConfig:
         num_attention_heads=config.num_attention_heads // size,
         num_key_value_heads=max(1, config.num_key_value_heads // size),
         intermediate_size=config.intermediate_size // size,
-        mamba=None
-        if mamba is None
-        else replace(mamba, num_heads=mamba.num_heads // size, n_groups=mamba.n_groups // size),
+        mamba=None if mamba is None else _shard_mamba(mamba, rank, size),
         moe=None
         if moe is None
         else replace(
@@ -89,8 +95,27 @@ def shard_config(config: ModelConfig, rank: int, size: int) -> ModelConfig:
             intermediate_size=moe.intermediate_size // size,
             shared_intermediate_size=moe.shared_intermediate_size // size,
         ),
+        # A VL wrapper's image path runs on rank 0 alone (models/nemotron_vl.py).
+        vision=config.vision if rank == 0 else None,
         tp=TensorParallelShard(rank, size),
     )
+
+
+def mamba_group_range(mamba: MambaConfig, rank: int, size: int) -> tuple[int, int]:
+    """`[first, stop)` of the B/C groups that rank `rank` of `size`'s heads read
+    (`mamba` is the whole model's)."""
+    per_rank, per_group = mamba.num_heads // size, mamba.num_heads // mamba.n_groups
+    first_head = rank * per_rank
+    return first_head // per_group, (first_head + per_rank - 1) // per_group + 1
+
+
+def _shard_mamba(mamba: MambaConfig, rank: int, size: int) -> MambaConfig:
+    first, stop = mamba_group_range(mamba, rank, size)
+    per_rank = mamba.num_heads // size
+    shard = MambaShard(
+        rank * per_rank, mamba.num_heads, mamba.n_groups, TensorParallelShard(rank, size)
+    )
+    return replace(mamba, num_heads=per_rank, n_groups=stop - first, shard=shard)
 
 
 def vocab_rows_per_rank(vocab_size: int, size: int) -> int:
