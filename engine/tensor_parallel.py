@@ -34,6 +34,7 @@ import datetime
 import logging
 import os
 import socket
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -45,6 +46,7 @@ from engine.cache_build import build_cache
 from engine.model_runner import ModelRunner, StepInput
 from engine.threads import configure_torch_threads, run_on_compute_thread
 from engine.worker_config import WorkerConfig
+from kvcache.manager import KVCacheManager
 from kvcache.sizing import CacheSizing
 from models.config import TensorParallelShard
 from models.loader import load_model
@@ -73,15 +75,32 @@ def _free_address(host: str) -> str:
         return f"{host}:{sock.getsockname()[1]}"
 
 
+@dataclass(frozen=True)
+class RankCapacity:
+    """How many KV blocks and Mamba slots one rank's cache holds."""
+
+    num_blocks: int
+    num_mamba_slots: int
+
+    @classmethod
+    def of(cls, manager: KVCacheManager) -> RankCapacity:
+        pool = manager.mamba_pool
+        return cls(manager.num_usable_blocks, pool.num_slots if pool is not None else 0)
+
+
 class TensorParallelRank:
     """Rank `rank` >= 1 of a tensor-parallel instance (run as a Ray actor)."""
 
     def __init__(self, config: WorkerConfig, rank: int, address: str, sizing: CacheSizing) -> None:
         configure_torch_threads(config.device)
-        self.runner = run_on_compute_thread(lambda: self._build(config, rank, address, sizing))
+        self.runner, self.capacity = run_on_compute_thread(
+            lambda: self._build(config, rank, address, sizing)
+        )
 
     @staticmethod
-    def _build(config: WorkerConfig, rank: int, address: str, sizing: CacheSizing) -> ModelRunner:
+    def _build(
+        config: WorkerConfig, rank: int, address: str, sizing: CacheSizing
+    ) -> tuple[ModelRunner, RankCapacity]:
         join_group(address, rank, config.tensor_parallel_size, config.device)
         model, model_config = load_model(
             config.checkpoint,
@@ -90,7 +109,7 @@ class TensorParallelRank:
             tp=TensorParallelShard(rank, config.tensor_parallel_size),
         )
         manager, cache, _ = build_cache(config, model_config, sizing)
-        return ModelRunner(
+        runner = ModelRunner(
             model,
             cache.views(),
             manager,
@@ -99,9 +118,11 @@ class TensorParallelRank:
             device=config.device,
             is_hybrid=model_config.cache_spec(config.dtype).is_hybrid,
         )
+        return runner, RankCapacity.of(manager)
 
-    def ready(self) -> None:
+    def ready(self) -> RankCapacity:
         """Returns once the rank is built (its shard loaded, its cache allocated)."""
+        return self.capacity
 
     def run_step(self, step: StepInput) -> None:
         try:
@@ -117,8 +138,9 @@ class TensorParallelRank:
 class RankGroup:
     """Rank 0's side: the other ranks' actors, and each step sent to them."""
 
-    def __init__(self, ranks: list[Any]) -> None:
+    def __init__(self, ranks: list[Any], capacities: list[RankCapacity]) -> None:
         self.ranks = ranks
+        self.capacities = capacities  # of ranks 1.., in order
 
     @classmethod
     def start(cls, config: WorkerConfig, worker_id: str, sizing: CacheSizing) -> RankGroup:
@@ -152,13 +174,13 @@ class RankGroup:
         try:
             join_group(address, 0, size, config.device)
             # Surfaces a rank that failed to load its shard.
-            ray.get([rank.ready.remote() for rank in ranks])
+            capacities = ray.get([rank.ready.remote() for rank in ranks])
         except BaseException:
             for rank in ranks:
                 ray.kill(rank)
             raise
         logger.info("%s: %d tensor-parallel ranks joined at %s", worker_id, size, address)
-        return cls(ranks)
+        return cls(ranks, capacities)
 
     def send(self, step: StepInput) -> None:
         for rank in self.ranks:

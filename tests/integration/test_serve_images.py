@@ -6,7 +6,8 @@ Conditional disaggregation is set between the two prompt lengths used, so
 the longer chat runs disaggregated (the context worker encodes the image and
 prefills; the generation worker only pulls the cache) and the shorter one
 runs whole on the generation worker. A second, aggregated-only cluster
-(`context_servers.num_instances: 0`) serves the long chat too. All give
+(`context_servers.num_instances: 0`, its generation instance two
+tensor-parallel ranks) serves the long chat too. All give
 transformers' `NemotronH_Omni_Reasoning_V3` greedy text on the same pixels;
 another image gives another answer; the repeated image is an encoder-cache
 hit; bad images are 400s naming the part, and the server keeps serving.
@@ -145,14 +146,19 @@ def expected_text(checkpoint: Path, reference: Any, template: str, image: Image.
 def test_aggregated_only_cluster_gives_transformers_text(
     checkpoint: Path, reference: Any, tmp_path: Path
 ) -> None:
-    """No context worker at all: the generation worker encodes and prefills."""
+    """No context worker at all: the generation worker encodes and prefills,
+    as two tensor-parallel ranks (the image path on rank 0, the backbone split)."""
+    config = serve_config(checkpoint, num_context=0)
+    config["generation_servers"]["tensor_parallel_size"] = 2
     path = tmp_path / "aggregated-images.yaml"
-    path.write_text(yaml.safe_dump(serve_config(checkpoint, num_context=0)))
+    path.write_text(yaml.safe_dump(config))
     fish = picture(5)
     with ServeProcess(path) as aggregated:
         local = openai.OpenAI(base_url=aggregated.url, api_key="unused", timeout=120)
         assert ask(local, LONG, data_url(fish)) == expected_text(checkpoint, reference, LONG, fish)
         assert metric(aggregated, "disagg_routed_requests_total", phase="whole") == 1
+        slots = [metric(aggregated, "disagg_rank_mamba_slots", rank=r, state="total") for r in "01"]
+        assert slots[0] > 0 and slots[0] == slots[1]
 
 
 def ask(client: openai.OpenAI, template: str, url: str) -> str:
