@@ -48,11 +48,12 @@ class TensorParallelShard:
 
 @dataclass(frozen=True)
 class MambaShard:
-    """Where a tensor-parallel rank's Mamba2 heads sit among the whole model's
-    (`models.sharding.shard_config`). Head h of the model reads B/C group
-    `h // heads_per_group`; a rank keeps the groups its heads read."""
+    """Where a tensor-parallel rank's Mamba2 heads and B/C groups sit among
+    the whole model's (`models.sharding.shard_config`). Head h of the model
+    reads group `h // heads_per_group`."""
 
-    first_head: int  # the rank's first head, counted over the whole model
+    first_head: int  # the rank's first head and first kept group, in the model's numbering
+    first_group: int
     model_heads: int  # the whole model's num_heads and n_groups
     model_groups: int
     tp: TensorParallelShard
@@ -62,21 +63,15 @@ class MambaShard:
         return self.model_heads // self.model_groups
 
     @property
-    def first_group(self) -> int:
-        return self.first_head // self.heads_per_group
-
-    @property
     def whole_groups(self) -> bool:
         """Each rank holds whole groups (n_groups splits over the ranks), so the
         gated norm, which runs over a group's heads, stays on the rank."""
         return self.model_groups % self.tp.size == 0
 
     def head_groups(self, num_heads: int) -> tuple[int, ...]:
-        """The group of each of the rank's `num_heads` heads, counted from its first group."""
-        first = self.first_head
-        return tuple(
-            (first + h) // self.heads_per_group - self.first_group for h in range(num_heads)
-        )
+        """The group of each of the rank's `num_heads` heads, counted among its kept groups."""
+        per_group, first = self.heads_per_group, self.first_head
+        return tuple((first + h) // per_group - self.first_group for h in range(num_heads))
 
 
 @dataclass(frozen=True)

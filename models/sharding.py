@@ -5,14 +5,14 @@ plan and the registry can check a size without loading torch).
 model from: its share of the attention heads, the MLP and MoE widths and the
 Mamba heads and groups. `models.tensor_parallel` cuts the weights to match.
 
-Mamba2 B/C groups: a rank keeps the groups its heads read. When `n_groups`
-splits over the ranks those are its own share; otherwise a group's heads
-span ranks and each of them keeps a copy of that group (8 heads, 1 group,
-2 ranks: both hold group 0), and the gated norm over the group's heads sums
-across the ranks (`models.layers.mamba2`):
+Mamba2 B/C groups: when `n_groups` splits over the ranks, a rank keeps its
+share, which its heads read; otherwise every rank keeps all of them and each
+head reads its own group among them (8 heads, 1 group, 2 ranks: both hold
+group 0). The gated norm then runs over groups whose heads span ranks, so it
+sums across them (`models.layers.mamba2`):
 
-    heads    | 0 1 2 | 3 4 5 |     6 heads, 3 groups, 2 ranks
-    group    | 0 0 1 | 1 2 2 |     rank 0 keeps groups 0..1, rank 1 groups 1..2
+    heads    | 0 1 2 | 3 4 5 |     6 heads, 3 groups, 2 ranks: both keep
+    group    | 0 0 1 | 1 2 2 |     groups 0..2; rank 0's heads read 0, 0, 1
     rank     |   0   |   1   |
 """
 
@@ -102,18 +102,24 @@ def shard_config(config: ModelConfig, rank: int, size: int) -> ModelConfig:
 
 
 def mamba_group_range(mamba: MambaConfig, rank: int, size: int) -> tuple[int, int]:
-    """`[first, stop)` of the B/C groups that rank `rank` of `size`'s heads read
-    (`mamba` is the whole model's)."""
-    per_rank, per_group = mamba.num_heads // size, mamba.num_heads // mamba.n_groups
-    first_head = rank * per_rank
-    return first_head // per_group, (first_head + per_rank - 1) // per_group + 1
+    """`[first, stop)` of the B/C groups rank `rank` of `size` keeps (`mamba` is
+    the whole model's): its share when `n_groups` splits over the ranks, else
+    all of them (each of its heads then reads its own group among them)."""
+    if mamba.n_groups % size == 0:
+        share = mamba.n_groups // size
+        return rank * share, (rank + 1) * share
+    return 0, mamba.n_groups
 
 
 def _shard_mamba(mamba: MambaConfig, rank: int, size: int) -> MambaConfig:
     first, stop = mamba_group_range(mamba, rank, size)
     per_rank = mamba.num_heads // size
     shard = MambaShard(
-        rank * per_rank, mamba.num_heads, mamba.n_groups, TensorParallelShard(rank, size)
+        first_head=rank * per_rank,
+        first_group=first,
+        model_heads=mamba.num_heads,
+        model_groups=mamba.n_groups,
+        tp=TensorParallelShard(rank, size),
     )
     return replace(mamba, num_heads=per_rank, n_groups=stop - first, shard=shard)
 

@@ -19,9 +19,9 @@ rank's own KV cache (its KV heads only). Weights are cut while they are read
 
 Nemotron-H adds the Mamba2 mixer, split by heads: `in_proj` rows are
 `z | x | B | C | dt` and `conv1d` channels `x | B | C`, so a rank reads its
-heads' part of z, x and dt and, of B and C, the groups its heads read from
-each section (all of them its own when `n_groups` splits over the ranks, else
-shared with the ranks whose heads read them too); `dt_bias`,
+heads' part of z, x and dt and, of B and C, its share of the groups from
+each section (all groups when `n_groups` does not split over the ranks, see
+`models.sharding`); `dt_bias`,
 `A_log`, `D` and the norm weight follow the heads, `out_proj` is
 row-parallel. MLP and MoE experts (and the shared expert) split along their
 intermediate width like gate/up/down; the router is replicated.
@@ -110,8 +110,8 @@ def _mamba_cut(
     """Cuts of a Mamba2 mixer's tensors; None when `module` is none of them.
 
     in_proj rows are `z | x | B | C | dt` and conv1d channels `x | B | C`: a
-    rank takes its heads' slice of z, x and dt and, of B and C, the groups its
-    heads read (`models.sharding.mamba_group_range`) from each section.
+    rank takes its heads' slice of z, x and dt and, of B and C, the groups it
+    keeps (`models.sharding.mamba_group_range`) from each section.
     """
     mamba = full.mamba
     if mamba is None:

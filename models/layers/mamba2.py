@@ -256,8 +256,8 @@ class Mamba2Mixer(nn.Module):
 def _bc_of_head(config: MambaConfig) -> torch.Tensor | None:
     """Which of the rank's B/C groups each of its heads reads, where that is not
     the even split `h // (heads / groups)` the scan and the decode step assume
-    (a tensor-parallel rank that shares its first or last group with another
-    rank); None where it is."""
+    (a tensor-parallel rank that keeps every group because `n_groups` does not
+    split over the ranks); None where it is."""
     if config.shard is None:
         return None
     groups = config.shard.head_groups(config.num_heads)

@@ -9,9 +9,9 @@ a vocabulary that does not split evenly, tied embeddings and biases on every
 projection (the row-parallel biases are added once), and a Nemotron-H with
 every layer kind (Mamba2 split per x | B | C section, attention, MLP, MoE),
 and the Nemotron Omni wrapper on two images. Two more Nemotron-H checkpoints have B/C groups that do not split over the
-ranks: one group read by all 8 heads (both ranks keep it, and the gated norm
-sums across them), and 3 groups over 6 heads (each rank keeps the two groups
-its 3 heads read, the middle one on both).
+ranks: one group read by all 8 heads, and 3 groups over 6 heads; each rank
+keeps every group, its heads read their own, and the gated norm over a
+group's heads sums across the ranks.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ HYBRIDS: dict[str, tuple[dict[str, object], tuple[int, int]]] = {
     "groups-replicated": ({"n_groups": 1, "hybrid_override_pattern": "M*M-"}, (4, 1)),
     "groups-shared": (
         {"mamba_num_heads": 6, "n_groups": 3, "hybrid_override_pattern": "M*M-"},
-        (3, 2),
+        (3, 3),
     ),
 }
 CHECKPOINTS = {
@@ -171,15 +171,15 @@ def test_mamba_heads_that_do_not_split_are_refused_while_groups_need_not_split(
     assert allowed_sizes(config) == [1, 2]
     with pytest.raises(ConfigError, match=r"mamba_num_heads = 6 .* values .*: 1, 2"):
         shard_config(config, 0, 4)
-    # Rank 1 of 2 holds heads 3..5, which read groups 1 and 2: in_proj takes
-    # z and x of its heads, both groups' B and C, dt of its heads.
+    # Rank 1 of 2 holds heads 3..5 and all 3 groups: in_proj takes z and x
+    # of its heads, every group's B and C, dt of its heads.
     cut = weight_cut("backbone.layers.0.mixer.in_proj.weight", config, TensorParallelShard(1, 2))
     inner, bc = 48, 3 * 16
     assert cut is not None and cut.ranges == (
         (24, 48),
         (inner + 24, inner + 48),
-        (2 * inner + 16, 2 * inner + 48),
-        (2 * inner + bc + 16, 2 * inner + bc + 48),
+        (2 * inner, 2 * inner + bc),
+        (2 * inner + bc, 2 * inner + 2 * bc),
         (2 * inner + 2 * bc + 3, 2 * inner + 2 * bc + 6),
     )
 
