@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 # How long a rank waits for the others to join the group, and for one
 # collective of a step.
 GROUP_TIMEOUT_S = 300.0
+# How long rank 0 waits for the other ranks to leave the group on close.
+LEAVE_TIMEOUT_S = 30.0
 
 
 def join_group(address: str, rank: int, size: int, device: str) -> None:
@@ -123,6 +125,11 @@ class TensorParallelRank:
     def ready(self) -> RankCapacity:
         """Returns once the rank is built (its shard loaded, its cache allocated)."""
         return self.capacity
+
+    def leave(self) -> None:
+        """Leave the instance's group (`RankGroup.close`)."""
+        if dist.is_initialized():
+            run_on_compute_thread(dist.destroy_process_group)
 
     def run_step(self, step: StepInput) -> None:
         try:
@@ -197,8 +204,20 @@ class RankGroup:
         os._exit(1)
 
     def close(self) -> None:
+        """Every rank leaves the group together (NCCL tears a communicator down
+        collectively; no collective is in flight between steps), then the
+        rank actors stop. Runs on the compute thread, where rank 0's
+        collectives ran."""
+        run_on_compute_thread(self._leave)
         for rank in self.ranks:
             ray.kill(rank)
         self.ranks = []
+
+    def _leave(self) -> None:
+        leaving = [rank.leave.remote() for rank in self.ranks]
         if dist.is_initialized():
             dist.destroy_process_group()
+        try:
+            ray.get(leaving, timeout=LEAVE_TIMEOUT_S)
+        except Exception as exc:  # a rank that is gone already is stopped all the same
+            logger.warning("a tensor-parallel rank did not leave its group cleanly: %s", exc)

@@ -65,24 +65,32 @@ def test_the_plan_shows_two_ranks_on_the_generation_instance(server: Server) -> 
     assert plan and "cpu x2" in plan[0]
 
 
-def test_metrics_show_each_ranks_cache(server: Server, checkpoint: Path) -> None:
+def _rank_samples(server: Server) -> dict[tuple[str, str, str], float]:
+    """`disagg_rank_*` samples of the generation instance: (name, rank, state) -> value."""
     text = httpx.get(server.url.removesuffix("/v1") + "/metrics", timeout=30).text
-    samples = {
+    return {
         (m["name"], m["rank"], m["state"]): float(m["value"])
         for m in re.finditer(
-            r'(?P<name>disagg_rank_\w+)\{worker="generation-0",rank="(?P<rank>\d)",'
-            r'state="(?P<state>\w+)"\} (?P<value>\S+)',
+            r'(?P<name>disagg_rank_\w+)\{rank="(?P<rank>\d)",state="(?P<state>\w+)",'
+            r'worker="generation-0"\} (?P<value>\S+)',
             text,
         )
     }
+
+
+def test_metrics_show_each_ranks_cache(server: Server, checkpoint: Path) -> None:
+    deadline = time.monotonic() + 10  # the router polls its workers' load
+    while not (samples := _rank_samples(server)):
+        assert time.monotonic() < deadline, "no per-rank cache samples in /metrics"
+        time.sleep(0.2)
     blocks = [samples[("disagg_rank_kv_blocks", rank, "total")] for rank in "01"]
-    assert blocks[0] > 0 and blocks[0] == blocks[1], text
+    assert blocks[0] > 0 and blocks[0] == blocks[1], samples
     assert samples[("disagg_rank_kv_blocks", "1", "used")] >= 0
     slots = [samples.get(("disagg_rank_mamba_slots", rank, "total")) for rank in "01"]
     if checkpoint.name.endswith("nemotron_h"):
-        assert slots[0] and slots[0] == slots[1], text
+        assert slots[0] and slots[0] == slots[1], samples
     else:
-        assert slots == [None, None], text
+        assert slots == [None, None], samples
 
 
 def test_greedy_text_matches_transformers(server: Server, checkpoint: Path) -> None:
