@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+import torch
 import torch.distributed as dist
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -61,14 +62,26 @@ LEAVE_TIMEOUT_S = 30.0
 
 
 def join_group(address: str, rank: int, size: int, device: str) -> None:
-    """Join the instance's process group at `address` ("host:port") as `rank`."""
+    """Join the instance's process group at `address` ("host:port") as `rank`.
+
+    On CUDA the group is NCCL's, bound to this process's device (each rank
+    sees only its own GPU), so its communicator is set up here, with all
+    ranks, rather than guessed from the rank number at a first collective."""
+    cuda = device.startswith("cuda")
     dist.init_process_group(
-        "nccl" if device.startswith("cuda") else "gloo",
+        "nccl" if cuda else "gloo",
         init_method=f"tcp://{address}",
         rank=rank,
         world_size=size,
         timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+        device_id=_cuda_device(device) if cuda else None,
     )
+
+
+def _cuda_device(device: str) -> torch.device:
+    """`device` with its index ("cuda" is the current device)."""
+    named = torch.device(device)
+    return named if named.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def _free_address(host: str) -> str:
