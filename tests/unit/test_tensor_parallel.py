@@ -37,6 +37,8 @@ from tests.unit.test_llama_parity import write_checkpoint
 from tests.unit.test_nemotron_h_parity import write_checkpoint as write_nemotron_h
 from tests.unit.test_nemotron_vl import (
     IMAGE_TOKEN_ID,
+    encode_images,
+    generate_with_images,
     image_inputs,
     image_prompt,
     write_omni_checkpoint,
@@ -102,35 +104,12 @@ def _vl_images_match_transformers(path: Path, rank: int) -> None:
     grids = [(2, 4), (6, 2)]
     prompt = image_prompt(grids, seed=2)
     pixel_values, grid_hw = image_inputs(grids, seed=3)
-    positions = [p for p, token in enumerate(prompt) if token == IMAGE_TOKEN_ID]
     if rank == 0:
-        with torch.no_grad():
-            embeds = torch.cat(
-                [
-                    model.encode_image(pixels, grid)
-                    for pixels, grid in zip(
-                        pixel_values.split(grid_hw.prod(-1).tolist()), grids, strict=True
-                    )
-                ]
-            )
+        embeds = encode_images(model, pixel_values, grids)
     else:
-        embeds = torch.zeros(len(positions), config.hidden_size)
-    trace = run_paged_generation(
-        model,
-        config.cache_spec(),
-        [prompt],
-        chunk_size=5,
-        decode_steps=DECODE_STEPS,
-        embeds_at=[dict(zip(positions, embeds, strict=True))],
-    )
+        embeds = torch.zeros(prompt.count(IMAGE_TOKEN_ID), config.hidden_size)
     reference = NemotronH_Omni_Reasoning_V3.from_pretrained(path).eval()
-    assert_matches_reference(
-        reference,
-        [prompt],
-        trace,
-        DECODE_STEPS,
-        reference_inputs=[{"pixel_values": pixel_values, "image_grid_hw": grid_hw}],
-    )
+    generate_with_images(model, config, reference, prompt, embeds, pixel_values, grid_hw)
 
 
 def test_two_ranks_match_transformers(tmp_path: Path) -> None:
