@@ -1,7 +1,9 @@
 """Start the worker actors of a `ClusterPlan` on Ray, and stop them again.
 
     join `address` (or start a local Ray)
-    for each instance: placement group (CPU + GPU bundle) -> actor(WorkerConfig)
+    for each instance: placement group (CPU + GPU bundle)
+                       -> the checkpoint on its node (`cluster.checkpoint_copy`)
+                       -> actor(WorkerConfig)
     wait until every actor started and reports healthy, within the timeout
 
 If any instance fails to come up, everything this launcher started is

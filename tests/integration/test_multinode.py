@@ -6,6 +6,12 @@ The cluster (one per module) is a head at 127.0.0.2 with no CPUs, a node at
 offering `decode`, each started with `ray start` (tests/ray_nodes.py). Greedy
 outputs must equal transformers' `generate` on the same checkpoint while every
 cache moves between the two node addresses.
+
+A fifth node (127.0.0.6, resource `fresh`, started only by the tests that
+need it) runs under `unshare` with an empty tmpfs over the checkpoints'
+folder: its instances must get the checkpoint copied from the serving node.
+The `ray up` test runs the on-premise YAML's setup commands in a scratch home
+and then the README's serve command against this cluster.
 """
 
 from __future__ import annotations
