@@ -1,7 +1,9 @@
 """Start the worker actors of a `ClusterPlan` on Ray, and stop them again.
 
     join `address` (or start a local Ray)
-    for each instance: placement group (CPU + GPU bundle) -> actor(WorkerConfig)
+    for each instance: placement group (CPU + GPU bundle)
+                       -> the checkpoint on its node (`cluster.checkpoint_copy`)
+                       -> actor(WorkerConfig)
     wait until every actor started and reports healthy, within the timeout
 
 If any instance fails to come up, everything this launcher started is
@@ -33,6 +35,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.checkpoint_copy import CheckpointShipping
 from cluster.plan import ClusterPlan, InstancePlan
 
 logger = logging.getLogger(__name__)
@@ -135,27 +138,34 @@ async def launch(plan: ClusterPlan, timeout_s: float, owns_ray: bool = False) ->
     """
     cluster = RunningCluster(plan, owns_ray=owns_ray)
     secret = secrets.token_hex(16)
+    shipping = CheckpointShipping(plan.checkpoint, plan.model_source)
+    starting = _start_all(plan, secret, shipping, cluster)
     try:
-        await _within(_start_all(plan, secret, cluster), timeout_s, "starting the workers", plan)
+        await _within(starting, timeout_s, "starting the workers", plan)
     except BaseException:
         await asyncio.shield(cluster.shutdown())
         raise
+    finally:
+        if shipping.server is not None:  # every instance has its checkpoint now
+            await asyncio.shield(_ray_call(ray.kill, shipping.server))
     return cluster
 
 
-async def _start_all(plan: ClusterPlan, secret: str, cluster: RunningCluster) -> None:
+async def _start_all(
+    plan: ClusterPlan, secret: str, shipping: CheckpointShipping, cluster: RunningCluster
+) -> None:
     """Start instances concurrently; the first failure cancels the rest, so
     nothing is still being created when the caller cleans up."""
     try:
         async with asyncio.TaskGroup() as group:
             for instance in plan.instances:
-                group.create_task(_start_instance(plan, instance, secret, cluster))
+                group.create_task(_start_instance(instance, secret, shipping, cluster))
     except ExceptionGroup as failures:
         raise failures.exceptions[0] from None
 
 
 async def _start_instance(
-    plan: ClusterPlan, instance: InstancePlan, secret: str, cluster: RunningCluster
+    instance: InstancePlan, secret: str, shipping: CheckpointShipping, cluster: RunningCluster
 ) -> None:
     bundle = {"CPU": instance.num_cpus, **instance.resources}
     if instance.num_gpus:
@@ -170,8 +180,9 @@ async def _start_instance(
     cluster.instances.append(pending)
     try:
         await group.ready()
-        pending.node_ip = _node_ip(group)
-        config = instance.worker_config(plan.checkpoint, secret, pending.node_ip)
+        node_id, pending.node_ip = _node_of(group)
+        checkpoint = await shipping.checkpoint_for(group, node_id, instance.name)
+        config = instance.worker_config(checkpoint, secret, pending.node_ip)
         pending.actor = (
             _actor_class(instance.role)
             .options(
@@ -227,13 +238,13 @@ def _role_argument(instance: InstancePlan) -> tuple[str, ...]:
     return () if instance.role == "context" else (instance.worker_role,)
 
 
-def _node_ip(group: PlacementGroup) -> str:
-    """The IP of the node the (single-bundle) group landed on."""
-    node_id = placement_group_table(group)["bundles_to_node_id"][0]
+def _node_of(group: PlacementGroup) -> tuple[str, str]:
+    """The ID and IP of the node the group's bundles landed on."""
+    node_id = str(placement_group_table(group)["bundles_to_node_id"][0])
     for node in ray.nodes():
         if node["NodeID"] == node_id:
-            return str(node["NodeManagerAddress"])
-    return "127.0.0.1"
+            return node_id, str(node["NodeManagerAddress"])
+    return node_id, "127.0.0.1"
 
 
 async def _stop_instance(instance: LaunchedInstance) -> None:

@@ -36,7 +36,7 @@ from kvcache.resolution import (
 )
 from kvcache.sizing import CacheSizing, size_instance_cache
 from kvcache.spec import CacheSpec
-from models.checkpoint_source import checkpoint_folder
+from models.checkpoint_source import checkpoint_folder, model_source
 from models.config import ModelConfig
 from models.errors import ConfigError as ModelConfigError
 from models.hf_config import load_model_config
@@ -131,6 +131,9 @@ class InstancePlan:
 @dataclass(frozen=True)
 class ClusterPlan:
     checkpoint: str
+    # What `model:` names on the serving node, absolute: the checkpoint folder
+    # or its GGUF file; a node without it is sent a copy.
+    model_source: str
     architecture: str
     is_hybrid: bool
     transceiver: str
@@ -200,6 +203,7 @@ def resolve_plan(config: ClusterConfig, source: str = "<config>") -> ClusterPlan
     _check_local_prefill(config, generation, _max_model_len(model_config, instances), source)
     return ClusterPlan(
         checkpoint=str(checkpoint),
+        model_source=str(model_source(config.model).resolve()),
         architecture=model_config.architecture,
         is_hybrid=spec.is_hybrid,
         transceiver=transceiver,

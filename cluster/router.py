@@ -52,8 +52,10 @@ from engine.messages import (
     ContextRequest,
     ContextResult,
     GenerationRequest,
+    KVEventBatch,
     PrefetchRequest,
     TokenEvent,
+    WorkerLoad,
 )
 from engine.multimodal import ImageInput
 from kvcache.hashing import hash_full_blocks, root_hash
@@ -61,6 +63,9 @@ from kvcache.hashing import hash_full_blocks, root_hash
 logger = logging.getLogger(__name__)
 
 _POLL_INTERVAL_S = 0.1
+# A worker that does not answer a poll within this is unhealthy until it does:
+# a hung node must not stall the polls of every other worker.
+POLL_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -378,11 +383,15 @@ class Router:
 
     async def _poll(self, endpoint: WorkerEndpoint) -> None:
         try:
-            load = await endpoint.actor.load.remote()
-            batch = await endpoint.actor.drain_kv_events.remote()
+            load, batch = await asyncio.wait_for(self._load_and_events(endpoint), POLL_TIMEOUT_S)
         except Exception as exc:
             if endpoint.state.healthy:
-                logger.warning("worker %s stopped answering: %s", endpoint.name, exc)
+                reason = (
+                    f"no answer within {POLL_TIMEOUT_S:.0f}s"
+                    if isinstance(exc, TimeoutError)
+                    else exc
+                )
+                logger.warning("worker %s stopped answering: %s", endpoint.name, reason)
             endpoint.state.healthy = False
             return
         state = endpoint.state
@@ -398,6 +407,7 @@ class Router:
         if load.num_total_blocks:
             used = 1 - load.num_free_blocks / load.num_total_blocks
             self.metrics.cache_usage.labels(endpoint.name).set(used)
+        self.metrics.record_rank_caches(endpoint.name, load.ranks)
         stored = [e.block_hash for e in batch.events if e.kind == "stored"]
         removed = [e.block_hash for e in batch.events if e.kind == "removed"]
         state.apply_kv_event(stored, removed)
@@ -405,6 +415,10 @@ class Router:
         if batch.encoder_events or state.encoded_images:
             state.apply_encoder_events(batch.encoder_events)
             self.metrics.encoded_images.labels(endpoint.name).set(len(state.encoded_images))
+
+    @staticmethod
+    async def _load_and_events(endpoint: WorkerEndpoint) -> tuple[WorkerLoad, KVEventBatch]:
+        return await endpoint.actor.load.remote(), await endpoint.actor.drain_kv_events.remote()
 
 
 class _PullFailed(Exception):

@@ -137,6 +137,19 @@ class TokenEvent:
 
 
 @dataclass(frozen=True)
+class RankCacheUsage:
+    """One rank's cache of an instance (its own KV heads' blocks and its Mamba
+    slots); block ids and slots are rank 0's, so every rank holds the same
+    ones in use. A one-rank instance reports rank 0 alone."""
+
+    rank: int
+    num_total_blocks: int
+    num_used_blocks: int
+    num_mamba_slots: int  # 0 for models without Mamba layers
+    num_used_mamba_slots: int
+
+
+@dataclass(frozen=True)
 class WorkerLoad:
     """A worker's occupancy, for load-aware routing."""
 
@@ -152,6 +165,7 @@ class WorkerLoad:
     # Images the vision encoder served from its cache / ran (VL models).
     encoder_cache_hits: int = 0
     encoder_cache_misses: int = 0
+    ranks: tuple[RankCacheUsage, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,11 @@ import datetime
 import logging
 import os
 import socket
+from dataclasses import dataclass
 from typing import Any
 
 import ray
+import torch
 import torch.distributed as dist
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -45,6 +47,7 @@ from engine.cache_build import build_cache
 from engine.model_runner import ModelRunner, StepInput
 from engine.threads import configure_torch_threads, run_on_compute_thread
 from engine.worker_config import WorkerConfig
+from kvcache.manager import KVCacheManager
 from kvcache.sizing import CacheSizing
 from models.config import TensorParallelShard
 from models.loader import load_model
@@ -54,17 +57,31 @@ logger = logging.getLogger(__name__)
 # How long a rank waits for the others to join the group, and for one
 # collective of a step.
 GROUP_TIMEOUT_S = 300.0
+# How long rank 0 waits for the other ranks to leave the group on close.
+LEAVE_TIMEOUT_S = 30.0
 
 
 def join_group(address: str, rank: int, size: int, device: str) -> None:
-    """Join the instance's process group at `address` ("host:port") as `rank`."""
+    """Join the instance's process group at `address` ("host:port") as `rank`.
+
+    On CUDA the group is NCCL's, bound to this process's device (each rank
+    sees only its own GPU), so its communicator is set up here, with all
+    ranks, rather than guessed from the rank number at a first collective."""
+    cuda = device.startswith("cuda")
     dist.init_process_group(
-        "nccl" if device.startswith("cuda") else "gloo",
+        "nccl" if cuda else "gloo",
         init_method=f"tcp://{address}",
         rank=rank,
         world_size=size,
         timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+        device_id=_cuda_device(device) if cuda else None,
     )
+
+
+def _cuda_device(device: str) -> torch.device:
+    """`device` with its index ("cuda" is the current device)."""
+    named = torch.device(device)
+    return named if named.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def _free_address(host: str) -> str:
@@ -73,15 +90,32 @@ def _free_address(host: str) -> str:
         return f"{host}:{sock.getsockname()[1]}"
 
 
+@dataclass(frozen=True)
+class RankCapacity:
+    """How many KV blocks and Mamba slots one rank's cache holds."""
+
+    num_blocks: int
+    num_mamba_slots: int
+
+    @classmethod
+    def of(cls, manager: KVCacheManager) -> RankCapacity:
+        pool = manager.mamba_pool
+        return cls(manager.num_usable_blocks, pool.num_slots if pool is not None else 0)
+
+
 class TensorParallelRank:
     """Rank `rank` >= 1 of a tensor-parallel instance (run as a Ray actor)."""
 
     def __init__(self, config: WorkerConfig, rank: int, address: str, sizing: CacheSizing) -> None:
         configure_torch_threads(config.device)
-        self.runner = run_on_compute_thread(lambda: self._build(config, rank, address, sizing))
+        self.runner, self.capacity = run_on_compute_thread(
+            lambda: self._build(config, rank, address, sizing)
+        )
 
     @staticmethod
-    def _build(config: WorkerConfig, rank: int, address: str, sizing: CacheSizing) -> ModelRunner:
+    def _build(
+        config: WorkerConfig, rank: int, address: str, sizing: CacheSizing
+    ) -> tuple[ModelRunner, RankCapacity]:
         join_group(address, rank, config.tensor_parallel_size, config.device)
         model, model_config = load_model(
             config.checkpoint,
@@ -90,7 +124,7 @@ class TensorParallelRank:
             tp=TensorParallelShard(rank, config.tensor_parallel_size),
         )
         manager, cache, _ = build_cache(config, model_config, sizing)
-        return ModelRunner(
+        runner = ModelRunner(
             model,
             cache.views(),
             manager,
@@ -99,9 +133,16 @@ class TensorParallelRank:
             device=config.device,
             is_hybrid=model_config.cache_spec(config.dtype).is_hybrid,
         )
+        return runner, RankCapacity.of(manager)
 
-    def ready(self) -> None:
+    def ready(self) -> RankCapacity:
         """Returns once the rank is built (its shard loaded, its cache allocated)."""
+        return self.capacity
+
+    def leave(self) -> None:
+        """Leave the instance's group (`RankGroup.close`)."""
+        if dist.is_initialized():
+            run_on_compute_thread(dist.destroy_process_group)
 
     def run_step(self, step: StepInput) -> None:
         try:
@@ -117,8 +158,9 @@ class TensorParallelRank:
 class RankGroup:
     """Rank 0's side: the other ranks' actors, and each step sent to them."""
 
-    def __init__(self, ranks: list[Any]) -> None:
+    def __init__(self, ranks: list[Any], capacities: list[RankCapacity]) -> None:
         self.ranks = ranks
+        self.capacities = capacities  # of ranks 1.., in order
 
     @classmethod
     def start(cls, config: WorkerConfig, worker_id: str, sizing: CacheSizing) -> RankGroup:
@@ -152,13 +194,13 @@ class RankGroup:
         try:
             join_group(address, 0, size, config.device)
             # Surfaces a rank that failed to load its shard.
-            ray.get([rank.ready.remote() for rank in ranks])
+            capacities = ray.get([rank.ready.remote() for rank in ranks])
         except BaseException:
             for rank in ranks:
                 ray.kill(rank)
             raise
         logger.info("%s: %d tensor-parallel ranks joined at %s", worker_id, size, address)
-        return cls(ranks)
+        return cls(ranks, capacities)
 
     def send(self, step: StepInput) -> None:
         for rank in self.ranks:
@@ -175,8 +217,20 @@ class RankGroup:
         os._exit(1)
 
     def close(self) -> None:
+        """Every rank leaves the group together (NCCL tears a communicator down
+        collectively; no collective is in flight between steps), then the
+        rank actors stop. Runs on the compute thread, where rank 0's
+        collectives ran."""
+        run_on_compute_thread(self._leave)
         for rank in self.ranks:
             ray.kill(rank)
         self.ranks = []
+
+    def _leave(self) -> None:
+        leaving = [rank.leave.remote() for rank in self.ranks]
         if dist.is_initialized():
             dist.destroy_process_group()
+        try:
+            ray.get(leaving, timeout=LEAVE_TIMEOUT_S)
+        except Exception as exc:  # a rank that is gone already is stopped all the same
+            logger.warning("a tensor-parallel rank did not leave its group cleanly: %s", exc)

@@ -14,6 +14,13 @@ from models.errors import CheckpointError
 GGUF_SUFFIX = ".gguf"
 
 
+def model_source(model: Path | str) -> Path:
+    """What `model` stands for on disk: its GGUF file, or else the path itself
+    (a checkpoint folder). This is what a node without it is sent."""
+    path = Path(model)
+    return _gguf_file(path) or path
+
+
 def checkpoint_folder(
     model: Path | str, cache_dir: Path | None = None, progress: bool = True
 ) -> Path:

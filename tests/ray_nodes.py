@@ -111,9 +111,17 @@ def start_node(
     ip: str,
     num_cpus: int,
     resources: dict[str, float] | None = None,
+    hidden: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> RayNode:
     """Start the head (first call) or a worker node at `ip`; return once it is
-    registered in the cluster."""
+    registered in the cluster.
+
+    With `hidden`, the node runs in a mount namespace of its own (`unshare`,
+    unprivileged) where an empty tmpfs covers that folder: a machine without
+    the files under it. `env` is added to the node's environment (its
+    workers inherit it).
+    """
     head = not cluster.nodes
     args = [_ray_command(), "start", "--block", "--disable-usage-stats"]
     args += ["--node-ip-address", ip, "--num-cpus", str(num_cpus), "--num-gpus", "0"]
@@ -126,13 +134,17 @@ def start_node(
         args += ["--head", "--port", str(cluster.head_port), "--include-dashboard", "false"]
     else:
         args += ["--address", cluster.address]
+    if hidden is not None:
+        mount = 'mount -t tmpfs tmpfs "$0" && exec "$@"'
+        unshare = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount]
+        args = [*unshare, str(hidden), *args]
     log = cluster.temp_dir / f"node-{ip}.log"
     with log.open("wb") as sink:
         process = subprocess.Popen(
             args,
             stdout=sink,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **cluster.env},
+            env={**os.environ, **cluster.env, **(env or {})},
             start_new_session=True,
         )
     node = RayNode(ip, process, log, ports)

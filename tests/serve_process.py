@@ -35,9 +35,16 @@ def start_serve(config: Path, checkpoint: Path, env: dict[str, str] | None = Non
     return once it prints its URL (raise with its output if it exits first)."""
     command = [sys.executable, "-m", "cluster.cli", "serve", "-c", str(config)]
     command += ["--model", str(checkpoint), "--host", "127.0.0.1", "--port", "0"]
+    return start_serve_command(command, ROOT, env)
+
+
+def start_serve_command(
+    command: list[str], cwd: Path, env: dict[str, str] | None = None
+) -> ServeProcess:
+    """`start_serve` for a command line of the caller's (it must serve on loopback)."""
     process = subprocess.Popen(
         command,
-        cwd=ROOT,
+        cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -16,7 +16,6 @@ the file, not the hash; copies of one file under other names share the entry.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -26,17 +25,18 @@ from typing import Any
 from gguf import GGUFReader, ReaderTensor
 from tqdm import tqdm
 
+from models.checkpoint_manifest import file_sha256
 from models.embedded.safetensors_file import write_safetensors
 from models.errors import GGUFError
 from models.gguf.metadata import GGUFMetadata, hf_config
 from models.gguf.tensors import check_tensor_types, hf_name, output_dtype, to_torch
+from models.staging import remove_abandoned, staging_path
 
 CACHE_ENV = "DISAGG_GGUF_CACHE"
 # Bump when the folder's contents change for the same GGUF file.
 FORMAT_VERSION = 1
 # Upper bound of one safetensors shard, so dequantizing holds one shard in memory.
 SHARD_BYTES = 2 << 30
-_HASH_CHUNK = 16 << 20
 
 
 def default_cache_dir() -> Path:
@@ -58,8 +58,8 @@ def cached_checkpoint(
     if folder.is_dir():
         return folder
     root.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned(entry)
-    staging = entry.with_name(f"{entry.name}.tmp-{os.getpid()}")
+    remove_abandoned(entry)
+    staging = staging_path(entry)
     try:
         _convert(source, staging / source.stem, progress)
         entry.mkdir(exist_ok=True)  # shared by copies of the file under other names
@@ -71,32 +71,6 @@ def cached_checkpoint(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        while chunk := file.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _remove_abandoned(entry: Path) -> None:
-    """Drop temporary folders of conversions whose process is gone."""
-    for staging in entry.parent.glob(f"{entry.name}.tmp-*"):
-        pid = staging.name.rsplit("-", 1)[1]
-        if not (pid.isdigit() and _is_running(int(pid))):
-            shutil.rmtree(staging, ignore_errors=True)
-
-
-def _is_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _convert(source: Path, out: Path, progress: bool) -> None:

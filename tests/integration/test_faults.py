@@ -22,13 +22,14 @@ import dataclasses
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
 
+from cluster import router as router_module
 from cluster.config import config_from_dict
 from cluster.launcher import RunningCluster, launch
 from cluster.metrics import ServingMetrics
@@ -201,6 +202,34 @@ def _resume_generation(h: Harness, pids: dict[str, int], skip: str = "") -> None
         if e.name != skip:
             os.kill(pids[e.name], signal.SIGCONT)
         h.paused.discard(pids[e.name])
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.05)
+
+
+async def test_a_paused_worker_fails_its_polls_and_the_others_keep_serving(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that never answers (a hung node) is marked unhealthy by the
+    poll timeout, and the polls of the other workers go on meanwhile."""
+    h = harness
+    monkeypatch.setattr(router_module, "POLL_TIMEOUT_S", 1.0)
+    hung = h.router.context[0]
+    pid = await pid_of(hung.actor)
+    await asyncio.sleep(1)  # polls that started under the old timeout are answered
+    h.paused.add(pid)
+    os.kill(pid, signal.SIGSTOP)
+    await _until(lambda: not hung.state.healthy, 20, "the paused worker still counts as healthy")
+    assert all(e.state.healthy for e in h.router.workers if e is not hung)
+    events = await h.run("poll-timeout", PROMPTS[0], 4)
+    assert len(tokens(events)) == 4 and events[-1].finish_reason == "length"
+    os.kill(pid, signal.SIGCONT)
+    h.paused.discard(pid)
+    await _until(lambda: hung.state.healthy, 20, "the resumed worker is not healthy again")
 
 
 async def test_killed_context_holder_is_retried_on_the_other_context_worker(

@@ -6,18 +6,28 @@ The cluster (one per module) is a head at 127.0.0.2 with no CPUs, a node at
 offering `decode`, each started with `ray start` (tests/ray_nodes.py). Greedy
 outputs must equal transformers' `generate` on the same checkpoint while every
 cache moves between the two node addresses.
+
+A fifth node (127.0.0.6, resource `fresh`, started only by the tests that
+need it) runs under `unshare` with an empty tmpfs over the checkpoints'
+folder: its instances must get the checkpoint copied from the serving node.
+The `ray up` test runs the on-premise YAML's setup commands in a scratch home
+and then the README's serve command against this cluster.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import gguf
 import httpx
 import psutil
 import pytest
@@ -25,11 +35,19 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from cluster.checkpoint_copy import CACHE_ENV
+from models.checkpoint_manifest import manifest_of
+from models.checkpoint_source import checkpoint_folder
+from models.gguf.cache import CACHE_ENV as GGUF_CACHE_ENV
 from tests.ray_nodes import RayCluster, new_cluster, remove_cluster_files, start_node
-from tests.serve_process import ServeProcess, start_serve, stop_group
+from tests.serve_process import ServeProcess, start_serve, start_serve_command, stop_group
 
 HEAD, PREFILL_NODE = "127.0.0.2", "127.0.0.3"
 DECODE_NODES = ("127.0.0.4", "127.0.0.5")
+# A node that sees an empty folder where the checkpoints are.
+FRESH_NODE = "127.0.0.6"
+ROOT = Path(__file__).resolve().parents[2]
+ONPREM_YAML = ROOT / "deploy" / "ray" / "cluster-onprem.yaml"
 PROMPTS = ["The quick brown fox", "Once upon a time, in a small village"]
 MAX_TOKENS = 6
 # Long enough that streams still run when a node is killed a few chunks in.
@@ -56,6 +74,7 @@ def _config(
     backend: str,
     num_generation: int = 1,
     cache_tokens: int = 256,
+    generation_resource: str = "decode",
 ) -> Path:
     config = {
         "model": "set-by-the-command-line",
@@ -65,7 +84,10 @@ def _config(
         "max_num_tokens": 128,
         "max_batch_size": 4,
         "context_servers": {"num_instances": 1, "resources": {"prefill": 1}},
-        "generation_servers": {"num_instances": num_generation, "resources": {"decode": 1}},
+        "generation_servers": {
+            "num_instances": num_generation,
+            "resources": {generation_resource: 1},
+        },
     }
     path = tmp_path / f"multinode-{backend}.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -78,6 +100,28 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("ckpt")
     return {arch: ensure_checkpoint(root / arch, arch, "tiny") for arch in ("llama", "nemotron_h")}
+
+
+@pytest.fixture(scope="module")
+def gguf_file(checkpoints: dict[str, Path]) -> Path:
+    from tests.gguf_files import write_tiny_llama_gguf
+
+    path = checkpoints["llama"].parent / "tiny-gguf.gguf"
+    write_tiny_llama_gguf(path, gguf.GGMLQuantizationType.Q8_0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def fresh_node(
+    ray_cluster: RayCluster, checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """A node offering `fresh`, under an empty tmpfs over the checkpoints'
+    folder, with caches of its own; returns the folder holding those."""
+    caches = tmp_path_factory.mktemp("fresh-node")
+    env = {CACHE_ENV: str(caches / "checkpoints"), GGUF_CACHE_ENV: str(caches / "gguf")}
+    hidden = checkpoints["llama"].parent
+    start_node(ray_cluster, FRESH_NODE, 1, {"fresh": 1}, hidden=hidden, env=env)
+    return caches
 
 
 def _greedy(checkpoint: Path, prompt: str) -> str:
@@ -152,6 +196,99 @@ def test_context_and_generation_on_two_nodes_match_transformers(
         assert "context" in routed and "generation" in routed
         if backend == "python":  # the cache listeners bind to their node, not 0.0.0.0
             assert _listening_addresses(ray_cluster, "ContextWorker") == {PREFILL_NODE}
+    finally:
+        stop_group(server.process)
+
+
+def test_a_node_without_the_checkpoint_gets_a_checked_copy_once(
+    ray_cluster: RayCluster, checkpoints: dict[str, Path], fresh_node: Path, tmp_path: Path
+) -> None:
+    checkpoint = checkpoints["llama"]
+    config = _config(tmp_path, ray_cluster, "python", generation_resource="fresh")
+    copy = fresh_node / "checkpoints" / manifest_of(checkpoint).digest / checkpoint.name
+    server = start_serve(config, checkpoint, ray_cluster.env)
+    try:
+        output = "".join(server.output)
+        assert f"generation-0 on {FRESH_NODE}" in output, output
+        assert "generation-0: copying llama" in output, output
+        assert "generation-0: copied llama, every file's size and sha256 checked" in output
+        _check_greedy_completions(server, checkpoint)
+    finally:
+        stop_group(server.process)
+    assert manifest_of(copy) == manifest_of(checkpoint)
+    # The next start loads the node's copy as it is.
+    server = start_serve(config, checkpoint, ray_cluster.env)
+    try:
+        output = "".join(server.output)
+        assert f"generation-0: using this node's copy of llama at {copy}" in output, output
+        assert "copying" not in output
+        _check_greedy_completions(server, checkpoint)
+    finally:
+        stop_group(server.process)
+
+
+def test_a_gguf_model_reaches_a_node_without_it_and_is_converted_there(
+    ray_cluster: RayCluster, gguf_file: Path, fresh_node: Path, tmp_path: Path
+) -> None:
+    head_cache = tmp_path / "gguf-cache"
+    config = _config(tmp_path, ray_cluster, "python", generation_resource="fresh")
+    server = start_serve(config, gguf_file, {**ray_cluster.env, GGUF_CACHE_ENV: str(head_cache)})
+    try:
+        output = "".join(server.output)
+        assert f"generation-0: copying {gguf_file.name} (" in output, output
+        converted = list((fresh_node / "gguf").glob(f"*/{gguf_file.stem}/config.json"))
+        assert len(converted) == 1, output
+        _check_greedy_completions(server, checkpoint_folder(gguf_file, head_cache, False))
+    finally:
+        stop_group(server.process)
+
+
+def _file_mounts(target: Path) -> None:
+    """What `ray up` syncs to `~/disagg` on each node: the project as git lists
+    it (tracked and new files; .venv, caches and checkpoints are ignored, as
+    the YAMLs' rsync_exclude has it)."""
+    listing = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    )
+    for name in filter(None, listing.stdout.decode().split("\0")):
+        source = ROOT / name
+        if source.is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target / name)
+
+
+def test_ray_up_setup_then_the_readme_command_serves_on_the_cluster(
+    ray_cluster: RayCluster, tmp_path: Path
+) -> None:
+    """The on-premise YAML's setup on a scratch home, then its README command
+    (on loopback) joins the module's cluster with `address: auto`."""
+    home = tmp_path / "home"
+    _file_mounts(home / "disagg")
+    real_home = Path.home()
+    env = {
+        **os.environ,
+        **ray_cluster.env,
+        "HOME": str(home),
+        # Wheels come from this machine's pip cache, and a pyenv Python's
+        # shims find their root from HOME.
+        "PIP_CACHE_DIR": os.environ.get("PIP_CACHE_DIR", str(real_home / ".cache" / "pip")),
+        "PYENV_ROOT": os.environ.get("PYENV_ROOT", str(real_home / ".pyenv")),
+    }
+    for command in yaml.safe_load(ONPREM_YAML.read_text())["setup_commands"]:
+        done = subprocess.run(
+            ["bash", "-c", command], env=env, capture_output=True, text=True, timeout=900
+        )
+        assert done.returncode == 0, f"{command}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+    readme = (ROOT / "README.md").read_text()
+    exec_command = re.search(r"ray exec deploy/ray/cluster-onprem.yaml '([^']+)'", readme)
+    assert exec_command, "the README names no serve command for the on-premise cluster"
+    command = f"{exec_command.group(1)} --host 127.0.0.1 --port 0"  # loopback in tests
+    server = start_serve_command(["bash", "-c", command], home, env)
+    try:
+        _check_greedy_completions(server, home / "disagg" / "checkpoints" / "tiny-llama")
     finally:
         stop_group(server.process)
 

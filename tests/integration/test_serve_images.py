@@ -8,12 +8,12 @@ Conditional disaggregation is set between the two prompt lengths used, so
 the longer chat runs disaggregated (the context worker encodes the image and
 prefills; the generation worker only pulls the cache) and the shorter one
 runs whole on the generation worker. A second, aggregated-only cluster
-(`context_servers.num_instances: 0`) serves the long chat on the same
-weights with the VL V2 tiling format. All give transformers'
-`NemotronH_Omni_Reasoning_V3` greedy text on the same pixels; another image
-gives another answer; the repeated image is an encoder-cache hit; bad
-images and images on /v1/completions are 400s naming the part, and the
-server keeps serving.
+(`context_servers.num_instances: 0`, its generation instance two
+tensor-parallel ranks) serves the long chat on the same weights with the VL
+V2 tiling format. All give transformers' `NemotronH_Omni_Reasoning_V3` greedy
+text on the same pixels; another image gives another answer; the repeated
+image is an encoder-cache hit; bad images and images on /v1/completions are
+400s naming the part, and the server keeps serving.
 """
 
 from __future__ import annotations
@@ -156,15 +156,20 @@ def test_aggregated_only_cluster_gives_transformers_text_on_tiles(
     reference: Any, tmp_path: Path
 ) -> None:
     """No context worker at all: the generation worker encodes and prefills,
-    here on the VL V2 tiling format (2 x 1 tiles + thumbnail)."""
+    here on the VL V2 tiling format (2 x 1 tiles + thumbnail) and as two
+    tensor-parallel ranks (the image path on rank 0, the backbone split)."""
     tiled = tiny_omni(tmp_path / "tiny-omni-tiles", "tiles")
+    config = serve_config(tiled, num_context=0)
+    config["generation_servers"]["tensor_parallel_size"] = 2
     path = tmp_path / "aggregated-images.yaml"
-    path.write_text(yaml.safe_dump(serve_config(tiled, num_context=0)))
+    path.write_text(yaml.safe_dump(config))
     fish = picture(5, width=128)
     with ServeProcess(path) as aggregated:
         local = openai.OpenAI(base_url=aggregated.url, api_key="unused", timeout=120)
         assert ask(local, LONG, data_url(fish)) == expected_text(tiled, reference, LONG, fish)
         assert metric(aggregated, "disagg_routed_requests_total", phase="whole") == 1
+        slots = [metric(aggregated, "disagg_rank_mamba_slots", rank=r, state="total") for r in "01"]
+        assert slots[0] > 0 and slots[0] == slots[1]
 
 
 def ask(client: openai.OpenAI, template: str, url: str) -> str:
@@ -262,12 +267,17 @@ def test_prefix_aware_sends_a_repeated_image_to_its_encoder(
     def routed() -> dict[str, float]:
         return {w: metric(server, "disagg_routed_requests_total", worker=w) for w in workers}
 
-    before, known = routed(), metric(server, "disagg_router_encoded_images")
+    def encoded() -> float:
+        # The context workers' alone: an earlier request that ran whole on the
+        # generation worker may still be reporting its image.
+        return sum(metric(server, "disagg_router_encoded_images", worker=w) for w in workers)
+
+    before, known = routed(), encoded()
     hits = metric(server, "disagg_routed_cache_hits_total", phase="context", cache="encoder")
     fish = data_url(picture(6))
     first = ask(client, LONG, fish)
     deadline = time.monotonic() + 10
-    while metric(server, "disagg_router_encoded_images") < known + 1:
+    while encoded() < known + 1:
         assert time.monotonic() < deadline, "the router never heard of the encoded image"
         time.sleep(0.2)
     response = client.chat.completions.create(

@@ -49,17 +49,26 @@ def test_cluster_yaml_passes_ray_schema_validation(path: Path) -> None:
     assert "ray start --address=$RAY_HEAD_IP:6379" in worker
 
 
-def test_gpu_cluster_installs_cpu_torch_on_the_head_and_cuda_torch_on_workers() -> None:
-    config = _ray_prepared(DEPLOY / "ray" / "cluster-gpu.yaml")
-    assert set(config["available_node_types"]) == {"head", "gpu_worker"}
-    head_setup = config["head_setup_commands"]
-    worker_setup = config["worker_setup_commands"]
-    cpu_torch = next(i for i, c in enumerate(head_setup) if "torch" in c)
-    assert "download.pytorch.org/whl/cpu" in head_setup[cpu_torch]
-    project = next(i for i, c in enumerate(head_setup) if "install --quiet -e ." in c)
-    assert cpu_torch < project  # torch first, or pip pulls the CUDA wheel
-    assert not any("whl/cpu" in c for c in worker_setup)
-    assert any("torch==" in c for c in worker_setup)
+@pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
+def test_every_node_runs_the_one_setup_script(path: Path) -> None:
+    script = "bash ~/disagg/deploy/ray/setup-node.sh"
+    raw = yaml.safe_load(path.read_text())
+    assert raw["setup_commands"] == [script]
+    assert not raw.get("head_setup_commands") and not raw.get("worker_setup_commands")
+    config = _ray_prepared(path)  # what Ray runs on each kind of node
+    assert script in config["head_setup_commands"] and script in config["worker_setup_commands"]
+
+
+def test_the_setup_script_installs_torch_before_the_project_and_cpu_torch_without_a_gpu() -> None:
+    lines = (DEPLOY / "ray" / "setup-node.sh").read_text().splitlines()
+    gpu_check = next(i for i, line in enumerate(lines) if "nvidia-smi -L" in line)
+    cuda_torch, cpu_torch = (
+        i for i, line in enumerate(lines) if "pip install" in line and "torch==" in line
+    )
+    project = next(i for i, line in enumerate(lines) if "install --quiet -e ." in line)
+    assert gpu_check < cuda_torch < cpu_torch < project  # torch first, or pip pulls CUDA
+    assert "whl/cpu" not in lines[cuda_torch]
+    assert "torch==2.13.0+cpu" in lines[cpu_torch] and "whl/cpu" in lines[cpu_torch]
 
 
 @pytest.mark.parametrize("path", DISAGG_CONFIGS, ids=lambda p: p.name)
