@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from kvcache.spec import head_shard
 from models.config import ModelConfig, TensorParallelShard
 from models.errors import ConfigError
 
@@ -90,6 +91,13 @@ def shard_config(config: ModelConfig, rank: int, size: int) -> ModelConfig:
             shared_intermediate_size=moe.shared_intermediate_size // size,
         ),
         tp=TensorParallelShard(rank, size),
+        cache_shard=head_shard(
+            rank,
+            size,
+            config.num_key_value_heads,
+            mamba.num_heads if mamba else 0,
+            mamba.n_groups if mamba else 0,
+        ),
     )
 
 

@@ -140,14 +140,19 @@ class TransferHandle:
         return cls.from_dict(msgpack.unpackb(data, raw=False, strict_map_key=False))
 
 
+def parse_signature(request_id: str, source: dict[str, Any]) -> LayoutSignature:
+    """The holder's signature from a handle; `LayoutMismatch` if unreadable."""
+    try:
+        return LayoutSignature.from_dict(source)
+    except (TypeError, ValueError) as exc:  # a holder running another version
+        raise LayoutMismatch(request_id, ["signature"], f"unreadable signature: {exc}") from exc
+
+
 def check_signature(
     request_id: str, source: dict[str, Any], dest: dict[str, Any], ignore: tuple[str, ...] = ()
 ) -> None:
     """Raise `LayoutMismatch` naming every differing field (except `ignore`)."""
-    try:
-        theirs = LayoutSignature.from_dict(source)
-    except (TypeError, ValueError) as exc:  # a holder running another version
-        raise LayoutMismatch(request_id, ["signature"], f"unreadable signature: {exc}") from exc
+    theirs = parse_signature(request_id, source)
     differing = theirs.diff(LayoutSignature.from_dict(dest), ignore)
     if differing:
         raise LayoutMismatch(request_id, differing)

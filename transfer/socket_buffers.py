@@ -13,6 +13,10 @@ Both sides cut every range into the same `payload_pieces` (one staging chunk
 and, on UCX, one message each). The sender takes its flow-control budget per
 batch of host pieces up to `PAYLOAD_PIECE_BYTES`, so many small ranges cost
 one budget slice and, on TCP, one system call per batch.
+
+Strided runs (`Runs`: `count` runs of `run` bytes, `stride` apart, as a
+head slice of KV blocks is) go out as one view per run, from the pool, and
+are received the same way: no run is gathered into a copy on either side.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ import torch
 from kvcache.layout import Region
 from transfer.connection import PAYLOAD_PIECE_BYTES, Connection, payload_pieces
 from transfer.flow import ByteBudget
+
+# (buffer, offset, run, count, stride): `count` runs of `run` bytes, `stride` apart.
+Runs = tuple[str, int, int, int, int]
 
 
 def host_view(tensor: torch.Tensor) -> memoryview:
@@ -86,6 +93,59 @@ class SocketBuffers:
             for start, n in payload_pieces(region.offset, region.length):
                 views.append(pool[start : start + n])
         await conn.recv_into_views(views)
+
+    async def send_runs(self, conn: Connection, runs: Sequence[Runs], budget: ByteBudget) -> None:
+        """Send strided runs in order; host runs as views of the pool, batched
+        up to `PAYLOAD_PIECE_BYTES` per send."""
+        for nbytes, batch in self._run_batches(runs):
+            taken = await budget.acquire(nbytes)
+            try:
+                await conn.send_views(batch)
+            finally:
+                await budget.release(taken)
+
+    async def recv_runs(self, conn: Connection, runs: Sequence[Runs]) -> None:
+        """Receive exactly the runs' bytes, in order, into them."""
+        for _, batch in self._run_batches(runs):
+            await conn.recv_into_views(batch)
+
+    def _run_batches(self, runs: Sequence[Runs]) -> Iterator[tuple[int, list[memoryview]]]:
+        """Views of every run, in batches of up to `PAYLOAD_PIECE_BYTES`.
+
+        Device buffers and runs longer than a piece are cut by `payload_pieces`
+        on both sides alike; short host runs are sliced from the pool's view
+        directly (a head slice of a large request is tens of thousands of runs).
+        """
+        views: list[memoryview] = []
+        nbytes = 0
+        for buffer, offset, run, count, stride in runs:
+            pool = self._views.get(buffer)
+            if pool is None:
+                raise ValueError(
+                    f"buffer {buffer!r} is not in host memory; head slices move "
+                    "between host buffers only"
+                )
+            if run > PAYLOAD_PIECE_BYTES:
+                if views:
+                    yield nbytes, views
+                    views, nbytes = [], 0
+                for i in range(count):
+                    for start, n in payload_pieces(offset + i * stride, run):
+                        yield n, [pool[start : start + n]]
+                continue
+            done = 0
+            while done < count:
+                rows = min(count - done, (PAYLOAD_PIECE_BYTES - nbytes) // run)
+                if rows == 0:
+                    yield nbytes, views
+                    views, nbytes = [], 0
+                    continue
+                first = offset + done * stride
+                views += [pool[at : at + run] for at in range(first, first + rows * stride, stride)]
+                nbytes += rows * run
+                done += rows
+        if views:
+            yield nbytes, views
 
     def _send_batches(
         self, ranges: Sequence[tuple[str, int, int]]
