@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -265,6 +265,30 @@ class Transceiver(ABC):
         finally:
             if self._pulls.get(rid) is task:
                 del self._pulls[rid]
+
+    async def pull_ranks(
+        self,
+        handles: Sequence[TransferHandle],
+        dest_regions: RequestRegions,
+        dest_signature: LayoutSignature,
+        timeout_s: float,
+    ) -> None:
+        """Pull one request from every rank of a tensor-parallel holder, one
+        handle per rank, in order; rank 0's handle comes last.
+
+        Each puller rank reads the heads it needs from each holder rank
+        (possibly none: the pull then only releases). Rank 0 of the holder
+        frees the blocks once it is released, which it is after every puller
+        rank pulled it, that is after all their other pulls. If a pull fails,
+        the holders not yet pulled are told to release now; errors as in `pull`.
+        """
+        for i, handle in enumerate(handles):
+            try:
+                await self.pull(handle, dest_regions, dest_signature, timeout_s)
+            except BaseException:
+                for later in handles[i + 1 :]:
+                    self._notify_abort(later)
+                raise
 
     @abstractmethod
     async def _pull(

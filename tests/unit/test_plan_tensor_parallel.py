@@ -1,5 +1,5 @@
-"""The plan of a tensor-parallel generation instance: per-rank cache sizing and
-the configs it refuses, each naming what to change."""
+"""The plan of tensor-parallel instances: per-rank cache sizing and the
+configs it refuses, each naming what to change."""
 
 from __future__ import annotations
 
@@ -62,6 +62,25 @@ def test_vl_wrappers_are_refused(tmp_path: Path) -> None:
         )
 
 
-def test_a_tensor_parallel_instance_must_prefill_every_prompt_itself(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="max_local_prefill_length to at least"):
-        _plan(tmp_path, generation_servers={"tensor_parallel_size": 2})
+def test_context_and_generation_may_use_different_tensor_parallelism(tmp_path: Path) -> None:
+    plan = _plan(
+        tmp_path,
+        kv_cache={"cpu_memory_bytes": 1 << 22},
+        cache_transceiver={"backend": "python"},
+        context_servers={"tensor_parallel_size": 2},
+    )
+    context, generation = plan.instances
+    assert (context.tensor_parallel_size, generation.tensor_parallel_size) == (2, 1)
+    assert context.num_blocks is not None and generation.num_blocks is not None
+    assert context.num_blocks == 2 * generation.num_blocks
+
+
+def test_nixl_between_tensor_parallel_instances_names_the_python_transceiver(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ConfigError, match="set cache_transceiver.backend to 'python'"):
+        _plan(
+            tmp_path,
+            cache_transceiver={"backend": "nixl"},
+            generation_servers={"tensor_parallel_size": 2},
+        )
