@@ -54,6 +54,21 @@ class SlicePair(NamedTuple):
     def num_bytes(self) -> int:
         return self.run * self.num_runs
 
+    @property
+    def source_is_contiguous(self) -> bool:
+        return self.num_runs == 1 or self.src_stride == self.run
+
+    @property
+    def dest_is_contiguous(self) -> bool:
+        return self.num_runs == 1 or self.dst_stride == self.run
+
+    def wire_range(self) -> list[str | int]:
+        """The source as a pull frame names it: `[buffer, offset, length]`
+        when contiguous, else `[buffer, offset, run, count, stride]`."""
+        if self.source_is_contiguous:
+            return [self.src_buffer, self.src_offset, self.num_bytes]
+        return [self.src_buffer, self.src_offset, self.run, self.num_runs, self.src_stride]
+
     def source_span(self) -> tuple[str, int, int]:
         """(buffer, offset, length) of the source bytes the runs lie in."""
         return self.src_buffer, self.src_offset, (self.num_runs - 1) * self.src_stride + self.run

@@ -322,13 +322,7 @@ class PythonTransceiver(Transceiver):
         num_pullers: int,
     ) -> None:
         rid, tid = handle.request_id, handle.transfer_id
-        strided = any(p.num_runs > 1 for p in pairs)
-        ranges = [
-            [p.src_buffer, p.src_offset, p.run, p.num_runs, p.src_stride]
-            if strided
-            else [p.src_buffer, p.src_offset, p.run]
-            for p in pairs
-        ]
+        ranges = [p.wire_range() for p in pairs]
         try:
             await send_header(conn, {"t": "pull", "rid": rid, "tid": tid, "ranges": ranges})
             first = await recv_header(conn, 1024)
@@ -342,13 +336,7 @@ class PythonTransceiver(Transceiver):
                 f"{handle.peer} announced {first.get('n')} bytes for request {rid!r} "
                 f"where {declared} bytes were declared"
             )
-        if strided:
-            dest_runs = [
-                (p.dst_buffer, p.dst_offset, p.run, p.num_runs, p.dst_stride) for p in pairs
-            ]
-            await self._buffers.recv_runs(conn, dest_runs)
-        else:
-            await self._buffers.recv(conn, [p.dest_span() for p in pairs])
+        await self._buffers.recv_pairs(conn, pairs)
         # Every rank of a tensor-parallel puller pulls from this holder; the
         # holder releases once all of them have.
         release = {"t": "release", "rid": rid, "tid": tid, "rank": rank, "of": num_pullers}

@@ -30,6 +30,7 @@ import torch
 from kvcache.layout import Region
 from transfer.connection import PAYLOAD_PIECE_BYTES, Connection, payload_pieces
 from transfer.flow import ByteBudget
+from transfer.head_slices import SlicePair
 
 # (buffer, offset, run, count, stride): `count` runs of `run` bytes, `stride` apart.
 Runs = tuple[str, int, int, int, int]
@@ -38,6 +39,48 @@ Runs = tuple[str, int, int, int, int]
 def host_view(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a flat uint8 CPU tensor (no copy)."""
     return tensor.numpy().data.cast("B")
+
+
+def _scatter(target: torch.Tensor, p: SlicePair, start: int, data: torch.Tensor) -> None:
+    """Put bytes `[start, start + len(data))` of the pair's runs, laid end to
+    end, into their places in `target` (the destination buffer): whole runs by
+    one strided copy, a run the chunk cuts through by a copy of its part."""
+    run, stride, base = p.run, p.dst_stride, int(target.storage_offset()) + p.dst_offset
+    pos, end, done = start, start + data.numel(), 0
+    while pos < end:
+        index, inner = divmod(pos, run)
+        if inner or end - pos < run:
+            n = min(run - inner, end - pos)
+            at = p.dst_offset + index * stride + inner
+            target[at : at + n].copy_(data[done : done + n])
+        else:
+            rows = (end - pos) // run
+            n = rows * run
+            _copy_rows(target, base + index * stride, stride, data[done : done + n], run)
+        pos += n
+        done += n
+
+
+_WIDE_TYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
+
+
+def _copy_rows(
+    target: torch.Tensor, offset: int, stride: int, data: torch.Tensor, run: int
+) -> None:
+    """Copy `data` (whole rows of `run` bytes) into rows `stride` bytes apart
+    from byte `offset` of `target`'s storage, in the widest element type all
+    of them align to (a byte-wise strided copy is several times slower)."""
+    for size, dtype in _WIDE_TYPES:
+        aligned = (run, stride, offset, data.storage_offset(), target.storage_offset())
+        if all(n % size == 0 for n in aligned) and target.numel() % size == 0:
+            wide, source = target.view(dtype), data.view(dtype)
+            rows = wide.as_strided(
+                (data.numel() // run, run // size), (stride // size, 1), offset // size
+            )
+            rows.copy_(source.view(rows.shape))
+            return
+    rows = target.as_strided((data.numel() // run, run), (stride, 1), offset)
+    rows.copy_(data.view(rows.shape))
 
 
 class _Runs:
@@ -131,6 +174,42 @@ class SocketBuffers:
         """Receive exactly the runs' bytes, in order, into them."""
         for _, batch in self._run_batches(runs):
             await conn.recv_into_views(batch)
+
+    async def recv_pairs(self, conn: Connection, pairs: Sequence[SlicePair]) -> None:
+        """Receive the pairs' bytes, cut as the holder sends them, into their
+        destinations.
+
+        The holder sends a pair whose source is one contiguous range as that
+        range, and a strided one run by run. A contiguous source landing in
+        strided runs here (more heads per block on this side) is received a
+        staging chunk at a time and scattered by one strided copy per chunk,
+        rather than as thousands of small receives.
+        """
+        whole: list[Region] = []
+        for p in pairs:
+            if not p.source_is_contiguous:
+                await self.recv(conn, whole)
+                whole = []
+                await self.recv_runs(
+                    conn, [(p.dst_buffer, p.dst_offset, p.run, p.num_runs, p.dst_stride)]
+                )
+            elif p.dest_is_contiguous:
+                whole.append(Region(p.dst_buffer, p.dst_offset, p.num_bytes))
+            else:
+                await self.recv(conn, whole)
+                whole = []
+                await self._recv_scattered(conn, p)
+        await self.recv(conn, whole)
+
+    async def _recv_scattered(self, conn: Connection, p: SlicePair) -> None:
+        target = self._tensors[p.dst_buffer]
+        for start, n in payload_pieces(0, p.num_bytes):
+            chunk = self._take_chunk()
+            try:
+                await conn.recv_into(host_view(chunk)[:n])
+                _scatter(target, p, start, chunk[:n])
+            finally:
+                self._chunks.append(chunk)
 
     def _run_batches(self, runs: Sequence[Runs]) -> Iterator[tuple[int, list[memoryview]]]:
         """Views of every run, in batches of up to `PAYLOAD_PIECE_BYTES`.
