@@ -21,7 +21,9 @@ are received the same way: no run is gathered into a copy on either side.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
 import numpy as np
@@ -39,6 +41,17 @@ Runs = tuple[str, int, int, int, int]
 def host_view(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a flat uint8 CPU tensor (no copy)."""
     return tensor.numpy().data.cast("B")
+
+
+_scatter_executor: ThreadPoolExecutor | None = None
+
+
+def _scatter_thread() -> ThreadPoolExecutor:
+    """The process's one thread for scatter copies (created on first use)."""
+    global _scatter_executor
+    if _scatter_executor is None:
+        _scatter_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-scatter")
+    return _scatter_executor
 
 
 def _scatter(target: torch.Tensor, p: SlicePair, start: int, data: torch.Tensor) -> None:
@@ -202,14 +215,30 @@ class SocketBuffers:
         await self.recv(conn, whole)
 
     async def _recv_scattered(self, conn: Connection, p: SlicePair) -> None:
+        """Receive chunk k + 1 while chunk k is scattered on the scatter thread
+        (torch copies without the GIL), so the holder keeps sending."""
         target = self._tensors[p.dst_buffer]
-        for start, n in payload_pieces(0, p.num_bytes):
-            chunk = self._take_chunk()
-            try:
+        loop = asyncio.get_running_loop()
+        scattering: asyncio.Future[None] | None = None
+        held: list[torch.Tensor] = []
+        try:
+            for start, n in payload_pieces(0, p.num_bytes):
+                chunk = self._take_chunk()
+                held.append(chunk)
                 await conn.recv_into(host_view(chunk)[:n])
-                _scatter(target, p, start, chunk[:n])
-            finally:
-                self._chunks.append(chunk)
+                if scattering is not None:
+                    await scattering
+                    self._chunks.append(held.pop(0))
+                scattering = loop.run_in_executor(
+                    _scatter_thread(), _scatter, target, p, start, chunk[:n]
+                )
+            if scattering is not None:
+                await scattering
+        finally:
+            if scattering is not None and not scattering.done():
+                # Cancelled mid-receive: the copy still reads its chunk.
+                await asyncio.shield(scattering)
+            self._chunks.extend(held)
 
     def _run_batches(self, runs: Sequence[Runs]) -> Iterator[tuple[int, list[memoryview]]]:
         """Views of every run, in batches of up to `PAYLOAD_PIECE_BYTES`.
