@@ -197,7 +197,6 @@ def resolve_plan(config: ClusterConfig, source: str = "<config>") -> ClusterPlan
         for settings, manager in ((context, managers[0]), (generation, managers[1]))
         for index in range(settings.num_instances)
     )
-    _check_tensor_parallel_transfer(context, generation, transceiver, source)
     return ClusterPlan(
         checkpoint=str(checkpoint),
         architecture=model_config.architecture,
@@ -237,26 +236,10 @@ def _rank_spec(
     return rank_config.cache_spec(dtype)
 
 
-def _check_tensor_parallel_transfer(
-    context: RoleSettings, generation: RoleSettings, transceiver: str, source: str
-) -> None:
-    """Ranks of tensor-parallel instances move head slices of blocks, which
-    the Python transceiver reads and NIXL (whole blocks by descriptor) does not yet."""
-    if transceiver != "nixl" or context.num_instances == 0:
-        return
-    for role in (context, generation):
-        if role.tensor_parallel_size > 1:
-            raise ConfigError(
-                f"{source}: {role.role}_servers.tensor_parallel_size is "
-                f"{role.tensor_parallel_size} with cache_transceiver.backend 'nixl', which moves "
-                "whole blocks; caches of tensor-parallel instances move as head slices per "
-                "rank: set cache_transceiver.backend to 'python'"
-            )
-
-
 def _one_transceiver(context: RoleSettings, generation: RoleSettings, preferred: str | None) -> str:
     if max(context.tensor_parallel_size, generation.tensor_parallel_size) > 1:
-        # Only the Python transceiver moves head slices between ranks so far.
+        # Head slices between ranks are small runs: the Python transceiver
+        # sends them from the pool as they lie, NIXL as a descriptor each.
         preferred = "python"
     chosen = {
         role.role: resolve_transceiver(role.cache_transceiver.backend, preferred, nixl_available())

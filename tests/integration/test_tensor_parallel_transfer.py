@@ -1,6 +1,7 @@
 """Disaggregation between instances of different tensor parallelism (TP 2 on
-CPU, gloo), Python transceiver: (context TP, generation TP) in (1, 2), (2, 1)
-and (2, 2) == transformers' greedy `generate`, token for token.
+CPU, gloo): (context TP, generation TP) in (1, 2), (2, 1) and (2, 2) ==
+transformers' greedy `generate`, token for token, on the Python transceiver
+and, for the tiny Llama, on NIXL.
 
 Each generation rank pulls its heads from every context rank: KV heads split
 (tiny Llama, 2 KV heads at TP 2) and replicated (1 KV head: read from context
@@ -49,6 +50,8 @@ WORKERS = {
     ("generation", 2): "v2",
 }
 PAIRS = [(1, 2), (2, 1), (2, 2)]
+# NIXL reads raw descriptors: one manager (V2) on every instance.
+NIXL = "llama-nixl"
 PROMPT_LENGTHS = (3, 9, 23, 37)
 # Generation side: 64 tokens (8 blocks) of KV; the prompts take 11 blocks,
 # twice that with the local run beside the pulled one.
@@ -72,13 +75,15 @@ def ray_session() -> Iterator[None]:
     ray.shutdown()
 
 
-@pytest.fixture(scope="module", params=["llama", "llama-one-kv-head", "nemotron_h"])
+@pytest.fixture(scope="module", params=["llama", "llama-one-kv-head", "nemotron_h", NIXL])
 def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp(request.param)
     # A wide initializer keeps logits well separated: no greedy near-ties.
     if request.param == "llama-one-kv-head":
         llama = write_checkpoint(root / "llama", "llama", "tiny", seed=11, initializer_range=0.2)
         return _one_kv_head(llama, root / request.param)
+    if request.param == NIXL:  # the tiny Llama again, every instance on NIXL and V2
+        return write_checkpoint(root / NIXL, "llama", "tiny", seed=11, initializer_range=0.2)
     return write_checkpoint(
         root / request.param, request.param, "tiny", seed=11, initializer_range=0.2
     )
@@ -87,11 +92,12 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 @pytest.fixture(scope="module")
 def workers(ray_session: None, checkpoint: Path) -> Iterator[dict[tuple[str, int], Any]]:
     actors: dict[tuple[str, int], Any] = {}
+    nixl = checkpoint.name == NIXL
     for (role, size), manager in WORKERS.items():
         config = WorkerConfig(
             checkpoint=str(checkpoint),
-            manager=manager,
-            transceiver="python",
+            manager="v2" if nixl else manager,
+            transceiver="nixl" if nixl else "python",
             block_size=8,
             max_tokens=CTX_MAX_TOKENS if role == "context" else GEN_MAX_TOKENS,
             max_num_tokens=CHUNK,

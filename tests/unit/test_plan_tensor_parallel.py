@@ -75,12 +75,10 @@ def test_context_and_generation_may_use_different_tensor_parallelism(tmp_path: P
     assert context.num_blocks == 2 * generation.num_blocks
 
 
-def test_nixl_between_tensor_parallel_instances_names_the_python_transceiver(
+def test_tensor_parallel_instances_pick_the_python_transceiver_unless_told(
     tmp_path: Path,
 ) -> None:
-    with pytest.raises(ConfigError, match="set cache_transceiver.backend to 'python'"):
-        _plan(
-            tmp_path,
-            cache_transceiver={"backend": "nixl"},
-            generation_servers={"tensor_parallel_size": 2},
-        )
+    assert _plan(tmp_path, context_servers={"tensor_parallel_size": 2}).transceiver == "python"
+    nixl = {"backend": "nixl"}
+    plan = _plan(tmp_path, cache_transceiver=nixl, generation_servers={"tensor_parallel_size": 2})
+    assert plan.transceiver == "nixl"
