@@ -14,7 +14,9 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -39,17 +41,12 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return ensure_checkpoint(tmp_path_factory.mktemp("ckpt") / f"tiny-{arch}", arch, "tiny")
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    config = {
-        "model": str(checkpoint),
-        "kv_cache": {"max_tokens": 512},
-        "max_batch_size": 4,
-        "context_servers": {"num_instances": 0},
-        "generation_servers": {"num_instances": 1, "tensor_parallel_size": 2},
-    }
-    path = tmp_path_factory.mktemp("config") / "tp2.yaml"
-    path.write_text(yaml.safe_dump(config))
+@contextmanager
+def serving(checkpoint: Path, sections: dict[str, Any], folder: Path) -> Iterator[Server]:
+    """`disagg serve` of the checkpoint with these context/generation sections."""
+    config = {"model": str(checkpoint), "kv_cache": {"max_tokens": 512}, "max_batch_size": 4}
+    path = folder / "tp.yaml"
+    path.write_text(yaml.safe_dump({**config, **sections}))
     running = start_serve(path, checkpoint)
     try:
         yield Server(running.process, running.url, checkpoint.name, running.output)
@@ -57,12 +54,7 @@ def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         stop_group(running.process)
 
 
-def test_the_plan_shows_two_ranks_on_the_generation_instance(server: Server) -> None:
-    plan = [line for line in server.output if line.startswith("generation-0")]
-    assert plan and "cpu x2" in plan[0]
-
-
-def test_greedy_text_matches_transformers(server: Server, checkpoint: Path) -> None:
+def assert_greedy_text_matches_transformers(server: Server, checkpoint: Path) -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
@@ -73,6 +65,25 @@ def test_greedy_text_matches_transformers(server: Server, checkpoint: Path) -> N
             model=server.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
         )
         assert whole.choices[0].text == expected
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    sections = {
+        "context_servers": {"num_instances": 0},
+        "generation_servers": {"num_instances": 1, "tensor_parallel_size": 2},
+    }
+    with serving(checkpoint, sections, tmp_path_factory.mktemp("config")) as running:
+        yield running
+
+
+def test_the_plan_shows_two_ranks_on_the_generation_instance(server: Server) -> None:
+    plan = [line for line in server.output if line.startswith("generation-0")]
+    assert plan and "cpu x2" in plan[0]
+
+
+def test_greedy_text_matches_transformers(server: Server, checkpoint: Path) -> None:
+    assert_greedy_text_matches_transformers(server, checkpoint)
 
 
 def _descendants(pid: int) -> list[int]:

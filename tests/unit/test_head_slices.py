@@ -125,51 +125,39 @@ def test_replicated_kv_head_is_read_from_the_lowest_holder_only() -> None:
     assert plans[0] and not plans[1]
 
 
-def test_shards_of_different_models_are_refused_before_any_byte_moves() -> None:
-    holder = make_rank(DENSE_KV4, 0, 2, "v2")
-    other = make_rank(replace(DENSE_KV4, head_dim=16), 0, 1, "v2")
+def refused_plan(
+    holder: Rank, puller: Rank, puller_tokens: int = NUM_TOKENS, **source: object
+) -> str:
+    """The `LayoutMismatch` planning a pull raises, as text; `source` overrides
+    fields of the holder's signature."""
     assert holder.manager.allocate_slots("req", NUM_TOKENS)
-    assert other.manager.allocate_for_transfer("req", NUM_TOKENS)
-    with pytest.raises(LayoutMismatch, match="head_dim"):
+    assert puller.manager.allocate_for_transfer("req", puller_tokens)
+    signature = {**holder.manager.layout_signature().to_dict(), **source}
+    with pytest.raises(LayoutMismatch) as refused:
         plan_pull(
             "req",
-            holder.manager.layout_signature().to_dict(),
+            signature,
             holder.manager.regions("req"),
-            other.manager.layout_signature(),
-            other.manager.regions("req"),
+            puller.manager.layout_signature(),
+            puller.manager.regions("req"),
         )
+    return str(refused.value)
+
+
+def test_shards_of_different_models_are_refused_before_any_byte_moves() -> None:
+    other = make_rank(replace(DENSE_KV4, head_dim=16), 0, 1, "v2")
+    assert "head_dim" in refused_plan(make_rank(DENSE_KV4, 0, 2, "v2"), other)
 
 
 def test_head_ranges_off_the_sharding_rule_are_refused() -> None:
-    holder = make_rank(DENSE_KV4, 1, 2, "v2")
-    puller = make_rank(DENSE_KV4, 0, 1, "v2")
-    assert holder.manager.allocate_slots("req", NUM_TOKENS)
-    assert puller.manager.allocate_for_transfer("req", NUM_TOKENS)
-    source = holder.manager.layout_signature().to_dict()
-    source["kv_heads"] = [0, 2]  # rank 1 of 2 holds heads 2 and 3
-    with pytest.raises(LayoutMismatch, match="sharding rule"):
-        plan_pull(
-            "req",
-            source,
-            holder.manager.regions("req"),
-            puller.manager.layout_signature(),
-            puller.manager.regions("req"),
-        )
+    holder, puller = make_rank(DENSE_KV4, 1, 2, "v2"), make_rank(DENSE_KV4, 0, 1, "v2")
+    # Rank 1 of 2 holds heads 2 and 3.
+    assert "sharding rule" in refused_plan(holder, puller, kv_heads=[0, 2])
 
 
 def test_missing_blocks_on_the_puller_are_refused() -> None:
-    holder = make_rank(DENSE_KV4, 0, 2, "v2")
-    puller = make_rank(DENSE_KV4, 0, 1, "v2")
-    assert holder.manager.allocate_slots("req", NUM_TOKENS)
-    assert puller.manager.allocate_for_transfer("req", BLOCK_SIZE)
-    with pytest.raises(LayoutMismatch, match="kv_segments"):
-        plan_pull(
-            "req",
-            holder.manager.layout_signature().to_dict(),
-            holder.manager.regions("req"),
-            puller.manager.layout_signature(),
-            puller.manager.regions("req"),
-        )
+    holder, puller = make_rank(DENSE_KV4, 0, 2, "v2"), make_rank(DENSE_KV4, 0, 1, "v2")
+    assert "kv_segments" in refused_plan(holder, puller, puller_tokens=BLOCK_SIZE)
 
 
 LLAMA = ModelConfig(
