@@ -60,7 +60,7 @@ async def load_chat_images(
         loaded = await load_image(part.image_url.url, media, param)
         width, height = loaded.image.size
         grid = support.processing.patch_grid(height, width, len(parts))
-        num_tokens = support.vision.num_image_tokens(grid)
+        num_tokens = support.processing.num_image_tokens(grid)
         digest = hashlib.sha256(b"%dx%d:%dx%d:" % (*grid, width, height))
         digest.update(loaded.image.tobytes())
         inputs.append(ImageInput(digest.digest(), loaded.data, grid, 0, num_tokens))
@@ -93,3 +93,17 @@ def place_images(
     return tuple(
         replace(image, offset=offset) for image, (offset, _) in zip(images, runs, strict=True)
     )
+
+
+def refuse_completion_images(prompt: Sequence[int], support: ImageSupport | None) -> None:
+    """`/v1/completions` takes no images: a prompt holding the image
+    placeholder token (which only an image's embeddings may fill) is a 400
+    that points at `/v1/chat/completions`."""
+    if support is not None and support.vision.image_token_id in prompt:
+        raise APIError(
+            400,
+            f"prompt: holds the image placeholder {support.placeholder!r}; /v1/completions "
+            "takes text only: send images as image_url content parts to /v1/chat/completions",
+            "prompt",
+            "invalid_image",
+        )

@@ -6,7 +6,11 @@ Each server owns its own `CollectorRegistry`, so two servers in one process
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.messages import RankCacheUsage
 
 # Seconds; CPU tiny models sit at the low end, large GPU models further up.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -67,10 +71,36 @@ class ServingMetrics:
             ["worker"],
             registry=r,
         )
+        self.rank_blocks = Gauge(
+            "disagg_rank_kv_blocks",
+            "KV blocks of each rank's cache of each worker instance (state: used or total).",
+            ["worker", "rank", "state"],
+            registry=r,
+        )
+        self.rank_mamba_slots = Gauge(
+            "disagg_rank_mamba_slots",
+            "Mamba state slots of each rank's cache of each worker instance (state: used or "
+            "total; hybrid models only).",
+            ["worker", "rank", "state"],
+            registry=r,
+        )
         self.cached_blocks = Gauge(
             "disagg_router_cached_blocks",
             "Reusable KV blocks the router knows each worker holds (from its KV events).",
             ["worker"],
+            registry=r,
+        )
+        self.encoded_images = Gauge(
+            "disagg_router_encoded_images",
+            "Images whose embeddings the router knows each worker's encoder cache holds.",
+            ["worker"],
+            registry=r,
+        )
+        self.routed_cache_hits = Counter(
+            "disagg_routed_cache_hits",
+            "Dispatches to a worker known to hold a leading KV block of the prompt (cache: kv) "
+            "or the embeddings of one of its images (cache: encoder).",
+            ["worker", "phase", "cache"],
             registry=r,
         )
         self.worker_requests = Gauge(
@@ -100,6 +130,17 @@ class ServingMetrics:
         self.in_flight = Gauge(
             "disagg_requests_in_flight", "Requests being served right now.", registry=r
         )
+
+    def record_rank_caches(self, worker: str, ranks: Iterable[RankCacheUsage]) -> None:
+        """Set the per-rank cache gauges of one worker instance from its load report."""
+        for usage in ranks:
+            rank = str(usage.rank)
+            self.rank_blocks.labels(worker, rank, "used").set(usage.num_used_blocks)
+            self.rank_blocks.labels(worker, rank, "total").set(usage.num_total_blocks)
+            if usage.num_mamba_slots:
+                slots = self.rank_mamba_slots
+                slots.labels(worker, rank, "used").set(usage.num_used_mamba_slots)
+                slots.labels(worker, rank, "total").set(usage.num_mamba_slots)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -8,8 +8,11 @@ the router records the dispatch afterwards.
 - `least_loaded`: fewest tokens in flight (prompt + requested output tokens
   of requests dispatched and not finished), then fewest queued requests.
 - `prefix_aware`: the worker holding the longest run of the prompt's leading
-  block hashes (learned from the workers' KV events); ties go to the least
-  loaded, and remaining ties rotate so equal workers share the load.
+  block hashes (learned from the workers' KV events), then the one whose
+  encoder cache holds the most of the request's images (learned from its
+  encoder-cache events; this is what a repeated image+text finds where block
+  reuse is off, as for hybrid models); ties go to the least loaded, and
+  remaining ties rotate so equal workers share the load.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from engine.multimodal import EncoderCacheEvent
 
 POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware")
 
@@ -33,6 +38,8 @@ class WorkerState:
         the request ends, so it is exact between load reports.
     num_queued: the worker's last reported queue length.
     cached_blocks: block hashes the worker reported as stored and not removed.
+    encoded_images: content hashes of the images the worker's encoder cache
+        reported as stored and not evicted.
     healthy: False once a call to the worker failed; such workers get no
         new requests.
     """
@@ -43,6 +50,7 @@ class WorkerState:
     num_free_blocks: int = 0
     num_total_blocks: int = 0
     cached_blocks: set[bytes] = field(default_factory=set)
+    encoded_images: set[bytes] = field(default_factory=set)
     healthy: bool = True
 
     def prefix_match(self, block_hashes: Sequence[bytes]) -> int:
@@ -62,10 +70,28 @@ class WorkerState:
         self.cached_blocks.difference_update(removed)
         self.cached_blocks.update(stored)
 
+    def image_match(self, image_hashes: Sequence[bytes]) -> int:
+        """The request's images whose embeddings this worker has cached."""
+        return sum(h in self.encoded_images for h in image_hashes)
+
+    def apply_encoder_events(self, events: Sequence[EncoderCacheEvent]) -> None:
+        for event in events:
+            if event.stored:
+                self.encoded_images.add(event.content_hash)
+            else:
+                self.encoded_images.discard(event.content_hash)
+
 
 class RoutingPolicy(Protocol):
-    def choose(self, workers: Sequence[WorkerState], block_hashes: Sequence[bytes]) -> WorkerState:
-        """Pick one healthy worker; raises `NoWorkerError` when none is healthy."""
+    def choose(
+        self,
+        workers: Sequence[WorkerState],
+        block_hashes: Sequence[bytes],
+        image_hashes: Sequence[bytes] = (),
+    ) -> WorkerState:
+        """Pick one healthy worker for a prompt with these block hashes and
+        images (content hashes, of the images this worker would encode);
+        raises `NoWorkerError` when none is healthy."""
         ...
 
 
@@ -84,7 +110,12 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._next = 0
 
-    def choose(self, workers: Sequence[WorkerState], block_hashes: Sequence[bytes]) -> WorkerState:
+    def choose(
+        self,
+        workers: Sequence[WorkerState],
+        block_hashes: Sequence[bytes],
+        image_hashes: Sequence[bytes] = (),
+    ) -> WorkerState:
         healthy = _healthy(workers)
         chosen = healthy[self._next % len(healthy)]
         self._next += 1
@@ -107,7 +138,12 @@ class LeastLoadedPolicy:
     def __init__(self) -> None:
         self._ties = _RotatingTieBreak()
 
-    def choose(self, workers: Sequence[WorkerState], block_hashes: Sequence[bytes]) -> WorkerState:
+    def choose(
+        self,
+        workers: Sequence[WorkerState],
+        block_hashes: Sequence[bytes],
+        image_hashes: Sequence[bytes] = (),
+    ) -> WorkerState:
         healthy = _healthy(workers)
         best = min(_load_key(w) for w in healthy)
         return self._ties.pick([w for w in healthy if _load_key(w) == best])
@@ -117,13 +153,20 @@ class PrefixAwarePolicy:
     def __init__(self) -> None:
         self._ties = _RotatingTieBreak()
 
-    def choose(self, workers: Sequence[WorkerState], block_hashes: Sequence[bytes]) -> WorkerState:
+    def choose(
+        self,
+        workers: Sequence[WorkerState],
+        block_hashes: Sequence[bytes],
+        image_hashes: Sequence[bytes] = (),
+    ) -> WorkerState:
         healthy = _healthy(workers)
 
-        def score(worker: WorkerState) -> tuple[int, int, int]:
-            # Longest prefix first, then least loaded (hence the negations).
+        def score(worker: WorkerState) -> tuple[int, int, int, int]:
+            # Longest prefix first, then most images already encoded, then
+            # least loaded (hence the negations).
             tokens, queued = _load_key(worker)
-            return (worker.prefix_match(block_hashes), -tokens, -queued)
+            images = worker.image_match(image_hashes)
+            return (worker.prefix_match(block_hashes), images, -tokens, -queued)
 
         best = max(score(w) for w in healthy)
         return self._ties.pick([w for w in healthy if score(w) == best])

@@ -80,6 +80,13 @@ class SamplingFields(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+# OpenAI's /v1/completions has no image input; its chat endpoint has.
+_NO_COMPLETION_IMAGES = (
+    "/v1/completions takes text only (one string or one list of token ids); "
+    "send images as image_url content parts to /v1/chat/completions"
+)
+
+
 class CompletionRequest(SamplingFields):
     """`POST /v1/completions`: one prompt, as text or token ids."""
 
@@ -89,6 +96,8 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's offline field for images; named here only to refuse it clearly.
+    multi_modal_data: Any = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -96,6 +105,8 @@ class CompletionRequest(SamplingFields):
         is_ids = isinstance(value, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in value
         )
+        if isinstance(value, list) and any(isinstance(p, dict) for p in value):
+            raise ValueError(_NO_COMPLETION_IMAGES)
         if not isinstance(value, str) and not is_ids:
             raise ValueError(
                 "prompt must be one string or one list of token ids; send one request per prompt"
@@ -109,6 +120,13 @@ class CompletionRequest(SamplingFields):
             raise ValueError("prompt must not be empty")
         if isinstance(value, list) and any(t < 0 for t in value):
             raise ValueError("prompt token ids must be non-negative")
+        return value
+
+    @field_validator("multi_modal_data")
+    @classmethod
+    def _no_images(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError(_NO_COMPLETION_IMAGES)
         return value
 
     @field_validator("echo")

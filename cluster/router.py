@@ -22,9 +22,9 @@ another context worker. When the caller stops iterating (client
 disconnect), the request is aborted on every worker it touched, so both
 sides free its blocks.
 
-Load and KV events are polled from every worker in the background; the
-router's own `tokens_in_flight` bookkeeping keeps `least_loaded` exact
-between polls.
+Load, KV events and encoder-cache events are polled from every worker in
+the background; the router's own `tokens_in_flight` bookkeeping keeps
+`least_loaded` exact between polls.
 """
 
 from __future__ import annotations
@@ -206,12 +206,14 @@ class Router:
         touched: list[WorkerEndpoint],
     ) -> ContextResult:
         cost = len(request.prompt_token_ids) + 1
+        images = [image.content_hash for image in request.images]
         errors: list[str] = []
         for _ in range(self.settings.max_attempts):
-            endpoint = self._pick(self.context, self._context_policy, hashes, touched)
+            endpoint = self._pick(self.context, self._context_policy, hashes, touched, images)
             touched.append(endpoint)
             endpoint.state.tokens_in_flight += cost
             self.metrics.routed.labels(endpoint.name, "context").inc()
+            self._count_cache_hits(endpoint, "context", hashes, images)
             try:
                 result: ContextResult = await endpoint.actor.prefill.remote(request)
                 return result
@@ -234,12 +236,16 @@ class Router:
         cost = len(request.prompt_token_ids) + _max_tokens(request.params)
         phase = "generation" if request.context is not None else "whole"
         attempts = self.settings.max_attempts if request.context is None else 1
+        # A worker that pulls the cache encodes nothing: images steer only a
+        # request it runs whole.
+        images = [i.content_hash for i in request.images] if request.context is None else []
         errors: list[str] = []
         for _ in range(attempts):
-            endpoint = self._pick(self.generation, self._generation_policy, hashes, touched)
+            endpoint = self._pick(self.generation, self._generation_policy, hashes, touched, images)
             touched.append(endpoint)
             endpoint.state.tokens_in_flight += cost
             self.metrics.routed.labels(endpoint.name, phase).inc()
+            self._count_cache_hits(endpoint, phase, hashes, images)
             streamed = False
             started = time.perf_counter()
             try:
@@ -275,12 +281,24 @@ class Router:
         policy: RoutingPolicy,
         hashes: Sequence[bytes],
         tried: Sequence[WorkerEndpoint],
+        images: Sequence[bytes] = (),
     ) -> WorkerEndpoint:
         """The policy's choice among the pool, skipping workers this request
         already tried while others remain."""
         candidates = [e for e in pool if e not in tried and e.state.healthy] or pool
-        state = policy.choose([e.state for e in candidates], hashes)
+        state = policy.choose([e.state for e in candidates], hashes, images)
         return next(e for e in candidates if e.state is state)
+
+    def _count_cache_hits(
+        self, endpoint: WorkerEndpoint, phase: str, hashes: Sequence[bytes], images: Sequence[bytes]
+    ) -> None:
+        """Count a dispatch to a worker known to hold a leading block of the
+        prompt (`kv`) or the embeddings of one of its images (`encoder`)."""
+        hits = self.metrics.routed_cache_hits
+        if endpoint.state.prefix_match(hashes):
+            hits.labels(endpoint.name, phase, "kv").inc()
+        if endpoint.state.image_match(images):
+            hits.labels(endpoint.name, phase, "encoder").inc()
 
     def _record_transfer(self, context: ContextResult, started: float) -> None:
         """The pull ends before the generation worker's first token: time it,
@@ -335,10 +353,14 @@ class Router:
         if load.num_total_blocks:
             used = 1 - load.num_free_blocks / load.num_total_blocks
             self.metrics.cache_usage.labels(endpoint.name).set(used)
+        self.metrics.record_rank_caches(endpoint.name, load.ranks)
         stored = [e.block_hash for e in batch.events if e.kind == "stored"]
         removed = [e.block_hash for e in batch.events if e.kind == "removed"]
         state.apply_kv_event(stored, removed)
         self.metrics.cached_blocks.labels(endpoint.name).set(len(state.cached_blocks))
+        if batch.encoder_events or state.encoded_images:
+            state.apply_encoder_events(batch.encoder_events)
+            self.metrics.encoded_images.labels(endpoint.name).set(len(state.encoded_images))
 
 
 class _PullFailed(Exception):

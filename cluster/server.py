@@ -33,7 +33,12 @@ from cluster.api_errors import (
 )
 from cluster.completion import CompletionFailedError, Delta, PreparedRequest, stream_completion
 from cluster.http_guards import DEFAULT_MAX_BODY_BYTES, RequestGuard
-from cluster.image_prompt import ImageSupport, load_chat_images, place_images
+from cluster.image_prompt import (
+    ImageSupport,
+    load_chat_images,
+    place_images,
+    refuse_completion_images,
+)
 from cluster.media import MediaConfig
 from cluster.metrics import ServingMetrics
 from cluster.policies import NoWorkerError
@@ -152,6 +157,7 @@ class _OpenAIRoutes:
             prompt = list(self.model.tokenizer.encode(body.prompt))
         else:
             prompt = list(body.prompt)
+        refuse_completion_images(prompt, self.model.images)
         prepared = self._prepare("cmpl", body, prompt, body.max_tokens, body.logprobs)
         meta = fmt.ResponseMeta(prepared.request_id, int(time.time()), self.model.name)
         num_top = body.logprobs or 0

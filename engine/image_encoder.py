@@ -11,18 +11,21 @@ chunk) skips decoding, preprocessing and the vision tower.
 from __future__ import annotations
 
 import io
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from engine.multimodal import ImageInput
+from engine.multimodal import EncoderCacheEvent, ImageInput
 from models.image_processing import ImageProcessorConfig, preprocess_image
 
 # Embeddings kept for reuse; an entry is num_tokens x hidden_size values.
 DEFAULT_CACHE_BYTES = 256 << 20
+# Cache events kept for the router between its polls; older ones are dropped
+# when nobody drains them.
+_MAX_PENDING_EVENTS = 4096
 
 
 @runtime_checkable
@@ -63,6 +66,7 @@ class ImageEncoder:
         self.stats = EncoderStats()
         self._cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self._cached_bytes = 0
+        self._events: deque[EncoderCacheEvent] = deque(maxlen=_MAX_PENDING_EVENTS)
 
     def rows(self, chunks: Sequence[ImageChunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`(rows [M], embeddings [M, hidden])` of the placeholders the chunks
@@ -110,8 +114,16 @@ class ImageEncoder:
             )
         with Image.open(io.BytesIO(image.data)) as decoded:
             pixels = preprocess_image(decoded, image.grid_hw, self.processing)
+        # One tower pass per encoder grid: the whole image, or each of its tiles.
+        grids = self.processing.encoder_grids(image.grid_hw)
+        pieces = pixels.to(self.device).split([rows * cols for rows, cols in grids])
         with torch.inference_mode():
-            return self.model.encode_image(pixels.to(self.device), image.grid_hw)
+            return torch.cat(
+                [
+                    self.model.encode_image(piece, grid)
+                    for piece, grid in zip(pieces, grids, strict=True)
+                ]
+            )
 
     def _remember(self, key: bytes, embeds: torch.Tensor) -> None:
         size = embeds.numel() * embeds.element_size()
@@ -119,6 +131,17 @@ class ImageEncoder:
             return
         self._cache[key] = embeds
         self._cached_bytes += size
+        self._events.append(EncoderCacheEvent(True, key))
         while self._cached_bytes > self.cache_bytes:
-            _, evicted = self._cache.popitem(last=False)
+            evicted_key, evicted = self._cache.popitem(last=False)
             self._cached_bytes -= evicted.numel() * evicted.element_size()
+            self._events.append(EncoderCacheEvent(False, evicted_key))
+
+    def drain_events(self) -> list[EncoderCacheEvent]:
+        """Images stored in and evicted from the cache since the last call,
+        oldest first. Safe while the step thread keeps encoding: each event is
+        taken off the deque singly, so none is lost between copy and clear."""
+        events = []
+        while self._events:
+            events.append(self._events.popleft())
+        return events

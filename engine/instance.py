@@ -18,13 +18,13 @@ from engine.core import EngineCore, StopCheck
 from engine.decode_graphs import graph_batch_sizes
 from engine.image_encoder import ImageEncoder, VisionModel
 from engine.loop import EngineLoop
-from engine.messages import KVEventBatch, WorkerIntegrity, WorkerLoad
+from engine.messages import KVEventBatch, RankCacheUsage, WorkerIntegrity, WorkerLoad
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request
 from engine.sampling import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.stop import StopChecker
-from engine.tensor_parallel import RankGroup
+from engine.tensor_parallel import RankCapacity, RankGroup
 from engine.worker_config import WorkerConfig
 from kvcache.errors import IntegrityError
 from kvcache.manager import KVCacheManager
@@ -141,6 +141,19 @@ class EngineInstance:
             num_tokens_in_flight=in_flight,
             encoder_cache_hits=encoder.stats.hits if encoder is not None else 0,
             encoder_cache_misses=encoder.stats.misses if encoder is not None else 0,
+            ranks=self.rank_cache_usage(),
+        )
+
+    def rank_cache_usage(self) -> tuple[RankCacheUsage, ...]:
+        """Each rank's cache and what of it is in use: rank 0's manager counts
+        for all of them (block ids and slots are its own on every rank)."""
+        manager, pool = self.manager, self.manager.mamba_pool
+        capacities = [RankCapacity.of(manager), *(self.ranks.capacities if self.ranks else [])]
+        used_blocks = manager.num_usable_blocks - manager.num_free_blocks
+        used_slots = pool.num_slots - pool.num_free_slots if pool is not None else 0
+        return tuple(
+            RankCacheUsage(rank, c.num_blocks, used_blocks, c.num_mamba_slots, used_slots)
+            for rank, c in enumerate(capacities)
         )
 
     def integrity(self, num_in_transfer: int, num_pinned: int) -> WorkerIntegrity:
@@ -166,7 +179,12 @@ class EngineInstance:
         )
 
     def drain_kv_events(self) -> KVEventBatch:
-        return KVEventBatch(worker_id=self.worker_id, events=list(self.manager.drain_events()))
+        encoder = self.runner.image_encoder
+        return KVEventBatch(
+            worker_id=self.worker_id,
+            events=list(self.manager.drain_events()),
+            encoder_events=encoder.drain_events() if encoder is not None else [],
+        )
 
     def step_stats(self) -> dict[str, float]:
         """The loop's step counters, plus the encoder cache's for a VL model."""

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.multimodal import ImageInput
+from engine.multimodal import EncoderCacheEvent, ImageInput
 
 if TYPE_CHECKING:
     from engine.sampling import SamplingParams
@@ -107,6 +107,19 @@ class TokenEvent:
 
 
 @dataclass(frozen=True)
+class RankCacheUsage:
+    """One rank's cache of an instance (its own KV heads' blocks and its Mamba
+    slots); block ids and slots are rank 0's, so every rank holds the same
+    ones in use. A one-rank instance reports rank 0 alone."""
+
+    rank: int
+    num_total_blocks: int
+    num_used_blocks: int
+    num_mamba_slots: int  # 0 for models without Mamba layers
+    num_used_mamba_slots: int
+
+
+@dataclass(frozen=True)
 class WorkerLoad:
     """A worker's occupancy, for load-aware routing."""
 
@@ -122,15 +135,18 @@ class WorkerLoad:
     # Images the vision encoder served from its cache / ran (VL models).
     encoder_cache_hits: int = 0
     encoder_cache_misses: int = 0
+    ranks: tuple[RankCacheUsage, ...] = ()
 
 
 @dataclass(frozen=True)
 class KVEventBatch:
     """Cache events (blocks stored / removed) since the last drain, in order;
-    `events` holds whatever the worker's KV cache manager reports."""
+    `events` holds whatever the worker's KV cache manager reports, and
+    `encoder_events` the images its encoder cache took in or dropped."""
 
     worker_id: str
     events: list[Any]
+    encoder_events: list[EncoderCacheEvent] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -21,6 +21,9 @@ from engine.image_encoder import ImageChunk, ImageEncoder
 from engine.scheduler import ScheduledSequence
 from kvcache.views import CacheViews
 from models.batch import ForwardBatch
+
+# Image placeholder rows of a step and their embeddings (`ImageEncoder.rows`).
+Images = tuple[torch.Tensor, torch.Tensor]
 
 
 class CacheAddressing(Protocol):
@@ -65,9 +68,12 @@ class StepInput:
     block_size: int
     mamba_slots: list[int] | None
     logits_indices: list[int]
+    # Rows that take image embeddings (VL models): rank 0 runs the image path
+    # and the model shares the embeddings with the other ranks.
+    image_rows: list[int] = field(default_factory=list)
 
     def to_batch(self, device: torch.device) -> ForwardBatch:
-        return ForwardBatch.from_host(
+        batch = ForwardBatch.from_host(
             input_ids=self.input_ids,
             positions=self.positions,
             query_start_loc=self.query_start_loc,
@@ -80,6 +86,9 @@ class StepInput:
             mamba_slots=self.mamba_slots,
             logits_indices=self.logits_indices,
         )
+        if self.image_rows:
+            batch.image_rows = torch.tensor(self.image_rows, dtype=torch.int64, device=device)
+        return batch
 
 
 @dataclass
@@ -221,11 +230,17 @@ class ModelRunner:
         return step, image_chunks
 
     def _batch(self, step: StepInput, image_chunks: Sequence[ImageChunk] = ()) -> ForwardBatch:
-        batch = step.to_batch(self.device)
-        if image_chunks and self.image_encoder is not None:
-            images = self.image_encoder.rows(list(image_chunks))
-            if images is not None:
-                batch.image_rows, batch.image_embeds = images
+        return self._with_images(step.to_batch(self.device), self._images(image_chunks))
+
+    def _images(self, image_chunks: Sequence[ImageChunk]) -> Images | None:
+        if not image_chunks or self.image_encoder is None:
+            return None
+        return self.image_encoder.rows(list(image_chunks))
+
+    @staticmethod
+    def _with_images(batch: ForwardBatch, images: Images | None) -> ForwardBatch:
+        if images is not None:
+            batch.image_rows, batch.image_embeds = images
         return batch
 
     def execute(self, seqs: Sequence[ScheduledSequence]) -> RunnerOutput:
@@ -255,19 +270,22 @@ class ModelRunner:
 
     def _run(self, step: StepInput, image_chunks: Sequence[ImageChunk] = ()) -> torch.Tensor | None:
         """Forward, then the logits of the sampling rows (None if there are none)."""
+        images = self._images(image_chunks)
         if self.followers is None:
-            return self._forward(step, image_chunks)
+            return self._forward(step, images)
+        if images is not None:
+            # The other ranks learn which rows are images; the model hands
+            # them the embeddings (the image path runs here alone).
+            step = replace(step, image_rows=images[0].tolist())
         self.followers.send(step)
         try:
-            return self._forward(step, image_chunks)
+            return self._forward(step, images)
         except BaseException:
             self.followers.abandon()
             raise
 
-    def _forward(
-        self, step: StepInput, image_chunks: Sequence[ImageChunk] = ()
-    ) -> torch.Tensor | None:
-        batch = self._batch(step, image_chunks)
+    def _forward(self, step: StepInput, images: Images | None = None) -> torch.Tensor | None:
+        batch = self._with_images(step.to_batch(self.device), images)
         hidden = self.graphs.run(batch) if self.graphs is not None else None
         if hidden is None:
             hidden = self.model.forward(batch, self.caches)

@@ -46,3 +46,13 @@ class ImageInput:
             f"ImageInput({self.content_hash.hex()[:12]}, grid={self.grid_hw}, "
             f"tokens=[{self.offset}, {self.end}))"
         )
+
+
+@dataclass(frozen=True)
+class EncoderCacheEvent:
+    """An image's embeddings entered (`stored`) or left a worker's encoder
+    cache. With these the prefix-aware router sends a repeated image to the
+    worker that can skip its vision tower, with or without block reuse."""
+
+    stored: bool
+    content_hash: bytes

@@ -41,9 +41,11 @@ import os
 import socket
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
+import torch
 import torch.distributed as dist
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -67,6 +69,8 @@ logger = logging.getLogger(__name__)
 # How long a rank waits for the others to join the group, and for one
 # collective of a step.
 GROUP_TIMEOUT_S = 300.0
+# How long rank 0 waits for the other ranks to leave the group on close.
+LEAVE_TIMEOUT_S = 30.0
 # Transfers a rank runs at once, beside its steps (a Ray concurrency group).
 TRANSFER_CONCURRENCY = 16
 # Tries at setting up the group: the free port rank 0 picks can be taken by
@@ -75,14 +79,26 @@ _JOIN_ATTEMPTS = 3
 
 
 def join_group(address: str, rank: int, size: int, device: str) -> None:
-    """Join the instance's process group at `address` ("host:port") as `rank`."""
+    """Join the instance's process group at `address` ("host:port") as `rank`.
+
+    On CUDA the group is NCCL's, bound to this process's device (each rank
+    sees only its own GPU), so its communicator is set up here, with all
+    ranks, rather than guessed from the rank number at a first collective."""
+    cuda = device.startswith("cuda")
     dist.init_process_group(
-        "nccl" if device.startswith("cuda") else "gloo",
+        "nccl" if cuda else "gloo",
         init_method=f"tcp://{address}",
         rank=rank,
         world_size=size,
         timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
+        device_id=_cuda_device(device) if cuda else None,
     )
+
+
+def _cuda_device(device: str) -> torch.device:
+    """`device` with its index ("cuda" is the current device)."""
+    named = torch.device(device)
+    return named if named.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def _start_ranks(
@@ -121,6 +137,19 @@ def _free_address(host: str) -> str:
         return f"{host}:{sock.getsockname()[1]}"
 
 
+@dataclass(frozen=True)
+class RankCapacity:
+    """How many KV blocks and Mamba slots one rank's cache holds."""
+
+    num_blocks: int
+    num_mamba_slots: int
+
+    @classmethod
+    def of(cls, manager: KVCacheManager) -> RankCapacity:
+        pool = manager.mamba_pool
+        return cls(manager.num_usable_blocks, pool.num_slots if pool is not None else 0)
+
+
 class TensorParallelRank:
     """Rank `rank` >= 1 of a tensor-parallel instance (run as a Ray actor)."""
 
@@ -133,6 +162,7 @@ class TensorParallelRank:
         self.runner, self.cache, manager = run_on_compute_thread(
             lambda: self._build(config, rank, address, sizing)
         )
+        self.capacity = RankCapacity.of(manager)
         self.signature = manager.layout_signature()  # names this rank's heads
         self._transfer: RankTransfer | None = None
         self._transfer_lock = threading.Lock()
@@ -160,8 +190,14 @@ class TensorParallelRank:
         )
         return runner, cache, manager
 
-    def ready(self) -> None:
+    def ready(self) -> RankCapacity:
         """Returns once the rank is built (its shard loaded, its cache allocated)."""
+        return self.capacity
+
+    def leave(self) -> None:
+        """Leave the instance's group (`RankGroup.close`)."""
+        if dist.is_initialized():
+            run_on_compute_thread(dist.destroy_process_group)
 
     def run_step(self, step: StepInput) -> None:
         try:
@@ -204,8 +240,9 @@ class TensorParallelRank:
 class RankGroup:
     """Rank 0's side: the other ranks' actors, and each step sent to them."""
 
-    def __init__(self, ranks: list[Any]) -> None:
+    def __init__(self, ranks: list[Any], capacities: list[RankCapacity]) -> None:
         self.ranks = ranks
+        self.capacities = capacities  # of ranks 1.., in order
 
     @classmethod
     def start(cls, config: WorkerConfig, worker_id: str, sizing: CacheSizing) -> RankGroup:
@@ -220,7 +257,7 @@ class RankGroup:
             try:
                 join_group(address, 0, config.tensor_parallel_size, config.device)
                 # Surfaces a rank that failed to load its shard.
-                ray.get([rank.ready.remote() for rank in ranks])
+                capacities = ray.get([rank.ready.remote() for rank in ranks])
             except DistNetworkError as exc:
                 for rank in ranks:
                     ray.kill(rank)
@@ -239,7 +276,7 @@ class RankGroup:
                 config.tensor_parallel_size,
                 address,
             )
-            return cls(ranks)
+            return cls(ranks, capacities)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
     def send(self, step: StepInput) -> None:
@@ -283,8 +320,20 @@ class RankGroup:
         os._exit(1)
 
     def close(self) -> None:
+        """Every rank leaves the group together (NCCL tears a communicator down
+        collectively; no collective is in flight between steps), then the
+        rank actors stop. Runs on the compute thread, where rank 0's
+        collectives ran."""
+        run_on_compute_thread(self._leave)
         for rank in self.ranks:
             ray.kill(rank)
         self.ranks = []
+
+    def _leave(self) -> None:
+        leaving = [rank.leave.remote() for rank in self.ranks]
         if dist.is_initialized():
             dist.destroy_process_group()
+        try:
+            ray.get(leaving, timeout=LEAVE_TIMEOUT_S)
+        except Exception as exc:  # a rank that is gone already is stopped all the same
+            logger.warning("a tensor-parallel rank did not leave its group cleanly: %s", exc)

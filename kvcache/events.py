@@ -55,6 +55,9 @@ class KVEventLog:
         self._events.append(event)
 
     def drain(self) -> list[KVEvent]:
-        events = list(self._events)
-        self._events.clear()
+        # One popleft at a time: the step thread records while the actor
+        # thread drains, and a copy-then-clear would lose what lands between.
+        events = []
+        while self._events:
+            events.append(self._events.popleft())
         return events

@@ -34,6 +34,47 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class TensorParallelShard:
+    """Which shard a model is: rank `rank` of the `size` ranks of one instance.
+
+    The ranks of an instance are the processes of one torch.distributed group
+    (the process's default group); `models.tensor_parallel` says which slice
+    of every weight each rank holds.
+    """
+
+    rank: int = 0
+    size: int = 1
+
+
+@dataclass(frozen=True)
+class MambaShard:
+    """Where a tensor-parallel rank's Mamba2 heads and B/C groups sit among
+    the whole model's (`models.sharding.shard_config`). Head h of the model
+    reads group `h // heads_per_group`."""
+
+    first_head: int  # the rank's first head and first kept group, in the model's numbering
+    first_group: int
+    model_heads: int  # the whole model's num_heads and n_groups
+    model_groups: int
+    tp: TensorParallelShard
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.model_heads // self.model_groups
+
+    @property
+    def whole_groups(self) -> bool:
+        """Each rank holds whole groups (n_groups splits over the ranks), so the
+        gated norm, which runs over a group's heads, stays on the rank."""
+        return self.model_groups % self.tp.size == 0
+
+    def head_groups(self, num_heads: int) -> tuple[int, ...]:
+        """The group of each of the rank's `num_heads` heads, counted among its kept groups."""
+        per_group, first = self.heads_per_group, self.first_head
+        return tuple((first + h) // per_group - self.first_group for h in range(num_heads))
+
+
+@dataclass(frozen=True)
 class MambaConfig:
     num_heads: int
     head_dim: int
@@ -46,6 +87,8 @@ class MambaConfig:
     time_step_limit: tuple[float, float] = (0.0, float("inf"))
     time_step_min: float = 0.001
     norm_eps: float = 1e-5
+    # A tensor-parallel rank's share; None for the whole model.
+    shard: MambaShard | None = None
 
     @property
     def intermediate_size(self) -> int:
@@ -66,19 +109,6 @@ class MoEConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
-
-
-@dataclass(frozen=True)
-class TensorParallelShard:
-    """Which shard a model is: rank `rank` of the `size` ranks of one instance.
-
-    The ranks of an instance are the processes of one torch.distributed group
-    (the process's default group); `models.tensor_parallel` says which slice
-    of every weight each rank holds.
-    """
-
-    rank: int = 0
-    size: int = 1
 
 
 @dataclass(frozen=True)

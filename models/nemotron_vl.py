@@ -15,6 +15,15 @@ builds the image path of transformers' `NemotronH_Omni_Reasoning_V3`:
 `ForwardBatch.image_embeds` and the backbone uses them in place of the
 placeholder tokens' embeddings. Audio and video towers are not built.
 
+Under tensor parallelism the backbone is sharded like a Nemotron-H and the
+image path runs on rank 0 alone, whole: it is small beside the backbone and
+runs once per image (later chunks and requests hit the engine's encoder
+cache, which lives on rank 0), so splitting it would add collectives to
+every tower layer for little gain, and replicating it would store and run it
+N times. The other ranks neither load nor build it; rank 0 broadcasts the
+step's image rows' embeddings (`[rows, hidden]`) to them before the backbone
+runs.
+
 Everything that depends on the hybrid layer pattern comes from the backbone
 class: the `auto` preferences are copied from it at class level (the outer
 pretrained config holds the pattern one level down, so nothing reads it here),
@@ -45,10 +54,10 @@ from models.errors import CheckpointError
 from models.layers.norm import RMSNorm
 from models.nemotron_h import NemotronHForCausalLM
 from models.radio import RadioVisionTower
-from models.vl_names import RADIO_PREFIX, release_name
+from models.tensor_parallel import broadcast_from_first_rank
+from models.vl_names import IMAGE_PATH_PREFIXES, RADIO_PREFIX, release_name
 
 LANGUAGE_MODEL_PREFIX = "language_model."
-IMAGE_PATH_PREFIXES = ("vision_model.", "mlp1.", "vision_projector.")
 SKIPPED_PREFIXES = (
     "sound_encoder.",
     "sound_projection.",
@@ -81,6 +90,7 @@ class NemotronVLForCausalLM(CausalLM):
     backbone_class: ClassVar[type[NemotronHForCausalLM]] = NemotronHForCausalLM
     preferred_kv_manager: ClassVar[str | None] = NemotronHForCausalLM.preferred_kv_manager
     preferred_transceiver: ClassVar[str | None] = NemotronHForCausalLM.preferred_transceiver
+    supports_tensor_parallel: ClassVar[bool] = NemotronHForCausalLM.supports_tensor_parallel
 
     def __init__(self, config: ModelConfig) -> None:
         """`config` describes the nested language model; `config.vision` the image path."""
@@ -102,6 +112,12 @@ class NemotronVLForCausalLM(CausalLM):
             )
 
     def forward(self, batch: ForwardBatch, caches: CacheViews) -> torch.Tensor:
+        tp = self.config.tp
+        if tp.size > 1 and batch.image_rows is not None:
+            # Rank 0 ran the image path; every rank needs its rows' embeddings.
+            table = self.language_model.backbone.embeddings.weight
+            shape = (batch.image_rows.shape[0], self.config.hidden_size)
+            batch.image_embeds = broadcast_from_first_rank(batch.image_embeds, shape, table, tp)
         return self.language_model(batch, caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

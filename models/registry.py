@@ -88,6 +88,6 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     if size != 1 and not model_class_for(config.architecture).supports_tensor_parallel:
         raise ConfigError(
             f"tensor_parallel_size {size}: {config.architecture} runs on one rank so far "
-            "(Llama-style and Nemotron-H models shard); set tensor_parallel_size to 1"
+            "(Llama-style, Nemotron-H and Nemotron VL models shard); set tensor_parallel_size to 1"
         )
     check_shardable(config, size)

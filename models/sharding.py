@@ -4,6 +4,16 @@ plan and the registry can check a size without loading torch).
 `shard_config(config, rank, size)` is the config rank `rank` builds its
 model from: its share of the attention heads, the MLP and MoE widths and the
 Mamba heads and groups. `models.tensor_parallel` cuts the weights to match.
+
+Mamba2 B/C groups: when `n_groups` splits over the ranks, a rank keeps its
+share, which its heads read; otherwise every rank keeps all of them and each
+head reads its own group among them (8 heads, 1 group, 2 ranks: both hold
+group 0). The gated norm then runs over groups whose heads span ranks, so it
+sums across them (`models.layers.mamba2`):
+
+    heads    | 0 1 2 | 3 4 5 |     6 heads, 3 groups, 2 ranks: both keep
+    group    | 0 0 1 | 1 2 2 |     groups 0..2; rank 0's heads read 0, 0, 1
+    rank     |   0   |   1   |
 """
 
 from __future__ import annotations
@@ -11,7 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvcache.spec import head_shard
-from models.config import ModelConfig, TensorParallelShard
+from models.config import MambaConfig, MambaShard, ModelConfig, TensorParallelShard
 from models.errors import ConfigError
 
 
@@ -25,9 +35,8 @@ def _divides(size: int, config: ModelConfig) -> dict[str, bool]:
         "intermediate_size": config.intermediate_size % size == 0,
     }
     if config.mamba is not None:
+        # n_groups need not split: a group whose heads span ranks is kept by each.
         fields["mamba_num_heads"] = config.mamba.num_heads % size == 0
-        # The gated norm runs over groups of heads: a rank must hold whole groups.
-        fields["n_groups"] = config.mamba.n_groups % size == 0
     if config.moe is not None:
         fields["moe_intermediate_size"] = config.moe.intermediate_size % size == 0
         shared = config.moe.shared_intermediate_size
@@ -38,7 +47,6 @@ def _divides(size: int, config: ModelConfig) -> dict[str, bool]:
 def _field_value(config: ModelConfig, name: str) -> int:
     values = {
         "mamba_num_heads": lambda: config.mamba.num_heads if config.mamba else 0,
-        "n_groups": lambda: config.mamba.n_groups if config.mamba else 0,
         "moe_intermediate_size": lambda: config.moe.intermediate_size if config.moe else 0,
         "moe_shared_expert_intermediate_size": lambda: (
             config.moe.shared_intermediate_size if config.moe else 0
@@ -80,9 +88,7 @@ def shard_config(config: ModelConfig, rank: int, size: int) -> ModelConfig:
         num_attention_heads=config.num_attention_heads // size,
         num_key_value_heads=max(1, config.num_key_value_heads // size),
         intermediate_size=config.intermediate_size // size,
-        mamba=None
-        if mamba is None
-        else replace(mamba, num_heads=mamba.num_heads // size, n_groups=mamba.n_groups // size),
+        mamba=None if mamba is None else _shard_mamba(mamba, rank, size),
         moe=None
         if moe is None
         else replace(
@@ -90,6 +96,8 @@ def shard_config(config: ModelConfig, rank: int, size: int) -> ModelConfig:
             intermediate_size=moe.intermediate_size // size,
             shared_intermediate_size=moe.shared_intermediate_size // size,
         ),
+        # A VL wrapper's image path runs on rank 0 alone (models/nemotron_vl.py).
+        vision=config.vision if rank == 0 else None,
         tp=TensorParallelShard(rank, size),
         cache_shard=head_shard(
             rank,
@@ -99,6 +107,29 @@ def shard_config(config: ModelConfig, rank: int, size: int) -> ModelConfig:
             mamba.n_groups if mamba else 0,
         ),
     )
+
+
+def mamba_group_range(mamba: MambaConfig, rank: int, size: int) -> tuple[int, int]:
+    """`[first, stop)` of the B/C groups rank `rank` of `size` keeps (`mamba` is
+    the whole model's): its share when `n_groups` splits over the ranks, else
+    all of them (each of its heads then reads its own group among them)."""
+    if mamba.n_groups % size == 0:
+        share = mamba.n_groups // size
+        return rank * share, (rank + 1) * share
+    return 0, mamba.n_groups
+
+
+def _shard_mamba(mamba: MambaConfig, rank: int, size: int) -> MambaConfig:
+    first, stop = mamba_group_range(mamba, rank, size)
+    per_rank = mamba.num_heads // size
+    shard = MambaShard(
+        first_head=rank * per_rank,
+        first_group=first,
+        model_heads=mamba.num_heads,
+        model_groups=mamba.n_groups,
+        tp=TensorParallelShard(rank, size),
+    )
+    return replace(mamba, num_heads=per_rank, n_groups=stop - first, shard=shard)
 
 
 def vocab_rows_per_rank(vocab_size: int, size: int) -> int:

@@ -13,11 +13,15 @@ rank's own KV cache (its KV heads only). Weights are cut while they are read
     vocab-parallel   embed_tokens, lm_head      ceil(vocab / N) rows per rank, the last
                                                 zero-padded; lookups are all-reduced,
                                                 logits all-gathered
+    rank 0 only      a VL wrapper's image path  vision tower and projector; the other
+                                                ranks read none of it and receive the
+                                                image rows' embeddings by broadcast
 
 Nemotron-H adds the Mamba2 mixer, split by heads: `in_proj` rows are
 `z | x | B | C | dt` and `conv1d` channels `x | B | C`, so a rank reads its
-heads' part of z, x and dt and its groups' part of B and C from each section
-(a rank holds whole groups, which the gated norm runs over); `dt_bias`,
+heads' part of z, x and dt and, of B and C, its share of the groups from
+each section (all groups when `n_groups` does not split over the ranks, see
+`models.sharding`); `dt_bias`,
 `A_log`, `D` and the norm weight follow the heads, `out_proj` is
 row-parallel. MLP and MoE experts (and the shared expert) split along their
 intermediate width like gate/up/down; the router is replicated.
@@ -43,7 +47,8 @@ import torch
 import torch.distributed as dist
 
 from models.config import ModelConfig, TensorParallelShard
-from models.sharding import vocab_rows_per_rank
+from models.sharding import mamba_group_range, vocab_rows_per_rank
+from models.vl_names import is_image_path
 
 _COLUMN_PARALLEL = ("q_proj", "gate_proj", "up_proj")
 _KV_PROJECTIONS = ("k_proj", "v_proj")
@@ -67,8 +72,11 @@ class Cut:
     def read(self, source: Any) -> torch.Tensor:
         """The cut of `source`, a safetensors slice (or a tensor), as a tensor.
 
-        Only the cut's bytes are read from a safetensors slice.
+        Only the cut's bytes are read from a safetensors slice; a cut of
+        length 0 (a tensor the rank does not hold) reads nothing.
         """
+        if self.length == 0:
+            return torch.empty(0)
         shape = list(source.get_shape() if hasattr(source, "get_shape") else source.shape)
         parts = []
         for start, stop in self.ranges:
@@ -102,8 +110,8 @@ def _mamba_cut(
     """Cuts of a Mamba2 mixer's tensors; None when `module` is none of them.
 
     in_proj rows are `z | x | B | C | dt` and conv1d channels `x | B | C`: a
-    rank takes its heads' slice of z, x and dt and its groups' slice of B and
-    C from each section.
+    rank takes its heads' slice of z, x and dt and, of B and C, the groups it
+    keeps (`models.sharding.mamba_group_range`) from each section.
     """
     mamba = full.mamba
     if mamba is None:
@@ -111,7 +119,8 @@ def _mamba_cut(
     inner, bc = mamba.intermediate_size, mamba.n_groups * mamba.state_size
     heads = _per_rank(mamba.num_heads, tp)
     channels = _per_rank(mamba.num_heads, tp, mamba.head_dim)
-    groups = _per_rank(mamba.n_groups, tp, mamba.state_size)
+    first_group, stop_group = mamba_group_range(mamba, tp.rank, tp.size)
+    groups = first_group * mamba.state_size, stop_group * mamba.state_size
 
     def at(offset: int, span: tuple[int, int]) -> tuple[int, int]:
         return offset + span[0], offset + span[1]
@@ -140,6 +149,9 @@ def weight_cut(name: str, full: ModelConfig, tp: TensorParallelShard) -> Cut | N
     parts = name.split(".")
     leaf, module = parts[-1], parts[-2] if len(parts) > 1 else ""
     parent = parts[-3] if len(parts) > 2 else ""
+    if is_image_path(name):
+        # The image path runs on rank 0 alone (models/nemotron_vl.py).
+        return None if tp.rank == 0 else Cut(0, (), 0)
     mamba = _mamba_cut(module, leaf, parent, full, tp)
     if mamba is not None:
         return mamba
@@ -181,3 +193,20 @@ def gather_vocab(logits: torch.Tensor, tp: TensorParallelShard, vocab_size: int)
     parts = [torch.empty_like(logits) for _ in range(tp.size)]
     dist.all_gather(parts, logits)
     return torch.cat(parts, dim=-1)[:, :vocab_size]
+
+
+def broadcast_from_first_rank(
+    tensor: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor, tp: TensorParallelShard
+) -> torch.Tensor:
+    """Rank 0's `tensor` (of `shape`) on every rank, in `like`'s dtype and device;
+    the other ranks pass None."""
+    if tp.size == 1:
+        assert tensor is not None
+        return tensor
+    if tp.rank == 0:
+        assert tensor is not None
+        out = tensor.to(dtype=like.dtype, device=like.device).contiguous()
+    else:
+        out = torch.empty(shape, dtype=like.dtype, device=like.device)
+    dist.broadcast(out, src=0)
+    return out

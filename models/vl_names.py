@@ -23,6 +23,8 @@ from __future__ import annotations
 import re
 
 RADIO_PREFIX = "vision_model.radio_model.model."
+# Release-name prefixes of the image path: vision tower, its final norm, projector.
+IMAGE_PATH_PREFIXES = ("vision_model.", "mlp1.", "vision_projector.")
 _RELEASE_TOWER = "vision_model.radio_model."
 
 # Transformers -> release, applied in order as substring renames: the longer
@@ -72,3 +74,8 @@ def _renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
         if name.startswith(old):
             return new + name[len(old) :]
     return name
+
+
+def is_image_path(name: str) -> bool:
+    """Whether tensor `name` (either layout) belongs to the image path."""
+    return release_name(name)[0].startswith(IMAGE_PATH_PREFIXES)

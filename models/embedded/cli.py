@@ -17,6 +17,7 @@ from models.embedded.configs import (
     ARCHS,
     DEFAULT_INITIALIZER_RANGE,
     DEFAULT_VL_ARCHITECTURE,
+    IMAGE_FORMATS,
     SIZES,
     VL_ARCHITECTURES,
 )
@@ -42,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"wrapper class name for --arch nemotron_vl (default {DEFAULT_VL_ARCHITECTURE})",
     )
     parser.add_argument(
+        "--image-format",
+        choices=IMAGE_FORMATS,
+        default=None,
+        help="image preprocessing of --arch nemotron_vl: dynamic (transformers' Omni "
+        "dynamic resolution, default) or tiles (the VL V2 tiles plus thumbnail)",
+    )
+    parser.add_argument(
         "--initializer-range",
         type=float,
         default=None,
@@ -55,8 +63,12 @@ def run(args: argparse.Namespace) -> int:
     from models.embedded.configs import UnknownCheckpointKindError
     from models.embedded.writer import CheckpointWriteError, write_checkpoint
 
-    if args.vl_architecture is not None and args.arch != "nemotron_vl":
-        return _fail("--vl-architecture applies to --arch nemotron_vl only; drop it")
+    for option, value in (
+        ("--vl-architecture", args.vl_architecture),
+        ("--image-format", args.image_format),
+    ):
+        if value is not None and args.arch != "nemotron_vl":
+            return _fail(f"{option} applies to --arch nemotron_vl only; drop it")
     started = time.monotonic()
     try:
         out = write_checkpoint(
@@ -67,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
             vl_architecture=args.vl_architecture,
             initializer_range=args.initializer_range,
             progress=args.size != "tiny",
+            image_format=args.image_format,
         )
     except (CheckpointWriteError, UnknownCheckpointKindError) as error:
         return _fail(str(error))

@@ -37,6 +37,10 @@ VL_ARCHITECTURES: tuple[str, ...] = (
     "NemotronH_Omni_Reasoning_V3",
 )
 DEFAULT_VL_ARCHITECTURE = VL_ARCHITECTURES[0]
+# How a VL checkpoint's preprocessor_config.json sizes images: transformers'
+# Omni dynamic resolution, or the released VL V2 tiles plus a thumbnail.
+IMAGE_FORMATS: tuple[str, ...] = ("dynamic", "tiles")
+DEFAULT_IMAGE_FORMAT = IMAGE_FORMATS[0]
 DEFAULT_INITIALIZER_RANGE = 0.02
 # `model_type` of each wrapper. The transformers-native Omni class registers
 # "nemotron_h_omni"; the remote-code releases use the class name itself.
@@ -310,11 +314,29 @@ def nemotron_vl_config(
     }
 
 
-def image_processor_config(size: str) -> dict[str, Any]:
-    """The `preprocessor_config.json` body of a VL checkpoint (transformers' Omni
-    image processor fields), with a patch budget small enough that an image
-    takes 1 to 16 prompt tokens."""
+def image_processor_config(size: str, image_format: str = DEFAULT_IMAGE_FORMAT) -> dict[str, Any]:
+    """The `preprocessor_config.json` body of a VL checkpoint.
+
+    `dynamic`: transformers' Omni image processor fields, with a patch budget
+    small enough that an image takes 1 to 16 prompt tokens. `tiles`: the VL V2
+    tiling fields, with tiles the size of the tiny tower's largest image (4
+    tokens each) and at most 4 of them plus the thumbnail.
+    """
     shape_of(size)
+    _check_choice("image_format", image_format, IMAGE_FORMATS)
+    mean, std = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+    if image_format == "tiles":
+        # The released processor's field names (norm_mean / norm_std included).
+        return {
+            "image_processor_type": "NemotronNanoVLV2ImageProcessor",
+            "image_size": 64,
+            "max_num_tiles": 4,
+            "use_thumbnail": True,
+            "patch_size": 16,
+            "downsample_ratio": 0.5,
+            "norm_mean": mean,
+            "norm_std": std,
+        }
     return {
         "image_processor_type": "NemotronH_Omni_Reasoning_V3ImageProcessor",
         "patch_size": 16,
@@ -326,9 +348,9 @@ def image_processor_config(size: str) -> dict[str, Any]:
         "do_rescale": True,
         "rescale_factor": 1 / 255,
         "do_normalize": True,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
         "resample": 3,
+        "image_mean": mean,
+        "image_std": std,
     }
 
 

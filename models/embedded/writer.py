@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from models.embedded.configs import (
+    DEFAULT_IMAGE_FORMAT,
     DEFAULT_INITIALIZER_RANGE,
+    UnknownCheckpointKindError,
     checkpoint_config,
     image_processor_config,
     language_model_config,
@@ -57,8 +59,12 @@ def write_checkpoint(
     vl_architecture: str | None = None,
     initializer_range: float | None = None,
     progress: bool = False,
+    image_format: str | None = None,
 ) -> Path:
     """Write a complete checkpoint for `arch` at `size` into the folder `out`.
+
+    `image_format` (`nemotron_vl` only) picks the preprocessor_config.json:
+    `dynamic` (transformers' Omni format, the default) or `tiles` (VL V2).
 
     The same arguments always give a byte-identical model.safetensors.
     Existing checkpoint files in `out` are replaced; other files are left
@@ -68,10 +74,11 @@ def write_checkpoint(
     """
     out = Path(out)
     config = checkpoint_config(arch, size, vl_architecture, initializer_range)
+    image_format = _image_format(arch, image_format)
     _prepare_folder(out)
     try:
-        _write_all(out, config, size, seed, progress)
-        _write_json(out / MANIFEST_NAME, _manifest(arch, size, seed, config))
+        _write_all(out, config, size, seed, progress, image_format)
+        _write_json(out / MANIFEST_NAME, _manifest(arch, size, seed, config, image_format))
     except OSError as error:
         raise CheckpointWriteError(
             f"cannot write checkpoint into {out}: {_reason(error)}"
@@ -86,6 +93,7 @@ def ensure_checkpoint(
     seed: int = 0,
     vl_architecture: str | None = None,
     initializer_range: float | None = None,
+    image_format: str | None = None,
 ) -> Path:
     """Return `out`, writing the checkpoint first unless an identical one is there.
 
@@ -94,9 +102,12 @@ def ensure_checkpoint(
     """
     out = Path(out)
     config = checkpoint_config(arch, size, vl_architecture, initializer_range)
-    if read_manifest(out) == _manifest(arch, size, seed, config) and is_complete(out):
+    manifest = _manifest(arch, size, seed, config, _image_format(arch, image_format))
+    if read_manifest(out) == manifest and is_complete(out):
         return out
-    return write_checkpoint(out, arch, size, seed, vl_architecture, initializer_range)
+    return write_checkpoint(
+        out, arch, size, seed, vl_architecture, initializer_range, image_format=image_format
+    )
 
 
 def is_complete(out: Path) -> bool:
@@ -113,9 +124,22 @@ def read_manifest(out: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _manifest(arch: str, size: str, seed: int, config: dict[str, Any]) -> dict[str, Any]:
+def _image_format(arch: str, image_format: str | None) -> str | None:
+    """The VL checkpoint's image format (default `dynamic`); None for text models."""
+    if arch != "nemotron_vl":
+        if image_format is not None:
+            raise UnknownCheckpointKindError(
+                f"image_format is only meaningful for arch 'nemotron_vl', not {arch!r}; drop it"
+            )
+        return None
+    return image_format or DEFAULT_IMAGE_FORMAT
+
+
+def _manifest(
+    arch: str, size: str, seed: int, config: dict[str, Any], image_format: str | None
+) -> dict[str, Any]:
     architecture = config["architectures"][0]
-    return {
+    manifest = {
         "format_version": FORMAT_VERSION,
         "arch": arch,
         "size": size,
@@ -125,9 +149,19 @@ def _manifest(arch: str, size: str, seed: int, config: dict[str, Any]) -> dict[s
             "initializer_range", DEFAULT_INITIALIZER_RANGE
         ),
     }
+    if image_format is not None:
+        manifest["image_format"] = image_format
+    return manifest
 
 
-def _write_all(out: Path, config: dict[str, Any], size: str, seed: int, progress: bool) -> None:
+def _write_all(
+    out: Path,
+    config: dict[str, Any],
+    size: str,
+    seed: int,
+    progress: bool,
+    image_format: str | None,
+) -> None:
     from models.embedded.safetensors_file import write_safetensors
     from models.embedded.weights import build_state_dict
 
@@ -135,8 +169,8 @@ def _write_all(out: Path, config: dict[str, Any], size: str, seed: int, progress
     for name, text in tokenizer_files(llm["vocab_size"]).items():
         _write_text(out / name, text)
     _write_json(out / "generation_config.json", _generation_config(llm))
-    if "vision_config" in config:
-        _write_json(out / PREPROCESSOR_FILE, image_processor_config(size))
+    if image_format is not None:
+        _write_json(out / PREPROCESSOR_FILE, image_processor_config(size, image_format))
     tensors = build_state_dict(config, seed)
     tmp = _tmp_path(out / "model.safetensors")
     try:

@@ -33,9 +33,10 @@ from torch import nn
 
 from kvcache.views import MambaLayerCache
 from models.batch import ForwardBatch
-from models.config import MambaConfig
+from models.config import MambaConfig, MambaShard
 from models.kernels import dispatch
 from models.layers.ssd import ssd_chunked_scan
+from models.tensor_parallel import all_reduce
 
 
 class GatedGroupRMSNorm(nn.Module):
@@ -59,6 +60,36 @@ class GatedGroupRMSNorm(nn.Module):
         groups = h.view(*h.shape[:-1], -1, self.group_size)
         groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * groups.view_as(h).to(dtype)
+
+
+class RankSpanningGatedRMSNorm(nn.Module):
+    """`GatedGroupRMSNorm` on a tensor-parallel rank whose groups' heads span
+    ranks (`n_groups` does not split over them): each rank sums the squares of
+    its heads per group of the whole model, the sums are all-reduced, and each
+    head is scaled by its group's mean. Same math, one `[T, n_groups]`
+    all-reduce per layer."""
+
+    def __init__(self, num_heads: int, head_dim: int, shard: MambaShard, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(num_heads * head_dim))
+        groups = [shard.first_group + g for g in shard.head_groups(num_heads)]
+        # Built on the model's device (the loader's default device), never moved.
+        self.head_group = torch.tensor(groups)
+        self.head_dim = head_dim
+        self.model_groups = shard.model_groups
+        self.group_size = shard.heads_per_group * head_dim
+        self.tp = shard.tp
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float() * F.silu(z.float())
+        heads = h.view(*h.shape[:-1], -1, self.head_dim)  # [T, H, P]
+        sums = heads.new_zeros(h.shape[0], self.model_groups)
+        sums.index_add_(1, self.head_group, heads.pow(2).sum(-1))
+        mean = all_reduce(sums, self.tp) / self.group_size
+        scale = torch.rsqrt(mean + self.eps)[:, self.head_group]  # [T, H]
+        return self.weight * (heads * scale[..., None]).view_as(h).to(dtype)
 
 
 def causal_conv_chunk(
@@ -114,9 +145,18 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
-        self.norm = GatedGroupRMSNorm(
-            self.intermediate, self.intermediate // config.n_groups, config.norm_eps
-        )
+        shard = config.shard
+        self.norm: nn.Module
+        if shard is None or shard.whole_groups:
+            self.norm = GatedGroupRMSNorm(
+                self.intermediate, self.intermediate // config.n_groups, config.norm_eps
+            )
+        else:
+            self.norm = RankSpanningGatedRMSNorm(
+                self.num_heads, self.head_dim, shard, config.norm_eps
+            )
+        # Built on the model's device (the loader's default device), never moved.
+        self.bc_of_head = _bc_of_head(config)
         self.out_proj = nn.Linear(self.intermediate, hidden_size, bias=config.use_bias)
 
     def forward(
@@ -171,7 +211,10 @@ class Mamba2Mixer(nn.Module):
         """Activated conv output `[n, conv_dim]` -> x `[n, H, P]`, B and C `[n, G, N]`."""
         x, B, C = F.silu(xbc).split([self.intermediate, self.bc_size, self.bc_size], dim=-1)
         groups = (xbc.shape[0], self.config.n_groups, self.config.state_size)
-        return x.reshape(-1, self.num_heads, self.head_dim), B.reshape(groups), C.reshape(groups)
+        B, C = B.reshape(groups), C.reshape(groups)
+        if self.bc_of_head is not None:  # per head: [n, H, N]
+            B, C = B[:, self.bc_of_head], C[:, self.bc_of_head]
+        return x.reshape(-1, self.num_heads, self.head_dim), B, C
 
     def _prefill(
         self, xbc: torch.Tensor, dt_raw: torch.Tensor, slot: int, cache: MambaLayerCache
@@ -208,3 +251,18 @@ class Mamba2Mixer(nn.Module):
             self.D,
             dt_limit=self.config.time_step_limit,
         ).float()
+
+
+def _bc_of_head(config: MambaConfig) -> torch.Tensor | None:
+    """Which of the rank's B/C groups each of its heads reads, where that is not
+    the even split `h // (heads / groups)` the scan and the decode step assume
+    (a tensor-parallel rank that keeps every group because `n_groups` does not
+    split over the ranks); None where it is."""
+    if config.shard is None:
+        return None
+    groups = config.shard.head_groups(config.num_heads)
+    per_group = config.num_heads // config.n_groups
+    even = config.num_heads % config.n_groups == 0
+    if even and groups == tuple(h // per_group for h in range(config.num_heads)):
+        return None
+    return torch.tensor(groups)

@@ -14,7 +14,6 @@ through host chunks); `test_1p1d_sharing_one_gpu` 1 (`num_gpus: 0.5` each).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,13 +22,11 @@ import pytest
 import ray
 
 from cluster.config import config_from_dict
-from cluster.launcher import RunningCluster, launch
-from cluster.metrics import ServingMetrics
+from cluster.launcher import launch
 from cluster.plan import resolve_plan
-from cluster.policies import WorkerState
-from cluster.router import Router, RoutingSettings, WorkerEndpoint
-from engine.sampling import SamplingParams
+from cluster.router import Router
 from models.embedded.writer import write_checkpoint
+from tests.launched_cluster import greedy_outputs, router_over
 
 PROMPTS = [[11 + (5 * i + j) % 450 for j in range(9 + 17 * i)] for i in range(4)]
 NEW_TOKENS = 12
@@ -57,26 +54,8 @@ def _config(checkpoint: Path, backend: str, num_gpus: float) -> dict[str, Any]:
     }
 
 
-def _router(cluster: RunningCluster, max_local_prefill_length: int) -> Router:
-    def endpoints(role: str) -> list[WorkerEndpoint]:
-        return [
-            WorkerEndpoint(i.plan.name, i.actor, WorkerState(i.plan.name))
-            for i in cluster.actors(role)
-        ]
-
-    settings = RoutingSettings("round_robin", max_local_prefill_length, 16, 16)
-    return Router(endpoints("context"), endpoints("generation"), settings, ServingMetrics())
-
-
 async def _outputs(router: Router, tag: str) -> list[list[int]]:
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-
-    async def one(i: int, prompt: list[int]) -> list[int]:
-        events = [e async for e in router.generate(f"{tag}-{i}", prompt, params)]
-        assert events[-1].finish_reason == "length", events[-1]
-        return [t for e in events for t in e.token_ids]
-
-    return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
+    return await greedy_outputs(router, tag, PROMPTS, NEW_TOKENS)
 
 
 async def _disaggregated_equals_aggregated(checkpoint: Path, backend: str, gpus: float) -> None:
@@ -84,8 +63,8 @@ async def _disaggregated_equals_aggregated(checkpoint: Path, backend: str, gpus:
     assert {i.device for i in plan.instances} == {"cuda"}
     cluster = await launch(plan, 300)
     try:
-        disaggregated = await _outputs(_router(cluster, 0), f"disagg-{backend}-{gpus}")
-        aggregated = await _outputs(_router(cluster, 1 << 20), f"whole-{backend}-{gpus}")
+        disaggregated = await _outputs(router_over(cluster, 0), f"disagg-{backend}-{gpus}")
+        aggregated = await _outputs(router_over(cluster, 1 << 20), f"whole-{backend}-{gpus}")
         assert disaggregated == aggregated
         for instance in cluster.instances:
             integrity = await instance.actor.integrity.remote()
@@ -121,7 +100,7 @@ async def test_two_half_gpu_instances_sized_by_memory_fraction_fit_together(
     assert {i.num_blocks for i in plan.instances} == {None}
     cluster = await launch(plan, 300)
     try:
-        outputs = await _outputs(_router(cluster, 0), "by-memory")
+        outputs = await _outputs(router_over(cluster, 0), "by-memory")
         assert [len(o) for o in outputs] == [NEW_TOKENS] * len(PROMPTS)
         free, total = torch.cuda.mem_get_info()
         assert total - free <= 0.45 * total, (free, total)

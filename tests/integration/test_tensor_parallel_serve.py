@@ -3,7 +3,8 @@
 One server for the module, aggregated only: one generation instance of two
 ranks (rank 0 the worker, rank 1 its actor) that runs whole requests. The tiny Llama checkpoint has 4 query and 2 KV heads, so each rank
 holds 2 query heads, 1 KV head and half the vocabulary. Greedy text through
-the OpenAI API must equal transformers' `generate` on the same checkpoint.
+the OpenAI API must equal transformers' `generate` on the same checkpoint,
+and `/metrics` shows each rank's cache.
 The same runs for a tiny Nemotron-H (Mamba2, attention, MLP and MoE layers;
 each rank holds half the Mamba heads and one of the two B/C groups).
 """
@@ -11,6 +12,7 @@ each rank holds half the Mamba heads and one of the two B/C groups).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -18,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import torch
@@ -80,6 +83,34 @@ def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def test_the_plan_shows_two_ranks_on_the_generation_instance(server: Server) -> None:
     plan = [line for line in server.output if line.startswith("generation-0")]
     assert plan and "cpu x2" in plan[0]
+
+
+def _rank_samples(server: Server) -> dict[tuple[str, str, str], float]:
+    """`disagg_rank_*` samples of the generation instance: (name, rank, state) -> value."""
+    text = httpx.get(server.url.removesuffix("/v1") + "/metrics", timeout=30).text
+    return {
+        (m["name"], m["rank"], m["state"]): float(m["value"])
+        for m in re.finditer(
+            r'(?P<name>disagg_rank_\w+)\{rank="(?P<rank>\d)",state="(?P<state>\w+)",'
+            r'worker="generation-0"\} (?P<value>\S+)',
+            text,
+        )
+    }
+
+
+def test_metrics_show_each_ranks_cache(server: Server, checkpoint: Path) -> None:
+    deadline = time.monotonic() + 10  # the router polls its workers' load
+    while not (samples := _rank_samples(server)):
+        assert time.monotonic() < deadline, "no per-rank cache samples in /metrics"
+        time.sleep(0.2)
+    blocks = [samples[("disagg_rank_kv_blocks", rank, "total")] for rank in "01"]
+    assert blocks[0] > 0 and blocks[0] == blocks[1], samples
+    assert samples[("disagg_rank_kv_blocks", "1", "used")] >= 0
+    slots = [samples.get(("disagg_rank_mamba_slots", rank, "total")) for rank in "01"]
+    if checkpoint.name.endswith("nemotron_h"):
+        assert slots[0] and slots[0] == slots[1], samples
+    else:
+        assert slots == [None, None], samples
 
 
 def test_greedy_text_matches_transformers(server: Server, checkpoint: Path) -> None:

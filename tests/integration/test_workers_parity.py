@@ -24,6 +24,7 @@ from engine.sampling import SamplingParams
 from engine.worker_config import WorkerConfig
 from models.embedded.writer import write_checkpoint
 from prefill_worker.worker import ContextWorker
+from tests.launched_cluster import transformers_greedy
 
 NEW_TOKENS = 10
 CHUNK = 16  # max_num_tokens: prompts of 23 and 37 tokens take several steps
@@ -113,27 +114,10 @@ def _params() -> Any:
 
 def _reference(checkpoint: Path, prompts: list[list[int]]) -> list[list[int]]:
     """transformers' greedy generate; VL wrappers run their language model."""
-    from transformers import AutoModelForCausalLM
-
     config = json.loads((checkpoint / "config.json").read_text())
     if "llm_config" in config:
         checkpoint = _language_model_checkpoint(checkpoint, config["llm_config"])
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    model.eval()
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                pad_token_id=0,
-            )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+    return transformers_greedy(checkpoint, prompts, NEW_TOKENS)
 
 
 def _language_model_checkpoint(checkpoint: Path, llm_config: dict[str, Any]) -> Path:

@@ -182,7 +182,13 @@ NEMOTRON_H = replace(
 
 @pytest.mark.parametrize(
     "config,size",
-    [(LLAMA, 2), (replace(LLAMA, num_key_value_heads=1), 2), (NEMOTRON_H, 2)],
+    [
+        (LLAMA, 2),
+        (replace(LLAMA, num_key_value_heads=1), 2),
+        (NEMOTRON_H, 2),
+        # One B/C group: every rank keeps it.
+        (replace(NEMOTRON_H, mamba=replace(NEMOTRON_H.mamba, n_groups=1)), 2),
+    ],
 )
 def test_a_rank_model_cache_is_the_whole_cache_for_that_rank(
     config: ModelConfig, size: int

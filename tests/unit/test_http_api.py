@@ -101,6 +101,21 @@ def test_a_batch_of_prompts_is_refused_with_a_clear_message() -> None:
     assert "one request per prompt" in error.message
 
 
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"prompt": [{"type": "image_url", "image_url": {"url": "data:,"}}]}, "prompt"),
+        ({"prompt": "x", "multi_modal_data": {"image": "cat.png"}}, "multi_modal_data"),
+    ],
+)
+def test_images_on_completions_are_refused_naming_chat_completions(
+    extra: dict[str, Any], param: str
+) -> None:
+    error = validation_error(_errors(CompletionRequest, {"model": "m", **extra}))
+    assert (error.status, error.param) == (400, param)
+    assert "/v1/chat/completions" in error.message
+
+
 def test_completion_prompt_may_be_token_ids() -> None:
     request = CompletionRequest.model_validate({"model": "m", "prompt": [1, 2, 3]})
     assert request.prompt == [1, 2, 3]

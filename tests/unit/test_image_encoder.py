@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from engine.image_encoder import ImageChunk, ImageEncoder
-from engine.multimodal import ImageInput
+from engine.multimodal import EncoderCacheEvent, ImageInput
 from models.embedded.writer import write_checkpoint
 from models.image_processing import load_image_processor_config, preprocess_image
 from models.loader import load_model
@@ -103,3 +103,20 @@ def test_an_image_without_its_bytes_cannot_be_encoded(
     image = image_at(png((5, 5, 5)), 0, encoder).without_data()
     with pytest.raises(ValueError, match="prefilled on a context worker"):
         encoder.embeddings(image)
+
+
+def test_cache_events_name_the_images_stored_and_evicted(
+    model: tuple[NemotronVLForCausalLM, Path],
+) -> None:
+    encoder = encoder_for(model)
+    images = [image_at(png((c, 1, 0)), 0, encoder) for c in (1, 2)]
+    one = encoder.embeddings(images[0])
+    encoder.embeddings(images[0])  # a hit changes nothing
+    assert encoder.drain_events() == [EncoderCacheEvent(True, images[0].content_hash)]
+    assert encoder.drain_events() == []
+    encoder.cache_bytes = one.numel() * one.element_size()
+    encoder.embeddings(images[1])
+    assert encoder.drain_events() == [
+        EncoderCacheEvent(True, images[1].content_hash),
+        EncoderCacheEvent(False, images[0].content_hash),
+    ]

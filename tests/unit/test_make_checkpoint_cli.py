@@ -46,6 +46,19 @@ def test_vl_architecture_and_initializer_range_flags(tmp_path: Path) -> None:
     assert config["llm_config"]["initializer_range"] == 0.05
 
 
+def test_image_format_flag_writes_the_tiling_preprocessor_config(tmp_path: Path) -> None:
+    out = tmp_path / "tiles"
+    assert (
+        main(["make-checkpoint", "--arch", "nemotron_vl", "--image-format", "tiles", str(out)]) == 0
+    )
+    processor = json.loads((out / "preprocessor_config.json").read_text())
+    assert (processor["image_size"], processor["max_num_tiles"]) == (64, 4)
+    assert json.loads((out / "embedded_checkpoint.json").read_text())["image_format"] == "tiles"
+    default = tmp_path / "dynamic"
+    assert main(["make-checkpoint", "--arch", "nemotron_vl", str(default)]) == 0
+    assert "max_num_patches" in json.loads((default / "preprocessor_config.json").read_text())
+
+
 def test_out_path_that_is_a_file_is_one_line_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -57,10 +70,15 @@ def test_out_path_that_is_a_file_is_one_line_error(
     assert target.read_text() == "keep me"
 
 
-def test_vl_architecture_with_other_arch_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["make-checkpoint", "--arch", "llama", "--vl-architecture", "NemotronH_Nano_VL_V2", "x"]
-    assert main(args) != 0
-    assert "nemotron_vl" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    "option", [["--vl-architecture", "NemotronH_Nano_VL_V2"], ["--image-format", "tiles"]]
+)
+def test_vl_options_with_other_arch_are_rejected(
+    option: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["make-checkpoint", "--arch", "llama", *option, "x"]) != 0
+    err = capsys.readouterr().err
+    assert "nemotron_vl" in err and option[0] in err
 
 
 def test_unknown_arch_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -135,6 +135,19 @@ def test_chat_images_become_placeholder_text_and_placed_inputs() -> None:
         place_images(prompt[:-2] + [6, 3], images.inputs, image_token_id=6)
 
 
+def test_tiled_images_take_every_tiles_placeholders() -> None:
+    """VL V2 tiles: a 128 x 64 image is 2 x 1 tiles of 64 px plus a thumbnail,
+    4 tokens each; a 64 x 64 one is a single tile with no thumbnail."""
+    tiles = ImageProcessorConfig(tile_size=64, max_num_tiles=4)
+    support = ImageSupport(vision=TINY_VISION, processing=tiles, placeholder="<image>")
+    body = chat(
+        image_part(data_url(encoded(size=(128, 64)))), image_part(data_url(encoded(size=(64, 64))))
+    )
+    images = asyncio.run(load_chat_images(body, support, MediaConfig()))
+    assert [(i.grid_hw, i.num_tokens) for i in images.inputs] == [((4, 8), 12), ((4, 4), 4)]
+    assert images.texts[0] == "<img>" + "<image>" * 12 + "</img>"
+
+
 def test_images_are_refused_for_text_models_and_beyond_the_count_limit() -> None:
     body = chat(image_part(data_url(encoded())), image_part(data_url(encoded())))
     with pytest.raises(APIError, match="takes no images") as info:

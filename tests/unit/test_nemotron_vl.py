@@ -18,12 +18,13 @@ from transformers.models.nemotron_h_omni import (
     NemotronH_Omni_Reasoning_V3_Config,
 )
 
+from models.config import ModelConfig
 from models.errors import CheckpointError
 from models.loader import iter_checkpoint_tensors, load_model
 from models.nemotron_h import NemotronHForCausalLM
 from models.nemotron_vl import NemotronVLForCausalLM
 from models.registry import model_class_for, model_preferences
-from tests.paged_harness import assert_matches_reference, run_paged_generation
+from tests.paged_harness import GenerationTrace, assert_matches_reference, run_paged_generation
 from tests.unit.test_nemotron_h_parity import (
     DECODE_STEPS,
     VOCAB,
@@ -155,33 +156,39 @@ def image_inputs(grids: list[tuple[int, int]], seed: int) -> tuple[torch.Tensor,
     return torch.randn(int(grid_hw.prod(-1).sum()), 3 * 4 * 4, generator=gen), grid_hw
 
 
-@pytest.mark.parametrize("grids", [[(4, 6)], [(2, 4), (6, 2)]], ids=["one-image", "two-images"])
-def test_images_match_transformers(
-    omni: tuple[Path, NemotronH_Omni_Reasoning_V3], grids: list[tuple[int, int]]
-) -> None:
-    """Encoder output in place of the placeholders: prefill in chunks that split
-    an image's tokens, then greedy decode; logits and tokens as transformers'."""
-    path, reference = omni
-    model, config = load_model(path)
-    assert isinstance(model, NemotronVLForCausalLM)
-    prompt = image_prompt(grids, seed=len(grids))
-    pixel_values, grid_hw = image_inputs(grids, seed=3)
+def encode_images(
+    model: NemotronVLForCausalLM, pixel_values: torch.Tensor, grids: list[tuple[int, int]]
+) -> torch.Tensor:
+    """The images' embeddings, in prompt order, through the wrapper's image path."""
+    sizes = [rows * cols for rows, cols in grids]
     with torch.no_grad():
-        embeds = [
-            model.encode_image(pixels, (rows, cols))
-            for pixels, (rows, cols) in zip(
-                pixel_values.split(grid_hw.prod(-1).tolist()), grids, strict=True
-            )
-        ]
+        return torch.cat(
+            [
+                model.encode_image(pixels, grid)
+                for pixels, grid in zip(pixel_values.split(sizes), grids, strict=True)
+            ]
+        )
+
+
+def generate_with_images(
+    model: NemotronVLForCausalLM,
+    config: ModelConfig,
+    reference: NemotronH_Omni_Reasoning_V3,
+    prompt: list[int],
+    embeds: torch.Tensor,
+    pixel_values: torch.Tensor,
+    grid_hw: torch.Tensor,
+) -> GenerationTrace:
+    """`embeds` in place of the placeholders: prefill in chunks that split an
+    image's tokens, then greedy decode; logits and tokens as transformers'."""
     positions = [p for p, token in enumerate(prompt) if token == IMAGE_TOKEN_ID]
-    embeds_at = dict(zip(positions, torch.cat(embeds), strict=True))
     trace = run_paged_generation(
         model,
         config.cache_spec(),
         [prompt],
         chunk_size=5,
         decode_steps=DECODE_STEPS,
-        embeds_at=[embeds_at],
+        embeds_at=[dict(zip(positions, embeds, strict=True))],
     )
     assert_matches_reference(
         reference,
@@ -190,6 +197,21 @@ def test_images_match_transformers(
         DECODE_STEPS,
         reference_inputs=[{"pixel_values": pixel_values, "image_grid_hw": grid_hw}],
     )
+    return trace
+
+
+@pytest.mark.parametrize("grids", [[(4, 6)], [(2, 4), (6, 2)]], ids=["one-image", "two-images"])
+def test_images_match_transformers(
+    omni: tuple[Path, NemotronH_Omni_Reasoning_V3], grids: list[tuple[int, int]]
+) -> None:
+    """Encoder output in place of the placeholders matches transformers."""
+    path, reference = omni
+    model, config = load_model(path)
+    assert isinstance(model, NemotronVLForCausalLM)
+    prompt = image_prompt(grids, seed=len(grids))
+    pixel_values, grid_hw = image_inputs(grids, seed=3)
+    embeds = encode_images(model, pixel_values, grids)
+    trace = generate_with_images(model, config, reference, prompt, embeds, pixel_values, grid_hw)
     # The images matter: without them the answer differs.
     text_only = run_paged_generation(
         model, config.cache_spec(), [prompt], chunk_size=5, decode_steps=DECODE_STEPS

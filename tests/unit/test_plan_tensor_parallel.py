@@ -46,20 +46,20 @@ def test_a_size_that_does_not_split_the_heads_names_the_field_and_the_allowed_si
         _plan(tmp_path, conditional_disagg=LOCAL, generation_servers={"tensor_parallel_size": 3})
 
 
-def test_vl_wrappers_are_refused(tmp_path: Path) -> None:
+def test_vl_wrappers_split_their_language_model(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(
         json.dumps(checkpoint_config("nemotron_vl", vl_architecture=VL_ARCHITECTURES[0]))
     )
-    with pytest.raises(ConfigError, match="runs on one rank so far"):
-        resolve_plan(
-            config_from_dict(
-                {
-                    "model": str(tmp_path),
-                    "context_servers": {"num_instances": 0},
-                    "generation_servers": {"tensor_parallel_size": 2},
-                }
-            )
+    plan = resolve_plan(
+        config_from_dict(
+            {
+                "model": str(tmp_path),
+                "context_servers": {"num_instances": 0},
+                "generation_servers": {"tensor_parallel_size": 2},
+            }
         )
+    )
+    assert [i.tensor_parallel_size for i in plan.instances] == [2]
 
 
 def test_context_and_generation_may_use_different_tensor_parallelism(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from cluster.policies import (
     make_policy,
 )
 from cluster.router import Router, RoutingSettings, WorkerEndpoint
-from engine.multimodal import ImageInput
+from engine.multimodal import EncoderCacheEvent, ImageInput
 
 
 def _h(*ids: int) -> list[bytes]:
@@ -158,3 +158,29 @@ def test_block_hashes_differ_by_image_and_match_for_the_same_image() -> None:
     pool[1].apply_kv_event(stored=with_cat, removed=[])
     assert PrefixAwarePolicy().choose(pool, with_cat).name == "w1"
     assert PrefixAwarePolicy().choose(pool, with_dog).name == "w0"
+
+
+def test_prefix_aware_sends_an_image_to_the_worker_that_encoded_it() -> None:
+    """With block reuse off (hybrid models) no KV event names a block; the
+    encoder-cache events still point a repeated image at its encoder."""
+    pool = _pool(3)
+    cat, dog = b"c" * 32, b"d" * 32
+    pool[2].apply_encoder_events([EncoderCacheEvent(True, cat)])
+    pool[2].tokens_in_flight = 100  # a cached image outweighs load
+    policy = PrefixAwarePolicy()
+    assert policy.choose(pool, [], [cat]).name == "w2"
+    assert policy.choose(pool, [], [dog]).name in {"w0", "w1"}
+    # A longer cached KV prefix still comes first.
+    pool[0].apply_kv_event(stored=_h(1), removed=[])
+    assert policy.choose(pool, _h(1), [cat]).name == "w0"
+    pool[2].apply_encoder_events([EncoderCacheEvent(False, cat)])
+    assert policy.choose(pool, [], [cat]).name != "w2"
+
+
+def test_encoder_events_apply_in_order() -> None:
+    worker = WorkerState(name="w")
+    cat = b"c" * 32
+    worker.apply_encoder_events([EncoderCacheEvent(True, cat), EncoderCacheEvent(False, cat)])
+    assert worker.image_match([cat]) == 0
+    worker.apply_encoder_events([EncoderCacheEvent(False, cat), EncoderCacheEvent(True, cat)])
+    assert worker.image_match([cat, cat, b"d" * 32]) == 2

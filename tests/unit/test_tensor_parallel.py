@@ -7,7 +7,11 @@ cache; every rank's logits must match transformers' forward. The checkpoints
 cover KV heads split (2 KV heads at TP 2) and replicated (1 KV head at TP 2),
 a vocabulary that does not split evenly, tied embeddings and biases on every
 projection (the row-parallel biases are added once), and a Nemotron-H with
-every layer kind (Mamba2 split per x | B | C section, attention, MLP, MoE).
+every layer kind (Mamba2 split per x | B | C section, attention, MLP, MoE),
+and the Nemotron Omni wrapper on two images. Two more Nemotron-H checkpoints have B/C groups that do not split over the
+ranks: one group read by all 8 heads, and 3 groups over 6 heads; each rank
+keeps every group, its heads read their own, and the gated norm over a
+group's heads sums across the ranks.
 """
 
 from __future__ import annotations
@@ -19,20 +23,40 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
+from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3
 
 from models.config import TensorParallelShard
 from models.errors import ConfigError
 from models.hf_config import load_model_config
 from models.loader import load_model
+from models.nemotron_vl import NemotronVLForCausalLM
 from models.sharding import allowed_sizes, shard_config
 from models.tensor_parallel import Cut, weight_cut
 from tests.paged_harness import assert_matches_reference, run_paged_generation
 from tests.unit.test_llama_parity import write_checkpoint
 from tests.unit.test_nemotron_h_parity import write_checkpoint as write_nemotron_h
+from tests.unit.test_nemotron_vl import (
+    IMAGE_TOKEN_ID,
+    encode_images,
+    generate_with_images,
+    image_inputs,
+    image_prompt,
+    write_omni_checkpoint,
+)
 
 TP = 2
 DECODE_STEPS = 8
 NEMOTRON_H = "nemotron-h"
+VL = "omni"
+# Nemotron-H checkpoints: config overrides, and the (Mamba heads, B/C groups) a rank holds.
+HYBRIDS: dict[str, tuple[dict[str, object], tuple[int, int]]] = {
+    NEMOTRON_H: ({}, (4, 1)),
+    "groups-replicated": ({"n_groups": 1, "hybrid_override_pattern": "M*M-"}, (4, 1)),
+    "groups-shared": (
+        {"mamba_num_heads": 6, "n_groups": 3, "hybrid_override_pattern": "M*M-"},
+        (3, 3),
+    ),
+}
 CHECKPOINTS = {
     "kv-heads-split": {"num_key_value_heads": 2, "vocab_size": 255},
     "kv-heads-replicated": {
@@ -50,14 +74,14 @@ def _rank_main(rank: int, root: Path) -> None:
         "gloo", init_method=f"file://{root / 'group'}", rank=rank, world_size=TP
     )
     try:
-        for name in [*CHECKPOINTS, NEMOTRON_H]:
+        for name in [*CHECKPOINTS, *HYBRIDS]:
             path = root / name
             model, config = load_model(path, tp=TensorParallelShard(rank, TP))
             # The rank holds its shard only: half the heads and vocab rows, one KV head.
             assert config.num_key_value_heads == 1 and config.num_attention_heads == 2
             assert model.lm_head.weight.shape[0] == -(-load_model_config(path).vocab_size // TP)
             if config.mamba is not None:
-                assert (config.mamba.num_heads, config.mamba.n_groups) == (4, 1)
+                assert (config.mamba.num_heads, config.mamba.n_groups) == HYBRIDS[name][1]
             gen = torch.Generator().manual_seed(3)
             prompts = [torch.randint(3, 128, (n,), generator=gen).tolist() for n in (11, 5, 17)]
             trace = run_paged_generation(
@@ -65,13 +89,33 @@ def _rank_main(rank: int, root: Path) -> None:
             )
             reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
             assert_matches_reference(reference, prompts, trace, DECODE_STEPS)
+        _vl_images_match_transformers(root / VL, rank)
     finally:
         dist.destroy_process_group()
 
 
+def _vl_images_match_transformers(path: Path, rank: int) -> None:
+    """The VL wrapper's backbone sharded, its image path on rank 0 alone: rank
+    1 builds no vision tower and gets the image rows' embeddings from rank 0
+    (it passes zeros in their place, which the broadcast overwrites)."""
+    model, config = load_model(path, tp=TensorParallelShard(rank, TP))
+    assert isinstance(model, NemotronVLForCausalLM)
+    assert hasattr(model, "vision_model") == (rank == 0)
+    grids = [(2, 4), (6, 2)]
+    prompt = image_prompt(grids, seed=2)
+    pixel_values, grid_hw = image_inputs(grids, seed=3)
+    if rank == 0:
+        embeds = encode_images(model, pixel_values, grids)
+    else:
+        embeds = torch.zeros(prompt.count(IMAGE_TOKEN_ID), config.hidden_size)
+    reference = NemotronH_Omni_Reasoning_V3.from_pretrained(path).eval()
+    generate_with_images(model, config, reference, prompt, embeds, pixel_values, grid_hw)
+
+
 def test_two_ranks_match_transformers(tmp_path: Path) -> None:
     # Nemotron-H with Mamba2 (8 heads, 2 groups), attention, MLP and MoE layers.
-    write_nemotron_h(tmp_path / NEMOTRON_H)
+    for name, (overrides, _) in HYBRIDS.items():
+        write_nemotron_h(tmp_path / name, **overrides)
     for name, overrides in CHECKPOINTS.items():
         reference = write_checkpoint(tmp_path / name, **overrides)
         # transformers starts biases at zero; random ones show each is added once.
@@ -80,6 +124,7 @@ def test_two_ranks_match_transformers(tmp_path: Path) -> None:
                 if param_name.endswith(".bias"):
                     param.normal_(std=0.1)
         reference.save_pretrained(tmp_path / name)
+    write_omni_checkpoint(tmp_path / VL)
     mp.spawn(_rank_main, args=(tmp_path,), nprocs=TP, join=True)
 
 
@@ -95,6 +140,27 @@ def test_sizes_that_do_not_split_the_heads_are_refused_naming_field_and_sizes(
     assert allowed_sizes(config) == [1, 2, 4]
     with pytest.raises(ConfigError, match=r"num_attention_heads = 4 .* values .*: 1, 2, 4"):
         shard_config(config, 0, 3)
+
+
+def test_mamba_heads_that_do_not_split_are_refused_while_groups_need_not_split(
+    tmp_path: Path,
+) -> None:
+    write_nemotron_h(tmp_path, mamba_num_heads=6, n_groups=3, hybrid_override_pattern="M*")
+    config = load_model_config(tmp_path)
+    assert allowed_sizes(config) == [1, 2]
+    with pytest.raises(ConfigError, match=r"mamba_num_heads = 6 .* values .*: 1, 2"):
+        shard_config(config, 0, 4)
+    # Rank 1 of 2 holds heads 3..5 and all 3 groups: in_proj takes z and x
+    # of its heads, every group's B and C, dt of its heads.
+    cut = weight_cut("backbone.layers.0.mixer.in_proj.weight", config, TensorParallelShard(1, 2))
+    inner, bc = 48, 3 * 16
+    assert cut is not None and cut.ranges == (
+        (24, 48),
+        (inner + 24, inner + 48),
+        (2 * inner, 2 * inner + bc),
+        (2 * inner + bc, 2 * inner + 2 * bc),
+        (2 * inner + 2 * bc + 3, 2 * inner + 2 * bc + 6),
+    )
 
 
 def test_replicated_kv_heads_go_to_the_ranks_whose_queries_read_them(tmp_path: Path) -> None:
