@@ -138,6 +138,7 @@ class ContextWorker:
         self.engine.loop.abort(request_id)
         self.transceiver.abort(request_id)
         if self.engine.ranks is not None:
+            self._rank_handles.pop(request_id, None)
             self.engine.ranks.abort(request_id)
 
     def health(self) -> WorkerHealth:
