@@ -190,22 +190,15 @@ class ClusterConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _tensor_parallel_on_generation_only(self) -> ClusterConfig:
-        gpus, ranks = self.generation_servers.num_gpus, self.generation_servers.tensor_parallel_size
-        if ranks > 1 and 0 < gpus < 1:
-            raise ValueError(
-                f"generation_servers.num_gpus is {gpus} with tensor_parallel_size {ranks}: "
-                "each rank needs a GPU of its own (NCCL runs one rank per device); "
-                "set num_gpus to 1"
-            )
-        size = self.context_servers.tensor_parallel_size
-        if size != 1:
-            raise ValueError(
-                f"context_servers.tensor_parallel_size is {size}, but a context instance "
-                "runs one rank so far (caches cannot be transferred out of tensor-parallel "
-                "ranks yet); set it to 1 and scale out with num_instances, or set "
-                "generation_servers.tensor_parallel_size, whose instances prefill locally"
-            )
+    def _one_gpu_per_rank(self) -> ClusterConfig:
+        for name in ("context_servers", "generation_servers"):
+            section: ServerSectionConfig = getattr(self, name)
+            gpus, ranks = section.num_gpus, section.tensor_parallel_size
+            if ranks > 1 and 0 < gpus < 1:
+                raise ValueError(
+                    f"{name}.num_gpus is {gpus} with tensor_parallel_size {ranks}: each rank "
+                    "needs a GPU of its own (NCCL runs one rank per device); set num_gpus to 1"
+                )
         return self
 
     def role_settings(self, section_name: str) -> RoleSettings:

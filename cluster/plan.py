@@ -200,7 +200,6 @@ def resolve_plan(config: ClusterConfig, source: str = "<config>") -> ClusterPlan
         for settings, manager in ((context, managers[0]), (generation, managers[1]))
         for index in range(settings.num_instances)
     )
-    _check_local_prefill(config, generation, _max_model_len(model_config, instances), source)
     return ClusterPlan(
         checkpoint=str(checkpoint),
         model_source=str(model_source(config.model).resolve()),
@@ -241,25 +240,11 @@ def _rank_spec(
     return rank_config.cache_spec(dtype)
 
 
-def _check_local_prefill(
-    config: ClusterConfig, generation: RoleSettings, max_model_len: int, source: str
-) -> None:
-    """Caches cannot be pulled into tensor-parallel ranks yet: a tensor-parallel
-    generation instance must prefill every prompt itself."""
-    size = generation.tensor_parallel_size
-    local = config.conditional_disagg.max_local_prefill_length
-    aggregated_only = config.context_servers.num_instances == 0
-    if size > 1 and not aggregated_only and local < max_model_len:
-        raise ConfigError(
-            f"{source}: generation_servers.tensor_parallel_size is {size}, and caches cannot "
-            "be transferred into tensor-parallel instances yet, so they must prefill every "
-            "prompt themselves: run aggregated only (context_servers.num_instances: 0) or set "
-            f"conditional_disagg.max_local_prefill_length to at least {max_model_len} (the "
-            f"longest request), not {local}"
-        )
-
-
 def _one_transceiver(context: RoleSettings, generation: RoleSettings, preferred: str | None) -> str:
+    if max(context.tensor_parallel_size, generation.tensor_parallel_size) > 1:
+        # Head slices between ranks are small runs: the Python transceiver
+        # sends them from the pool as they lie, NIXL as a descriptor each.
+        preferred = "python"
     chosen = {
         role.role: resolve_transceiver(role.cache_transceiver.backend, preferred, nixl_available())
         for role in (context, generation)

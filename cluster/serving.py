@@ -185,7 +185,10 @@ def _build_router(
 
     block_size = {i.role: i.block_size for i in cluster.plan.instances}
     chunk = {i.role: i.max_num_tokens for i in cluster.plan.instances}
-    pipelined = config.cache_transceiver.pipelined_transfer and "context" in chunk
+    # Chunks are offered by one rank to one rank: tensor-parallel instances
+    # pull each rank's heads once the prompt is published.
+    one_rank = all(i.tensor_parallel_size == 1 for i in cluster.plan.instances)
+    pipelined = config.cache_transceiver.pipelined_transfer and "context" in chunk and one_rank
     settings = RoutingSettings(
         policy=config.router.type,
         max_local_prefill_length=config.conditional_disagg.max_local_prefill_length,

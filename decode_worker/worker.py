@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from decode_worker.prefetch import Prefetches
@@ -119,9 +119,6 @@ class GenerationWorker:
             self.engine.loop.submit(req)
         elif self.transceiver is None:
             self._post([_error(req, "this worker runs aggregated and cannot pull a cache")])
-        elif self.config.tensor_parallel_size > 1:
-            reason = "a cache cannot be pulled into a tensor-parallel instance yet"
-            self._post([_error(req, reason)])
         else:
             # The pull task is registered before this call returns, so an
             # abort from now on finds and cancels it.
@@ -194,6 +191,8 @@ class GenerationWorker:
         if pull is not None:
             if self.transceiver is not None:
                 self.transceiver.abort(request_id)  # also tells the holder to free
+            if self.engine.ranks is not None:
+                self.engine.ranks.abort(request_id)
             pull.cancel()
         self.engine.loop.abort(request_id)
 
@@ -276,7 +275,7 @@ class GenerationWorker:
         req.num_computed_tokens = req.num_prompt_tokens
         req.first_token_time = time.monotonic()
         prefetch = self._prefetches.take(req.request_id) if self._prefetches is not None else None
-        pull = self._pull_into_cache(req, context.handle, prefetch)
+        pull = self._pull_into_cache(req, context, prefetch)
         task = asyncio.get_running_loop().create_task(pull)
         self._pulls[req.request_id] = task
         return task
@@ -305,12 +304,12 @@ class GenerationWorker:
         return None
 
     async def _pull_into_cache(
-        self, req: Request, handle: Any, prefetch: asyncio.Task[str | None] | None = None
+        self, req: Request, context: ContextResult, prefetch: asyncio.Task[str | None] | None = None
     ) -> None:
         rid, manager = req.request_id, self.engine.manager
         if prefetch is not None:
             placed = await prefetch
-            if placed == handle.transfer_id:
+            if context.handle is not None and placed == context.handle.transfer_id:
                 return  # the prefetch placed this very cache
             if placed is not None:  # another context worker's: this one is wanted
                 await self._between_steps(lambda: manager.free(rid))
@@ -325,15 +324,34 @@ class GenerationWorker:
                 )
             await asyncio.sleep(_ALLOC_RETRY_S)
         regions = await self._between_steps(lambda: manager.regions(rid))
-        await self.transceiver.pull(
-            handle, regions, manager.layout_signature(), self.config.transfer_timeout_s
-        )
+        handles, timeout_s = context.all_handles, self.config.transfer_timeout_s
+        pull = self.transceiver.pull_ranks(handles, regions, manager.layout_signature(), timeout_s)
+        ranks = self.engine.ranks
+        if ranks is None:
+            await pull
+        else:
+            # Every rank pulls its own heads; a failure on one stops the others
+            # (`RankGroup.pull`) before the blocks are freed.
+            await _all_or_none(pull, ranks.pull(handles, regions, timeout_s))
         await self._between_steps(
             lambda: manager.finish_transfer(rid, req.prompt_token_ids, req.images)
         )
 
     async def _between_steps(self, fn: Callable[[], T]) -> T:
         return await self.engine.loop.run_between_steps(fn)
+
+
+async def _all_or_none(*pulls: Awaitable[None]) -> None:
+    """Await every pull; if one fails, wait for the others to end (each stops
+    on its own failure or is aborted by the caller) before raising its error."""
+    tasks = [asyncio.ensure_future(pull) for pull in pulls]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _error(req: Request, message: str, reason: str = "error") -> TokenEvent:

@@ -35,7 +35,6 @@ from models.image_processing import load_image_processor_config
 from models.loader import load_model
 from models.tokenizer import Tokenizer, load_tokenizer
 from transfer.base import Transceiver
-from transfer.factory import create_transceiver
 
 logger = logging.getLogger(__name__)
 
@@ -117,15 +116,7 @@ class EngineInstance:
     def create_transceiver(self) -> Transceiver:
         """The transceiver over this instance's cache, as its resolved
         `cache_transceiver` settings name it (one per worker)."""
-        config = self.config
-        return create_transceiver(
-            config.transceiver,
-            self.cache.buffers(),
-            secret=config.cluster_secret.encode(),
-            name=self.worker_id,
-            host=config.transfer_host,
-            wire=config.transfer_wire,
-        )
+        return self.config.create_transceiver(self.cache.buffers(), self.worker_id)
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel instance (none otherwise)."""

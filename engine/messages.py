@@ -35,7 +35,10 @@ class ContextResult:
 
     `handle` addresses the pinned cache (a `transfer.TransferHandle`); it is
     None when the request already finished at its first token (EOS, a stop
-    token, max_tokens == 1), in which case nothing stays pinned.
+    token, max_tokens == 1), in which case nothing stays pinned. A
+    tensor-parallel context instance pins the cache on every rank: `handle`
+    is rank 0's and `rank_handles` those of ranks 1.. in order; a puller
+    pulls them all, rank 0's last (`all_handles`).
     """
 
     request_id: str
@@ -48,6 +51,12 @@ class ContextResult:
     num_cached_tokens: int = 0
     # Wall-clock (time.time()) when the first token was sampled.
     first_token_time: float = field(default_factory=time.time)
+    rank_handles: tuple[TransferHandle, ...] = ()
+
+    @property
+    def all_handles(self) -> list[TransferHandle]:
+        """Every context rank's handle, rank 0's last; empty when nothing is pinned."""
+        return [] if self.handle is None else [*self.rank_handles, self.handle]
 
 
 @dataclass(frozen=True)

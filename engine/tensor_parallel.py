@@ -26,14 +26,21 @@ down with it.
 
 The ranks of an instance form one torch.distributed group, gloo on CPU and
 NCCL on CUDA, which rank 0 sets up on a free port of its node.
+
+Each rank moves its own cache bytes (`engine.rank_transfer`): a context
+instance's result carries one handle per rank, and every rank of a
+generation instance pulls its heads from every context rank.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import os
 import socket
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,15 +49,20 @@ import torch
 import torch.distributed as dist
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from torch.distributed import DistNetworkError
 
 from engine.cache_build import build_cache
 from engine.model_runner import ModelRunner, StepInput
+from engine.rank_transfer import RankTransfer
 from engine.threads import configure_torch_threads, run_on_compute_thread
 from engine.worker_config import WorkerConfig
+from kvcache.layout import RequestRegions
 from kvcache.manager import KVCacheManager
 from kvcache.sizing import CacheSizing
+from kvcache.tensors import CacheTensors
 from models.config import TensorParallelShard
 from models.loader import load_model
+from transfer.base import TransferHandle
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +71,11 @@ logger = logging.getLogger(__name__)
 GROUP_TIMEOUT_S = 300.0
 # How long rank 0 waits for the other ranks to leave the group on close.
 LEAVE_TIMEOUT_S = 30.0
+# Transfers a rank runs at once, beside its steps (a Ray concurrency group).
+TRANSFER_CONCURRENCY = 16
+# Tries at setting up the group: the free port rank 0 picks can be taken by
+# another process before the group's store binds it.
+_JOIN_ATTEMPTS = 3
 
 
 def join_group(address: str, rank: int, size: int, device: str) -> None:
@@ -84,6 +101,36 @@ def _cuda_device(device: str) -> torch.device:
     return named if named.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
+def _start_ranks(
+    config: WorkerConfig, worker_id: str, sizing: CacheSizing, address: str
+) -> list[Any]:
+    """Actors of ranks 1.., each in its bundle of the caller's placement group
+    (if any), joining the group at `address`."""
+    # Unnamed: a restarted rank 0 must not meet its old ranks' names, nor
+    # another deployment's on a shared Ray cluster.
+    make_remote: Any = ray.remote  # its stubs do not list concurrency_groups
+    actor: Any = make_remote(concurrency_groups={"transfer": TRANSFER_CONCURRENCY})(
+        TensorParallelRank
+    )
+    group = get_current_placement_group()
+    resources = ray.get_runtime_context().get_assigned_resources()
+    # The other ranks wait for OpenMP work the way rank 0 was told to.
+    env = {k: os.environ[k] for k in ("OMP_WAIT_POLICY",) if k in os.environ}
+    return [
+        actor.options(
+            num_cpus=resources.get("CPU", 1.0),
+            num_gpus=resources.get("GPU", 0.0),
+            runtime_env={"env_vars": env},
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=rank
+            )
+            if group is not None
+            else None,
+        ).remote(config, rank, address, sizing, f"{worker_id}-rank{rank}")
+        for rank in range(1, config.tensor_parallel_size)
+    ]
+
+
 def _free_address(host: str) -> str:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -106,16 +153,24 @@ class RankCapacity:
 class TensorParallelRank:
     """Rank `rank` >= 1 of a tensor-parallel instance (run as a Ray actor)."""
 
-    def __init__(self, config: WorkerConfig, rank: int, address: str, sizing: CacheSizing) -> None:
+    def __init__(
+        self, config: WorkerConfig, rank: int, address: str, sizing: CacheSizing, name: str
+    ) -> None:
         configure_torch_threads(config.device)
-        self.runner, self.capacity = run_on_compute_thread(
+        self.config = config
+        self.name = name  # the instance's worker id and the rank
+        self.runner, self.cache, manager = run_on_compute_thread(
             lambda: self._build(config, rank, address, sizing)
         )
+        self.capacity = RankCapacity.of(manager)
+        self.signature = manager.layout_signature()  # names this rank's heads
+        self._transfer: RankTransfer | None = None
+        self._transfer_lock = threading.Lock()
 
     @staticmethod
     def _build(
         config: WorkerConfig, rank: int, address: str, sizing: CacheSizing
-    ) -> tuple[ModelRunner, RankCapacity]:
+    ) -> tuple[ModelRunner, CacheTensors, KVCacheManager]:
         join_group(address, rank, config.tensor_parallel_size, config.device)
         model, model_config = load_model(
             config.checkpoint,
@@ -133,7 +188,7 @@ class TensorParallelRank:
             device=config.device,
             is_hybrid=model_config.cache_spec(config.dtype).is_hybrid,
         )
-        return runner, RankCapacity.of(manager)
+        return runner, cache, manager
 
     def ready(self) -> RankCapacity:
         """Returns once the rank is built (its shard loaded, its cache allocated)."""
@@ -154,6 +209,33 @@ class TensorParallelRank:
             logger.exception("tensor-parallel rank failed a step; leaving the instance")
             os._exit(1)
 
+    @ray.method(concurrency_group="transfer")
+    def publish(self, request_id: str, regions: RequestRegions, lease_s: float) -> TransferHandle:
+        """Publish this rank's bytes of a prefilled request (context instance)."""
+        return self._transfers().publish(request_id, regions, lease_s)
+
+    @ray.method(concurrency_group="transfer")
+    def pull(
+        self, handles: Sequence[TransferHandle], regions: RequestRegions, timeout_s: float
+    ) -> None:
+        """Pull this rank's heads of a request from every context rank (generation instance)."""
+        self._transfers().pull(handles, regions, timeout_s)
+
+    @ray.method(concurrency_group="transfer")
+    def abort(self, request_id: str) -> None:
+        if self._transfer is not None:
+            self._transfer.abort(request_id)
+
+    def _transfers(self) -> RankTransfer:
+        """This rank's transceiver, started on first use (an aggregated
+        instance never moves a cache)."""
+        with self._transfer_lock:
+            if self._transfer is None:
+                self._transfer = RankTransfer(
+                    self.config, self.cache.buffers(), self.signature, self.name
+                )
+            return self._transfer
+
 
 class RankGroup:
     """Rank 0's side: the other ranks' actors, and each step sent to them."""
@@ -169,42 +251,63 @@ class RankGroup:
 
         Called on rank 0's compute thread after its own model and cache exist.
         """
-        size = config.tensor_parallel_size
-        address = _free_address(config.transfer_host)
-        # Unnamed: a restarted rank 0 must not meet its old ranks' names, nor
-        # another deployment's on a shared Ray cluster.
-        actor: Any = ray.remote(TensorParallelRank)
-        group = get_current_placement_group()
-        resources = ray.get_runtime_context().get_assigned_resources()
-        # The other ranks wait for OpenMP work the way rank 0 was told to.
-        env = {k: os.environ[k] for k in ("OMP_WAIT_POLICY",) if k in os.environ}
-        ranks: list[Any] = [
-            actor.options(
-                num_cpus=resources.get("CPU", 1.0),
-                num_gpus=resources.get("GPU", 0.0),
-                runtime_env={"env_vars": env},
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    group, placement_group_bundle_index=rank
-                )
-                if group is not None
-                else None,
-            ).remote(config, rank, address, sizing)
-            for rank in range(1, size)
-        ]
-        try:
-            join_group(address, 0, size, config.device)
-            # Surfaces a rank that failed to load its shard.
-            capacities = ray.get([rank.ready.remote() for rank in ranks])
-        except BaseException:
-            for rank in ranks:
-                ray.kill(rank)
-            raise
-        logger.info("%s: %d tensor-parallel ranks joined at %s", worker_id, size, address)
-        return cls(ranks, capacities)
+        for attempt in range(1, _JOIN_ATTEMPTS + 1):
+            address = _free_address(config.transfer_host)
+            ranks = _start_ranks(config, worker_id, sizing, address)
+            try:
+                join_group(address, 0, config.tensor_parallel_size, config.device)
+                # Surfaces a rank that failed to load its shard.
+                capacities = ray.get([rank.ready.remote() for rank in ranks])
+            except DistNetworkError as exc:
+                for rank in ranks:
+                    ray.kill(rank)
+                # Another process took the free port before the group bound it.
+                if attempt == _JOIN_ATTEMPTS or "EADDRINUSE" not in str(exc):
+                    raise
+                logger.warning("%s: group address %s was taken; retrying", worker_id, address)
+                continue
+            except BaseException:
+                for rank in ranks:
+                    ray.kill(rank)
+                raise
+            logger.info(
+                "%s: %d tensor-parallel ranks joined at %s",
+                worker_id,
+                config.tensor_parallel_size,
+                address,
+            )
+            return cls(ranks, capacities)
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def send(self, step: StepInput) -> None:
         for rank in self.ranks:
             rank.run_step.remote(step)
+
+    async def publish(
+        self, request_id: str, regions: RequestRegions, lease_s: float
+    ) -> list[TransferHandle]:
+        """Every other rank's handle of a prefilled request, in rank order."""
+        calls = [rank.publish.remote(request_id, regions, lease_s) for rank in self.ranks]
+        return list(await asyncio.gather(*calls))
+
+    async def pull(
+        self, handles: Sequence[TransferHandle], regions: RequestRegions, timeout_s: float
+    ) -> None:
+        """Every other rank pulls its heads of a request from every context rank."""
+        calls = [rank.pull.remote(list(handles), regions, timeout_s) for rank in self.ranks]
+        try:
+            await asyncio.gather(*calls)
+        except BaseException:
+            # Bytes may still land in the blocks until every rank stopped:
+            # the caller frees them once this raises.
+            self.abort(handles[0].request_id if handles else "")
+            await asyncio.gather(*calls, return_exceptions=True)
+            raise
+
+    def abort(self, request_id: str) -> None:
+        """Stop the other ranks' transfers of a request (either side)."""
+        for rank in self.ranks:
+            rank.abort.remote(request_id)
 
     def abandon(self) -> None:
         """Rank 0's step failed (a rank died, or a collective failed): the

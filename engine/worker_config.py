@@ -10,9 +10,16 @@ is built (`transfer.factory.resolve_wire`, logged there).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvcache.dtypes import DTYPE_NAMES
+
+if TYPE_CHECKING:
+    import torch
+
+    from transfer.base import Transceiver
 
 MANAGERS = ("v1", "v2")
 TRANSCEIVERS = ("python", "nixl")
@@ -119,6 +126,20 @@ class WorkerConfig:
                 f"max_tokens ({self.max_tokens}) must hold at least one block of "
                 f"{self.block_size} tokens"
             )
+
+    def create_transceiver(self, buffers: Mapping[str, torch.Tensor], name: str) -> Transceiver:
+        """The transceiver these settings name, over one rank's pool `buffers`
+        (not started); `name` is the worker (or rank) it belongs to."""
+        from transfer.factory import create_transceiver
+
+        return create_transceiver(
+            self.transceiver,
+            buffers,
+            secret=self.cluster_secret.encode(),
+            name=name,
+            host=self.transfer_host,
+            wire=self.transfer_wire,
+        )
 
 
 def _require_positive(name: str, value: float) -> None:

@@ -17,8 +17,10 @@ before any byte moves.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
+
+from kvcache.spec import HeadShard
 
 CONV = "conv"
 SSM = "ssm"
@@ -87,6 +89,13 @@ class LayoutSignature:
     Two workers may exchange descriptors (NIXL) only when their signatures are
     equal; segment-wise transfer (Python transceiver) needs them equal except
     for `manager`.
+
+    A rank of a tensor-parallel instance holds some of the model's heads: the
+    shapes above are its own, `tp_size`/`tp_rank` say which rank it is and
+    the head ranges (`[start, stop)` of the whole model's heads, out of the
+    `total_*` counts) which heads its bytes hold. Two ranks of different
+    tensor parallelism exchange head slices; what they must agree on is
+    `whole()`, the signature the model has on one rank.
     """
 
     manager: str
@@ -100,6 +109,65 @@ class LayoutSignature:
     conv_dtype: str = ""
     ssm_state_shape: tuple[int, ...] = ()
     ssm_dtype: str = ""
+    tp_size: int = 1
+    tp_rank: int = 0
+    total_kv_heads: int = 0
+    kv_heads: tuple[int, ...] = ()
+    total_mamba_heads: int = 0
+    mamba_heads: tuple[int, ...] = ()
+    total_mamba_groups: int = 0
+    mamba_groups: tuple[int, ...] = ()
+
+    @classmethod
+    def sharded(cls, shard: HeadShard, **values: Any) -> LayoutSignature:
+        """A signature whose TP fields say what `shard` holds."""
+        return cls(
+            **values,
+            tp_size=shard.size,
+            tp_rank=shard.rank,
+            total_kv_heads=shard.total_kv_heads,
+            kv_heads=shard.kv_heads,
+            total_mamba_heads=shard.total_mamba_heads,
+            mamba_heads=shard.mamba_heads,
+            total_mamba_groups=shard.total_mamba_groups,
+            mamba_groups=shard.mamba_groups,
+        )
+
+    def head_shard(self) -> HeadShard:
+        """The heads this signature's bytes hold."""
+        spans = (self.kv_heads, self.mamba_heads, self.mamba_groups)
+        if any(len(span) != 2 for span in spans):
+            raise ValueError(f"head ranges must be [start, stop) pairs, got {spans}")
+        return HeadShard(
+            rank=self.tp_rank,
+            size=self.tp_size,
+            total_kv_heads=self.total_kv_heads,
+            kv_heads=(self.kv_heads[0], self.kv_heads[1]),
+            total_mamba_heads=self.total_mamba_heads,
+            mamba_heads=(self.mamba_heads[0], self.mamba_heads[1]),
+            total_mamba_groups=self.total_mamba_groups,
+            mamba_groups=(self.mamba_groups[0], self.mamba_groups[1]),
+        )
+
+    def whole(self) -> LayoutSignature:
+        """The signature of the same model and layout on one rank (all heads)."""
+        conv, ssm = self.conv_state_shape, self.ssm_state_shape
+        if self.mamba_layers:
+            heads, head_dim, state_size = ssm
+            channels = self.total_mamba_heads * head_dim
+            conv = (channels + 2 * self.total_mamba_groups * state_size, *conv[1:])
+            ssm = (self.total_mamba_heads, head_dim, state_size)
+        return replace(
+            self,
+            num_kv_heads=self.total_kv_heads,
+            conv_state_shape=conv,
+            ssm_state_shape=ssm,
+            tp_size=1,
+            tp_rank=0,
+            kv_heads=(0, self.total_kv_heads),
+            mamba_heads=(0, self.total_mamba_heads),
+            mamba_groups=(0, self.total_mamba_groups),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of str/int/list values, safe for msgpack or JSON."""

@@ -77,7 +77,8 @@ class CacheLayout(ABC):
 
     def signature(self) -> LayoutSignature:
         spec = self.spec
-        return LayoutSignature(
+        return LayoutSignature.sharded(
+            spec.heads,
             manager=self.manager,
             dtype=spec.dtype,
             block_size=self.block_size,

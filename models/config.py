@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvcache.spec import CacheSpec
+from kvcache.spec import CacheSpec, HeadShard
 
 # Layer kinds of `ModelConfig.layer_types`.
 DECODER = "decoder"  # dense block: attention + MLP (Llama-style)
@@ -185,6 +185,8 @@ class ModelConfig:
     # A rank's config (`models.tensor_parallel.shard_config`) holds its share
     # of the heads and the MLP width; `vocab_size` stays the whole vocabulary.
     tp: TensorParallelShard = field(default_factory=TensorParallelShard)
+    # Which of the whole model's heads a rank's cache holds; None: all.
+    cache_shard: HeadShard | None = None
 
     @property
     def num_hidden_layers(self) -> int:
@@ -209,4 +211,5 @@ class ModelConfig:
             mamba_layers=mamba_layers,
             conv_state_shape=conv,
             ssm_state_shape=ssm,
+            shard=self.cache_shard,
         )

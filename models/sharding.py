@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from kvcache.spec import head_shard
 from models.config import MambaConfig, MambaShard, ModelConfig, TensorParallelShard
 from models.errors import ConfigError
 
@@ -98,6 +99,13 @@ def shard_config(config: ModelConfig, rank: int, size: int) -> ModelConfig:
         # A VL wrapper's image path runs on rank 0 alone (models/nemotron_vl.py).
         vision=config.vision if rank == 0 else None,
         tp=TensorParallelShard(rank, size),
+        cache_shard=head_shard(
+            rank,
+            size,
+            config.num_key_value_heads,
+            mamba.num_heads if mamba else 0,
+            mamba.n_groups if mamba else 0,
+        ),
     )
 
 

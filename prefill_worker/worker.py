@@ -56,6 +56,8 @@ class ContextWorker:
         )
         self.transceiver: Any = self.engine.create_transceiver()
         self._handles: dict[str, Any] = {}
+        # Ranks 1..'s handles of a tensor-parallel instance, being published.
+        self._rank_handles: dict[str, asyncio.Task[list[Any]]] = {}
         self._publish_errors: dict[str, str] = {}
         self._active: set[str] = set()  # ids between prefill() start and end
         self._aborted = AbortedIds()  # aborts that arrived before their prefill()
@@ -110,6 +112,7 @@ class ContextWorker:
         if event.finish_reason == "handoff" and handle is None:
             reason = self._publish_errors.pop(request.request_id, "not published")
             raise RequestFailedError(request.request_id, f"cache could not be published: {reason}")
+        rank_handles = await self._published_by_ranks(rid)
         return ContextResult(
             request_id=request.request_id,
             first_token_id=event.token_ids[0],
@@ -120,6 +123,7 @@ class ContextWorker:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
             first_token_time=event.timestamp,
+            rank_handles=tuple(rank_handles),
         )
 
     async def blocks_ready(self, request_id: str, num_pulled: int) -> BlocksReady:
@@ -130,6 +134,8 @@ class ContextWorker:
         Waits up to `transfer_timeout_s` for news; may run before `prefill`.
         """
         await self.start()
+        if self.engine.ranks is not None:  # each rank's heads move after the publish
+            return BlocksReady(request_id, None)
         progress = await self._progress.wait(request_id, num_pulled, self.config.transfer_timeout_s)
         layout = self.engine.manager.layout
         if progress.published is not None:
@@ -148,6 +154,20 @@ class ContextWorker:
         handle = self.transceiver.offer(request_id, ready, layout.signature())
         return BlocksReady(request_id, handle, num_pulled, progress.num_ready)
 
+    async def _published_by_ranks(self, request_id: str) -> list[Any]:
+        """Ranks 1..'s handles of a published request (none on one rank); if a
+        rank cannot publish, the request fails and every rank unpins it."""
+        task = self._rank_handles.pop(request_id, None)
+        if task is None:
+            return []
+        try:
+            return await task
+        except Exception as exc:
+            self.abort(request_id)
+            raise RequestFailedError(
+                request_id, f"a tensor-parallel rank could not publish the cache: {exc}"
+            ) from exc
+
     def abort(self, request_id: str) -> None:
         """Cancel a prompt still prefilling, or unpin one already published.
 
@@ -159,6 +179,9 @@ class ContextWorker:
             self._aborted.add(request_id)
         self.engine.loop.abort(request_id)
         self.transceiver.abort(request_id)
+        if self.engine.ranks is not None:
+            self._rank_handles.pop(request_id, None)
+            self.engine.ranks.abort(request_id)
 
     def health(self) -> WorkerHealth:
         return WorkerHealth(
@@ -195,15 +218,15 @@ class ContextWorker:
         rid = request.request_id
         manager = self.engine.manager
         try:
+            regions = manager.regions(rid)
             handle = self.transceiver.publish(
-                rid,
-                manager.regions(rid),
-                manager.layout_signature(),
-                self.config.lease_s,
-                self._on_release,
+                rid, regions, manager.layout_signature(), self.config.lease_s, self._on_release
             )
             self._handles[rid] = handle
             self._progress.published(rid, handle)
+            if self.engine.ranks is not None:
+                publish = self.engine.ranks.publish(rid, regions, self.config.lease_s)
+                self._rank_handles[rid] = asyncio.ensure_future(publish)
         except Exception as exc:  # a broken publish must not stop the engine loop
             logger.exception("publishing the cache of request %r failed", rid)
             self._publish_errors[rid] = str(exc)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -148,14 +148,19 @@ class TransferHandle:
         return cls.from_dict(msgpack.unpackb(data, raw=False, strict_map_key=False))
 
 
+def parse_signature(request_id: str, source: dict[str, Any]) -> LayoutSignature:
+    """The holder's signature from a handle; `LayoutMismatch` if unreadable."""
+    try:
+        return LayoutSignature.from_dict(source)
+    except (TypeError, ValueError) as exc:  # a holder running another version
+        raise LayoutMismatch(request_id, ["signature"], f"unreadable signature: {exc}") from exc
+
+
 def check_signature(
     request_id: str, source: dict[str, Any], dest: dict[str, Any], ignore: tuple[str, ...] = ()
 ) -> None:
     """Raise `LayoutMismatch` naming every differing field (except `ignore`)."""
-    try:
-        theirs = LayoutSignature.from_dict(source)
-    except (TypeError, ValueError) as exc:  # a holder running another version
-        raise LayoutMismatch(request_id, ["signature"], f"unreadable signature: {exc}") from exc
+    theirs = parse_signature(request_id, source)
     differing = theirs.diff(LayoutSignature.from_dict(dest), ignore)
     if differing:
         raise LayoutMismatch(request_id, differing)
@@ -319,6 +324,30 @@ class Transceiver(ABC):
         finally:
             if self._pulls.get(rid) is task:
                 del self._pulls[rid]
+
+    async def pull_ranks(
+        self,
+        handles: Sequence[TransferHandle],
+        dest_regions: RequestRegions,
+        dest_signature: LayoutSignature,
+        timeout_s: float,
+    ) -> None:
+        """Pull one request from every rank of a tensor-parallel holder, one
+        handle per rank, in order; rank 0's handle comes last.
+
+        Each puller rank reads the heads it needs from each holder rank
+        (possibly none: the pull then only releases). Rank 0 of the holder
+        frees the blocks once it is released, which it is after every puller
+        rank pulled it, that is after all their other pulls. If a pull fails,
+        the holders not yet pulled are told to release now; errors as in `pull`.
+        """
+        for i, handle in enumerate(handles):
+            try:
+                await self.pull(handle, dest_regions, dest_signature, timeout_s)
+            except BaseException:
+                for later in handles[i + 1 :]:
+                    self._notify_abort(later)
+                raise
 
     @abstractmethod
     async def _pull(

@@ -1,7 +1,7 @@
 """`disagg bench-transfer`: transceiver throughput and latency against raw limits.
 
     python -m transfer.bench [--json] [--transceivers python nixl] [--managers v1 v2]
-                             [--wires tcp ucx]
+                             [--wires tcp ucx] [--tensor-parallel 1:1 2:1 1:2]
 
 For each transceiver (the Python one once per wire: rows `python` for TCP,
 `python+ucx` for UCX) and manager, two Ray actors on this machine each build a
@@ -12,6 +12,14 @@ one block, 1 MiB, 64 MiB, 256 MiB of KV. Each line shows GB/s and median
 latency next to the raw limit measured in the same run (loopback TCP for
 Python on either wire, one big NIXL READ for NIXL) and a same-process memcpy, plus each
 worker's CPU use while idle.
+
+Tensor parallelism (`--tensor-parallel CTX:GEN`, Python transceiver: the raw
+NIXL READ runs between two whole pools): a "2->1" row has two holder ranks,
+each holding half of every block's KV heads, and one puller rank that pulls
+its heads from both; "1->2" one holder and two puller ranks that each pull
+their half from it, at once. Each side's ranks are endpoints in that side's
+one process, so a row still comes from two processes, and its size is the
+whole request's (all heads): the same bytes the raw limit moves.
 
 How sure a line is: `ratio` is the median over rounds of (raw seconds /
 transceiver seconds) within a round, with its min-max spread over the rounds
@@ -71,6 +79,8 @@ class Row:
     memcpy_gbps: float
     idle_cpu_holder: float
     idle_cpu_puller: float
+    ctx_tp: int = 1  # holder ranks
+    gen_tp: int = 1  # puller ranks
 
     def as_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -110,6 +120,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reps", type=int, default=0, help="repetitions per size (default: by size)"
     )
+    parser.add_argument(
+        "--tensor-parallel",
+        nargs="+",
+        default=["1:1", "2:1", "1:2"],
+        type=_tp_pair,
+        metavar="CTX:GEN",
+        help="holder:puller ranks per row group (Python transceiver; NIXL rows are 1:1)",
+    )
+
+
+def _tp_pair(text: str) -> tuple[int, int]:
+    try:
+        ctx, gen = (int(n) for n in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected CTX:GEN such as 2:1, got {text!r}") from None
+    if ctx < 1 or gen < 1 or BENCH_SPEC.num_kv_heads % max(ctx, gen):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: both sides need 1 or more ranks that split {BENCH_SPEC.num_kv_heads} KV heads"
+        )
+    return ctx, gen
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,8 +173,13 @@ def run(args: argparse.Namespace) -> int:
             print(_HEADER)
         for kind, wire in variants:
             for manager in args.managers:
-                for row in _bench_pair(kind, wire, manager, args.reps):
-                    print(json.dumps(row.as_json()) if args.json else _format(row), flush=True)
+                for ranks in args.tensor_parallel:
+                    if kind != "python" and ranks != (1, 1):
+                        # The raw NIXL READ runs between two whole pools.
+                        continue
+                    for row in _bench_pair(kind, wire, manager, args.reps, ranks):
+                        line = json.dumps(row.as_json()) if args.json else _format(row)
+                        print(line, flush=True)
     finally:
         ray.shutdown()
     return 0
@@ -156,17 +191,33 @@ def _reps(size: int, override: int) -> int:
     return 50 if size <= MIB else (10 if size <= 64 * MIB else 8)
 
 
-def _bench_pair(kind: str, wire: str, manager: str, reps_override: int) -> list[Row]:
+def _rank_names(size: int) -> list[str]:
+    """Endpoint names of a side's ranks, rank 0 ("ep", which the raw probes use) last."""
+    return [*(f"ep.{r}" for r in range(1, size)), "ep"]
+
+
+def _bench_pair(
+    kind: str, wire: str, manager: str, reps_override: int, ranks: tuple[int, int] = (1, 1)
+) -> list[Row]:
     import ray
 
     from transfer.bench_raw import BenchHost
     from transfer.bench_worker import EndpointSpec
 
     num_blocks = SIZES[-1] // BLOCK_BYTES + 2
-    spec = {"ep": EndpointSpec(kind, manager, BENCH_SPEC, num_blocks, BLOCK_SIZE, wire=wire)}
+
+    def side(size: int) -> dict[str, EndpointSpec]:
+        return {
+            name: EndpointSpec(
+                kind, manager, BENCH_SPEC.for_rank(r, size), num_blocks, BLOCK_SIZE, wire=wire
+            )
+            for r, name in zip([*range(1, size), 0], _rank_names(size), strict=True)
+        }
+
+    holders, pullers = _rank_names(ranks[0]), _rank_names(ranks[1])
     actor_class: Any = ray.remote(num_cpus=0)(BenchHost)
-    holder: Any = actor_class.remote(spec)
-    puller: Any = actor_class.remote(spec)
+    holder: Any = actor_class.remote(side(ranks[0]))
+    puller: Any = actor_class.remote(side(ranks[1]))
     ray.get([holder.start.remote(), puller.start.remote()])
     idle = ray.get([holder.idle_cpu.remote(2.0), puller.idle_cpu.remote(2.0)])
     raw = _raw_prober(kind, holder, puller)
@@ -174,19 +225,20 @@ def _bench_pair(kind: str, wire: str, manager: str, reps_override: int) -> list[
     for size in SIZES:
         reps = _reps(size, reps_override)
         tokens = size // BLOCK_BYTES * BLOCK_SIZE
-        ray.get(holder.fill.remote("ep", "src", tokens))
+        ray.get([holder.fill.remote(name, "src", tokens) for name in holders])
         # Transceiver pulls and raw transfers alternate, one each per round,
         # so load from other processes falls on both alike; round 0 warms
         # connections and tables and is not counted.
         rounds = Rounds()
         for rep in range(reps + 1):
-            handle = ray.get(holder.publish.remote("ep", "src", 60.0, f"src-{size}-{rep}"))
+            rid = f"src-{size}-{rep}"
+            handles = ray.get([holder.publish.remote(n, "src", 60.0, rid) for n in holders])
             holder_cpu = ray.get(holder.cpu_seconds.remote())
-            result = ray.get(puller.pull.remote("ep", handle, tokens, 60.0))
+            result = ray.get(puller.pull_ranks.remote(pullers, handles, tokens, 60.0))
             if not result["ok"]:
                 raise RuntimeError(result["message"])
             holder_cpu_pulled = ray.get(holder.cpu_seconds.remote())
-            ray.get(puller.free.remote("ep", f"src-{size}-{rep}"))
+            ray.get([puller.free.remote(name, rid) for name in pullers])
             raw_seconds, raw_cpu = raw(size)
             holder_cpu_raw = ray.get(holder.cpu_seconds.remote())
             if rep:
@@ -196,10 +248,10 @@ def _bench_pair(kind: str, wire: str, manager: str, reps_override: int) -> list[
                     raw_seconds,
                     raw_cpu + holder_cpu_raw - holder_cpu_pulled,
                 )
-        ray.get(holder.free.remote("ep", "src"))
+        ray.get([holder.free.remote(name, "src") for name in holders])
         mem = ray.get(puller.memcpy.remote("ep", size, min(reps, 8)))
         label = kind if wire == "tcp" else f"{kind}+{wire}"
-        rows.append(_row(label, manager, size, rounds, mem, idle))
+        rows.append(_row(label, manager, size, rounds, mem, idle, ranks))
     ray.get([holder.close_raw.remote(), puller.close_raw.remote()])
     ray.get([holder.close.remote(), puller.close.remote()])
     for actor in (holder, puller):
@@ -220,7 +272,13 @@ def _raw_prober(kind: str, holder: Any, puller: Any) -> Any:
 
 
 def _row(
-    kind: str, manager: str, size: int, rounds: Rounds, mem: list[float], idle: list[float]
+    kind: str,
+    manager: str,
+    size: int,
+    rounds: Rounds,
+    mem: list[float],
+    idle: list[float],
+    ranks: tuple[int, int] = (1, 1),
 ) -> Row:
     p50, raw_p50, mem_p50 = (
         statistics.median(t) for t in (rounds.seconds, rounds.raw_seconds, mem)
@@ -245,6 +303,8 @@ def _row(
         memcpy_gbps=round(size / mem_p50 / 1e9, 3),
         idle_cpu_holder=round(idle[0], 3),
         idle_cpu_puller=round(idle[1], 3),
+        ctx_tp=ranks[0],
+        gen_tp=ranks[1],
     )
 
 
@@ -258,8 +318,11 @@ _HEADER = (
 def _format(row: Row) -> str:
     size = f"{row.size_bytes // MIB} MiB" if row.size_bytes >= MIB else f"{row.size_bytes} B"
     spread = f"{row.ratio:.2f} ({row.ratio_min:.2f}-{row.ratio_max:.2f})"
+    label = row.transceiver
+    if (row.ctx_tp, row.gen_tp) != (1, 1):
+        label = f"{label} {row.ctx_tp}->{row.gen_tp}"
     return (
-        f"{row.transceiver:<11} {row.manager:<3} {size:>10} {row.gbps:>7.2f} "
+        f"{label:<11} {row.manager:<3} {size:>10} {row.gbps:>7.2f} "
         f"{row.raw_gbps:>8.2f} {spread:>17} {row.p50_ms:>8.3f} {row.raw_p50_ms:>8.3f} "
         f"{row.gb_per_cpu_s:>8.2f} {row.raw_gb_per_cpu_s:>6.2f} {row.cpu_cores:>5.2f} "
         f"{row.raw_cpu_cores:>5.2f} {row.memcpy_gbps:>7.2f} "

@@ -65,9 +65,15 @@ class BenchHost(EndpointHost):
         self._scratch_buffer: torch.Tensor | None = None
 
     def _scratch(self, name: str) -> torch.Tensor:
-        """A buffer as large as the endpoint's whole pool, for raw transfers."""
+        """A buffer as large as the host's pools together, for raw transfers."""
         if self._scratch_buffer is None:
-            size = sum(t.numel() for t in self.endpoints[name].tensors.buffers().values())
+            # All endpoints' pools: the ranks of a tensor-parallel holder
+            # together hold a whole request.
+            size = sum(
+                t.numel()
+                for endpoint in self.endpoints.values()
+                for t in endpoint.tensors.buffers().values()
+            )
             self._scratch_buffer = torch.ones(size, dtype=torch.uint8)
         return self._scratch_buffer
 

@@ -86,15 +86,22 @@ class CacheEndpoint:
     async def pull(self, handle_bytes: bytes, num_tokens: int, timeout_s: float) -> dict[str, Any]:
         """Allocate, pull, finish; frees on error. Returns {"ok", "seconds",
         "cpu_seconds" (this process, all threads, during the pull), "error", "message"}."""
-        handle = TransferHandle.from_bytes(handle_bytes)
-        rid = handle.request_id
+        return await self.pull_ranks([handle_bytes], num_tokens, timeout_s)
+
+    async def pull_ranks(
+        self, handles_bytes: list[bytes], num_tokens: int, timeout_s: float
+    ) -> dict[str, Any]:
+        """`pull` of one request held by several tensor-parallel ranks, one
+        handle each (rank 0's last): this endpoint's heads from every one."""
+        handles = [TransferHandle.from_bytes(h) for h in handles_bytes]
+        rid = handles[-1].request_id
         if not self.manager.allocate_for_transfer(rid, num_tokens):
             raise RuntimeError(f"pool too small to receive {num_tokens} tokens")
         regions, signature = self.manager.regions(rid), self.manager.layout_signature()
         # "seconds" and "cpu_seconds" are the transceiver's alone.
         start, cpu = time.perf_counter(), time.process_time()
         try:
-            await self.xcvr.pull(handle, regions, signature, timeout_s)
+            await self.xcvr.pull_ranks(handles, regions, signature, timeout_s)
         except TransferError as exc:
             self.manager.free(rid)
             elapsed = time.perf_counter() - start
@@ -156,6 +163,24 @@ class EndpointHost:
         self, name: str, handle_bytes: bytes, num_tokens: int, timeout_s: float
     ) -> dict[str, Any]:
         return await self.endpoints[name].pull(handle_bytes, num_tokens, timeout_s)
+
+    async def pull_ranks(
+        self, names: list[str], handles_bytes: list[bytes], num_tokens: int, timeout_s: float
+    ) -> dict[str, Any]:
+        """Every named endpoint (the ranks of a tensor-parallel puller) pulls
+        its heads from every handle, all at once; wall and CPU seconds of the
+        whole, or the first failure."""
+        import asyncio
+
+        start, cpu = time.perf_counter(), time.process_time()
+        results = await asyncio.gather(
+            *(self.endpoints[n].pull_ranks(handles_bytes, num_tokens, timeout_s) for n in names)
+        )
+        failed = [r for r in results if not r["ok"]]
+        if failed:
+            return failed[0]
+        seconds, used = time.perf_counter() - start, time.process_time() - cpu
+        return {"ok": True, "seconds": seconds, "cpu_seconds": used, "error": None, "message": ""}
 
     def free(self, name: str, request_id: str) -> None:
         self.endpoints[name].manager.free(request_id)

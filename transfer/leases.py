@@ -33,6 +33,7 @@ class Lease:
     payload: Any = None
     streams: int = 0  # transfers currently reading this request's bytes
     expired: bool = False  # lease ran out while streaming; release when streams end
+    pulled_by: set[int] = field(default_factory=set)  # puller ranks done (tensor parallel)
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
 
@@ -89,6 +90,20 @@ class LeaseTable:
         except Exception:  # the worker's callback must not break the transport
             logger.exception("on_release of request %r failed", request_id)
         return True
+
+    def release_by(
+        self, request_id: str, transfer_id: str, puller_rank: int, num_pullers: int
+    ) -> bool:
+        """Puller rank `puller_rank` of `num_pullers` is done with the request:
+        the last of them releases it (each rank of a tensor-parallel puller
+        reads its own heads from every holder). True if this call released it."""
+        lease = self._leases.get(request_id)
+        if lease is None or lease.transfer_id != transfer_id:
+            return False
+        lease.pulled_by.add(puller_rank)
+        if len(lease.pulled_by) < num_pullers:
+            return False
+        return self.release(request_id, transfer_id)
 
     def begin_stream(self, lease: Lease) -> None:
         lease.streams += 1

@@ -9,16 +9,20 @@
     lease live? pin it    <--- notif ---           "claim <rid> <tid> <metadata>"
     for a window W        --- notif --->           "grant <rid> <tid> <W>" (or "expired")
                                                    READ, within W of sending the claim
-    poll notifications   <--- notif ---            "release <rid> <tid>" when all READs done
-    -> on_release(rid)
+    poll notifications   <--- notif ---            "release <rid> <tid> <rank> <of>" when
+    -> on_release(rid) once all                    all READs done
+       `of` puller ranks released
 
 Offered blocks of a prompt still prefilling (`transfer.offers`) are claimed
 the same way; the puller ends such a pull with "done <rid> <tid>" instead of
 "release", which closes that claim's window early and keeps the request.
 
 NIXL moves raw memory by descriptor, so both sides must lay their cache out
-identically (same manager, dtype, block size, heads, layers): the signature is
+identically (same manager, dtype, block size, layers): the signature is
 compared before any byte moves. V1 <-> V2 needs the Python transceiver.
+Between ranks of different tensor parallelism a READ descriptor is one run of
+a head slice (the K or V heads of one token), through tables prepared per
+(buffer, run length, phase) like the whole-block ones.
 
 Every call on the agent runs on the transceiver's own `AgentThread`, never on
 the event loop: over UCX on CPU a READ copies inside its post, and a pull in
@@ -51,9 +55,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcache.layout import LayoutSignature, RequestRegions
-from transfer.base import BufferInfo, Transceiver, TransferHandle, check_signature
+from kvcache.layout import LayoutSignature, Region, RequestRegions
+from transfer.base import (
+    BufferInfo,
+    Transceiver,
+    TransferHandle,
+    check_signature,
+    parse_signature,
+)
 from transfer.errors import LayoutMismatch, PeerGone, TransferError, UnknownRequest
+from transfer.head_slices import check_shards, plan_head_slices, same_heads
 from transfer.nixl_agent import (
     DEFAULT_PROGRESS_DELAY_US,
     AgentThread,
@@ -208,10 +219,13 @@ class NixlTransceiver(Transceiver):
     def _apply_notification(self, sender: str, message: bytes) -> None:
         kind, _, rest = message.partition(b" ")
         parts = rest.split(b" ", 2)
-        if kind == _RELEASE and len(parts) == 2:
+        if kind == _RELEASE and len(parts) == 2:  # an aborted pull: release now
             self._leases.release(parts[0].decode(), parts[1].decode())
         elif kind == _DONE and len(parts) == 2:
             self._close_window(parts[0].decode(), parts[1].decode())
+        elif kind == _RELEASE and len(parts) == 3:
+            rank, of = (int(n) for n in parts[2].split())
+            self._leases.release_by(parts[0].decode(), parts[1].decode(), rank, of)
         elif kind == _CLAIM and len(parts) == 3:
             self._answer_claim(sender, parts[0].decode(), parts[1].decode(), parts[2])
         elif kind in (_GRANT, _EXPIRED) and len(parts) >= 2:
@@ -263,12 +277,11 @@ class NixlTransceiver(Transceiver):
         dest: LayoutSignature,
         release: bool,
     ) -> None:
-        self._check_request(handle, dest_regions, dest)
+        groups = self._check_request(handle, dest_regions, dest)
         # Counted from before the claim leaves, so it ends before the holder's window.
         claimed_at = time.monotonic()
         window = await self._claim(handle)
         deadline = claimed_at + window
-        groups = group_pairs(handle.regions.descriptors, dest_regions.descriptors)
         xfers: list[Any] = []  # filled on the agent thread, released there too
         try:
             states = await self._thread.run(self._post_reads, handle, groups, xfers)
@@ -289,14 +302,31 @@ class NixlTransceiver(Transceiver):
             self._thread.submit(_release, xfers)
             raise UnknownRequest(handle.request_id, handle.peer)
         # The holder learns in the background; the caller has its bytes now.
-        self._thread.submit(self._finish, xfers, handle, _RELEASE if release else _DONE)
+        self._thread.submit(self._finish, xfers, handle, dest, release)
 
     def _check_request(
         self, handle: TransferHandle, dest_regions: RequestRegions, dest: LayoutSignature
-    ) -> None:
-        """Raise `LayoutMismatch` unless the handle's cache fits `dest_regions` byte for byte."""
+    ) -> PairGroups:
+        """The READs of this pull, grouped by descriptor table; `LayoutMismatch`
+        unless the handle's cache fits `dest_regions` byte for byte.
+
+        Ranks that hold the same heads read whole descriptors (a V2 block, a
+        slot); ranks of different tensor parallelism read one descriptor per
+        run of a head slice (`transfer.head_slices`), K and V of each token.
+        """
         rid = handle.request_id
-        check_signature(rid, handle.signature, dest.to_dict())
+        if handle.agent_name is None or handle.agent_metadata is None:
+            raise LayoutMismatch(rid, ["agent_name"], "handle has no NIXL agent")
+        source = parse_signature(rid, handle.signature)
+        check_shards(rid, source, dest)
+        if not same_heads(source, dest):
+            pairs = plan_head_slices(rid, source, handle.regions, dest, dest_regions)
+            src_runs = tuple(Region(p.src_buffer, o, n) for p in pairs for o, n in p.source_runs())
+            dst_runs = tuple(Region(p.dst_buffer, o, n) for p in pairs for o, n in p.dest_runs())
+            check_bounds(rid, dst_runs, self._sizes)
+            return group_pairs(src_runs, dst_runs)
+        # A replicated head may sit on a rank of another position.
+        check_signature(rid, handle.signature, dest.to_dict(), ignore=("tp_size", "tp_rank"))
         src_desc, dst_desc = handle.regions.descriptors, dest_regions.descriptors
         if [r.length for r in src_desc] != [r.length for r in dst_desc]:
             raise LayoutMismatch(
@@ -306,8 +336,7 @@ class NixlTransceiver(Transceiver):
                 f"allocate as many blocks (and a Mamba slot) as the source holds",
             )
         check_bounds(rid, dst_desc, self._sizes)
-        if handle.agent_name is None or handle.agent_metadata is None:
-            raise LayoutMismatch(rid, ["agent_name"], "handle has no NIXL agent")
+        return group_pairs(src_desc, dst_desc)
 
     def _post_reads(
         self, handle: TransferHandle, groups: PairGroups, xfers: list[Any]
@@ -439,12 +468,19 @@ class NixlTransceiver(Transceiver):
 
         return prepare
 
-    def _finish(self, xfers: list[Any], handle: TransferHandle, kind: bytes) -> None:
-        """Release the finished READs, then tell the holder: unpin the request
-        (`_RELEASE`) or only that these READs are over (`_DONE`)."""
+    def _finish(
+        self, xfers: list[Any], handle: TransferHandle, dest: LayoutSignature, release: bool
+    ) -> None:
+        """Release the finished READs, then tell the holder: this puller rank is
+        done with the request (it unpins it once every rank of the puller is),
+        or without `release`, only that these READs of offered blocks are over."""
         _release(xfers)
-        message = b" ".join([kind, handle.request_id.encode(), handle.transfer_id.encode()])
-        self._agent.send_notif(handle.agent_name, message)
+        ids = [handle.request_id.encode(), handle.transfer_id.encode()]
+        if not release:
+            self._agent.send_notif(handle.agent_name, b" ".join([_DONE, *ids]))
+            return
+        rank = f"{dest.tp_rank} {dest.tp_size}".encode()
+        self._agent.send_notif(handle.agent_name, b" ".join([_RELEASE, *ids, rank]))
 
     def _send_claim(self, handle: TransferHandle) -> None:
         """Claim a request; our metadata lets the holder answer."""

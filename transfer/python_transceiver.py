@@ -15,14 +15,18 @@ setting of its own. A pull is one connection:
       |                                         |   (TCP: sendmsg over many views),
       |                                         |   received with recvmsg_into
       |                                         |   straight into each segment
-      | ------- release {rid, tid} -----------> |   holder frees (on_release)
+      | ------- release {rid, tid, rank, of} -> |   holder frees (on_release) once
+      |                                         |   all `of` puller ranks released
       | <------ released ---------------------- |
 
 Connections stay open after a pull (a few per holder) and carry the next
 pull or release frame, so a small transfer costs no connect or handshake.
 
 The puller maps segments by (layer, block) / (Mamba layer, kind) into its own
-layout, so V1 and V2 workers interoperate. Ranges are checked against what the
+layout, so V1 and V2 workers interoperate. Between ranks of different tensor
+parallelism it asks for head slices (`transfer.head_slices`): a range in the
+pull frame may then be strided, `[buffer, offset, run, count, stride]`, and
+the holder sends each run from the pool as it lies. Ranges are checked against what the
 holder published, and the `data` frame against the size the puller asked
 for; a protocol violation closes that connection only.
 """
@@ -37,14 +41,15 @@ from typing import Any
 
 import torch
 
-from kvcache.layout import LayoutSignature, Region, RequestRegions
-from transfer.base import Transceiver, TransferHandle, check_signature
+from kvcache.layout import LayoutSignature, RequestRegions
+from transfer.base import Transceiver, TransferHandle
 from transfer.connection import TCP, WIRES, Connection, ConnectionClosed, Wire
 from transfer.errors import LayoutMismatch, PeerGone, UnknownRequest, WireError
 from transfer.factory import create_wire, wire_unusable_reason
 from transfer.flow import ByteBudget
-from transfer.plan import Coverage, check_bounds, plan_ranges, segment_regions
-from transfer.socket_buffers import SocketBuffers
+from transfer.head_slices import SlicePair, plan_pull
+from transfer.plan import Coverage, check_bounds, segment_regions
+from transfer.socket_buffers import Runs, SocketBuffers
 from transfer.wire import (
     MAX_HEADER_BYTES,
     client_handshake,
@@ -227,8 +232,10 @@ class PythonTransceiver(Transceiver):
             await send_header(conn, {"t": "error", "code": "unknown", "message": rid})
             return
         coverage, begin_read, end_read = readable
-        ranges = _parse_ranges(request.get("ranges"), coverage, rid)
-        if not conn.keeps_message_boundaries:
+        runs = _parse_ranges(request.get("ranges"), coverage, rid)
+        strided = any(count > 1 for _, _, _, count, _ in runs)
+        ranges = [(buffer, offset, run) for buffer, offset, run, _, _ in runs]
+        if not conn.keeps_message_boundaries and not strided:
             # A byte stream may join ranges; a message wire sends them as the
             # puller receives them (see transfer.connection).
             ranges = _merge_adjacent(ranges)
@@ -238,8 +245,11 @@ class PythonTransceiver(Transceiver):
         serving.add(task)
         begin_read()
         try:
-            await send_header(conn, {"t": "data", "n": sum(n for _, _, n in ranges)})
-            await self._buffers.send(conn, ranges, self._budget)
+            await send_header(conn, {"t": "data", "n": sum(r[2] * r[3] for r in runs)})
+            if strided:
+                await self._buffers.send_runs(conn, runs, self._budget)
+            else:
+                await self._buffers.send(conn, ranges, self._budget)
         finally:
             serving.discard(task)
             if not serving and self._serving.get(rid) is serving:
@@ -249,7 +259,10 @@ class PythonTransceiver(Transceiver):
             return
         release = expect(await recv_header(conn, 1024), "release")
         if release.get("rid") == rid and release.get("tid") == tid:
-            self._leases.release(rid, tid)
+            rank, of = release.get("rank", 0), release.get("of", 1)
+            if not (isinstance(rank, int) and isinstance(of, int) and 0 <= rank < of):
+                raise WireError(f"malformed release frame {release!r}")
+            self._leases.release_by(rid, tid, rank, of)
         await send_header(conn, {"t": "released"})
 
     def _readable(
@@ -281,14 +294,12 @@ class PythonTransceiver(Transceiver):
     ) -> None:
         rid = handle.request_id
         _check_wire(handle)
-        # V1 <-> V2 is bridged segment by segment; every other field must agree.
-        check_signature(rid, handle.signature, dest.to_dict(), ignore=("manager",))
-        pairs = plan_ranges(rid, handle.regions, dest_regions)
-        check_bounds(rid, [d for _, d in pairs], self._sizes)
+        pairs = plan_pull(rid, handle.signature, handle.regions, dest, dest_regions)
+        check_bounds(rid, [p.dest_span() for p in pairs], self._sizes)
         for attempt in range(2):
             conn, reused = await self._checkout(handle)
             try:
-                await self._exchange(conn, handle, pairs, release)
+                await self._exchange(conn, handle, pairs, release, dest.tp_rank, dest.tp_size)
             except _StaleConnection as exc:
                 conn.close()
                 if reused and attempt == 0:
@@ -348,11 +359,13 @@ class PythonTransceiver(Transceiver):
         self,
         conn: Connection,
         handle: TransferHandle,
-        pairs: list[tuple[Region, Region]],
+        pairs: list[SlicePair],
         release: bool,
+        rank: int,
+        num_pullers: int,
     ) -> None:
         rid, tid = handle.request_id, handle.transfer_id
-        ranges = [[s.buffer, s.offset, s.length] for s, _ in pairs]
+        ranges = [p.wire_range() for p in pairs]
         frame = {"t": "pull", "rid": rid, "tid": tid, "ranges": ranges, "keep": not release}
         try:
             await send_header(conn, frame)
@@ -361,16 +374,19 @@ class PythonTransceiver(Transceiver):
             raise _StaleConnection() from exc
         if first["t"] == "error" and first.get("code") == "unknown":
             raise UnknownRequest(rid, handle.peer)
-        declared = sum(d.length for _, d in pairs)
+        declared = sum(p.num_bytes for p in pairs)
         if expect(first, "data").get("n") != declared:
             raise WireError(
                 f"{handle.peer} announced {first.get('n')} bytes for request {rid!r} "
                 f"where {declared} bytes were declared"
             )
-        await self._buffers.recv(conn, [d for _, d in pairs])
+        await self._buffers.recv_pairs(conn, pairs)
         if not release:
             return
-        await send_header(conn, {"t": "release", "rid": rid, "tid": tid})
+        # Every rank of a tensor-parallel puller pulls from this holder; the
+        # holder releases once all of them have.
+        frame = {"t": "release", "rid": rid, "tid": tid, "rank": rank, "of": num_pullers}
+        await send_header(conn, frame)
         expect(await recv_header(conn, 1024), "released")
 
     def _notify_abort(self, handle: TransferHandle) -> None:
@@ -408,26 +424,30 @@ def _peer_key(handle: TransferHandle) -> tuple[str, str, int]:
     return handle.wire, handle.endpoint[0], handle.endpoint[1]
 
 
-def _parse_ranges(raw: object, coverage: Coverage, request_id: str) -> list[tuple[str, int, int]]:
-    """Validate a puller's ranges against what was published or offered for the request."""
+def _parse_ranges(raw: object, coverage: Coverage, request_id: str) -> list[Runs]:
+    """Validate a puller's ranges against what was published or offered for the request.
+
+    A range is `[buffer, offset, length]` or, strided, `[buffer, offset, run,
+    count, stride]`; every run must lie inside the request's published bytes.
+    """
     if not isinstance(raw, list):
         raise WireError("malformed pull frame: 'ranges' is not a list")
-    ranges: list[tuple[str, int, int]] = []
+    runs: list[Runs] = []
     for item in raw:
         if (
             not isinstance(item, list)
-            or len(item) != 3
+            or len(item) not in (3, 5)
             or not isinstance(item[0], str)
             or not all(isinstance(x, int) for x in item[1:])
         ):
             raise WireError(f"malformed range {item!r} in pull frame")
-        buffer, offset, length = item
-        if not coverage.covers(buffer, offset, length):
-            raise WireError(
-                f"range {buffer}[{offset}:{offset + length}] is outside request {request_id!r}"
-            )
-        ranges.append((buffer, offset, length))
-    return ranges
+        buffer, offset, run = item[:3]
+        count, stride = item[3:] if len(item) == 5 else (1, run)
+        span = (count - 1) * stride + run
+        if count < 1 or stride < run or not coverage.covers(buffer, offset, span):
+            raise WireError(f"range {item!r} is outside request {request_id!r} or overlaps itself")
+        runs.append((buffer, offset, run, count, stride))
+    return runs
 
 
 def _merge_adjacent(ranges: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:

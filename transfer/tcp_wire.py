@@ -21,7 +21,9 @@ payload) is queued. Header frames use the loop's `sock_*` methods.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import itertools
 import socket
 import struct
 from collections.abc import Callable, Sequence
@@ -29,8 +31,9 @@ from collections.abc import Callable, Sequence
 from transfer.connection import TCP, Connection, ConnectionClosed, Serve, Wire, serve_then_close
 
 FRAME_PREFIX = struct.Struct(">I")
-# Buffers per sendmsg / recvmsg_into call (Linux accepts up to 1024).
-_MAX_IOV = 64
+# Buffers per sendmsg / recvmsg_into call (Linux accepts up to 1024; head
+# slices of KV blocks are runs of a few KiB each).
+_MAX_IOV = 1024
 # SO_RCVLOWAT while a payload is received (Linux grows the receive buffer to
 # hold it): the loop is woken per half MiB queued, not per arriving segment.
 _RCVLOWAT_BYTES = 512 << 10
@@ -152,33 +155,45 @@ class _ViewCursor:
 
     `batch()` is the next views to hand to one system call (the first one
     shortened by what is already done) and their byte count; `advance(n)`
-    moves past `n` bytes; `remaining` is what is left in all.
+    moves past `n` bytes; `remaining` is what is left in all. A head slice of
+    a large request is tens of thousands of small views, so both work from
+    the views' cumulative ends rather than view by view.
     """
 
     def __init__(self, views: Sequence[memoryview]) -> None:
-        self._views = [view for view in views if view.nbytes]
-        self.remaining = sum(view.nbytes for view in self._views)
-        self._index = 0
+        # Byte views ("B" format): their length is their size in bytes.
+        sizes = list(map(len, views))
+        if 0 in sizes:
+            views = [view for view in views if len(view)]
+            sizes = [size for size in sizes if size]
+        self._views = list(views)
+        self._ends = list(itertools.accumulate(sizes))
+        self._total = self._ends[-1] if self._ends else 0
+        self._pos = 0  # bytes done
+        self._index = 0  # the view `_pos` lies in
         self._head = self._views[0] if self._views else memoryview(b"")
+
+    @property
+    def remaining(self) -> int:
+        return self._total - self._pos
 
     @property
     def done(self) -> bool:
         return self._index >= len(self._views)
 
     def batch(self) -> tuple[list[memoryview], int]:
-        views = [self._head, *self._views[self._index + 1 : self._index + _MAX_IOV]]
-        return views, sum(view.nbytes for view in views)
+        stop = min(self._index + _MAX_IOV, len(self._views))
+        views = [self._head, *self._views[self._index + 1 : stop]]
+        return views, self._ends[stop - 1] - self._pos
 
     def advance(self, n: int) -> None:
-        self.remaining -= n
-        while n:
-            head = self._head
-            if n < head.nbytes:
-                self._head = head[n:]
-                return
-            n -= head.nbytes
-            self._index += 1
-            self._head = self._views[self._index] if not self.done else memoryview(b"")
+        self._pos += n
+        self._index = bisect.bisect_right(self._ends, self._pos, lo=self._index)
+        if self.done:
+            self._head = memoryview(b"")
+            return
+        start = self._ends[self._index] - self._views[self._index].nbytes
+        self._head = self._views[self._index][self._pos - start :]
 
 
 def _send_some(sock: socket.socket, cursor: _ViewCursor) -> bool:

@@ -16,7 +16,9 @@ import re
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -42,22 +44,40 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     return ensure_checkpoint(tmp_path_factory.mktemp("ckpt") / f"tiny-{arch}", arch, "tiny")
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    config = {
-        "model": str(checkpoint),
-        "kv_cache": {"max_tokens": 512},
-        "max_batch_size": 4,
-        "context_servers": {"num_instances": 0},
-        "generation_servers": {"num_instances": 1, "tensor_parallel_size": 2},
-    }
-    path = tmp_path_factory.mktemp("config") / "tp2.yaml"
-    path.write_text(yaml.safe_dump(config))
+@contextmanager
+def serving(checkpoint: Path, sections: dict[str, Any], folder: Path) -> Iterator[Server]:
+    """`disagg serve` of the checkpoint with these context/generation sections."""
+    config = {"model": str(checkpoint), "kv_cache": {"max_tokens": 512}, "max_batch_size": 4}
+    path = folder / "tp.yaml"
+    path.write_text(yaml.safe_dump({**config, **sections}))
     running = start_serve(path, checkpoint)
     try:
         yield Server(running.process, running.url, checkpoint.name, running.output)
     finally:
         stop_group(running.process)
+
+
+def assert_greedy_text_matches_transformers(server: Server, checkpoint: Path) -> None:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    for prompt in PROMPTS:
+        expected = _greedy((model, tokenizer), tokenizer(prompt).input_ids, MAX_TOKENS)
+        whole = client.completions.create(
+            model=server.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
+        )
+        assert whole.choices[0].text == expected
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    sections = {
+        "context_servers": {"num_instances": 0},
+        "generation_servers": {"num_instances": 1, "tensor_parallel_size": 2},
+    }
+    with serving(checkpoint, sections, tmp_path_factory.mktemp("config")) as running:
+        yield running
 
 
 def test_the_plan_shows_two_ranks_on_the_generation_instance(server: Server) -> None:
@@ -94,16 +114,7 @@ def test_metrics_show_each_ranks_cache(server: Server, checkpoint: Path) -> None
 
 
 def test_greedy_text_matches_transformers(server: Server, checkpoint: Path) -> None:
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
-    for prompt in PROMPTS:
-        expected = _greedy((model, tokenizer), tokenizer(prompt).input_ids, MAX_TOKENS)
-        whole = client.completions.create(
-            model=server.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0
-        )
-        assert whole.choices[0].text == expected
+    assert_greedy_text_matches_transformers(server, checkpoint)
 
 
 def _descendants(pid: int) -> list[int]:

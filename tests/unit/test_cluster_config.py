@@ -72,18 +72,12 @@ def test_section_overrides_a_default_left_unset_at_top_level() -> None:
     assert (context.max_tokens, context.memory_fraction) == (None, 0.5)
 
 
-def test_tensor_parallel_on_context_servers_is_a_clear_error() -> None:
-    with pytest.raises(ConfigError) as info:
-        config_from_dict({"model": "m", "context_servers": {"tensor_parallel_size": 2}})
-    message = str(info.value)
-    assert "context_servers.tensor_parallel_size is 2" in message
-    assert "generation_servers.tensor_parallel_size" in message
-    config = config_from_dict({"model": "m", "generation_servers": {"tensor_parallel_size": 2}})
-    assert config.role_settings("generation_servers").tensor_parallel_size == 2
-    with pytest.raises(ConfigError, match="each rank needs a GPU of its own"):
-        config_from_dict(
-            {"model": "m", "generation_servers": {"tensor_parallel_size": 2, "num_gpus": 0.5}}
-        )
+def test_tensor_parallel_on_either_section_needs_a_gpu_per_rank() -> None:
+    for section in ("context_servers", "generation_servers"):
+        config = config_from_dict({"model": "m", section: {"tensor_parallel_size": 2}})
+        assert config.role_settings(section).tensor_parallel_size == 2
+        with pytest.raises(ConfigError, match=f"{section}.num_gpus is 0.5 .* each rank needs"):
+            config_from_dict({"model": "m", section: {"tensor_parallel_size": 2, "num_gpus": 0.5}})
 
 
 def test_both_cache_sizing_keys_is_an_error() -> None:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvcache.spec import CacheSpec
+from tests.head_shards import HYBRID_WHOLE, WholeCache, assert_equal, read, write
 from tests.transfer_harness import (
     BLOCK_SIZE,
     Endpoint,
@@ -296,3 +297,45 @@ async def test_leases_hold_whatever_the_wall_clocks_read(
     await check_skewed_wall_clocks(
         src, dst, lambda skew: monkeypatch.setattr(time, "time", lambda: real() + skew)
     )
+
+
+@pytest.mark.parametrize("ctx_size,gen_size", [(2, 1), (1, 2), (2, 2)])
+async def test_ranks_of_different_tensor_parallelism_read_head_slices(
+    ctx_size: int, gen_size: int
+) -> None:
+    """Each generation rank READs its heads from every context rank; a holder
+    is released once every puller rank is done."""
+    cache = WholeCache(HYBRID_WHOLE, BLOCK_SIZE, num_blocks=3)
+    num_tokens = 3 * BLOCK_SIZE - 1
+
+    def endpoint(rank: int, size: int) -> Endpoint:
+        spec = HYBRID_WHOLE.for_rank(rank, size)
+        return Endpoint("v2", NixlTransceiver, spec, block_size=BLOCK_SIZE)
+
+    holders = [endpoint(r, ctx_size) for r in range(ctx_size)]
+    pullers = [endpoint(s, gen_size) for s in range(gen_size)]
+    for worker in (*holders, *pullers):
+        await worker.xcvr.start()
+    try:
+        handles = []
+        for holder in [*holders[1:], holders[0]]:
+            assert holder.manager.allocate_slots("req", num_tokens)
+            write(
+                holder.tensors,
+                holder.manager,
+                "req",
+                cache.slice_for(holder.manager.layout.spec.heads),
+            )
+            handles.append(TransferHandle.from_bytes(holder.publish("req").to_bytes()))
+        for puller in pullers:
+            assert puller.manager.allocate_slots("pad", BLOCK_SIZE)
+            assert puller.manager.allocate_for_transfer("req", num_tokens)
+            regions, signature = puller.manager.regions("req"), puller.manager.layout_signature()
+            await puller.xcvr.pull_ranks(handles, regions, signature, timeout_s=10)
+            got = read(puller.tensors, puller.manager, "req")
+            assert_equal(got, cache.slice_for(puller.manager.layout.spec.heads))
+        await wait_for(lambda: all(h.released for h in holders))
+        assert [h.released for h in holders] == [["req"]] * ctx_size
+    finally:
+        for worker in (*pullers, *holders):
+            await worker.xcvr.close()

@@ -1,5 +1,5 @@
-"""The plan of a tensor-parallel generation instance: per-rank cache sizing and
-the configs it refuses, each naming what to change."""
+"""The plan of tensor-parallel instances: per-rank cache sizing and the
+configs it refuses, each naming what to change."""
 
 from __future__ import annotations
 
@@ -62,6 +62,23 @@ def test_vl_wrappers_split_their_language_model(tmp_path: Path) -> None:
     assert [i.tensor_parallel_size for i in plan.instances] == [2]
 
 
-def test_a_tensor_parallel_instance_must_prefill_every_prompt_itself(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="max_local_prefill_length to at least"):
-        _plan(tmp_path, generation_servers={"tensor_parallel_size": 2})
+def test_context_and_generation_may_use_different_tensor_parallelism(tmp_path: Path) -> None:
+    plan = _plan(
+        tmp_path,
+        kv_cache={"cpu_memory_bytes": 1 << 22},
+        cache_transceiver={"backend": "python"},
+        context_servers={"tensor_parallel_size": 2},
+    )
+    context, generation = plan.instances
+    assert (context.tensor_parallel_size, generation.tensor_parallel_size) == (2, 1)
+    assert context.num_blocks is not None and generation.num_blocks is not None
+    assert context.num_blocks == 2 * generation.num_blocks
+
+
+def test_tensor_parallel_instances_pick_the_python_transceiver_unless_told(
+    tmp_path: Path,
+) -> None:
+    assert _plan(tmp_path, context_servers={"tensor_parallel_size": 2}).transceiver == "python"
+    nixl = {"backend": "nixl"}
+    plan = _plan(tmp_path, cache_transceiver=nixl, generation_servers={"tensor_parallel_size": 2})
+    assert plan.transceiver == "nixl"

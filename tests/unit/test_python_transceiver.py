@@ -13,6 +13,7 @@ import pytest
 from kvcache.factory import create_manager
 from kvcache.spec import CacheSpec
 from kvcache.tensors import allocate_cache_tensors
+from tests.head_shards import HYBRID_WHOLE, WholeCache, assert_equal, read, write
 from tests.transfer_harness import (
     BLOCK_SIZE,
     HYBRID,
@@ -284,3 +285,48 @@ async def test_leases_hold_whatever_the_wall_clocks_read(
     await check_skewed_wall_clocks(
         src, dst, lambda skew: monkeypatch.setattr(time, "time", lambda: real() + skew)
     )
+
+
+@pytest.mark.parametrize(
+    "ctx_size,gen_size,managers", [(2, 1, ("v2", "v1")), (1, 2, ("v1", "v2")), (2, 2, ("v2", "v2"))]
+)
+async def test_ranks_of_different_tensor_parallelism_exchange_head_slices(
+    ctx_size: int, gen_size: int, managers: tuple[str, str]
+) -> None:
+    """Each generation rank pulls its heads from every context rank's handle;
+    each holder is released once its pulls are done."""
+    cache = WholeCache(HYBRID_WHOLE, BLOCK_SIZE, num_blocks=3)
+    num_tokens = 3 * BLOCK_SIZE - 1
+    holders = [
+        python_endpoint(managers[0], HYBRID_WHOLE.for_rank(r, ctx_size)) for r in range(ctx_size)
+    ]
+    pullers = [
+        python_endpoint(managers[1], HYBRID_WHOLE.for_rank(s, gen_size)) for s in range(gen_size)
+    ]
+    for worker in (*holders, *pullers):
+        await worker.xcvr.start()
+    try:
+        handles = []
+        for holder in holders:
+            assert holder.manager.allocate_slots("req", num_tokens)
+            part = cache.slice_for(holder.manager.layout.spec.heads)
+            write(holder.tensors, holder.manager, "req", part)
+            handles.append(TransferHandle.from_bytes(holder.publish("req").to_bytes()))
+        for puller in pullers:
+            assert puller.manager.allocate_slots("pad", BLOCK_SIZE)
+            assert puller.manager.allocate_for_transfer("req", num_tokens)
+            for handle in handles:
+                await puller.xcvr.pull(
+                    handle,
+                    puller.manager.regions("req"),
+                    puller.manager.layout_signature(),
+                    timeout_s=10,
+                )
+            got = read(puller.tensors, puller.manager, "req")
+            assert_equal(got, cache.slice_for(puller.manager.layout.spec.heads))
+            # A holder stays pinned until every puller rank has pulled it.
+            last = puller is pullers[-1]
+            assert [h.released for h in holders] == [["req"] if last else []] * ctx_size
+    finally:
+        for worker in (*pullers, *holders):
+            await worker.xcvr.close()
