@@ -2,14 +2,14 @@
 
     join `address` (or start a local Ray)
     for each instance: placement group (CPU + GPU bundle)
-                       -> the checkpoint on its node (`cluster.checkpoint_copy`)
-                       -> actor(WorkerConfig)
+                       -> actor(WorkerConfig, with where to get the checkpoint
+                          when off the serving node: `cluster.checkpoint_shipping`)
     wait until every actor started and reports healthy, within the timeout
 
 If any instance fails to come up, everything this launcher started is
-stopped (actors, placement groups, a local Ray) and `LaunchError` names the
-instance and the reason. `RunningCluster.shutdown` is idempotent and leaves
-no actor or placement group behind.
+stopped (actors, placement groups, the checkpoint server, a local Ray) and
+`LaunchError` names the instance and the reason. `RunningCluster.shutdown` is
+idempotent and leaves no actor or placement group behind.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.checkpoint_copy import CheckpointShipping
+from cluster.checkpoint_shipping import CheckpointShipping
 from cluster.plan import ClusterPlan, InstancePlan
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,8 @@ class RunningCluster:
     plan: ClusterPlan
     instances: list[LaunchedInstance] = field(default_factory=list)
     owns_ray: bool = False
+    # Serves the checkpoint to instances off the serving node, restarts included.
+    shipping: CheckpointShipping | None = None
     _stopped: bool = False
 
     def actors(self, role: str) -> list[LaunchedInstance]:
@@ -80,12 +82,16 @@ class RunningCluster:
 
     async def shutdown(self) -> None:
         """Stop every actor (gracefully, then by force), remove the placement
-        groups, and stop Ray if this process started it."""
+        groups, stop the checkpoint server, and stop Ray if this process
+        started it."""
         if self._stopped:
             return
         self._stopped = True
+        server = self.shipping.close() if self.shipping is not None else None
         if _local_ray_alive():
             await asyncio.gather(*(_stop_instance(i) for i in self.instances))
+            if server is not None:
+                await _ray_call(ray.kill, server)
         else:
             # A signal to the whole process group stopped our Ray first: its
             # actors and placement groups went with it, and every call to it
@@ -136,18 +142,15 @@ async def launch(plan: ClusterPlan, timeout_s: float, owns_ray: bool = False) ->
     Raises `LaunchError` (after stopping everything it started) when one
     fails or the timeout passes; cancelling the call cleans up the same way.
     """
-    cluster = RunningCluster(plan, owns_ray=owns_ray)
     secret = secrets.token_hex(16)
-    shipping = CheckpointShipping(plan.checkpoint, plan.model_source)
+    shipping = CheckpointShipping(plan.model_source, f"disagg-checkpoint-{secret[:8]}")
+    cluster = RunningCluster(plan, owns_ray=owns_ray, shipping=shipping)
     starting = _start_all(plan, secret, shipping, cluster)
     try:
         await _within(starting, timeout_s, "starting the workers", plan)
     except BaseException:
         await asyncio.shield(cluster.shutdown())
         raise
-    finally:
-        if shipping.server is not None:  # every instance has its checkpoint now
-            await asyncio.shield(_ray_call(ray.kill, shipping.server))
     return cluster
 
 
@@ -181,8 +184,8 @@ async def _start_instance(
     try:
         await group.ready()
         node_id, pending.node_ip = _node_of(group)
-        checkpoint = await shipping.checkpoint_for(group, node_id, instance.name)
-        config = instance.worker_config(checkpoint, secret, pending.node_ip)
+        source = await shipping.source_for(node_id)
+        config = instance.worker_config(cluster.plan.checkpoint, secret, pending.node_ip, source)
         pending.actor = (
             _actor_class(instance.role)
             .options(

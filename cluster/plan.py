@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.config import ClusterConfig, ConfigError, KvCacheConfig, RoleSettings
+from engine.checkpoint_copy import CheckpointSource
 from engine.worker_config import WorkerConfig
 from kvcache.errors import CacheSizingError, ResolutionError
 from kvcache.hashing import cache_namespace
@@ -101,10 +102,15 @@ class InstancePlan:
         return "aggregated" if self.aggregated else self.role
 
     def worker_config(
-        self, checkpoint: str, cluster_secret: str, transfer_host: str
+        self,
+        checkpoint: str,
+        cluster_secret: str,
+        transfer_host: str,
+        checkpoint_source: CheckpointSource | None = None,
     ) -> WorkerConfig:
         return WorkerConfig(
             checkpoint=checkpoint,
+            checkpoint_source=checkpoint_source,
             dtype=self.dtype,
             device=self.device,
             manager=self.manager,

@@ -60,6 +60,9 @@ class EngineInstance:
     def build(cls, config: WorkerConfig, role: str, worker_id: str) -> EngineInstance:
         if role not in ROLES:
             raise ValueError(f"worker role must be one of {ROLES}, got {role!r}")
+        # Wherever Ray started this process; the other ranks share its node
+        # (one STRICT_PACK placement group) and get the resolved folder.
+        config = config.on_this_node(worker_id)
         num_ranks = config.tensor_parallel_size
         model, model_config = load_model(
             Path(config.checkpoint),

@@ -11,7 +11,7 @@ is built (`transfer.factory.resolve_wire`, logged there).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from kvcache.dtypes import DTYPE_NAMES
@@ -19,6 +19,7 @@ from kvcache.dtypes import DTYPE_NAMES
 if TYPE_CHECKING:
     import torch
 
+    from engine.checkpoint_copy import CheckpointSource
     from transfer.base import Transceiver
 
 MANAGERS = ("v1", "v2")
@@ -34,7 +35,12 @@ class WorkerConfigError(ValueError):
 class WorkerConfig:
     """Everything a context, generation or aggregated worker needs to start.
 
-    checkpoint: folder with config.json, *.safetensors and tokenizer files.
+    checkpoint: folder with config.json, *.safetensors and tokenizer files,
+        as the serving node names it.
+    checkpoint_source: for an instance off the serving node, where its
+        worker finds or copies the checkpoint on the node it starts on (its
+        first start and any restart by Ray, on whatever node): see
+        `on_this_node`. None: `checkpoint` is the folder to load.
     dtype: weights and KV cache dtype; None takes the checkpoint's own.
     device: "cpu" or "cuda" (the actor's visible device).
     manager: resolved KV cache manager, "v1" or "v2".
@@ -69,6 +75,7 @@ class WorkerConfig:
     """
 
     checkpoint: str
+    checkpoint_source: CheckpointSource | None = None
     dtype: str | None = None
     device: str = "cpu"
     manager: str = "v1"
@@ -126,6 +133,17 @@ class WorkerConfig:
                 f"max_tokens ({self.max_tokens}) must hold at least one block of "
                 f"{self.block_size} tokens"
             )
+
+    def on_this_node(self, worker_id: str) -> WorkerConfig:
+        """These settings with `checkpoint` the folder this process's node
+        loads, found or copied there (`engine.checkpoint_copy`); run where
+        the worker starts, before anything reads the checkpoint."""
+        if self.checkpoint_source is None:
+            return self
+        from engine.checkpoint_copy import node_checkpoint
+
+        local = node_checkpoint(self.checkpoint_source, worker_id)
+        return replace(self, checkpoint=local, checkpoint_source=None)
 
     def create_transceiver(self, buffers: Mapping[str, torch.Tensor], name: str) -> Transceiver:
         """The transceiver these settings name, over one rank's pool `buffers`

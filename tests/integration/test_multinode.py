@@ -35,7 +35,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cluster.checkpoint_copy import CACHE_ENV
+from engine.checkpoint_copy import CACHE_ENV
 from models.checkpoint_manifest import manifest_of
 from models.checkpoint_source import checkpoint_folder
 from models.gguf.cache import CACHE_ENV as GGUF_CACHE_ENV

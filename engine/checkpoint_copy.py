@@ -1,7 +1,7 @@
 """Bring the checkpoint to every node that runs an instance.
 
-    serving node (where `disagg serve` runs)   instance's node (a Ray task in
-                                               the instance's placement group)
+    serving node (where `disagg serve` runs)   instance's node (its worker,
+                                               as it starts or restarts there)
     manifest: size + sha256 of every file  ->  the configured path matches it? load it
     CheckpointServer actor                     else this node's cached copy? load it
       reads chunks of the files          --->  else stream every file in chunks
@@ -19,12 +19,16 @@ written under a temporary name and renamed when complete (`models.staging`),
 and filled by one process at a time (a file lock), so instances that start
 together on a node copy it once. A GGUF file travels as the file; the node
 converts it into its own GGUF cache (`models.gguf.cache`). Progress goes to
-the task's log, which Ray forwards to `serve`'s output.
+the worker's log, which Ray forwards to `serve`'s output.
+
+The launcher's side (`cluster.checkpoint_shipping`) starts the server and
+hands each instance off the serving node a `CheckpointSource` in its
+`WorkerConfig`; the worker resolves it with `node_checkpoint` where it
+starts (`WorkerConfig.on_this_node`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
 import hashlib
@@ -39,13 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup
-from ray.util.scheduling_strategies import (
-    NodeAffinitySchedulingStrategy,
-    PlacementGroupSchedulingStrategy,
-)
 
-from models.checkpoint_manifest import CheckpointManifest, ManifestFile, manifest_of, matches
+from models.checkpoint_manifest import CheckpointManifest, ManifestFile, matches
 from models.checkpoint_source import checkpoint_folder
 from models.staging import remove_abandoned, staging_path
 
@@ -86,53 +85,15 @@ class CheckpointServer:
 
 @dataclass(frozen=True)
 class CheckpointSource:
+    """Where a worker off the serving node gets its checkpoint from (carried
+    by its `WorkerConfig`, so a restart on another node finds it too)."""
+
     path: str  # the model source as the serving node names it (absolute)
     manifest: CheckpointManifest
-    server: Any  # CheckpointServer actor
-
-
-class CheckpointShipping:
-    """The launcher's side: which checkpoint path each instance loads.
-
-    The manifest is computed, and the server actor started, only when the
-    first instance lands on another node; `close` stops the server.
-    """
-
-    def __init__(self, checkpoint: str, model_source: str) -> None:
-        self.checkpoint = checkpoint
-        self.model_source = model_source
-        self.serving_node = ray.get_runtime_context().get_node_id()
-        self.server: Any = None
-        self._source: asyncio.Future[CheckpointSource] | None = None
-
-    async def checkpoint_for(self, group: PlacementGroup, node_id: str, instance: str) -> str:
-        """The checkpoint folder, as the node of `group` (bundle 0) reaches it."""
-        if node_id == self.serving_node:
-            return self.checkpoint
-        if self._source is None:
-            self._source = asyncio.ensure_future(self._start_server())
-        source = await asyncio.shield(self._source)
-        task = ray.remote(node_checkpoint).options(
-            num_cpus=0,
-            max_retries=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                group, placement_group_bundle_index=0
-            ),
-        )
-        return str(await task.remote(source, instance))
-
-    async def _start_server(self) -> CheckpointSource:
-        path = Path(self.model_source)
-        manifest = await asyncio.to_thread(manifest_of, path)
-        self.server = (
-            ray.remote(CheckpointServer)
-            .options(
-                num_cpus=0,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(self.serving_node, soft=False),
-            )
-            .remote(str(path), manifest)
-        )
-        return CheckpointSource(str(path), manifest, self.server)
+    # The CheckpointServer actor's name. A handle inside a worker's
+    # constructor arguments would put them in Ray's object store, where they
+    # can be lost before a restart needs them (ray-project/ray#53727).
+    server: str
 
 
 def node_checkpoint(source: CheckpointSource, instance: str) -> str:
@@ -181,8 +142,9 @@ def _copy(source: CheckpointSource, target: Path, instance: str) -> None:
         target,
     )
     progress = _Progress(instance, manifest.num_bytes)
+    server = ray.get_actor(source.server)
     for file in manifest.files:
-        _copy_file(source.server, file, root / file.name, progress)
+        _copy_file(server, file, root / file.name, progress)
     logger.info(
         "%s: copied %s, every file's size and sha256 checked, in %.1f s",
         instance,
@@ -254,7 +216,7 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def _log_to_stderr() -> None:
-    """Progress reaches `serve`'s output through the task's stderr, whatever the
+    """Progress reaches `serve`'s output through the worker's stderr, whatever the
     worker process's logging setup."""
     if not logger.handlers:
         handler = logging.StreamHandler()
