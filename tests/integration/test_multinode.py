@@ -10,6 +10,7 @@ cache moves between the two node addresses.
 A fifth node (127.0.0.6, resource `fresh`, started only by the tests that
 need it) runs under `unshare` with an empty tmpfs over the checkpoints'
 folder: its instances must get the checkpoint copied from the serving node.
+The restart test adds two more, the second of them hidden the same way.
 The `ray up` test runs the on-premise YAML's setup commands in a scratch home
 and then the README's serve command against this cluster.
 """
@@ -46,6 +47,9 @@ HEAD, PREFILL_NODE = "127.0.0.2", "127.0.0.3"
 DECODE_NODES = ("127.0.0.4", "127.0.0.5")
 # A node that sees an empty folder where the checkpoints are.
 FRESH_NODE = "127.0.0.6"
+# Two nodes offering `moving`: an instance starts on the first (which has the
+# files); when that node dies, Ray restarts it on the second (which has not).
+MOVING_NODES = ("127.0.0.7", "127.0.0.8")
 ROOT = Path(__file__).resolve().parents[2]
 ONPREM_YAML = ROOT / "deploy" / "ray" / "cluster-onprem.yaml"
 PROMPTS = ["The quick brown fox", "Once upon a time, in a small village"]
@@ -293,6 +297,39 @@ def test_ray_up_setup_then_the_readme_command_serves_on_the_cluster(
         stop_group(server.process)
 
 
+def test_an_instance_whose_node_dies_restarts_on_a_node_without_the_files(
+    ray_cluster: RayCluster,
+    checkpoints: dict[str, Path],
+    tmp_path: Path,
+) -> None:
+    checkpoint = checkpoints["llama"]
+    first = start_node(ray_cluster, MOVING_NODES[0], 1, {"moving": 1})
+    config = _config(tmp_path, ray_cluster, "python", generation_resource="moving")
+    server = start_serve(config, checkpoint, ray_cluster.env)
+    try:
+        output = "".join(server.output)
+        assert f"generation-0 on {MOVING_NODES[0]}" in output, output
+        _check_greedy_completions(server, checkpoint)
+        cache = tmp_path / "second-node-checkpoints"
+        hidden = checkpoint.parent
+        start_node(ray_cluster, MOVING_NODES[1], 1, {"moving": 1}, hidden, {CACHE_ENV: str(cache)})
+        first.stop(signal.SIGKILL)
+        deadline = time.monotonic() + 240
+        while not (cache / manifest_of(checkpoint).digest / checkpoint.name).is_dir():
+            assert time.monotonic() < deadline, "".join(server.output)
+            time.sleep(1)
+        while _health(server)["healthy_workers"] != {"context": 1, "generation": 1}:
+            assert time.monotonic() < deadline, _health(server)
+            time.sleep(1)
+        _check_greedy_completions(server, checkpoint)
+    finally:
+        stop_group(server.process)
+
+
+def _health(server: ServeProcess) -> dict[str, object]:
+    return dict(httpx.get(server.base + "/health", timeout=30).json())
+
+
 def _stream(server: ServeProcess, model: str, prompt: str, started: threading.Event) -> str:
     """Stream one completion; 'done' if it ended with [DONE] after a finish
     reason, else 'error: ...' (an error event, or the stream cut short)."""
@@ -351,12 +388,9 @@ def test_a_lost_generation_node_fails_its_streams_and_the_rest_keep_serving(
         assert errors and all("generation-1" in e for e in errors), results
         assert len(errors) < len(results), results
 
-        def health() -> dict[str, object]:
-            return dict(httpx.get(server.base + "/health", timeout=30).json())
-
         deadline = time.monotonic() + 120
-        while health()["healthy_workers"] != {"context": 1, "generation": 1}:
-            assert time.monotonic() < deadline, health()
+        while _health(server)["healthy_workers"] != {"context": 1, "generation": 1}:
+            assert time.monotonic() < deadline, _health(server)
             time.sleep(1)
         # The survivors serve new requests, and hold nothing once they are done.
         _check_greedy_completions(server, checkpoint)
