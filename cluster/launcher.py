@@ -185,7 +185,9 @@ async def _start_instance(
         await group.ready()
         node_id, pending.node_ip = _node_of(group)
         source = await shipping.source_for(node_id)
-        config = instance.worker_config(cluster.plan.checkpoint, secret, pending.node_ip, source)
+        # No transfer host: the worker listens on its node's address, which
+        # changes when Ray restarts it on another node.
+        config = instance.worker_config(cluster.plan.checkpoint, secret, "", source)
         pending.actor = (
             _actor_class(instance.role)
             .options(

@@ -61,7 +61,7 @@ class EngineInstance:
         if role not in ROLES:
             raise ValueError(f"worker role must be one of {ROLES}, got {role!r}")
         # Wherever Ray started this process; the other ranks share its node
-        # (one STRICT_PACK placement group) and get the resolved folder.
+        # (one STRICT_PACK placement group) and get the resolved settings.
         config = config.on_this_node(worker_id)
         num_ranks = config.tensor_parallel_size
         model, model_config = load_model(

@@ -66,7 +66,9 @@ class WorkerConfig:
         pinned waiting for the generation side to pull them.
     transfer_timeout_s: how long a generation worker waits for one pull.
     cluster_secret: shared token that transceivers use to authenticate peers.
-    transfer_host: address the transceiver listens on and advertises.
+    transfer_host: address the transceiver listens on and advertises;
+        empty: the address of the Ray node the worker runs on (wherever Ray
+        starts or restarts it).
     tensor_parallel_size: ranks of the instance; this worker is rank 0 and
         starts the others (`engine.tensor_parallel`).
     transfer_wire: what the Python transceiver listens on: "tcp", "ucx" or
@@ -135,15 +137,24 @@ class WorkerConfig:
             )
 
     def on_this_node(self, worker_id: str) -> WorkerConfig:
-        """These settings with `checkpoint` the folder this process's node
-        loads, found or copied there (`engine.checkpoint_copy`); run where
-        the worker starts, before anything reads the checkpoint."""
-        if self.checkpoint_source is None:
-            return self
-        from engine.checkpoint_copy import node_checkpoint
+        """These settings as the node this process runs on resolves them; run
+        where the worker starts (its first start, or a restart by Ray on
+        another node), before anything reads them.
 
-        local = node_checkpoint(self.checkpoint_source, worker_id)
-        return replace(self, checkpoint=local, checkpoint_source=None)
+        `checkpoint` becomes the folder this node loads, found or copied
+        (`engine.checkpoint_copy.node_checkpoint`) when `checkpoint_source`
+        is set; an empty `transfer_host` becomes this node's address.
+        """
+        checkpoint, host = self.checkpoint, self.transfer_host
+        if self.checkpoint_source is not None:
+            from engine.checkpoint_copy import node_checkpoint
+
+            checkpoint = node_checkpoint(self.checkpoint_source, worker_id)
+        if not host:
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        return replace(self, checkpoint=checkpoint, checkpoint_source=None, transfer_host=host)
 
     def create_transceiver(self, buffers: Mapping[str, torch.Tensor], name: str) -> Transceiver:
         """The transceiver these settings name, over one rank's pool `buffers`

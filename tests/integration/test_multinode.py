@@ -322,6 +322,8 @@ def test_an_instance_whose_node_dies_restarts_on_a_node_without_the_files(
             assert time.monotonic() < deadline, _health(server)
             time.sleep(1)
         _check_greedy_completions(server, checkpoint)
+        # The restarted worker listens on its new node's address.
+        assert _listening_addresses(ray_cluster, "GenerationWorker") == {MOVING_NODES[1]}
     finally:
         stop_group(server.process)
 
