@@ -87,6 +87,8 @@ class Workload:
     new_tokens: int
     dtype: str
     repeats: int
+    # Per-step token budget on both engines; None: the whole batch's prompts fit one step.
+    step_tokens: int | None = None
 
     @property
     def batch(self) -> int:
@@ -102,7 +104,8 @@ class Workload:
 
     @property
     def max_num_tokens(self) -> int:
-        # The whole batch's prompts fit one step on both engines.
+        if self.step_tokens is not None:
+            return self.step_tokens
         return max(2048, sum(len(p) for p in self.prompts))
 
 
@@ -342,6 +345,12 @@ def _print_report(workload: Workload, ours: EngineRun, vllm: EngineRun | None) -
         print(f"  greedy token agreement: {100 * token_agreement(ours, vllm):.1f}%")
 
 
+def report_json(workload: Workload, ours: EngineRun, vllm: EngineRun | None) -> dict[str, object]:
+    """Each engine's best output tok/s and its run times (`--json`)."""
+    runs = [ours] if vllm is None else [ours, vllm]
+    return {run.name: {"output_tok_s": run.tok_s(workload), "times_s": run.times_s} for run in runs}
+
+
 def _print_breakdown(b: DecodeBreakdown) -> None:
     print(f"our decode step at this batch ({b.steps} steps averaged): {b.step_ms:.2f} ms")
     for name, ms in (
@@ -364,6 +373,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cpus", type=int, nargs="+", default=[0, 1], help="CPU set for both")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
+        "--max-num-tokens", type=int, help="per-step token budget (default: the whole batch)"
+    )
+    parser.add_argument("--no-breakdown", action="store_true", help="skip the decode breakdown")
+    parser.add_argument("--json", type=Path, help="also write tok/s and run times here")
+    parser.add_argument(
         "--vllm-timeout", type=float, default=300.0, help="seconds for any one vLLM answer"
     )
     return parser.parse_args(argv)
@@ -382,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         args.new_tokens,
         args.dtype,
         args.repeats,
+        args.max_num_tokens,
     )
     os.sched_setaffinity(0, set(args.cpus))
     torch.set_num_threads(len(args.cpus))
@@ -390,7 +405,10 @@ def main(argv: list[str] | None = None) -> int:
         process = VllmProcess(args.vllm_python, args.cpus, args.vllm_timeout)
     ours, vllm = asyncio.run(compare(workload, process))
     _print_report(workload, ours, vllm)
-    _print_breakdown(decode_breakdown(workload))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report_json(workload, ours, vllm)))
+    if not args.no_breakdown:
+        _print_breakdown(decode_breakdown(workload))
     return 0
 
 
