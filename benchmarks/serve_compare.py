@@ -18,10 +18,11 @@ rates each server serves a warm-up batch on other prompts, not counted.
 Prefix caching (vLLM) and block reuse (ours) are off unless
 `--prefix-caching`; the table says which.
 
-`ours-offline` is no server: our engine in one process with no HTTP, router
-or Ray in front (`benchmarks.vllm_compare --skip-vllm`), all `--num-prompts`
-prompts of `--input-len` random token ids submitted at once, the same step
-budget and CPUs, best of two timed runs after a warm-up. Its row has only
+`ours-offline` is no server: our `EngineCore` stepped in a plain loop in one
+process, with no HTTP, router, Ray or asyncio in front
+(`benchmarks.vllm_compare --skip-vllm --engine-only`), all `--num-prompts`
+prompts of `--input-len` random token ids added at once, greedy, the same
+step budget and CPUs, best of two timed runs after a warm-up. Its row has only
 tok/s (rate inf), and the ratios add ours-agg's served tok/s at rate inf over
 it: what the serving path costs.
 

@@ -146,6 +146,7 @@ def test_offline_command_runs_the_served_workload(tmp_path: Path) -> None:
     proc = ours_offline(_setup(tmp_path), 64, 256, 32, tmp_path / "o.json")
     joined = " ".join(proc.argv)
     assert proc.argv[:3] == ["taskset", "-c", "0,1"] and "benchmarks.vllm_compare" in joined
+    assert "--skip-vllm" in proc.argv and "--engine-only" in proc.argv
     for part in ("--batch-size 64", "--prompt-len 256", "--new-tokens 32", "--cpus 0 1"):
         assert part in joined
     assert "--max-num-tokens 2048" in joined and f"--json {tmp_path / 'o.json'}" in joined
