@@ -1,9 +1,10 @@
 """Served throughput and latency, ours against vLLM's CPU build, on the same CPUs.
 
-    python -m benchmarks.serve_compare                  # all five servers, rates 2, 8, inf
+    python -m benchmarks.serve_compare                  # all five servers + ours-offline, rates 2, 8, inf
     python -m benchmarks.serve_compare --quick          # rates 8 and inf only
     python -m benchmarks.serve_compare --servers ours-1p1d-python vllm-1p1d --rates inf
     python -m benchmarks.serve_compare --model /path/to/hf-folder --rates 0.5 1 inf
+    python -m benchmarks.serve_compare --model smollm2 --rates 0.5 1 inf   # the real model
 
 One server at a time (see `benchmarks.serve_targets` for how each starts):
 vLLM-CPU aggregated, vLLM-CPU 1P1D over NixlConnector, our aggregated, our
@@ -17,9 +18,21 @@ rates each server serves a warm-up batch on other prompts, not counted.
 Prefix caching (vLLM) and block reuse (ours) are off unless
 `--prefix-caching`; the table says which.
 
+`ours-offline` is no server: our `EngineCore` stepped in a plain loop in one
+process, with no HTTP, router, Ray or asyncio in front
+(`benchmarks.vllm_compare --skip-vllm --engine-only`), all `--num-prompts`
+prompts of `--input-len` random token ids added at once, greedy, the same
+step budget and CPUs, best of two timed runs after a warm-up. Its row has only
+tok/s (rate inf), and the ratios add ours-agg's served tok/s at rate inf over
+it: what the serving path costs.
+
 The default model is the anchor: a random-weight Llama, hidden 256, 4 layers,
 fp32 (`disagg make-checkpoint --arch llama --size mini`), written to
-`checkpoints/mini-llama` if missing.
+`checkpoints/mini-llama` if missing. `--model smollm2` is the project's default
+model, SmolLM2-135M-Instruct (30 layers): its packaged GGUF file dequantized
+into the GGUF cache folder that `disagg serve` itself uses, which both sides
+load. Two cores sustain about one of these requests per second; rates 0.5
+and 1 are what they serve in full, and each rate takes minutes per server.
 
 vLLM's venv (`--vllm-python`, default /work/vllm-venv/bin/python):
 
@@ -56,16 +69,20 @@ import httpx
 from benchmarks.process_group import PortBusy, check_ports_free
 from benchmarks.serve_targets import (
     DEFAULT_VLLM_PYTHON,
+    OFFLINE,
+    OFFLINE_LABEL,
     PAIRS,
     TARGETS,
     VLLM_SITE,
     Launch,
     Setup,
+    ours_offline,
     vllm_env,
     vllm_executable,
 )
 
 DEFAULT_MODEL = Path("checkpoints/mini-llama")
+SMOLLM2 = "smollm2"  # --model: the default model's GGUF, dequantized (`cluster.default_model`)
 DEFAULT_RATES = ("2", "8", "inf")
 QUICK_RATES = ("8", "inf")
 WARMUP_PROMPTS = 16
@@ -84,7 +101,8 @@ class Workload:
 
 @dataclass(frozen=True)
 class Measurement:
-    """One `vllm bench serve` run, in its own metric names' units (ms, tok/s)."""
+    """One `vllm bench serve` run, in its own metric names' units (ms, tok/s).
+    The offline row has no latencies (NaN)."""
 
     output_tok_s: float
     ttft_p50: float
@@ -132,9 +150,14 @@ def format_table(rows: Sequence[Row]) -> str:
         lost = f" ({m.failed} failed)" if m.failed else ""
         lines.append(
             f"| {row.label} | {cache} | {row.rate} | {m.output_tok_s:.0f}{lost} | "
-            f"{m.ttft_p50:.0f} / {m.ttft_p99:.0f} | {m.itl_p50:.1f} / {m.itl_p99:.1f} |"
+            f"{_ms(m.ttft_p50, 0)} / {_ms(m.ttft_p99, 0)} | "
+            f"{_ms(m.itl_p50, 1)} / {_ms(m.itl_p99, 1)} |"
         )
     return "\n".join(lines)
+
+
+def _ms(value: float, digits: int) -> str:
+    return "-" if math.isnan(value) else f"{value:.{digits}f}"
 
 
 # A latency below this (ms) is no base for a ratio: vLLM's client reports an
@@ -165,6 +188,12 @@ def format_ratios(rows: Sequence[Row]) -> str:
                 f"{ratio(ours.ttft_p50, theirs.ttft_p50)} / {ratio(ours.ttft_p99, theirs.ttft_p99)} | "
                 f"{ratio(ours.itl_p50, theirs.itl_p50)} / {ratio(ours.itl_p99, theirs.itl_p99)} |"
             )
+    served, offline = by_key.get(("ours-agg", "inf")), by_key.get((OFFLINE, "inf"))
+    if served is not None and offline is not None:
+        lines.append(
+            f"| ours-agg served / {OFFLINE} | inf | "
+            f"{ratio(served.output_tok_s, offline.output_tok_s)} | | |"
+        )
     return "\n".join(lines)
 
 
@@ -265,15 +294,43 @@ def serve_and_measure(
         check_ports_free(launch.ports)
 
 
+def measure_offline(setup: Setup, workload: Workload, timeout_s: float) -> list[Row]:
+    """The `ours-offline` row: our engine with nothing in front, in a child process."""
+    print(f"== {OFFLINE}: {OFFLINE_LABEL}", flush=True)
+    out = setup.workdir / f"{OFFLINE}.json"
+    out.unlink(missing_ok=True)
+    proc = ours_offline(setup, workload.num_prompts, workload.input_len, workload.output_len, out)
+    try:
+        proc.start()
+        assert proc.process is not None
+        code = proc.process.wait(timeout_s)
+        if code != 0 or not out.exists():
+            raise RuntimeError(f"{OFFLINE} exited {code}; its log ends with:\n{proc.log_tail()}")
+        tok_s = float(json.loads(out.read_text())["ours"]["output_tok_s"])
+    except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
+        print(f"   failed: {exc}", flush=True)
+        return [Row(OFFLINE, OFFLINE_LABEL, "inf", False, None, str(exc).splitlines()[0][:80])]
+    finally:
+        proc.stop()
+    print(f"   {tok_s:.0f} out tok/s", flush=True)
+    nan = math.nan
+    result = Measurement(tok_s, nan, nan, nan, nan, workload.num_prompts, 0)
+    return [Row(OFFLINE, OFFLINE_LABEL, "inf", False, result)]
+
+
 # -------------------------------------------------------------------- CLI
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--servers", nargs="+", choices=list(TARGETS), default=list(TARGETS))
+    servers = list(TARGETS)
+    servers.insert(servers.index("ours-agg") + 1, OFFLINE)  # close in time to its served twin
+    parser.add_argument("--servers", nargs="+", choices=servers, default=servers)
     parser.add_argument("--rates", nargs="+", type=_rate, default=None)
     parser.add_argument("--quick", action="store_true", help=f"rates {' '.join(QUICK_RATES)}")
-    parser.add_argument("--model", type=Path, help="a local HF folder (default: the anchor)")
+    parser.add_argument(
+        "--model", help=f"a local HF folder, or {SMOLLM2!r} (default: the anchor Llama)"
+    )
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
@@ -310,12 +367,22 @@ def _cpus(text: str) -> tuple[int, ...]:
     return cpus
 
 
-def make_setup(args: argparse.Namespace) -> Setup:
-    model = args.model
-    if model is None:
+def resolve_model(name: str | None) -> Path:
+    """The checkpoint folder `--model` names (the anchor, written if missing, for None)."""
+    if name is None:
         from models.embedded.writer import ensure_checkpoint
 
-        model = ensure_checkpoint(DEFAULT_MODEL, "llama", "mini")
+        return ensure_checkpoint(DEFAULT_MODEL, "llama", "mini")
+    if name == SMOLLM2:
+        from cluster.default_model import default_model_file
+        from models.gguf.cache import cached_checkpoint
+
+        return cached_checkpoint(default_model_file())
+    return Path(name)
+
+
+def make_setup(args: argparse.Namespace) -> Setup:
+    model = resolve_model(args.model)
     if not (model / "config.json").exists():
         raise SystemExit(f"--model {model} has no config.json; point it at a HF folder")
     if not args.vllm_python.exists():
@@ -351,7 +418,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     try:
         for key in args.servers:
-            rows += serve_and_measure(key, setup, workload, args.rates, args)
+            if key == OFFLINE:
+                rows += measure_offline(setup, workload, args.client_timeout)
+            else:
+                rows += serve_and_measure(key, setup, workload, args.rates, args)
     except KeyboardInterrupt:
         print("\ninterrupted; every server started is stopped. Rows so far:\n")
         print(format_table(rows))

@@ -6,6 +6,7 @@
 | `vllm-1p1d` | a prefill and a decode `vllm serve` joined by NixlConnector, and `benchmarks.pd_proxy` in front | one CPU each |
 | `ours-agg` | `disagg serve`, every request whole on one generation instance | see `aggregated_sections` |
 | `ours-1p1d-python`, `ours-1p1d-nixl` | `disagg serve`, one context + one generation instance on that transceiver | one CPU each |
+| `ours-offline` | no server: `benchmarks.vllm_compare --skip-vllm --engine-only`, our `EngineCore` stepped in a plain loop, every prompt at once | all of `--cpus` |
 
 Every server is reached at `http://127.0.0.1:<port>`, gets the same batch
 limits (`Setup.max_num_seqs`, `Setup.max_num_tokens`) and prefix caching
@@ -233,6 +234,28 @@ def ours_1p1d(backend: str) -> Callable[[Setup], Launch]:
         return _ours(setup, f"ours-1p1d-{backend}", config, f"disagg 1P1D {backend}")
 
     return launch
+
+
+OFFLINE = "ours-offline"
+OFFLINE_LABEL = "disagg engine offline (EngineCore stepped in a loop, all prompts at once)"
+OFFLINE_REPEATS = 2
+
+
+def ours_offline(
+    setup: Setup, num_prompts: int, input_len: int, output_len: int, out: Path
+) -> GroupProcess:
+    """Our engine on the served workload with nothing in front; writes `out` (JSON)."""
+    argv = [sys.executable, "-m", "benchmarks.vllm_compare", "--skip-vllm", "--engine-only"]
+    argv += ["--no-breakdown"]
+    argv += ["--checkpoint", str(setup.model), "--dtype", setup.dtype]
+    argv += ["--batch-size", str(num_prompts), "--prompt-len", str(input_len)]
+    argv += ["--new-tokens", str(output_len), "--max-num-tokens", str(setup.max_num_tokens)]
+    argv += ["--cpus", *(str(c) for c in setup.cpus), "--repeats", str(OFFLINE_REPEATS)]
+    argv += ["--json", str(out)]
+    # The OpenMP wait policy our served CPU workers get (`cluster.launcher.worker_env`):
+    # spinning threads next to the asyncio loop cost several times the throughput.
+    env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
+    return GroupProcess(OFFLINE, argv, env, setup.log(OFFLINE), setup.cpus, ROOT)
 
 
 TARGETS: dict[str, Callable[[Setup], Launch]] = {

@@ -15,6 +15,8 @@ each counts (the one least disturbed by others).
   per "run" line.
 - ours runs in this process as an aggregated `GenerationWorker` (the serving
   path: asyncio loop, continuous batching), all requests submitted at once.
+  With `--skip-vllm --engine-only` it is our `EngineCore` alone, stepped in a
+  plain loop (what `benchmarks.serve_compare`'s offline row measures).
 
 Output tokens/s = batch * max_tokens / wall time from submission to the last
 token (prefill included, on both sides). Then a decode-only breakdown of our
@@ -40,6 +42,7 @@ from pathlib import Path
 import torch
 
 from decode_worker.worker import GenerationWorker
+from engine.core import EngineCore
 from engine.instance import EngineInstance
 from engine.messages import GenerationRequest
 from engine.request import Request
@@ -87,6 +90,8 @@ class Workload:
     new_tokens: int
     dtype: str
     repeats: int
+    # Per-step token budget on both engines; None: the whole batch's prompts fit one step.
+    step_tokens: int | None = None
 
     @property
     def batch(self) -> int:
@@ -102,7 +107,8 @@ class Workload:
 
     @property
     def max_num_tokens(self) -> int:
-        # The whole batch's prompts fit one step on both engines.
+        if self.step_tokens is not None:
+            return self.step_tokens
         return max(2048, sum(len(p) for p in self.prompts))
 
 
@@ -280,6 +286,45 @@ async def compare(
     return ours_run, vllm_run
 
 
+def engine_only(workload: Workload) -> EngineRun:
+    """`_engine_only` on the compute thread, where the workers run their steps."""
+    return run_on_compute_thread(lambda: _engine_only(workload))
+
+
+def _engine_only(workload: Workload) -> EngineRun:
+    """Our `EngineCore` alone, stepped in a plain loop (no actor, asyncio loop or
+    per-request streams): all prompts added at once, a warm-up pass, then
+    `repeats` timed passes."""
+    instance = EngineInstance.build(_worker_config(workload), "aggregated", "compare-engine")
+    run = EngineRun("ours", [], [])
+    try:
+        _run_core(instance.core, workload, "warm")
+        for repeat in range(workload.repeats):
+            start = time.perf_counter()
+            run.outputs = _run_core(instance.core, workload, f"run{repeat}")
+            run.times_s.append(time.perf_counter() - start)
+    finally:
+        instance.close()
+    return run
+
+
+def _add_all(core: EngineCore, workload: Workload, tag: str) -> list[Request]:
+    requests = [
+        Request(f"{tag}-{i}", list(p), _params(workload)) for i, p in enumerate(workload.prompts)
+    ]
+    for request in requests:
+        core.add(request)
+    return requests
+
+
+def _run_core(core: EngineCore, workload: Workload, tag: str) -> list[list[int]]:
+    """Every prompt through `core` to its last token; the output token ids."""
+    requests = _add_all(core, workload, tag)
+    while core.has_work():
+        core.step()
+    return [list(r.output_token_ids) for r in requests]
+
+
 def decode_breakdown(workload: Workload) -> DecodeBreakdown:
     """`_decode_breakdown` on the compute thread, where the workers run their steps."""
     return run_on_compute_thread(lambda: _decode_breakdown(workload))
@@ -291,12 +336,8 @@ def _decode_breakdown(workload: Workload) -> DecodeBreakdown:
     per-shape kernels up, as the timed runs above are warmed up)."""
     instance = EngineInstance.build(_worker_config(workload), "aggregated", "compare-breakdown")
     core = instance.core
-    for i, prompt in enumerate(workload.prompts):
-        core.add(Request(f"warm-{i}", list(prompt), _params(workload)))
-    while core.has_work():
-        core.step()
-    for i, prompt in enumerate(workload.prompts):
-        core.add(Request(f"breakdown-{i}", list(prompt), _params(workload)))
+    _run_core(core, workload, "warm")
+    _add_all(core, workload, "breakdown")
     steps, sched_build, forward, sample = 0, 0.0, 0.0, 0.0
     while core.has_work():
         result = core.step()
@@ -342,6 +383,12 @@ def _print_report(workload: Workload, ours: EngineRun, vllm: EngineRun | None) -
         print(f"  greedy token agreement: {100 * token_agreement(ours, vllm):.1f}%")
 
 
+def report_json(workload: Workload, ours: EngineRun, vllm: EngineRun | None) -> dict[str, object]:
+    """Each engine's best output tok/s and its run times (`--json`)."""
+    runs = [ours] if vllm is None else [ours, vllm]
+    return {run.name: {"output_tok_s": run.tok_s(workload), "times_s": run.times_s} for run in runs}
+
+
 def _print_breakdown(b: DecodeBreakdown) -> None:
     print(f"our decode step at this batch ({b.steps} steps averaged): {b.step_ms:.2f} ms")
     for name, ms in (
@@ -364,6 +411,16 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cpus", type=int, nargs="+", default=[0, 1], help="CPU set for both")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
+        "--max-num-tokens", type=int, help="per-step token budget (default: the whole batch)"
+    )
+    parser.add_argument("--no-breakdown", action="store_true", help="skip the decode breakdown")
+    parser.add_argument(
+        "--engine-only",
+        action="store_true",
+        help="with --skip-vllm: step our EngineCore in a plain loop instead of the worker actor",
+    )
+    parser.add_argument("--json", type=Path, help="also write tok/s and run times here")
+    parser.add_argument(
         "--vllm-timeout", type=float, default=300.0, help="seconds for any one vLLM answer"
     )
     return parser.parse_args(argv)
@@ -382,15 +439,24 @@ def main(argv: list[str] | None = None) -> int:
         args.new_tokens,
         args.dtype,
         args.repeats,
+        args.max_num_tokens,
     )
     os.sched_setaffinity(0, set(args.cpus))
     torch.set_num_threads(len(args.cpus))
     process = None
     if not args.skip_vllm:
         process = VllmProcess(args.vllm_python, args.cpus, args.vllm_timeout)
-    ours, vllm = asyncio.run(compare(workload, process))
+    if args.engine_only:
+        if process is not None:
+            raise SystemExit("--engine-only measures our engine alone; add --skip-vllm")
+        ours, vllm = engine_only(workload), None
+    else:
+        ours, vllm = asyncio.run(compare(workload, process))
     _print_report(workload, ours, vllm)
-    _print_breakdown(decode_breakdown(workload))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report_json(workload, ours, vllm)))
+    if not args.no_breakdown:
+        _print_breakdown(decode_breakdown(workload))
     return 0
 
 

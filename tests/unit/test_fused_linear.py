@@ -52,12 +52,18 @@ def test_layers_that_do_not_share_an_input_are_refused() -> None:
         FusedLinear([torch.nn.Linear(16, 4), torch.nn.Linear(8, 4)])
 
 
-@pytest.mark.skipif(
-    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 on this CPU"
+_BF16 = pytest.param(
+    torch.bfloat16,
+    marks=pytest.mark.skipif(
+        not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 on this CPU"
+    ),
 )
-def test_bf16_layers_are_prepacked_and_a_later_write_falls_back() -> None:
-    layers = [layer.to(torch.bfloat16) for layer in _layers(bias=True)]
-    x = torch.randn(7, 16, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, _BF16])
+def test_cpu_layers_are_prepacked_and_a_later_write_falls_back(dtype: torch.dtype) -> None:
+    layers = [layer.to(dtype) for layer in _layers(bias=True)]
+    x = torch.randn(7, 16, dtype=dtype)
     want = torch.cat([layer(x) for layer in layers], dim=-1)
     fused = FusedLinear(layers)
     assert fused.packed is not None

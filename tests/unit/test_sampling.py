@@ -10,6 +10,7 @@ import torch
 from engine.sampling import (
     Sampler,
     SamplingParams,
+    _inverse_cdf,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
@@ -156,6 +157,14 @@ def test_seeded_draws_follow_the_distribution() -> None:
         counts[_sample(logits, [SamplingParams(seed=2024)], [generator])[0]] += 1
     chi2 = sum((c - draws * p) ** 2 / (draws * p) for c, p in zip(counts, probs, strict=True))
     assert chi2 < 16.27  # 99.9% quantile, 3 degrees of freedom
+
+
+def test_extreme_draws_never_land_on_a_masked_token() -> None:
+    # The first and last tokens are masked (probability 0); draws at both ends
+    # of [0, 1) must still pick the tokens with mass next to them.
+    probs = torch.tensor([[0.0, 0.25, 0.75, 0.0]]).repeat(3, 1)
+    uniform = torch.tensor([0.0, 0.25 - 1e-12, math.nextafter(1.0, 0.0)], dtype=torch.float64)
+    assert _inverse_cdf(probs, uniform).tolist() == [1, 1, 2]
 
 
 def test_temperature_sharpens_the_distribution() -> None:

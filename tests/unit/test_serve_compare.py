@@ -28,7 +28,14 @@ from benchmarks.serve_compare import (
     parse_args,
     rate_seeds,
 )
-from benchmarks.serve_targets import Setup, accepts, aggregated_sections, base_config
+from benchmarks.serve_targets import (
+    OFFLINE,
+    Setup,
+    accepts,
+    aggregated_sections,
+    base_config,
+    ours_offline,
+)
 
 
 def _setup(tmp_path: Path, prefix_caching: bool = False) -> Setup:
@@ -52,6 +59,8 @@ def _m(tok_s: float, ttft: float, itl: float) -> Measurement:
 
 def test_defaults_quick_and_rates() -> None:
     assert parse_args([]).rates == ["2", "8", "inf"]
+    servers = parse_args([]).servers
+    assert servers.index(OFFLINE) == servers.index("ours-agg") + 1
     assert parse_args(["--quick"]).rates == ["8", "inf"]
     args = parse_args(["--rates", "0.5", "Inf", "--servers", "ours-agg", "vllm-agg"])
     assert args.rates == ["0.5", "inf"] and args.servers == ["ours-agg", "vllm-agg"]
@@ -119,6 +128,28 @@ def test_no_ratio_over_a_zero_latency() -> None:
     ]
     expected = "| ours-agg / vllm-agg | 2 | 1.01x | 1.20x / 1.20x | - / - |"
     assert format_ratios(rows).splitlines()[2] == expected
+
+
+def test_offline_row_has_tok_s_only_and_a_served_over_offline_ratio() -> None:
+    nan = float("nan")
+    rows = [
+        Row("ours-agg", "served", "inf", False, _m(900.0, 400.0, 20.0)),
+        Row(OFFLINE, "offline", "inf", False, Measurement(1000.0, nan, nan, nan, nan, 64, 0)),
+    ]
+    assert format_table(rows).splitlines()[3] == "| offline | off | inf | 1000 | - / - | - / - |"
+    assert (
+        format_ratios(rows).splitlines()[-1] == f"| ours-agg served / {OFFLINE} | inf | 0.90x | | |"
+    )
+
+
+def test_offline_command_runs_the_served_workload(tmp_path: Path) -> None:
+    proc = ours_offline(_setup(tmp_path), 64, 256, 32, tmp_path / "o.json")
+    joined = " ".join(proc.argv)
+    assert proc.argv[:3] == ["taskset", "-c", "0,1"] and "benchmarks.vllm_compare" in joined
+    assert "--skip-vllm" in proc.argv and "--engine-only" in proc.argv
+    for part in ("--batch-size 64", "--prompt-len 256", "--new-tokens 32", "--cpus 0 1"):
+        assert part in joined
+    assert "--max-num-tokens 2048" in joined and f"--json {tmp_path / 'o.json'}" in joined
 
 
 def test_our_configs_validate_and_aggregated_says_how(tmp_path: Path) -> None:
