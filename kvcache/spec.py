@@ -163,7 +163,7 @@ def head_shard(
     else:
         first = rank * kv_heads // size
         kv = (first, first + 1)
-    groups = even(mamba_groups) if mamba_groups % size == 0 else (0, mamba_groups)
+    groups = mamba_group_span(mamba_groups, rank, size)
     return HeadShard(
         rank=rank,
         size=size,
@@ -174,6 +174,16 @@ def head_shard(
         total_mamba_groups=mamba_groups,
         mamba_groups=groups,
     )
+
+
+def mamba_group_span(n_groups: int, rank: int, size: int) -> Span:
+    """`[first, stop)` of the B/C groups rank `rank` of `size` keeps: its share
+    when `n_groups` splits over the ranks, else all of them (each of its heads
+    then reads its own group among them)."""
+    if n_groups % size == 0:
+        share = n_groups // size
+        return rank * share, (rank + 1) * share
+    return 0, n_groups
 
 
 def _length(span: Span) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kvcache.spec import head_shard
+from kvcache.spec import head_shard, mamba_group_span
 from models.config import MambaConfig, MambaShard, ModelConfig, TensorParallelShard
 from models.errors import ConfigError
 
@@ -110,13 +110,9 @@ def shard_config(config: ModelConfig, rank: int, size: int) -> ModelConfig:
 
 
 def mamba_group_range(mamba: MambaConfig, rank: int, size: int) -> tuple[int, int]:
-    """`[first, stop)` of the B/C groups rank `rank` of `size` keeps (`mamba` is
-    the whole model's): its share when `n_groups` splits over the ranks, else
-    all of them (each of its heads then reads its own group among them)."""
-    if mamba.n_groups % size == 0:
-        share = mamba.n_groups // size
-        return rank * share, (rank + 1) * share
-    return 0, mamba.n_groups
+    """The B/C groups rank `rank` of `size` keeps (`mamba` is the whole
+    model's), by the rule its cache follows (`kvcache.spec.mamba_group_span`)."""
+    return mamba_group_span(mamba.n_groups, rank, size)
 
 
 def _shard_mamba(mamba: MambaConfig, rank: int, size: int) -> MambaConfig:
