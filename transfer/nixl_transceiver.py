@@ -229,9 +229,12 @@ class NixlTransceiver(Transceiver):
         elif kind == _CLAIM and len(parts) == 3:
             self._answer_claim(sender, parts[0].decode(), parts[1].decode(), parts[2])
         elif kind in (_GRANT, _EXPIRED) and len(parts) >= 2:
-            claim = self._claims.get((parts[0].decode(), parts[1].decode()))
+            rid, tid = parts[0].decode(), parts[1].decode()
+            claim = self._claims.get((rid, tid))
             if claim is not None and not claim.done():
                 claim.set_result(float(parts[2]) if kind == _GRANT else None)
+            elif kind == _GRANT:  # the pull was cancelled meanwhile: end the window
+                self._thread.submit(self._send_done, sender, rid, tid)
         else:
             logger.warning("ignoring unexpected NIXL notification %r", message[:64])
 
@@ -292,6 +295,8 @@ class NixlTransceiver(Transceiver):
             # aborts an unfinished one); the caller frees the blocks once this
             # raises, so wait for both. The release queues behind the post.
             await self._thread.run(_release, xfers)
+            if not release:  # none of our READs is left: the holder may end the window now
+                self._thread.submit(self._send_done, *_claim_ids(handle))
             if not isinstance(exc, Exception):
                 raise
             translated = self._translate(handle, exc)
@@ -475,12 +480,17 @@ class NixlTransceiver(Transceiver):
         done with the request (it unpins it once every rank of the puller is),
         or without `release`, only that these READs of offered blocks are over."""
         _release(xfers)
-        ids = [handle.request_id.encode(), handle.transfer_id.encode()]
         if not release:
-            self._agent.send_notif(handle.agent_name, b" ".join([_DONE, *ids]))
+            self._send_done(*_claim_ids(handle))
             return
+        ids = [handle.request_id.encode(), handle.transfer_id.encode()]
         rank = f"{dest.tp_rank} {dest.tp_size}".encode()
         self._agent.send_notif(handle.agent_name, b" ".join([_RELEASE, *ids, rank]))
+
+    def _send_done(self, holder: str, rid: str, tid: str) -> None:
+        """Tell a holder our READs of its offered blocks are over, so it ends
+        that claim's window (agent thread; a no-op for a leased request)."""
+        self._agent.send_notif(holder, b" ".join([_DONE, rid.encode(), tid.encode()]))
 
     def _send_claim(self, handle: TransferHandle) -> None:
         """Claim a request; our metadata lets the holder answer."""
@@ -527,3 +537,9 @@ def _mem_type(tensors: Mapping[str, torch.Tensor]) -> str:
     if len(kinds) > 1:
         raise ValueError(f"NIXL pool buffers must all be on one device type, got {kinds}")
     return "VRAM" if kinds == {"cuda"} else "DRAM"
+
+
+def _claim_ids(handle: TransferHandle) -> tuple[str, str, str]:
+    """(holder agent, request id, transfer id) of a claim on `handle`."""
+    assert handle.agent_name is not None  # checked before any claim
+    return handle.agent_name, handle.request_id, handle.transfer_id
