@@ -404,5 +404,12 @@ async def test_a_side_killed_mid_prompt_of_a_pipelined_pull_reruns_and_frees_the
     await h.endpoint(holder).actor.blocks_ready.remote(rid, 0)  # a chunk was offered
     os.kill(pids[holder if victim == "holder" else puller], signal.SIGKILL)
     events = await asyncio.wait_for(task, 4 * TIMEOUT_S)
-    assert tokens(events) == expected and events[-1].finish_reason == "length"
+    got = tokens(events)
+    if victim == "puller" and events[-1].error is not None:
+        # The context worker may have finished and its first token reached
+        # the client before the kill: no retry after a first token, so the
+        # stream ends with an error after a prefix of the tokens.
+        assert got == expected[: len(got)] and got
+    else:
+        assert got == expected and events[-1].finish_reason == "length"
     await h.all_idle()
