@@ -57,7 +57,9 @@ class ServingMetrics:
             "disagg_generation_tokens", "Generated tokens of finished requests.", registry=r
         )
         self.transfer_bytes = Counter(
-            "disagg_kv_transfer_bytes", "KV cache bytes pulled by generation workers.", registry=r
+            "disagg_kv_transfer_bytes",
+            "KV cache and Mamba state bytes of the pulled requests, summed over context ranks.",
+            registry=r,
         )
         self.transfer_seconds = Histogram(
             "disagg_kv_transfer_seconds",

@@ -352,10 +352,9 @@ class Router:
 
     def _record_transfer(self, context: ContextResult, started: float) -> None:
         """The pull ends before the generation worker's first token: time it,
-        and count the bytes the handle addressed."""
+        and count the bytes the handles addressed, every context rank's."""
         self.metrics.transfer_seconds.observe(time.perf_counter() - started)
-        if context.handle is not None:
-            self.metrics.transfer_bytes.inc(context.handle.regions.num_bytes)
+        self.metrics.transfer_bytes.inc(sum(h.regions.num_bytes for h in context.all_handles))
 
     def _failed(self, endpoint: WorkerEndpoint, exc: BaseException, phase: str) -> str:
         """Record a failed dispatch; returns the reason for the client.

@@ -214,7 +214,7 @@ class WorkerIntegrity:
     num_free_mamba_slots: int
     num_mamba_slots: int
     num_requests: int  # queued or running in the engine, or in transfer
-    num_pinned: int  # caches published and not yet released (context side)
+    num_pinned: int  # caches published and not yet released (context side, every rank)
 
     @property
     def idle(self) -> bool:

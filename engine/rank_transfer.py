@@ -74,6 +74,11 @@ class RankTransfer:
     def abort(self, request_id: str) -> None:
         self._loop.call_soon_threadsafe(self._xcvr.abort, request_id)
 
+    @property
+    def num_pinned(self) -> int:
+        """Requests this rank published and no puller or abort released yet."""
+        return self._xcvr.num_pinned
+
     def close(self) -> None:
         self._run(self._xcvr.close())
         self._loop.call_soon_threadsafe(self._loop.stop)

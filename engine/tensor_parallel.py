@@ -35,6 +35,7 @@ generation instance pulls its heads from every context rank.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import datetime
 import logging
 import os
@@ -42,7 +43,7 @@ import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 import torch
@@ -65,6 +66,8 @@ from models.loader import load_model
 from transfer.base import TransferHandle
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # How long a rank waits for the others to join the group, and for one
 # collective of a step.
@@ -129,6 +132,22 @@ def _start_ranks(
         ).remote(config, rank, address, sizing, f"{worker_id}-rank{rank}")
         for rank in range(1, config.tensor_parallel_size)
     ]
+
+
+def _wait_for(refs: Sequence[ray.ObjectRef[T]], timeout_s: float | None = None) -> list[T]:
+    """The values of `refs`, waited for on the calling thread; raises the
+    first error among them, or `TimeoutError` past `timeout_s`.
+
+    Rank 0 waits on its compute thread, never on its event loop: `ray.get`
+    there would still make Ray warn about blocking an async actor's loop.
+    """
+    futures = [ref.future() for ref in refs]
+    _, pending = concurrent.futures.wait(futures, timeout_s)
+    if pending:
+        raise TimeoutError(
+            f"{len(pending)} of {len(futures)} ranks did not answer in {timeout_s} s"
+        )
+    return [future.result() for future in futures]
 
 
 def _free_address(host: str) -> str:
@@ -226,6 +245,11 @@ class TensorParallelRank:
         if self._transfer is not None:
             self._transfer.abort(request_id)
 
+    @ray.method(concurrency_group="transfer")
+    def num_pinned(self) -> int:
+        """Requests this rank published and nobody released yet."""
+        return self._transfer.num_pinned if self._transfer is not None else 0
+
     def _transfers(self) -> RankTransfer:
         """This rank's transceiver, started on first use (an aggregated
         instance never moves a cache)."""
@@ -257,7 +281,7 @@ class RankGroup:
             try:
                 join_group(address, 0, config.tensor_parallel_size, config.device)
                 # Surfaces a rank that failed to load its shard.
-                capacities = ray.get([rank.ready.remote() for rank in ranks])
+                capacities = _wait_for([rank.ready.remote() for rank in ranks])
             except DistNetworkError as exc:
                 for rank in ranks:
                     ray.kill(rank)
@@ -309,6 +333,10 @@ class RankGroup:
         for rank in self.ranks:
             rank.abort.remote(request_id)
 
+    async def num_pinned(self) -> list[int]:
+        """Requests each other rank published and nobody released yet, in rank order."""
+        return list(await asyncio.gather(*[rank.num_pinned.remote() for rank in self.ranks]))
+
     def abandon(self) -> None:
         """Rank 0's step failed (a rank died, or a collective failed): the
         other ranks may be inside that step's collectives, and no later step
@@ -334,6 +362,6 @@ class RankGroup:
         if dist.is_initialized():
             dist.destroy_process_group()
         try:
-            ray.get(leaving, timeout=LEAVE_TIMEOUT_S)
+            _wait_for(leaving, LEAVE_TIMEOUT_S)
         except Exception as exc:  # a rank that is gone already is stopped all the same
             logger.warning("a tensor-parallel rank did not leave its group cleanly: %s", exc)

@@ -40,6 +40,7 @@ from engine.messages import (
     WorkerLoad,
 )
 from engine.request import Request
+from engine.tensor_parallel import RankGroup
 from engine.threads import configure_torch_threads, run_on_compute_thread
 from engine.worker_config import WorkerConfig
 from prefill_worker.chunk_progress import ChunkProgress
@@ -56,8 +57,10 @@ class ContextWorker:
         )
         self.transceiver: Any = self.engine.create_transceiver()
         self._handles: dict[str, Any] = {}
-        # Ranks 1..'s handles of a tensor-parallel instance, being published.
+        # Ranks 1..'s handles of a tensor-parallel instance, being published,
+        # by request; and every such publish until the ranks answered it.
         self._rank_handles: dict[str, asyncio.Task[list[Any]]] = {}
+        self._rank_publishes: set[asyncio.Task[list[Any]]] = set()
         self._publish_errors: dict[str, str] = {}
         self._active: set[str] = set()  # ids between prefill() start and end
         self._aborted = AbortedIds()  # aborts that arrived before their prefill()
@@ -155,18 +158,26 @@ class ContextWorker:
         return BlocksReady(request_id, handle, num_pulled, progress.num_ready)
 
     async def _published_by_ranks(self, request_id: str) -> list[Any]:
-        """Ranks 1..'s handles of a published request (none on one rank); if a
-        rank cannot publish, the request fails and every rank unpins it."""
-        task = self._rank_handles.pop(request_id, None)
+        """Ranks 1..'s handles of a published request (none on one rank, or
+        once it was aborted); if a rank cannot publish, or the caller goes
+        away meanwhile, every rank unpins it."""
+        task = self._rank_handles.get(request_id)
         if task is None:
             return []
         try:
-            return await task
+            # Shielded: a cancelled caller must not cancel the ranks' answer,
+            # which the abort waits for (`_abort_ranks`).
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
         except Exception as exc:
             self.abort(request_id)
             raise RequestFailedError(
                 request_id, f"a tensor-parallel rank could not publish the cache: {exc}"
             ) from exc
+        finally:
+            self._rank_handles.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         """Cancel a prompt still prefilling, or unpin one already published.
@@ -180,8 +191,22 @@ class ContextWorker:
         self.engine.loop.abort(request_id)
         self.transceiver.abort(request_id)
         if self.engine.ranks is not None:
-            self._rank_handles.pop(request_id, None)
-            self.engine.ranks.abort(request_id)
+            self._abort_ranks(request_id, self.engine.ranks)
+
+    def _abort_ranks(self, request_id: str, ranks: RankGroup) -> None:
+        """Unpin a request on ranks 1.. A rank's publish may still be on its
+        way and land after this abort: abort again once every rank answered
+        it, so no rank keeps the cache pinned until its lease runs out."""
+        ranks.abort(request_id)
+        task = self._rank_handles.pop(request_id, None)
+        if task is not None and not task.done():
+
+            def published(task: asyncio.Task[list[Any]]) -> None:
+                if not task.cancelled():
+                    task.exception()  # a failed publish is reported by `prefill`, if anyone
+                ranks.abort(request_id)
+
+            task.add_done_callback(published)
 
     def health(self) -> WorkerHealth:
         return WorkerHealth(
@@ -196,10 +221,17 @@ class ContextWorker:
         return self.engine.load(num_transferring=self.transceiver.num_pinned)
 
     async def integrity(self) -> WorkerIntegrity:
-        """Cache integrity and free blocks/slots, read between engine steps."""
+        """Cache integrity and free blocks/slots, read between engine steps;
+        `num_pinned` counts every rank's pins."""
         await self.start()
+        ranks, pinned_by_ranks = self.engine.ranks, 0
+        if ranks is not None:
+            # A publish on its way pins once it lands: count it then.
+            if self._rank_publishes:
+                await asyncio.wait(set(self._rank_publishes))
+            pinned_by_ranks = sum(await ranks.num_pinned())
         return await self.engine.loop.run_between_steps(
-            lambda: self.engine.integrity(0, self.transceiver.num_pinned)
+            lambda: self.engine.integrity(0, self.transceiver.num_pinned + pinned_by_ranks)
         )
 
     def drain_kv_events(self) -> KVEventBatch:
@@ -226,7 +258,10 @@ class ContextWorker:
             self._progress.published(rid, handle)
             if self.engine.ranks is not None:
                 publish = self.engine.ranks.publish(rid, regions, self.config.lease_s)
-                self._rank_handles[rid] = asyncio.ensure_future(publish)
+                task = asyncio.ensure_future(publish)
+                self._rank_handles[rid] = task
+                self._rank_publishes.add(task)
+                task.add_done_callback(self._rank_publishes.discard)
         except Exception as exc:  # a broken publish must not stop the engine loop
             logger.exception("publishing the cache of request %r failed", rid)
             self._publish_errors[rid] = str(exc)
