@@ -228,7 +228,9 @@ class ContextWorker:
         if ranks is not None:
             # A publish on its way pins once it lands: count it then.
             if self._rank_publishes:
-                await asyncio.wait(set(self._rank_publishes))
+                await asyncio.wait(
+                    set(self._rank_publishes), timeout=self.config.transfer_timeout_s
+                )
             pinned_by_ranks = sum(await ranks.num_pinned())
         return await self.engine.loop.run_between_steps(
             lambda: self.engine.integrity(0, self.transceiver.num_pinned + pinned_by_ranks)
