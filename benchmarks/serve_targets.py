@@ -32,6 +32,7 @@ import yaml
 
 from benchmarks.process_group import GroupProcess
 from cluster.config import ConfigError, config_from_dict
+from engine.process_env import cpu_engine_env
 from transfer.nixl_agent import DEFAULT_PROGRESS_DELAY_US
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -252,9 +253,8 @@ def ours_offline(
     argv += ["--new-tokens", str(output_len), "--max-num-tokens", str(setup.max_num_tokens)]
     argv += ["--cpus", *(str(c) for c in setup.cpus), "--repeats", str(OFFLINE_REPEATS)]
     argv += ["--json", str(out)]
-    # The OpenMP wait policy our served CPU workers get (`cluster.launcher.worker_env`):
-    # spinning threads next to the asyncio loop cost several times the throughput.
-    env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ}
+    # The environment our served CPU workers get (`cluster.launcher.worker_env`).
+    env = {**os.environ, **cpu_engine_env()}
     return GroupProcess(OFFLINE, argv, env, setup.log(OFFLINE), setup.cpus, ROOT)
 
 

@@ -37,6 +37,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.checkpoint_shipping import CheckpointShipping
 from cluster.plan import ClusterPlan, InstancePlan
+from engine.process_env import cpu_engine_env
 
 logger = logging.getLogger(__name__)
 
@@ -224,18 +225,13 @@ def _actor_class(role: str) -> Any:
 
 def worker_env(instance: InstancePlan) -> dict[str, str]:
     """Environment variables of an instance's worker process (merged by Ray
-    with the job's).
-
-    On CPU, OpenMP threads wait passively at the end of a parallel region
-    instead of spinning (libgomp's default): they share the instance's cores
-    with its event loop and Ray's I/O threads (and, on one machine, with the
-    router), which spinning starves. On 2 shared cores, an aggregated
-    instance with num_cpus 2 served 118-263 output tok/s spinning and
-    826-959 passive. A value set in the environment of `serve` is kept.
+    with the job's): on CPU, OpenMP's passive wait and glibc malloc settings
+    that keep freed activations for the next step (`engine.process_env`).
+    A value set in the environment of `serve` is kept.
     """
     if instance.device != "cpu":
         return {}
-    return {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    return cpu_engine_env()
 
 
 def _role_argument(instance: InstancePlan) -> tuple[str, ...]:

@@ -80,8 +80,22 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+# Positions the first cos/sin table covers; it doubles past the longest step.
+_MIN_TABLE_POSITIONS = 4096
+
+
 class RotaryEmbedding(torch.nn.Module):
-    """Computes `(cos, sin)` for token positions; `apply_rotary` rotates q/k with them."""
+    """Computes `(cos, sin)` for token positions; `apply_rotary` rotates q/k with them.
+
+    The values of positions `0 ..< n` are computed once into a table and each
+    step gathers its positions' rows: the same numbers as computing them per
+    step (elementwise, from the same inverse frequencies), without the
+    transcendentals. The table grows (doubling) when a step's `seq_len`
+    passes it; a replaced table stays referenced, since CUDA graphs captured
+    before keep reading its memory. Steps past the trained context under
+    dynamic scaling, whose frequencies depend on the step, are computed
+    directly.
+    """
 
     def __init__(self, head_dim: int, rope: RopeConfig, max_position_embeddings: int) -> None:
         super().__init__()
@@ -91,28 +105,59 @@ class RotaryEmbedding(torch.nn.Module):
         # A plain attribute, not a buffer: derived from the config (never in a
         # checkpoint) and kept in float32 when the model is cast to bf16/fp16.
         self.inv_freq = compute_inv_freq(rope, self.dim, max_position_embeddings)
+        # (cos, sin), each `[n, rotary_dim]`, for positions 0 ..< n; not a buffer
+        # either. The last one of a dtype and device is its current one.
+        self._tables: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype, seq_len: int | None = None
     ) -> tuple[torch.Tensor, ...]:
         """`(cos, sin)`, each `[T, rotary_dim]` in `dtype`, for positions `[T]`.
 
-        `seq_len` (the largest position + 1, known on the host) serves dynamic
-        scaling; without it the positions are read back from the device.
+        `seq_len` (the largest position + 1, known on the host) bounds the
+        positions for the table and serves dynamic scaling; without it the
+        values are computed for these positions alone (and, under dynamic
+        scaling, the positions are read back from the device).
         """
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         inv_freq = self.inv_freq
+        if seq_len is not None and not self._rescaled(seq_len):
+            cos, sin = self._table_for(seq_len, dtype)
+            return cos.index_select(0, positions), sin.index_select(0, positions)
         if self.rope.scaling_type == "dynamic" and positions.numel():
             if seq_len is None:
                 seq_len = int(positions.max()) + 1
-            if seq_len > self.max_position_embeddings:
+            if self._rescaled(seq_len):
                 inv_freq = compute_inv_freq(
                     self.rope, self.dim, self.max_position_embeddings, seq_len
                 ).to(inv_freq.device)
-        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return _cos_sin(positions, inv_freq, dtype)
+
+    def _rescaled(self, seq_len: int) -> bool:
+        """Whether dynamic scaling changes the frequencies of a step this long."""
+        return self.rope.scaling_type == "dynamic" and seq_len > self.max_position_embeddings
+
+    def _table_for(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        device = self.inv_freq.device
+        kind = [t for t in self._tables if (t[0].dtype, t[0].device) == (dtype, device)]
+        table = kind[-1] if kind else None
+        if table is not None and table[0].shape[0] >= seq_len:
+            return table
+        length = max(seq_len, _MIN_TABLE_POSITIONS, 2 * table[0].shape[0] if table else 0)
+        if self.rope.scaling_type == "dynamic":  # the frequencies hold up to the trained context
+            length = min(length, self.max_position_embeddings)
+        table = _cos_sin(torch.arange(length, device=device), self.inv_freq, dtype)
+        self._tables.append(table)
+        return table
+
+
+def _cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

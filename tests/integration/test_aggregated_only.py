@@ -31,9 +31,11 @@ async def test_an_aggregated_only_cluster_serves_whole_requests_on_its_cpu_grant
         [instance] = serving.cluster.actors("generation")
         health = await instance.actor.health.remote()
         assert health.role == "aggregated" and health.torch_threads == 2
-        # Its OpenMP threads wait passively, leaving the cores to its I/O threads.
+        # Its OpenMP threads wait passively, leaving the cores to its I/O threads,
+        # and its malloc keeps freed activations (`engine.process_env`).
         env = await instance.actor.__ray_call__.remote(lambda _self: dict(os.environ))
         assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "PYTHONPATH" in env
+        assert env["MALLOC_ARENA_MAX"] == "1"
         async with httpx.AsyncClient(base_url=serving.url, timeout=60) as client:
             model = (await client.get("/models")).json()["data"][0]["id"]
             body = {"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 5, "ignore_eos": True}

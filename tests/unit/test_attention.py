@@ -126,3 +126,20 @@ def test_fresh_prompts_attend_in_one_padded_call(new_lens: list[int], window: in
     # Every sequence starts at position 0: the padded (or, equal lengths, plain
     # reshaped) batch path; padding must not leak into any sequence.
     run_and_compare(context_lens=[0] * len(new_lens), new_lens=new_lens, window=window)
+
+
+@pytest.mark.parametrize("window", [None, 7], ids=["full", "sliding-7"])
+@pytest.mark.parametrize("new_lens", [[40, 3, 33], [48], [36, 36]], ids=["uneven", "one", "equal"])
+def test_long_fresh_prompts_attend_causally_per_prompt(
+    new_lens: list[int], window: int | None
+) -> None:
+    # Prompts past the padded-batch length: SDPA's causal mask per prompt (or
+    # once for equal lengths) over the step's own K/V.
+    run_and_compare(context_lens=[0] * len(new_lens), new_lens=new_lens, window=window)
+
+
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "sliding-3"])
+def test_fresh_chunk_beside_continuing_chunks_and_decodes(window: int | None) -> None:
+    # A step that also carries cached tokens: a chunk starting its prompt attends
+    # over its own new K/V, the others read theirs back from the cache.
+    run_and_compare(context_lens=[0, 6, 10, 0], new_lens=[9, 5, 1, 2], window=window)

@@ -76,3 +76,43 @@ def test_rotation_matches_transformers_apply_rotary_pos_emb() -> None:
     )
     torch.testing.assert_close(apply_rotary(q, cos, sin), hf_q[0].transpose(0, 1))
     torch.testing.assert_close(apply_rotary(k, cos, sin), hf_k[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("rope_type", ["default", *sorted(SCALINGS)])
+def test_table_rows_are_the_values_computed_per_step(rope_type: str) -> None:
+    config = hf_config(SCALINGS.get(rope_type, {"rope_type": "default"}))
+    ours = parse_model_config({**config.to_dict(), "architectures": ["LlamaForCausalLM"]})
+    assert ours.rope is not None
+    rotary = RotaryEmbedding(ours.head_dim, ours.rope, MAX_POSITIONS)
+    for seq_len in (MAX_POSITIONS // 2, MAX_POSITIONS):  # the second may grow the table
+        positions = torch.randint(0, seq_len, (40,))
+        for dtype in (torch.float32, torch.bfloat16):
+            direct = RotaryEmbedding(ours.head_dim, ours.rope, MAX_POSITIONS).cos_sin(
+                positions, dtype
+            )
+            tabled = rotary.cos_sin(positions, dtype, seq_len)
+            assert all(torch.equal(a, b) for a, b in zip(tabled, direct, strict=True))
+
+
+def test_table_grows_past_its_first_length() -> None:
+    rotary = RotaryEmbedding(64, RopeConfig(theta=10000.0), 1 << 20)
+    positions = torch.tensor([0, 5000, 9999, 20000])
+    tabled = rotary.cos_sin(positions, torch.float32, seq_len=20001)
+    direct = rotary.cos_sin(positions, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(tabled, direct, strict=True))
+    assert rotary.cos_sin(positions[:2], torch.float32, seq_len=5001)[0].shape == (2, 64)
+
+
+def test_dynamic_scaling_past_the_trained_context_skips_the_table() -> None:
+    ours = parse_model_config(
+        {**hf_config(SCALINGS["dynamic"]).to_dict(), "architectures": ["LlamaForCausalLM"]}
+    )
+    assert ours.rope is not None
+    rotary = RotaryEmbedding(ours.head_dim, ours.rope, MAX_POSITIONS)
+    positions = torch.arange(2 * MAX_POSITIONS)
+    rotary.cos_sin(positions[:MAX_POSITIONS], torch.float32, MAX_POSITIONS)  # fills the table
+    past = rotary.cos_sin(positions, torch.float32, 2 * MAX_POSITIONS)
+    expected = rotary.cos_sin(positions, torch.float32)  # reads the longest position back
+    assert all(torch.equal(a, b) for a, b in zip(past, expected, strict=True))
+    inside = rotary.cos_sin(positions[:MAX_POSITIONS], torch.float32, MAX_POSITIONS)
+    assert not torch.equal(past[0][:MAX_POSITIONS], inside[0])
