@@ -328,12 +328,14 @@ async def test_killed_generation_worker_fails_its_streams_others_complete_and_it
     expected = await _expected(h, LONG_TOKENS)
     victim = h.router.generation[0]
     streams = [h.router.generate(f"long-{i}", p, _long()) for i, p in enumerate(PROMPTS)]
-    firsts = await asyncio.gather(*(anext(s) for s in streams))  # every one is streaming
+    # Two events each: the second comes from a generation worker, so every
+    # request is decoding there, past its pull.
+    heads = await asyncio.gather(*(_take(s, 2) for s in streams))
     ray.kill(victim.actor, no_restart=False)
     results = await asyncio.gather(*(_drain(s) for s in streams))
     failed = 0
-    for first, rest, want in zip(firsts, results, expected, strict=True):
-        got = tokens([first, *rest])
+    for head, rest, want in zip(heads, results, expected, strict=True):
+        got = tokens([*head, *rest])
         if rest[-1].finish_reason == "error":
             failed += 1
             assert victim.name in (rest[-1].error or ""), rest[-1]
@@ -375,6 +377,10 @@ async def test_client_disconnect_during_the_pull_frees_both_sides(harness: Harne
 
 def _long() -> SamplingParams:
     return SamplingParams(max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+async def _take(stream: AsyncIterator[TokenEvent], n: int) -> list[TokenEvent]:
+    return [await anext(stream) for _ in range(n)]
 
 
 async def _drain(stream: AsyncIterator[TokenEvent]) -> list[TokenEvent]:
