@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -46,6 +45,7 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
+from cluster.continuation import Continuation
 from cluster.metrics import ServingMetrics
 from cluster.policies import RoutingPolicy, WorkerState, make_policy
 from cluster.worker_channel import WorkerChannel
@@ -191,11 +191,11 @@ class Router:
     ) -> AsyncIterator[TokenEvent]:
         """Context, then generation. The context worker's first token goes to
         the caller at once, before its cache moves; if the pull fails, the
-        request resumes from the tokens the caller has (`_Resume`)."""
+        request resumes from the tokens the caller has (`Continuation`)."""
         context_hashes = hashes
         if self.settings.context_block_size != self.settings.generation_block_size:
             context_hashes = self.block_hashes(prompt, self.settings.context_block_size, images)
-        resume = _Resume(prompt, params)
+        resume = Continuation(prompt, params)
         errors: list[str] = []
         for attempt in range(self.settings.max_attempts):
             target = self._prefetch_target(prompt, hashes, touched) if attempt == 0 else None
@@ -431,36 +431,6 @@ class Router:
     @staticmethod
     async def _load_and_events(endpoint: WorkerEndpoint) -> tuple[WorkerLoad, KVEventBatch]:
         return await endpoint.actor.load.remote(), await endpoint.actor.drain_kv_events.remote()
-
-
-class _Resume:
-    """What a disaggregated request runs next, given the tokens already sent.
-
-    Its first token reaches the caller before its cache moves, so a failed
-    pull cannot start over: the next attempt prefills the prompt followed by
-    every token sent so far and produces only the rest (`max_tokens` less
-    those). Greedy decoding continues exactly as the lost attempt would have;
-    sampling continues from the sent text with fresh draws, and the moved
-    tokens no longer count toward presence and frequency penalties.
-    """
-
-    def __init__(self, prompt: list[int], params: Any) -> None:
-        self.original_prompt = prompt
-        self.prompt = prompt
-        self.params = params
-        self.sent: list[int] = []
-
-    def advance(self, token_id: int) -> None:
-        """`token_id` reached the caller; the next attempt starts after it."""
-        self.sent.append(token_id)
-        self.prompt = [*self.original_prompt, *self.sent]
-        self.params = dataclasses.replace(self.params, max_tokens=self.params.max_tokens - 1)
-
-    def event(self, event: TokenEvent) -> TokenEvent:
-        """An event of the current attempt as the caller's request sees it."""
-        if not self.sent:
-            return event
-        return dataclasses.replace(event, num_prompt_tokens=len(self.original_prompt))
 
 
 class _PullFailed(Exception):
