@@ -87,6 +87,9 @@ _DONE = b"done"  # READs of offered blocks finished; the holder keeps the reques
 _LOCAL_AGENT = "NIXL_INIT_AGENT"
 # Notification polls of an agent with nothing pinned or claimed.
 _IDLE_POLL_INTERVAL_S = 0.05
+# ... and of a puller waiting for a grant: a claim is short-lived, and the
+# first token has reached the caller, who now waits on this round trip.
+_CLAIM_POLL_INTERVAL_S = 0.001
 # Completion polls of a READ still in flight (RDMA, GPU) sleep a small fraction
 # of its age, so a short READ is seen done within microseconds and a long one
 # costs at most one poll per `_MAX_POLL_GAP_S`.
@@ -103,7 +106,8 @@ class NixlTransceiver(Transceiver):
         once as DRAM or VRAM.
     name: the agent name, unique in the cluster (a random one by default).
     poll_interval_s: how often notifications are polled while requests are
-        pinned here or claims are pending (every 50 ms otherwise).
+        pinned here (every 1 ms while a claim of ours awaits its grant, every
+        50 ms otherwise).
     claim_window_s: how long a granted claim pins a request for its READs.
     """
 
@@ -218,8 +222,12 @@ class NixlTransceiver(Transceiver):
             for sender, messages in notifications.items():
                 for message in messages:
                     self._apply_notification(sender, message)
-            busy = len(self._leases) or self._claims or self._offers
-            interval = self._poll_interval_s if busy else _IDLE_POLL_INTERVAL_S
+            busy = len(self._leases) or self._offers
+            interval = _IDLE_POLL_INTERVAL_S
+            if self._claims:
+                interval = min(_CLAIM_POLL_INTERVAL_S, self._poll_interval_s)
+            elif busy:
+                interval = self._poll_interval_s
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), interval)
 
