@@ -20,12 +20,13 @@ Failure rules: a dispatch that fails before any token reached the caller is
 retried on another worker of the same pool (a dead worker is marked
 unhealthy until it answers polls again, e.g. after Ray restarted it); after
 that, the caller gets a final error event. A disaggregated request's first
-token is held back until the generation worker reports its pull complete
-(`cache_ready`): a pull that fails before then (the context worker died,
-stalled or the transfer timed out) re-runs the request from its prefill on
-another context worker. When the caller stops iterating (client
-disconnect), the request is aborted on every worker it touched, so both
-sides free its blocks.
+token goes to the caller as soon as the context worker returns it, before
+the cache moves. A pull that fails before the generation worker reports it
+complete (`cache_ready`: the context worker died, stalled or the transfer
+timed out) resumes the request on another context worker: it prefills the
+prompt plus the tokens already sent and continues from there. When the
+caller stops iterating (client disconnect), the request is aborted on every
+worker it touched, so both sides free its blocks.
 
 Load, KV events and encoder-cache events are polled from every worker in
 the background; the router's own `tokens_in_flight` bookkeeping keeps
@@ -44,6 +45,7 @@ from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
 
+from cluster.continuation import Continuation
 from cluster.metrics import ServingMetrics
 from cluster.policies import RoutingPolicy, WorkerState, make_policy
 from cluster.worker_channel import WorkerChannel
@@ -187,39 +189,49 @@ class Router:
         hashes: Sequence[bytes],
         touched: list[WorkerEndpoint],
     ) -> AsyncIterator[TokenEvent]:
-        """Context, then generation; the whole pair runs again while no token
-        reached the caller (the first token waits for `cache_ready`)."""
+        """Context, then generation. The context worker's first token goes to
+        the caller at once, before its cache moves; if the pull fails, the
+        request resumes from the tokens the caller has (`Continuation`)."""
         context_hashes = hashes
         if self.settings.context_block_size != self.settings.generation_block_size:
             context_hashes = self.block_hashes(prompt, self.settings.context_block_size, images)
+        resume = Continuation(prompt, params)
         errors: list[str] = []
         for attempt in range(self.settings.max_attempts):
             target = self._prefetch_target(prompt, hashes, touched) if attempt == 0 else None
-            context = await self._run_context(
-                ContextRequest(request_id, prompt, params, images), context_hashes, touched, target
-            )
+            context_request = ContextRequest(request_id, resume.prompt, resume.params, images)
+            try:
+                context = await self._run_context(context_request, context_hashes, touched, target)
+            except Exception as exc:  # after a sent token, only an error event may follow
+                if not resume.sent:
+                    raise
+                errors.append(str(exc))
+                break
             holder = touched[-1]
-            first = _first_event(context)
+            first = resume.event(_first_event(context))
+            yield first
             if first.finished:
                 if target is not None:  # nothing to pull: end the prefetch
                     target.actor.abort.remote(request_id)
-                yield first
                 return
             request = GenerationRequest(
-                request_id, prompt, params, context, tuple(i.without_data() for i in images)
+                request_id,
+                resume.prompt,
+                resume.params,
+                context,
+                tuple(i.without_data() for i in images),
             )
             try:
                 async for event in self._stream_generation(request, hashes, touched, target):
-                    if event.cache_ready:
-                        yield first
-                    else:
-                        yield event
+                    if not event.cache_ready:
+                        yield resume.event(event)
                 return
             except _PullFailed as failure:
                 errors.append(str(failure))
                 # The holder may still pin the cache (the puller died): free it.
                 self._abort_everywhere(request_id, [holder])
-        raise RequestFailedError(request_id, "cache transfer failed: " + "; ".join(errors))
+                resume.advance(context.first_token_id)
+        yield _error_event(request_id, "cache transfer failed: " + "; ".join(errors))
 
     def _prefetch_target(
         self, prompt: list[int], hashes: Sequence[bytes], touched: list[WorkerEndpoint]

@@ -121,7 +121,7 @@ class ServingCluster:
         for instance in self.cluster.instances:
             labels = (instance.plan.name, instance.plan.role, instance.node_ip)
             self.metrics.worker_node.labels(*labels).set(1)
-        self.router = _build_router(self.cluster, self.config, self.metrics)
+        self.router = build_router(self.cluster, self.config, self.metrics)
         limits = ServerLimits(
             api_key=self.config.api_key,
             max_body_bytes=self.config.max_request_body_bytes,
@@ -174,9 +174,10 @@ def _bind(host: str, port: int) -> socket.socket:
     return listener
 
 
-def _build_router(
-    cluster: RunningCluster, config: ClusterConfig, metrics: ServingMetrics
-) -> Router:
+def build_router(cluster: RunningCluster, config: ClusterConfig, metrics: ServingMetrics) -> Router:
+    """The router `disagg serve` puts over a launched cluster (also what the
+    benchmarks that drive a router without HTTP use)."""
+
     def endpoints(role: str) -> list[WorkerEndpoint]:
         return [
             WorkerEndpoint(i.plan.name, i.actor, WorkerState(i.plan.name))

@@ -52,6 +52,7 @@ from engine.messages import (
 from engine.request import Request
 from engine.threads import configure_torch_threads, run_on_compute_thread
 from engine.worker_config import WorkerConfig
+from kvcache.layout import RequestRegions
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class GenerationWorker:
         self.role = role
         self.engine = run_on_compute_thread(lambda: EngineInstance.build(config, role, worker_id))
         self.transceiver: Any = self.engine.create_transceiver() if role == "generation" else None
-        self._pulls: dict[str, asyncio.Task[None]] = {}
+        self._pulls: dict[str, asyncio.Task[bool]] = {}
         self._prefetches = (
             Prefetches(self.engine, self.transceiver, config.transfer_timeout_s)
             if self.transceiver is not None
@@ -244,8 +245,9 @@ class GenerationWorker:
             await self.transceiver.close()
         self.engine.close()
 
-    async def _admit(self, req: Request, pull: asyncio.Task[None]) -> None:
-        """Wait for the pull, announce it (`cache_ready`) and join the batch."""
+    async def _admit(self, req: Request, pull: asyncio.Task[bool]) -> None:
+        """Wait for the pull, announce it (`cache_ready`), mark the cache
+        complete and join the batch (the last two in one gap between steps)."""
         try:
             error = await self._finish_pull(req, pull)
             if error is not None:
@@ -255,7 +257,13 @@ class GenerationWorker:
                 req.request_id, [], num_prompt_tokens=req.num_prompt_tokens, cache_ready=True
             )
             self._post([ready])
-            self.engine.loop.submit(req, prefilled=True)
+            manager = self.engine.manager
+
+            def finish() -> None:
+                manager.finish_transfer(req.request_id, req.prompt_token_ids, req.images)
+
+            # A prefetch that placed the cache finished it already.
+            self.engine.loop.submit(req, prefilled=True, prepare=finish if pull.result() else None)
         finally:
             self._admitting.discard(asyncio.current_task())  # type: ignore[arg-type]
 
@@ -266,7 +274,7 @@ class GenerationWorker:
                 self._active.discard(event.request_id)
         self._outbox.post(events)
 
-    def _start_pull(self, req: Request, context: ContextResult) -> asyncio.Task[None]:
+    def _start_pull(self, req: Request, context: ContextResult) -> asyncio.Task[bool]:
         """Seed `req` with the context's first token and start pulling its
         cache (or join the prefetch already pulling it)."""
         req.output_token_ids.append(context.first_token_id)
@@ -280,7 +288,7 @@ class GenerationWorker:
         self._pulls[req.request_id] = task
         return task
 
-    async def _finish_pull(self, req: Request, pull: asyncio.Task[None]) -> TokenEvent | None:
+    async def _finish_pull(self, req: Request, pull: asyncio.Task[bool]) -> TokenEvent | None:
         """Wait for the pull; on failure free what it allocated and return the
         request's final error (or abort) event."""
         rid = req.request_id
@@ -305,25 +313,31 @@ class GenerationWorker:
 
     async def _pull_into_cache(
         self, req: Request, context: ContextResult, prefetch: asyncio.Task[str | None] | None = None
-    ) -> None:
+    ) -> bool:
+        """Place the context's cache in blocks allocated here; True when the
+        caller must still mark the transfer finished (`finish_transfer`)."""
         rid, manager = req.request_id, self.engine.manager
         if prefetch is not None:
             placed = await prefetch
             if context.handle is not None and placed == context.handle.transfer_id:
-                return  # the prefetch placed this very cache
+                return False  # the prefetch placed this very cache, and finished it
             if placed is not None:  # another context worker's: this one is wanted
                 await self._between_steps(lambda: manager.free(rid))
+
+        def allocate() -> RequestRegions | None:
+            """The pull's destination, in one gap between steps; None while short."""
+            if not manager.allocate_for_transfer(rid, req.num_prompt_tokens):
+                return None
+            return manager.regions(rid)
+
         deadline = time.monotonic() + self.config.transfer_timeout_s
-        while not await self._between_steps(
-            lambda: manager.allocate_for_transfer(rid, req.num_prompt_tokens)
-        ):
+        while (regions := await self._between_steps(allocate)) is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"no free blocks for {req.num_prompt_tokens} tokens within "
                     f"{self.config.transfer_timeout_s}s; raise max_tokens on generation workers"
                 )
             await asyncio.sleep(_ALLOC_RETRY_S)
-        regions = await self._between_steps(lambda: manager.regions(rid))
         handles, timeout_s = context.all_handles, self.config.transfer_timeout_s
         pull = self.transceiver.pull_ranks(handles, regions, manager.layout_signature(), timeout_s)
         ranks = self.engine.ranks
@@ -333,9 +347,7 @@ class GenerationWorker:
             # Every rank pulls its own heads; a failure on one stops the others
             # (`RankGroup.pull`) before the blocks are freed.
             await _all_or_none(pull, ranks.pull(handles, regions, timeout_s))
-        await self._between_steps(
-            lambda: manager.finish_transfer(rid, req.prompt_token_ids, req.images)
-        )
+        return True
 
     async def _between_steps(self, fn: Callable[[], T]) -> T:
         return await self.engine.loop.run_between_steps(fn)

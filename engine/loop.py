@@ -124,12 +124,19 @@ class EngineLoop:
         self.call_between_steps(run)
         return await future
 
-    def submit(self, request: Request, prefilled: bool = False) -> None:
+    def submit(
+        self,
+        request: Request,
+        prefilled: bool = False,
+        prepare: Callable[[], None] | None = None,
+    ) -> None:
         """Queue a request; its `TokenEvent`s go to `on_events`.
 
         `prefilled` admits it straight into the running batch (its cache was
-        pulled). Raises ValueError for an id already in flight; capacity
-        errors surface as a final event with `error` set.
+        pulled). `prepare` runs between steps right before the request joins,
+        in the same gap (marking a pulled cache complete costs no extra step).
+        Raises ValueError for an id already in flight; capacity errors and an
+        error of `prepare` surface as a final event with `error` set.
         """
         if request.request_id in self._open:
             raise ValueError(f"request id {request.request_id!r} is already in flight here")
@@ -137,6 +144,8 @@ class EngineLoop:
 
         def add() -> None:
             try:
+                if prepare is not None:
+                    prepare()
                 if prefilled:
                     self.core.add_prefilled(request)
                 else:

@@ -87,6 +87,9 @@ _DONE = b"done"  # READs of offered blocks finished; the holder keeps the reques
 _LOCAL_AGENT = "NIXL_INIT_AGENT"
 # Notification polls of an agent with nothing pinned or claimed.
 _IDLE_POLL_INTERVAL_S = 0.05
+# ... and of a puller waiting for a grant: a claim is short-lived, and the
+# first token has reached the caller, who now waits on this round trip.
+_CLAIM_POLL_INTERVAL_S = 0.001
 # Completion polls of a READ still in flight (RDMA, GPU) sleep a small fraction
 # of its age, so a short READ is seen done within microseconds and a long one
 # costs at most one poll per `_MAX_POLL_GAP_S`.
@@ -103,7 +106,8 @@ class NixlTransceiver(Transceiver):
         once as DRAM or VRAM.
     name: the agent name, unique in the cluster (a random one by default).
     poll_interval_s: how often notifications are polled while requests are
-        pinned here or claims are pending (every 50 ms otherwise).
+        pinned here (every 1 ms while a claim of ours awaits its grant, every
+        50 ms otherwise).
     claim_window_s: how long a granted claim pins a request for its READs.
     """
 
@@ -138,6 +142,7 @@ class NixlTransceiver(Transceiver):
         self._sizes = {n: b.num_bytes for n, b in self._buffers.items()}
         self._mem_type = _mem_type(self._tensors)
         self._poller: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()  # set: poll now, without finishing the wait
         # Holder: claim windows open on offers, oldest first, by (request id, transfer id).
         self._windows: dict[tuple[str, str], deque[tuple[Offer, asyncio.TimerHandle]]] = {}
 
@@ -199,8 +204,11 @@ class NixlTransceiver(Transceiver):
     # ----------------------------------------------------------------- holder
 
     def _ensure_poller(self) -> None:
+        """Start the poller, or cut its current wait short: a publish, an offer
+        or a claim expects notifications soon, and an idle wait is long."""
         if self._poller is None or self._poller.done():
             self._poller = asyncio.create_task(self._poll_notifications())
+        self._wake.set()
 
     async def _poll_notifications(self) -> None:
         """Apply notifications from the first publish or claim until `close`.
@@ -209,12 +217,19 @@ class NixlTransceiver(Transceiver):
         lease must still get its answer.
         """
         while True:
+            self._wake.clear()
             notifications = await self._thread.run(self._agent.get_new_notifs)
             for sender, messages in notifications.items():
                 for message in messages:
                     self._apply_notification(sender, message)
-            busy = len(self._leases) or self._claims or self._offers
-            await asyncio.sleep(self._poll_interval_s if busy else _IDLE_POLL_INTERVAL_S)
+            busy = len(self._leases) or self._offers
+            interval = _IDLE_POLL_INTERVAL_S
+            if self._claims:
+                interval = min(_CLAIM_POLL_INTERVAL_S, self._poll_interval_s)
+            elif busy:
+                interval = self._poll_interval_s
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), interval)
 
     def _apply_notification(self, sender: str, message: bytes) -> None:
         kind, _, rest = message.partition(b" ")
@@ -370,8 +385,8 @@ class NixlTransceiver(Transceiver):
         answer: asyncio.Future[float | None] = asyncio.get_running_loop().create_future()
         self._claims[key] = answer
         try:
-            self._ensure_poller()
             await self._thread.run(self._send_claim, handle)
+            self._ensure_poller()  # the grant comes within a poll interval or two
             window = await answer
         finally:
             del self._claims[key]

@@ -4,8 +4,9 @@ Two 2P2D clusters (Python and NIXL transceivers) started by the launcher
 (actors restart after a crash) share one Ray session. Each test drives a
 router over them, injects one fault (`ray.kill`, SIGSTOP/SIGCONT of an
 actor's process, a client that stops reading) and checks the outcome: the
-affected request is re-run when no token reached the caller, or ends with a
-clear error; every other request returns the fault-free tokens; every
+affected request is re-run (resumed after the first token, when only that
+one reached the caller before its cache was lost), or ends with a clear
+error; every other request returns the fault-free tokens; every
 surviving (or restarted) worker passes its integrity check with all blocks
 free again.
 
@@ -232,12 +233,37 @@ async def test_a_paused_worker_fails_its_polls_and_the_others_keep_serving(
     await _until(lambda: hung.state.healthy, 20, "the resumed worker is not healthy again")
 
 
+async def test_the_first_token_reaches_the_caller_before_the_cache_moves(
+    harness: Harness,
+) -> None:
+    """The context worker's first token is sent on at once: it arrives while
+    every generation worker is paused, and the stream completes with the
+    fault-free tokens once they resume."""
+    h = harness
+    expected = tokens(await h.run("ref-early", PROMPTS[0], 8))
+    pids = {e.name: await pid_of(e.actor) for e in h.router.generation}
+    for pid in pids.values():
+        h.paused.add(pid)
+        os.kill(pid, signal.SIGSTOP)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    stream = h.router.generate("early", PROMPTS[0], params)
+    try:
+        first = await asyncio.wait_for(anext(stream), 4 * TIMEOUT_S)
+    finally:
+        _resume_generation(h, pids)
+    assert first.token_ids == expected[:1] and not first.finished
+    rest = await asyncio.wait_for(_drain(stream), 4 * TIMEOUT_S)
+    assert tokens([first, *rest]) == expected and rest[-1].finish_reason == "length"
+    await h.all_idle()
+
+
 async def test_killed_context_holder_is_retried_on_the_other_context_worker(
     harness: Harness,
 ) -> None:
     """The holder dies after its prefill, before the pull: the puller gets
-    PeerGone (or times out), frees its blocks, and the router re-runs the
-    prefill elsewhere; the caller sees only the fault-free tokens."""
+    PeerGone (or times out), frees its blocks, and the router resumes the
+    request elsewhere after the first token it sent; the caller sees only the
+    fault-free tokens."""
     h = harness
     [expected] = [tokens(await h.run("ref-holder", PROMPTS[1], 8))]
     task, holder, _puller, pids = await _paused_at_pull(h, "holder-dies", PROMPTS[1])
@@ -302,12 +328,14 @@ async def test_killed_generation_worker_fails_its_streams_others_complete_and_it
     expected = await _expected(h, LONG_TOKENS)
     victim = h.router.generation[0]
     streams = [h.router.generate(f"long-{i}", p, _long()) for i, p in enumerate(PROMPTS)]
-    firsts = await asyncio.gather(*(anext(s) for s in streams))  # every one is streaming
+    # Two events each: the second comes from a generation worker, so every
+    # request is decoding there, past its pull.
+    heads = await asyncio.gather(*(_take(s, 2) for s in streams))
     ray.kill(victim.actor, no_restart=False)
     results = await asyncio.gather(*(_drain(s) for s in streams))
     failed = 0
-    for first, rest, want in zip(firsts, results, expected, strict=True):
-        got = tokens([first, *rest])
+    for head, rest, want in zip(heads, results, expected, strict=True):
+        got = tokens([*head, *rest])
         if rest[-1].finish_reason == "error":
             failed += 1
             assert victim.name in (rest[-1].error or ""), rest[-1]
@@ -349,6 +377,10 @@ async def test_client_disconnect_during_the_pull_frees_both_sides(harness: Harne
 
 def _long() -> SamplingParams:
     return SamplingParams(max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+async def _take(stream: AsyncIterator[TokenEvent], n: int) -> list[TokenEvent]:
+    return [await anext(stream) for _ in range(n)]
 
 
 async def _drain(stream: AsyncIterator[TokenEvent]) -> list[TokenEvent]:

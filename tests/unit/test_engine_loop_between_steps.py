@@ -1,4 +1,5 @@
-"""`EngineLoop.run_between_steps`: a cancelled waiter never breaks the loop."""
+"""Calls between steps: a cancelled `run_between_steps` waiter never breaks the
+loop, and `submit`'s `prepare` runs in the gap that admits the request."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import asyncio
 from typing import Any
 
 from engine.loop import EngineLoop
+from engine.messages import TokenEvent
+from engine.request import Request
+from engine.sampling import SamplingParams
 
 
 class _IdleCore:
@@ -28,4 +32,34 @@ async def test_a_cancelled_waiter_leaves_the_loop_running() -> None:
     assert await asyncio.wait_for(second, 5.0) == 7  # a dead loop would never answer
     assert ran == ["first", "second"]  # the cancelled call still ran, in order
     assert loop.healthy
+    await loop.stop()
+
+
+class _RecordingCore(_IdleCore):
+    """Records admissions; still never has work to step."""
+
+    def __init__(self, ran: list[str]) -> None:
+        self.ran = ran
+
+    def add_prefilled(self, request: Any) -> None:
+        self.ran.append(f"add {request.request_id}")
+
+
+async def test_prepare_runs_in_the_admitting_gap_and_its_error_ends_the_request() -> None:
+    ran: list[str] = []
+    loop = EngineLoop(_RecordingCore(ran))
+    events: list[TokenEvent] = []
+    loop.on_events = events.extend
+    params = SamplingParams(max_tokens=4)
+
+    def broken() -> None:
+        raise RuntimeError("no transfer in progress")
+
+    loop.submit(Request("ok", [1, 2], params), prefilled=True, prepare=lambda: ran.append("prep"))
+    loop.submit(Request("bad", [1, 2], params), prefilled=True, prepare=broken)
+    loop.start()
+    await asyncio.wait_for(loop.run_between_steps(lambda: None), 5.0)
+    assert ran == ["prep", "add ok"]
+    assert [(e.request_id, e.finish_reason) for e in events] == [("bad", "error")]
+    assert "no transfer in progress" in (events[0].error or "")
     await loop.stop()

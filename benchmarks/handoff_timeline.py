@@ -1,0 +1,189 @@
+"""Where a 1P1D request's time goes, phase by phase, at a steady arrival rate.
+
+    python -m benchmarks.handoff_timeline --transceiver nixl --rate 8 --requests 64
+
+A context and a generation instance with one CPU each, started by the
+launcher from the same config `benchmarks.serve_compare` gives
+`ours-1p1d-*`, and the router of `disagg serve` in this process (no HTTP in
+front). Random prompts of `--input-len` token ids, `--output-len` greedy
+tokens each (EOS ignored), Poisson arrivals at `--rate` (inf: all at once),
+after `--warmup` requests that are not counted. Each request's way, on this
+machine's clock (the workers are processes on the same machine):
+
+    dispatched ─► first token sampled ─► first token ─► second token ─► last token
+                  (context worker)       (router)       (router)        (router)
+
+printed as p50 / p99 of each phase:
+
+- queue + prefill: dispatched -> sampled (the context worker's own clock
+  reading, carried by the first token);
+- result to caller: sampled -> the first token leaves the router;
+- TTFT: dispatched -> first token at the router;
+- first -> second token: what the caller waits between them; the cache
+  moves in there unless the first token was held back until it had moved;
+- sampled -> second token: the hand-off as a whole (result to the router,
+  dispatch to the generation worker, pull, admission, one decode step),
+  comparable whether or not the first token waits for the cache;
+- later ITL: mean gap between the remaining tokens.
+
+The router's own `disagg_kv_transfer_seconds` (generation dispatch ->
+`cache_ready`) is printed as a mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+
+from benchmarks.serve_targets import Setup, base_config
+from cluster.config import config_from_dict
+from cluster.launcher import launch
+from cluster.metrics import ServingMetrics
+from cluster.plan import resolve_plan
+from cluster.router import Router
+from cluster.serving import build_router
+from engine.sampling import SamplingParams
+
+LENGTH_MARGIN = 16
+
+
+@dataclass
+class Timeline:
+    """One request's moments: wall clock for the first two, perf_counter after."""
+
+    dispatched_wall: float
+    sampled_wall: float = 0.0
+    dispatched: float = 0.0
+    first: float = 0.0
+    second: float = 0.0
+    last: float = 0.0
+    num_tokens: int = 0
+
+    def phases(self) -> dict[str, float]:
+        to_sampled = self.sampled_wall - self.dispatched_wall
+        ttft = self.first - self.dispatched
+        later = (self.last - self.second) / max(1, self.num_tokens - 2)
+        return {
+            "queue + prefill": to_sampled,
+            "result to caller": ttft - to_sampled,
+            "TTFT": ttft,
+            "first -> second token": self.second - self.first,
+            "sampled -> second token": self.second - self.dispatched - to_sampled,
+            "later ITL (mean)": later,
+        }
+
+
+async def _one(router: Router, rid: str, prompt: list[int], params: SamplingParams) -> Timeline:
+    timeline = Timeline(time.time(), dispatched=time.perf_counter())
+    async for event in router.generate(rid, prompt, params):
+        if event.error is not None:
+            raise RuntimeError(event.error)
+        now = time.perf_counter()
+        for _ in event.token_ids:
+            timeline.num_tokens += 1
+            if timeline.num_tokens == 1:
+                timeline.first, timeline.sampled_wall = now, event.timestamp
+            elif timeline.num_tokens == 2:
+                timeline.second = now
+        timeline.last = now
+    return timeline
+
+
+async def _drive(args: argparse.Namespace, router: Router, vocab: int) -> list[Timeline]:
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    rng = random.Random(args.seed)
+
+    def prompt() -> list[int]:
+        return [rng.randrange(10, vocab) for _ in range(args.input_len)]
+
+    for i in range(args.warmup):
+        await _one(router, f"warmup-{i}", prompt(), params)
+    tasks = []
+    for i in range(args.requests):
+        tasks.append(asyncio.ensure_future(_one(router, f"req-{i}", prompt(), params)))
+        if args.rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(args.rate))
+    return list(await asyncio.gather(*tasks))
+
+
+def _report(args: argparse.Namespace, timelines: list[Timeline], metrics: ServingMetrics) -> None:
+    print(
+        f"1P1D {args.transceiver}, rate {args.rate}, {args.requests} requests of "
+        f"{args.input_len} in / {args.output_len} out"
+    )
+    print(f"{'phase':<26} {'p50 ms':>8} {'p99 ms':>8}")
+    phases = [t.phases() for t in timelines]
+    for name in phases[0]:
+        values = sorted(p[name] for p in phases)
+        p99 = values[min(len(values) - 1, round(0.99 * (len(values) - 1)))]
+        print(f"{name:<26} {1e3 * statistics.median(values):>8.1f} {1e3 * p99:>8.1f}")
+    total = metrics.registry.get_sample_value("disagg_kv_transfer_seconds_sum") or 0.0
+    count = metrics.registry.get_sample_value("disagg_kv_transfer_seconds_count") or 0.0
+    if count:
+        print(f"{'transfer (router, mean)':<26} {1e3 * total / count:>8.1f}")
+
+
+async def _run(args: argparse.Namespace, checkpoint: Path) -> int:
+    setup = Setup(
+        model=checkpoint,
+        dtype="float32",
+        cpus=(0, 1),
+        port=0,
+        max_num_seqs=args.requests,
+        max_num_tokens=max(2048, args.input_len),
+        max_model_len=args.input_len + args.output_len + LENGTH_MARGIN,
+        prefix_caching=False,
+        vllm_python=Path(sys.executable),
+        workdir=Path(tempfile.gettempdir()),
+    )
+    config = config_from_dict(base_config(setup, args.transceiver))
+    cluster = await launch(resolve_plan(config), 300)
+    metrics = ServingMetrics()
+    router = build_router(cluster, config, metrics)
+    router.start()
+    try:
+        vocab = int(json.loads((checkpoint / "config.json").read_text())["vocab_size"])
+        timelines = await _drive(args, router, vocab)
+    finally:
+        await router.stop()
+        await cluster.shutdown()
+    _report(args, timelines, metrics)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", type=Path, help="default: the anchor mini Llama")
+    parser.add_argument("--transceiver", choices=("python", "nixl"), default="python")
+    parser.add_argument("--rate", type=float, default=8.0, help="requests/s; inf: all at once")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    checkpoint = args.checkpoint
+    if checkpoint is None:
+        from models.embedded.writer import ensure_checkpoint
+
+        folder = Path(tempfile.gettempdir()) / "disagg-bench-mini-llama"
+        checkpoint = ensure_checkpoint(folder, "llama", "mini")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        return asyncio.run(_run(args, checkpoint))
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
