@@ -53,12 +53,14 @@ class DecodeInputs:
 
 
 def make_inputs(shape: Shape, seed: int = 0) -> DecodeInputs:
-    """A V1 pool with shuffled blocks; sequence lengths in [3/4 keys, keys]."""
+    """A V1 pool (head-major blocks, as `kvcache.pool_layout` lays them out)
+    with shuffled blocks; sequence lengths in [3/4 keys, keys]."""
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(shape.keys * 3 // 4, shape.keys + 1, (shape.batch,), generator=gen)
     width = -(-shape.keys // BLOCK)
     num_blocks = shape.batch * width + 1
-    pool = torch.randn(num_blocks, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(shape.dtype)
+    pool = torch.randn(num_blocks, 2, KV_HEADS, BLOCK, HEAD_DIM, generator=gen).to(shape.dtype)
+    pool = pool.transpose(2, 3)  # indexed [block, 2, offset, head, dim]
     ids = torch.randperm(num_blocks - 1, generator=gen) + 1
     q = torch.randn(shape.batch, HEADS, HEAD_DIM, generator=gen).to(shape.dtype)
     tables = ids[: shape.batch * width].view(shape.batch, width)
