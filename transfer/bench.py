@@ -13,13 +13,15 @@ latency next to the raw limit measured in the same run (loopback TCP for
 Python on either wire, one big NIXL READ for NIXL) and a same-process memcpy, plus each
 worker's CPU use while idle.
 
-Tensor parallelism (`--tensor-parallel CTX:GEN`, Python transceiver: the raw
-NIXL READ runs between two whole pools): a "2->1" row has two holder ranks,
-each holding half of every block's KV heads, and one puller rank that pulls
-its heads from both; "1->2" one holder and two puller ranks that each pull
-their half from it, at once. Each side's ranks are endpoints in that side's
-one process, so a row still comes from two processes, and its size is the
-whole request's (all heads): the same bytes the raw limit moves.
+Tensor parallelism (`--tensor-parallel CTX:GEN`, both transceivers): a
+"2->1" row has two holder ranks, each holding half of every block's KV heads,
+and one puller rank that pulls its heads from both; "1->2" one holder and two
+puller ranks that each pull their half from it, at once. Each side's ranks
+are endpoints in that side's one process, so a row still comes from two
+processes, and its size is the whole request's (all heads): the same bytes
+the raw limit moves, which is measured as for equal ranks (one TCP stream,
+or one NIXL READ between the rank 0 pools, each as large in bytes as a
+whole-heads pool).
 
 How sure a line is: `ratio` is the median over rounds of (raw seconds /
 transceiver seconds) within a round, with its min-max spread over the rounds
@@ -126,7 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=["1:1", "2:1", "1:2"],
         type=_tp_pair,
         metavar="CTX:GEN",
-        help="holder:puller ranks per row group (Python transceiver; NIXL rows are 1:1)",
+        help="holder:puller ranks per row group",
     )
 
 
@@ -174,9 +176,6 @@ def run(args: argparse.Namespace) -> int:
         for kind, wire in variants:
             for manager in args.managers:
                 for ranks in args.tensor_parallel:
-                    if kind != "python" and ranks != (1, 1):
-                        # The raw NIXL READ runs between two whole pools.
-                        continue
                     for row in _bench_pair(kind, wire, manager, args.reps, ranks):
                         line = json.dumps(row.as_json()) if args.json else _format(row)
                         print(line, flush=True)
@@ -204,9 +203,11 @@ def _bench_pair(
     from transfer.bench_raw import BenchHost
     from transfer.bench_worker import EndpointSpec
 
-    num_blocks = SIZES[-1] // BLOCK_BYTES + 2
-
     def side(size: int) -> dict[str, EndpointSpec]:
+        # `size` times the blocks of a whole-heads pool, each 1/size as large:
+        # rank 0's pool alone holds the largest request's bytes for the raw
+        # limit's READ.
+        num_blocks = (SIZES[-1] // BLOCK_BYTES + 2) * size
         return {
             name: EndpointSpec(
                 kind, manager, BENCH_SPEC.for_rank(r, size), num_blocks, BLOCK_SIZE, wire=wire
