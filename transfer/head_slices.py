@@ -221,8 +221,12 @@ def _kv_pairs(
     src_skip = (heads[0] - source.kv_heads[0]) * head_bytes
     dst_skip = (heads[0] - dest.kv_heads[0]) * head_bytes
     run = (heads[1] - heads[0]) * head_bytes
-    pairs = []
-    for key, s in src.kv_segments.items():
+    # Segments in source order; one that continues the last pair's runs on
+    # both sides (the next layer of a V2 block, the next block of a run of
+    # blocks) extends it: thousands of segments become a few pairs here,
+    # without a SlicePair per segment.
+    runs: list[list[Any]] = []  # [src_buffer, src_offset, dst_buffer, dst_offset, num_runs]
+    for key, s in sorted(src.kv_segments.items(), key=_source_order):
         d = dst.kv_segments[key]
         if s.length != halves * src_half or d.length != halves * dst_half:
             raise LayoutMismatch(
@@ -231,19 +235,26 @@ def _kv_pairs(
                 f"segment {key} is {s.length} bytes on the source and {d.length} here, "
                 f"where the signatures give {halves * src_half} and {halves * dst_half}",
             )
-        pairs.append(
-            SlicePair(
-                s.buffer,
-                s.offset + src_skip,
-                d.buffer,
-                d.offset + dst_skip,
-                run,
-                halves,
-                src_half,
-                dst_half,
-            )  # fmt: skip
-        )
-    return pairs
+        src_at, dst_at = s.offset + src_skip, d.offset + dst_skip
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and last[0] == s.buffer
+            and last[2] == d.buffer
+            and last[1] + last[4] * src_half == src_at
+            and last[3] + last[4] * dst_half == dst_at
+        ):
+            last[4] += halves
+        else:
+            runs.append([s.buffer, src_at, d.buffer, dst_at, halves])
+    return [
+        SlicePair(src_buffer, src_at, dst_buffer, dst_at, run, count, src_half, dst_half)
+        for src_buffer, src_at, dst_buffer, dst_at, count in runs
+    ]
+
+
+def _source_order(item: tuple[Any, Region]) -> tuple[str, int]:
+    return item[1].buffer, item[1].offset
 
 
 def _contiguous(s: Region, src_start: int, d: Region, dst_start: int, length: int) -> SlicePair:
