@@ -70,16 +70,21 @@ def make_inputs(shape: Shape, seed: int = 0) -> DecodeInputs:
 def torch_decode(inputs: DecodeInputs, scale: float) -> torch.Tensor:
     """Gather + masked SDPA, the torch path of `models.layers.attention.decode_attention`."""
     batch, heads, dim = inputs.q.shape
-    span = inputs.tables.shape[1] * BLOCK
+    width = inputs.tables.shape[1]
+    span = width * BLOCK
     blocks = inputs.tables.reshape(-1)
-    keys = inputs.key_cache.index_select(0, blocks).view(batch, span, KV_HEADS, dim)
-    values = inputs.value_cache.index_select(0, blocks).view(batch, span, KV_HEADS, dim)
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # head-major blocks -> [B, kv, span, d]
+        picked = cache.transpose(1, 2).index_select(0, blocks)
+        picked = picked.view(batch, width, KV_HEADS, BLOCK, dim).transpose(1, 2)
+        return picked.reshape(batch, KV_HEADS, span, dim)
+
     grouped = inputs.q.view(batch, KV_HEADS, heads // KV_HEADS, dim)
     visible = torch.arange(span)[None, :] < inputs.seq_lens[:, None]
     out = F.scaled_dot_product_attention(
         grouped,
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
+        gather(inputs.key_cache),
+        gather(inputs.value_cache),
         attn_mask=visible[:, None, None, :],
         scale=scale,
     )
