@@ -47,9 +47,12 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcache.spec import CacheSpec
+
+if TYPE_CHECKING:
+    from transfer.bench_worker import EndpointSpec
 
 MIB = 1 << 20
 # 4 attention layers x [2, 16, 8, 128] bf16 = 256 KiB per block.
@@ -195,30 +198,33 @@ def _rank_names(size: int) -> list[str]:
     return [*(f"ep.{r}" for r in range(1, size)), "ep"]
 
 
+def rank_specs(kind: str, wire: str, manager: str, size: int) -> dict[str, EndpointSpec]:
+    """The endpoints of one side's `size` ranks, by name. Each rank's pool has
+    `size` times the blocks of a whole-heads pool, each 1/size as large, so
+    rank 0's pool alone holds the largest request's bytes for the raw limit's
+    READ."""
+    from transfer.bench_worker import EndpointSpec
+
+    num_blocks = (SIZES[-1] // BLOCK_BYTES + 2) * size
+    return {
+        name: EndpointSpec(
+            kind, manager, BENCH_SPEC.for_rank(r, size), num_blocks, BLOCK_SIZE, wire=wire
+        )
+        for r, name in zip([*range(1, size), 0], _rank_names(size), strict=True)
+    }
+
+
 def _bench_pair(
     kind: str, wire: str, manager: str, reps_override: int, ranks: tuple[int, int] = (1, 1)
 ) -> list[Row]:
     import ray
 
     from transfer.bench_raw import BenchHost
-    from transfer.bench_worker import EndpointSpec
-
-    def side(size: int) -> dict[str, EndpointSpec]:
-        # `size` times the blocks of a whole-heads pool, each 1/size as large:
-        # rank 0's pool alone holds the largest request's bytes for the raw
-        # limit's READ.
-        num_blocks = (SIZES[-1] // BLOCK_BYTES + 2) * size
-        return {
-            name: EndpointSpec(
-                kind, manager, BENCH_SPEC.for_rank(r, size), num_blocks, BLOCK_SIZE, wire=wire
-            )
-            for r, name in zip([*range(1, size), 0], _rank_names(size), strict=True)
-        }
 
     holders, pullers = _rank_names(ranks[0]), _rank_names(ranks[1])
     actor_class: Any = ray.remote(num_cpus=0)(BenchHost)
-    holder: Any = actor_class.remote(side(ranks[0]))
-    puller: Any = actor_class.remote(side(ranks[1]))
+    holder: Any = actor_class.remote(rank_specs(kind, wire, manager, ranks[0]))
+    puller: Any = actor_class.remote(rank_specs(kind, wire, manager, ranks[1]))
     ray.get([holder.start.remote(), puller.start.remote()])
     idle = ray.get([holder.idle_cpu.remote(2.0), puller.idle_cpu.remote(2.0)])
     raw = _raw_prober(kind, holder, puller)
