@@ -53,12 +53,14 @@ class DecodeInputs:
 
 
 def make_inputs(shape: Shape, seed: int = 0) -> DecodeInputs:
-    """A V1 pool with shuffled blocks; sequence lengths in [3/4 keys, keys]."""
+    """A V1 pool (head-major blocks, as `kvcache.pool_layout` lays them out)
+    with shuffled blocks; sequence lengths in [3/4 keys, keys]."""
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(shape.keys * 3 // 4, shape.keys + 1, (shape.batch,), generator=gen)
     width = -(-shape.keys // BLOCK)
     num_blocks = shape.batch * width + 1
-    pool = torch.randn(num_blocks, 2, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(shape.dtype)
+    pool = torch.randn(num_blocks, 2, KV_HEADS, BLOCK, HEAD_DIM, generator=gen).to(shape.dtype)
+    pool = pool.transpose(2, 3)  # indexed [block, 2, offset, head, dim]
     ids = torch.randperm(num_blocks - 1, generator=gen) + 1
     q = torch.randn(shape.batch, HEADS, HEAD_DIM, generator=gen).to(shape.dtype)
     tables = ids[: shape.batch * width].view(shape.batch, width)
@@ -68,16 +70,21 @@ def make_inputs(shape: Shape, seed: int = 0) -> DecodeInputs:
 def torch_decode(inputs: DecodeInputs, scale: float) -> torch.Tensor:
     """Gather + masked SDPA, the torch path of `models.layers.attention.decode_attention`."""
     batch, heads, dim = inputs.q.shape
-    span = inputs.tables.shape[1] * BLOCK
+    width = inputs.tables.shape[1]
+    span = width * BLOCK
     blocks = inputs.tables.reshape(-1)
-    keys = inputs.key_cache.index_select(0, blocks).view(batch, span, KV_HEADS, dim)
-    values = inputs.value_cache.index_select(0, blocks).view(batch, span, KV_HEADS, dim)
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # head-major blocks -> [B, kv, span, d]
+        picked = cache.transpose(1, 2).index_select(0, blocks)
+        picked = picked.view(batch, width, KV_HEADS, BLOCK, dim).transpose(1, 2)
+        return picked.reshape(batch, KV_HEADS, span, dim)
+
     grouped = inputs.q.view(batch, KV_HEADS, heads // KV_HEADS, dim)
     visible = torch.arange(span)[None, :] < inputs.seq_lens[:, None]
     out = F.scaled_dot_product_attention(
         grouped,
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
+        gather(inputs.key_cache),
+        gather(inputs.value_cache),
         attn_mask=visible[:, None, None, :],
         scale=scale,
     )

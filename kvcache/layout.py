@@ -5,9 +5,10 @@ transceiver. A `Region` is a byte range of one such buffer; `RequestRegions`
 lists them for one request at two granularities:
 
 - segments: one per (attention ordinal, logical block) and per (Mamba ordinal,
-  "conv"|"ssm"). Every KV segment holds `[2, block_size, kv_heads, head_dim]`
-  (keys then values) in both managers, so a transceiver can move segments
-  between a V1 and a V2 worker one for one.
+  "conv"|"ssm"). Every KV segment holds `[2, kv_heads, block_size, head_dim]`
+  (keys then values, each head-major) in both managers, so a transceiver can
+  move segments between a V1 and a V2 worker one for one, and a range of KV
+  heads of a segment is two contiguous runs (its keys' and its values').
 - descriptors: the coarsest contiguous ranges, for NIXL. V2: one per block and
   one per Mamba slot. V1: one per (layer, block) and per Mamba (layer, kind).
 
@@ -25,6 +26,13 @@ from kvcache.spec import HeadShard
 CONV = "conv"
 SSM = "ssm"
 MAMBA_KINDS = (CONV, SSM)
+
+# The order of a KV segment's dims, as `LayoutSignature.kv_order` names it.
+# Both managers write head-major segments; token-major
+# (`[2, block_size, kv_heads, head_dim]`) is what a signature without the
+# field meant, so a peer that predates the field is refused, not misread.
+KV_HEAD_MAJOR = "head_major"
+KV_TOKEN_MAJOR = "token_major"
 
 
 @dataclass(frozen=True)
@@ -46,7 +54,7 @@ class TensorPlacement:
 
     Item `i` (a block or a slot) of the tensor starts at byte
     `offset + i * stride` of `buffer` and holds `shape` elements of `dtype`,
-    contiguous. For attention, `shape` is `[2, block_size, kv_heads, head_dim]`.
+    contiguous. For attention, `shape` is `[2, kv_heads, block_size, head_dim]`.
     """
 
     buffer: str
@@ -88,7 +96,7 @@ class LayoutSignature:
 
     Two workers may exchange descriptors (NIXL) only when their signatures are
     equal; segment-wise transfer (Python transceiver) needs them equal except
-    for `manager`.
+    for `manager`. `kv_order` names the order of a KV segment's dims.
 
     A rank of a tensor-parallel instance holds some of the model's heads: the
     shapes above are its own, `tp_size`/`tp_rank` say which rank it is and
@@ -109,6 +117,7 @@ class LayoutSignature:
     conv_dtype: str = ""
     ssm_state_shape: tuple[int, ...] = ()
     ssm_dtype: str = ""
+    kv_order: str = KV_TOKEN_MAJOR
     tp_size: int = 1
     tp_rank: int = 0
     total_kv_heads: int = 0

@@ -1,6 +1,6 @@
 """KV cache manager V1: layer-major pools, a plain free-list allocator, no reuse.
 
-Each attention layer owns a tensor `[num_blocks, 2, block_size, kv_heads,
+Each attention layer owns a tensor `[num_blocks, 2, kv_heads, block_size,
 head_dim]` and each Mamba layer a per-kind slot tensor (see `pool_layout`);
 moving one block to another worker takes one region per layer. Prefix reuse is
 never on: `match_prefix` returns 0 and blocks are never shared.

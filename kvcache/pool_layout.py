@@ -2,14 +2,21 @@
 
 V1, layer-major: one buffer per attention layer and one per Mamba layer and kind.
 
-    kv.{l}    [num_blocks][2][block_size][kv_heads][head_dim]      (cache dtype)
+    kv.{l}    [num_blocks][2][kv_heads][block_size][head_dim]      (cache dtype)
     conv.{m}  [num_slots][conv_dim][conv_kernel - 1]               (cache dtype)
     ssm.{m}   [num_slots][num_heads][head_dim][state_size]         (float32)
 
 V2, block-major: one buffer for all KV, one for all Mamba state.
 
-    kv        [num_blocks][num_attn_layers][2][block_size][kv_heads][head_dim]
+    kv        [num_blocks][num_attn_layers][2][kv_heads][block_size][head_dim]
     mamba     [num_slots] x ( ssm_0 | conv_0 | ssm_1 | conv_1 | ... | pad )
+
+A KV segment (one layer's block) is head-major, keys then values, each
+`[kv_heads][block_size][head_dim]`: a range of KV heads of a block's keys (or
+values) is one contiguous run, which is what a rank of another tensor
+parallelism reads (`transfer.head_slices`). Models see the usual
+`[num_blocks, block_size, kv_heads, head_dim]` through strided views
+(`kvcache.tensors`).
 
 In V2 a block (every layer's KV) and a slot (every layer's state) are each one
 contiguous range. Within a V2 slot each piece starts on a 16-byte boundary so a
@@ -23,6 +30,7 @@ from collections.abc import Sequence
 
 from kvcache.layout import (
     CONV,
+    KV_HEAD_MAJOR,
     MAMBA_KINDS,
     SSM,
     LayoutSignature,
@@ -52,7 +60,7 @@ class CacheLayout(ABC):
         self.num_blocks = num_blocks
         self.num_slots = num_slots if spec.is_hybrid else 0
         self.kv_segment_bytes = spec.kv_bytes_per_block_per_layer(block_size)
-        self.kv_segment_shape = (2, block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv_segment_shape = (2, spec.num_kv_heads, block_size, spec.head_dim)
 
     @abstractmethod
     def buffers(self) -> dict[str, int]:
@@ -60,7 +68,7 @@ class CacheLayout(ABC):
 
     @abstractmethod
     def attention_placement(self, ordinal: int) -> TensorPlacement:
-        """Where attention layer `ordinal`'s `[2, bs, heads, dim]` blocks sit."""
+        """Where attention layer `ordinal`'s `[2, heads, bs, dim]` blocks sit."""
 
     @abstractmethod
     def mamba_placement(self, ordinal: int, kind: str) -> TensorPlacement:
@@ -82,6 +90,7 @@ class CacheLayout(ABC):
             manager=self.manager,
             dtype=spec.dtype,
             block_size=self.block_size,
+            kv_order=KV_HEAD_MAJOR,
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             attention_layers=spec.attention_layers,

@@ -35,7 +35,8 @@ class CacheTensors:
 
     def views(self) -> CacheViews:
         """Per attention ordinal key/value `[num_blocks, block_size, kv_heads,
-        head_dim]`, per Mamba ordinal conv/SSM `[num_slots, ...]`."""
+        head_dim]` (strided: the memory is head-major, see `pool_layout`), per
+        Mamba ordinal conv/SSM `[num_slots, ...]`."""
         if self._views is None:
             self._views = self._build_views()
         return self._views
@@ -62,7 +63,8 @@ class CacheTensors:
         layout = self.layout
         attention = []
         for k in range(layout.spec.num_attention_layers):
-            kv = self._placed(layout.attention_placement(k), layout.num_blocks)
+            # [blocks, 2, kv_heads, bs, d] in memory; models index [block, offset, head].
+            kv = self._placed(layout.attention_placement(k), layout.num_blocks).transpose(2, 3)
             attention.append(AttentionLayerCache(key_cache=kv[:, 0], value_cache=kv[:, 1]))
         mamba = [
             MambaLayerCache(

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcache.dtypes import torch_dtype
+from kvcache.pool_layout import BlockMajorLayout, LayerMajorLayout, layout_for
 from kvcache.spec import CacheSpec
-from kvcache.views import AttentionLayerCache, CacheViews, MambaLayerCache
+from kvcache.tensors import allocate_cache_tensors
+from kvcache.views import CacheViews
 from models.base import CausalLM
 from models.batch import ForwardBatch
 
@@ -33,26 +34,11 @@ NULL_BLOCK = 0
 def build_cache_views(
     spec: CacheSpec, num_blocks: int, block_size: int, num_slots: int, block_major: bool = False
 ) -> CacheViews:
-    """Zeroed caches for `spec`; attention views are strided slices of one pool."""
-    dtype = torch_dtype(spec.dtype)
-    kv_shape = (block_size, spec.num_kv_heads, spec.head_dim)
-    attention: list[AttentionLayerCache] = []
-    if block_major:  # V2: [num_blocks, layers, 2, block_size, kv_heads, head_dim]
-        pool = torch.zeros(num_blocks, spec.num_attention_layers, 2, *kv_shape, dtype=dtype)
-        for k in range(spec.num_attention_layers):
-            attention.append(AttentionLayerCache(pool[:, k, 0], pool[:, k, 1]))
-    else:  # V1: one [num_blocks, 2, block_size, kv_heads, head_dim] tensor per layer
-        for _ in range(spec.num_attention_layers):
-            layer_pool = torch.zeros(num_blocks, 2, *kv_shape, dtype=dtype)
-            attention.append(AttentionLayerCache(layer_pool[:, 0], layer_pool[:, 1]))
-    mamba = [
-        MambaLayerCache(
-            conv_state=torch.zeros(num_slots, *spec.conv_state_shape, dtype=dtype),
-            ssm_state=torch.zeros(num_slots, *spec.ssm_state_shape, dtype=torch.float32),
-        )
-        for _ in spec.mamba_layers
-    ]
-    return CacheViews(attention=attention, mamba=mamba)
+    """Zeroed caches for `spec` in the manager's own pools (V2 block-major or
+    V1 layer-major, head-major blocks); attention views are strided windows."""
+    manager = BlockMajorLayout.manager if block_major else LayerMajorLayout.manager
+    layout = layout_for(manager, spec, block_size, num_blocks, num_slots)
+    return allocate_cache_tensors(layout).views()
 
 
 def _long(values: list[int] | list[list[int]]) -> torch.Tensor:

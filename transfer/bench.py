@@ -13,13 +13,15 @@ latency next to the raw limit measured in the same run (loopback TCP for
 Python on either wire, one big NIXL READ for NIXL) and a same-process memcpy, plus each
 worker's CPU use while idle.
 
-Tensor parallelism (`--tensor-parallel CTX:GEN`, Python transceiver: the raw
-NIXL READ runs between two whole pools): a "2->1" row has two holder ranks,
-each holding half of every block's KV heads, and one puller rank that pulls
-its heads from both; "1->2" one holder and two puller ranks that each pull
-their half from it, at once. Each side's ranks are endpoints in that side's
-one process, so a row still comes from two processes, and its size is the
-whole request's (all heads): the same bytes the raw limit moves.
+Tensor parallelism (`--tensor-parallel CTX:GEN`, both transceivers): a
+"2->1" row has two holder ranks, each holding half of every block's KV heads,
+and one puller rank that pulls its heads from both; "1->2" one holder and two
+puller ranks that each pull their half from it, at once. Each side's ranks
+are endpoints in that side's one process, so a row still comes from two
+processes, and its size is the whole request's (all heads): the same bytes
+the raw limit moves, which is measured as for equal ranks (one TCP stream,
+or one NIXL READ between the rank 0 pools, each as large in bytes as a
+whole-heads pool).
 
 How sure a line is: `ratio` is the median over rounds of (raw seconds /
 transceiver seconds) within a round, with its min-max spread over the rounds
@@ -45,9 +47,12 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcache.spec import CacheSpec
+
+if TYPE_CHECKING:
+    from transfer.bench_worker import EndpointSpec
 
 MIB = 1 << 20
 # 4 attention layers x [2, 16, 8, 128] bf16 = 256 KiB per block.
@@ -126,7 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=["1:1", "2:1", "1:2"],
         type=_tp_pair,
         metavar="CTX:GEN",
-        help="holder:puller ranks per row group (Python transceiver; NIXL rows are 1:1)",
+        help="holder:puller ranks per row group",
     )
 
 
@@ -174,9 +179,6 @@ def run(args: argparse.Namespace) -> int:
         for kind, wire in variants:
             for manager in args.managers:
                 for ranks in args.tensor_parallel:
-                    if kind != "python" and ranks != (1, 1):
-                        # The raw NIXL READ runs between two whole pools.
-                        continue
                     for row in _bench_pair(kind, wire, manager, args.reps, ranks):
                         line = json.dumps(row.as_json()) if args.json else _format(row)
                         print(line, flush=True)
@@ -196,28 +198,33 @@ def _rank_names(size: int) -> list[str]:
     return [*(f"ep.{r}" for r in range(1, size)), "ep"]
 
 
+def rank_specs(kind: str, wire: str, manager: str, size: int) -> dict[str, EndpointSpec]:
+    """The endpoints of one side's `size` ranks, by name. Each rank's pool has
+    `size` times the blocks of a whole-heads pool, each 1/size as large, so
+    rank 0's pool alone holds the largest request's bytes for the raw limit's
+    READ."""
+    from transfer.bench_worker import EndpointSpec
+
+    num_blocks = (SIZES[-1] // BLOCK_BYTES + 2) * size
+    return {
+        name: EndpointSpec(
+            kind, manager, BENCH_SPEC.for_rank(r, size), num_blocks, BLOCK_SIZE, wire=wire
+        )
+        for r, name in zip([*range(1, size), 0], _rank_names(size), strict=True)
+    }
+
+
 def _bench_pair(
     kind: str, wire: str, manager: str, reps_override: int, ranks: tuple[int, int] = (1, 1)
 ) -> list[Row]:
     import ray
 
     from transfer.bench_raw import BenchHost
-    from transfer.bench_worker import EndpointSpec
-
-    num_blocks = SIZES[-1] // BLOCK_BYTES + 2
-
-    def side(size: int) -> dict[str, EndpointSpec]:
-        return {
-            name: EndpointSpec(
-                kind, manager, BENCH_SPEC.for_rank(r, size), num_blocks, BLOCK_SIZE, wire=wire
-            )
-            for r, name in zip([*range(1, size), 0], _rank_names(size), strict=True)
-        }
 
     holders, pullers = _rank_names(ranks[0]), _rank_names(ranks[1])
     actor_class: Any = ray.remote(num_cpus=0)(BenchHost)
-    holder: Any = actor_class.remote(side(ranks[0]))
-    puller: Any = actor_class.remote(side(ranks[1]))
+    holder: Any = actor_class.remote(rank_specs(kind, wire, manager, ranks[0]))
+    puller: Any = actor_class.remote(rank_specs(kind, wire, manager, ranks[1]))
     ray.get([holder.start.remote(), puller.start.remote()])
     idle = ray.get([holder.idle_cpu.remote(2.0), puller.idle_cpu.remote(2.0)])
     raw = _raw_prober(kind, holder, puller)

@@ -9,11 +9,12 @@ replicated on several holder ranks is read once, from the lowest.
 
 Where the heads sit inside one segment:
 
-    KV segment  [2][block_size][kv_heads][head_dim]: a head range is one run
-                per (K|V, token), so one *strided* pair per segment:
-                  src  |h0 h1|h2 h3| |h0 h1|h2 h3| ...   (holder: 4 heads)
-                  dst  |h2 h3|       |h2 h3|       ...   (puller: 2 heads)
-                       run = 2 heads, num_runs = 2 * block_size
+    KV segment  [2][kv_heads][block_size][head_dim] (head-major): a head
+                range is one run of whole heads per K and per V, so one
+                strided pair of two runs per segment:
+                  src  |K h0 h1|K h2 h3|V h0 h1|V h2 h3|   (holder: 4 heads)
+                  dst           |K h2 h3|        |V h2 h3| (puller: 2 heads)
+                       run = 2 heads x block_size tokens, num_runs = 2
     conv state  [conv_dim][kernel - 1], channels x | B | C: one run per
                 section (x channels follow the SSM heads, B and C the groups)
     SSM state   [heads][head_dim][state_size]: one run
@@ -213,35 +214,47 @@ def _kv_pairs(
     dst: RequestRegions,
     heads: Span,
 ) -> list[SlicePair]:
-    head_bytes = source.head_dim * DTYPE_BYTES[source.dtype]
-    src_row, dst_row = source.num_kv_heads * head_bytes, dest.num_kv_heads * head_bytes
-    rows = 2 * source.block_size
+    # One head of one block's keys (or values): block_size rows of head_dim.
+    head_bytes = source.block_size * source.head_dim * DTYPE_BYTES[source.dtype]
+    src_half, dst_half = source.num_kv_heads * head_bytes, dest.num_kv_heads * head_bytes
+    halves = 2  # keys, then values: a segment is two halves
     src_skip = (heads[0] - source.kv_heads[0]) * head_bytes
     dst_skip = (heads[0] - dest.kv_heads[0]) * head_bytes
     run = (heads[1] - heads[0]) * head_bytes
-    pairs = []
-    for key, s in src.kv_segments.items():
+    # Segments in source order; one that continues the last pair's runs on
+    # both sides (the next layer of a V2 block, the next block of a run of
+    # blocks) extends it: thousands of segments become a few pairs here,
+    # without a SlicePair per segment.
+    runs: list[list[Any]] = []  # [src_buffer, src_offset, dst_buffer, dst_offset, num_runs]
+    for key, s in sorted(src.kv_segments.items(), key=_source_order):
         d = dst.kv_segments[key]
-        if s.length != rows * src_row or d.length != rows * dst_row:
+        if s.length != halves * src_half or d.length != halves * dst_half:
             raise LayoutMismatch(
                 request_id,
                 ["kv_segments"],
                 f"segment {key} is {s.length} bytes on the source and {d.length} here, "
-                f"where the signatures give {rows * src_row} and {rows * dst_row}",
+                f"where the signatures give {halves * src_half} and {halves * dst_half}",
             )
-        pairs.append(
-            SlicePair(
-                s.buffer,
-                s.offset + src_skip,
-                d.buffer,
-                d.offset + dst_skip,
-                run,
-                rows,
-                src_row,
-                dst_row,
-            )  # fmt: skip
-        )
-    return pairs
+        src_at, dst_at = s.offset + src_skip, d.offset + dst_skip
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and last[0] == s.buffer
+            and last[2] == d.buffer
+            and last[1] + last[4] * src_half == src_at
+            and last[3] + last[4] * dst_half == dst_at
+        ):
+            last[4] += halves
+        else:
+            runs.append([s.buffer, src_at, d.buffer, dst_at, halves])
+    return [
+        SlicePair(src_buffer, src_at, dst_buffer, dst_at, run, count, src_half, dst_half)
+        for src_buffer, src_at, dst_buffer, dst_at, count in runs
+    ]
+
+
+def _source_order(item: tuple[Any, Region]) -> tuple[str, int]:
+    return item[1].buffer, item[1].offset
 
 
 def _contiguous(s: Region, src_start: int, d: Region, dst_start: int, length: int) -> SlicePair:

@@ -332,7 +332,7 @@ class NixlTransceiver(Transceiver):
 
         Ranks that hold the same heads read whole descriptors (a V2 block, a
         slot); ranks of different tensor parallelism read one descriptor per
-        run of a head slice (`transfer.head_slices`), K and V of each token.
+        run of a head slice (`transfer.head_slices`), K and V of each block.
         """
         rid = handle.request_id
         if handle.agent_name is None or handle.agent_metadata is None:

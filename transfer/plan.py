@@ -1,7 +1,7 @@
 """Transfer plans: which source bytes land at which destination bytes.
 
 Both managers describe a request as segments keyed by what they hold:
-`(attention ordinal, logical block)` -> one `[2, block_size, kv_heads,
+`(attention ordinal, logical block)` -> one `[2, kv_heads, block_size,
 head_dim]` KV segment, `(mamba ordinal, "conv" | "ssm")` -> one state segment.
 Segment *contents* are laid out identically in V1 and V2; only their
 addresses differ. Pairing segments by key therefore bridges V1 and V2, and

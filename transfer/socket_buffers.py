@@ -36,6 +36,9 @@ from transfer.head_slices import SlicePair
 
 # (buffer, offset, run, count, stride): `count` runs of `run` bytes, `stride` apart.
 Runs = tuple[str, int, int, int, int]
+# Runs at least this long are received in place, one view each, on a byte
+# stream (a few hundred per system call); shorter ones through a staging chunk.
+DIRECT_RUN_BYTES = 4096
 
 
 def host_view(tensor: torch.Tensor) -> memoryview:
@@ -193,21 +196,26 @@ class SocketBuffers:
         destinations.
 
         The holder sends a pair whose source is one contiguous range as that
-        range, and a strided one run by run. A contiguous source landing in
-        strided runs here (more heads per block on this side) is received a
-        staging chunk at a time and scattered by one strided copy per chunk,
-        rather than as thousands of small receives.
+        range, and a strided one run by run; on a byte stream a contiguous
+        destination takes either as one range. A contiguous source landing in
+        strided runs here (more heads per block on this side) is received
+        straight into the runs where the connection is a byte stream and the
+        runs are long (head-major blocks: a head of a block is
+        `block_size * head_dim` elements); else a staging chunk at a time,
+        scattered by one strided copy per chunk, rather than as thousands of
+        small receives.
         """
         whole: list[Region] = []
+        stream = not conn.keeps_message_boundaries
         for p in pairs:
-            if not p.source_is_contiguous:
+            if p.dest_is_contiguous and (stream or p.source_is_contiguous):
+                whole.append(Region(p.dst_buffer, p.dst_offset, p.num_bytes))
+            elif not p.source_is_contiguous or (stream and p.run >= DIRECT_RUN_BYTES):
                 await self.recv(conn, whole)
                 whole = []
                 await self.recv_runs(
                     conn, [(p.dst_buffer, p.dst_offset, p.run, p.num_runs, p.dst_stride)]
                 )
-            elif p.dest_is_contiguous:
-                whole.append(Region(p.dst_buffer, p.dst_offset, p.num_bytes))
             else:
                 await self.recv(conn, whole)
                 whole = []

@@ -4,8 +4,8 @@ A *pool* here is any tensor `[num_blocks, ...]` whose per-block region
 `pool[b]` is contiguous; `pool.stride(0)` may be larger than the region, so
 strided views work as long as each block's row is dense:
 
-    V1 per-layer pool    [num_blocks, 2, block_size, kv_heads, head_dim]
-    V2 block-major pool  [num_blocks, num_attn_layers, 2, block_size, kv_heads, head_dim]
+    V1 per-layer pool    [num_blocks, 2, kv_heads, block_size, head_dim]
+    V2 block-major pool  [num_blocks, num_attn_layers, 2, kv_heads, block_size, head_dim]
     V2 one-layer view    v2_pool[:, layer]          -> rows of 2*bs*h*d, stride(0) = L*2*bs*h*d
     Mamba slot pool      [num_slots, ...]
 

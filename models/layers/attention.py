@@ -158,10 +158,16 @@ def _batched_decode(
     # advanced indexing of the (strided) cache view.
     blocks = tables[:, :num_blocks].reshape(-1)
     span = num_blocks * block_size
-    # [B, span, kv_heads, d] -> [B, kv_heads, span, d]: a KV head is SDPA's head
-    # and its `heads // kv_heads` queries are SDPA's query rows.
-    keys = key_cache.index_select(0, blocks).view(num_seqs, span, kv_heads, head_dim)
-    values = value_cache.index_select(0, blocks).view(num_seqs, span, kv_heads, head_dim)
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        """`[B, kv_heads, span, d]`: a KV head is SDPA's head and its
+        `heads // kv_heads` queries are SDPA's query rows. Blocks are gathered
+        as the pool holds them (head-major, `[kv_heads, bs, d]` each)."""
+        picked = cache.transpose(1, 2).index_select(0, blocks)
+        picked = picked.view(num_seqs, num_blocks, kv_heads, block_size, head_dim)
+        return picked.transpose(1, 2).reshape(num_seqs, kv_heads, span, head_dim)
+
+    keys, values = gather(key_cache), gather(value_cache)
     grouped = q.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
     key_pos = torch.arange(span, device=q.device)[None, :]
     last = (seq_lens - 1)[:, None]
@@ -170,8 +176,8 @@ def _batched_decode(
         visible &= key_pos > last - sliding_window
     out = F.scaled_dot_product_attention(
         grouped,
-        keys.transpose(1, 2).to(q.dtype),
-        values.transpose(1, 2).to(q.dtype),
+        keys.to(q.dtype),
+        values.to(q.dtype),
         attn_mask=visible[:, None, None, :],
         scale=scale,
     )

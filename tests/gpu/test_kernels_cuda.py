@@ -6,6 +6,7 @@ import torch
 from models.kernels import block_copy, dispatch
 from models.kernels.mamba_state_update import mamba_state_update, mamba_state_update_ref
 from models.kernels.paged_attention import paged_attention_decode, paged_attention_decode_ref
+from tests.kv_pools import layer_cache
 
 pytestmark = pytest.mark.gpu(1)
 
@@ -28,11 +29,11 @@ def _cuda_kernels() -> None:
 def test_paged_attention_on_a_v2_pool(
     dtype: torch.dtype, num_heads: int, kv_heads: int, head_dim: int
 ) -> None:
-    block_size, layers, seq_lens = 16, 3, [1, 17, 333, 1021]
+    block_size, seq_lens = 16, [1, 17, 333, 1021]
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 5
-    pool = torch.randn(num_blocks, layers, 2, block_size, kv_heads, head_dim, device="cuda")
-    pool = pool.to(dtype)
+    gen = torch.Generator().manual_seed(0)
+    cache = layer_cache("v2", num_blocks, block_size, kv_heads, head_dim, dtype, "cuda", gen)
     ids = (torch.randperm(num_blocks - 1) + 1).tolist()
     tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
     start = 0
@@ -41,7 +42,7 @@ def test_paged_attention_on_a_v2_pool(
         start += count
     tables, lens = tables.cuda(), torch.tensor(seq_lens, device="cuda")
     q = torch.randn(len(seq_lens), num_heads, head_dim, device="cuda").to(dtype)
-    args = (q, pool[:, 2, 0], pool[:, 2, 1], tables, lens, head_dim**-0.5)
+    args = (q, cache.key_cache, cache.value_cache, tables, lens, head_dim**-0.5)
     got = paged_attention_decode(*args)
     torch.testing.assert_close(
         got.float(), paged_attention_decode_ref(*args).float(), **TOLERANCES[dtype]

@@ -65,9 +65,9 @@ def test_pattern_written_through_views_reads_back_through_regions(name: str) -> 
         for j, block_id in enumerate(regions.block_ids):
             layer.key_cache[block_id] = torch.randn(BLOCK_SIZE, 2, 4, generator=gen)
             layer.value_cache[block_id] = torch.randn(BLOCK_SIZE, 2, 4, generator=gen)
-            expected = as_bytes(
-                torch.stack([layer.key_cache[block_id], layer.value_cache[block_id]])
-            )
+            # A segment: keys then values, each head-major [kv_heads, block_size, head_dim].
+            pair = torch.stack([layer.key_cache[block_id], layer.value_cache[block_id]])
+            expected = as_bytes(pair.transpose(1, 2))
             assert tensors.read_region(regions.kv_segments[(k, j)]) == expected
     for m, state in enumerate(views.mamba):
         state.conv_state[slot] = torch.randn(6, 3, generator=gen)

@@ -109,12 +109,24 @@ def test_head_slices_of_adjacent_blocks_merge_into_one_strided_read() -> None:
     for holder in holders:
         assert holder.manager.allocate_slots("req", NUM_TOKENS)
     _, plans = pull_all(holders, make_rank(DENSE_KV4, 0, 1, "v2", pad_blocks=2))
-    # Three blocks of three layers, 2 x BLOCK_SIZE rows each: one read per holder.
+    # Three blocks of three layers, keys and values: one read per holder, of
+    # 3 x 3 x 2 runs, each both of a holder's heads of a block (head-major).
     assert [len(pairs) for pairs in plans] == [1, 1]
     (pair,) = plans[1]
-    head_bytes = 8 * 4
-    assert (pair.run, pair.num_runs) == (2 * head_bytes, 3 * 3 * 2 * BLOCK_SIZE)
+    head_bytes = BLOCK_SIZE * 8 * 4
+    assert (pair.run, pair.num_runs) == (2 * head_bytes, 3 * 3 * 2)
     assert (pair.src_stride, pair.dst_stride) == (2 * head_bytes, 4 * head_bytes)
+
+
+def test_a_head_slice_of_a_block_is_one_run_per_keys_and_values() -> None:
+    """2 -> 4: a puller rank's one head of each block's keys (or values) is one
+    run of block_size x head_dim, whatever the blocks' order on either side."""
+    holder = make_rank(DENSE_KV4, 1, 2, "v1")
+    assert holder.manager.allocate_slots("req", NUM_TOKENS)
+    _, (pairs,) = pull_all([holder], make_rank(DENSE_KV4, 3, 4, "v1", pad_blocks=2))
+    head_bytes = BLOCK_SIZE * 8 * 4
+    assert {pair.run for pair in pairs} == {head_bytes}
+    assert sum(pair.num_runs for pair in pairs) == 3 * 3 * 2
 
 
 def test_replicated_kv_head_is_read_from_the_lowest_holder_only() -> None:
@@ -147,6 +159,13 @@ def refused_plan(
 def test_shards_of_different_models_are_refused_before_any_byte_moves() -> None:
     other = make_rank(replace(DENSE_KV4, head_dim=16), 0, 1, "v2")
     assert "head_dim" in refused_plan(make_rank(DENSE_KV4, 0, 2, "v2"), other)
+
+
+@pytest.mark.parametrize("same_heads", [True, False])
+def test_a_token_major_holder_is_refused_before_any_byte_moves(same_heads: bool) -> None:
+    holder = make_rank(DENSE_KV4, 0, 1 if same_heads else 2, "v2")
+    refused = refused_plan(holder, make_rank(DENSE_KV4, 0, 1, "v1"), kv_order="token_major")
+    assert "kv_order" in refused
 
 
 def test_head_ranges_off_the_sharding_rule_are_refused() -> None:

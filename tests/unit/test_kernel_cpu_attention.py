@@ -13,6 +13,7 @@ import torch
 from models.kernels import cpu_attention, cpu_build
 from models.kernels.cpu_attention import paged_attention_decode_cpu, supported
 from models.kernels.paged_attention import paged_attention_decode_ref
+from tests.kv_pools import layer_cache
 
 pytestmark = pytest.mark.skipif(
     cpu_build.load("decode_attention") is None, reason="no C compiler to build the CPU kernels"
@@ -49,13 +50,10 @@ def _inputs(case: Case, layout: str, dtype: torch.dtype, seed: int = 0) -> tuple
     gen = torch.Generator().manual_seed(seed)
     per_seq = [-(-n // case.block_size) for n in case.seq_lens]
     num_blocks = sum(per_seq) + 3
-    block = (case.block_size, case.kv_heads, case.head_dim)
-    if layout == "v1":
-        pool = torch.randn(num_blocks, 2, *block, generator=gen).to(dtype)
-        key_cache, value_cache = pool[:, 0], pool[:, 1]
-    else:  # block-major over 3 layers: the middle layer's view
-        pool = torch.randn(num_blocks, 3, 2, *block, generator=gen).to(dtype)
-        key_cache, value_cache = pool[:, 1, 0], pool[:, 1, 1]
+    cache = layer_cache(
+        layout, num_blocks, case.block_size, case.kv_heads, case.head_dim, dtype, generator=gen
+    )
+    key_cache, value_cache = cache.key_cache, cache.value_cache
     ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     width = max(max(per_seq), 1)
     rows, start = [], 0

@@ -8,6 +8,7 @@ import torch
 from kvcache.views import AttentionLayerCache
 from models.kernels import cpu_build, cpu_rope
 from models.layers.rotary import apply_rotary
+from tests.kv_pools import layer_cache
 
 pytestmark = pytest.mark.skipif(
     cpu_build.load("rope_cache") is None, reason="no C compiler to build the CPU kernels"
@@ -24,12 +25,7 @@ def _inputs(
     angles = torch.rand(tokens, rot_dim // 2, generator=gen) * 6
     angles = torch.cat((angles, angles), dim=-1)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    if layout == "v1":
-        pool = torch.zeros(BLOCKS, 2, BLOCK, KV_HEADS, dim, dtype=dtype)
-        cache = AttentionLayerCache(pool[:, 0], pool[:, 1])
-    else:  # one layer of a block-major pool of 2 layers
-        pool = torch.zeros(BLOCKS, 2, 2, BLOCK, KV_HEADS, dim, dtype=dtype)
-        cache = AttentionLayerCache(pool[:, 1, 0], pool[:, 1, 1])
+    cache = layer_cache(layout, BLOCKS, BLOCK, KV_HEADS, dim, dtype)
     slots = torch.randperm(BLOCKS * BLOCK, generator=gen)[:tokens]
     return qkv, cos, sin, cache, slots
 

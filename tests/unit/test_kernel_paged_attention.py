@@ -20,6 +20,7 @@ from models.kernels.paged_attention import (
     paged_attention_decode,
     paged_attention_decode_ref,
 )
+from tests.kv_pools import layer_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCES = {
@@ -45,7 +46,6 @@ CASES = {
 }
 # Long enough that the keys split over several programs, one row empty.
 LONG = Case(num_heads=8, kv_heads=2, head_dim=16, block_size=16, seq_lens=(600, 0, 37))
-LAYERS = 2
 
 
 def _block_tables(case: Case, num_blocks: int) -> torch.Tensor:
@@ -62,12 +62,11 @@ def _block_tables(case: Case, num_blocks: int) -> torch.Tensor:
 def _caches(case: Case, layout: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Key/value views of a V1 per-layer pool or one layer of a V2 block-major pool."""
     num_blocks = sum(-(-n // case.block_size) for n in case.seq_lens) + 3
-    block = (case.block_size, case.kv_heads, case.head_dim)
-    if layout == "v1":
-        pool = torch.randn(num_blocks, 2, *block, device=DEVICE).to(dtype)
-        return pool[:, 0], pool[:, 1]
-    pool = torch.randn(num_blocks, LAYERS, 2, *block, device=DEVICE).to(dtype)
-    return pool[:, 1, 0], pool[:, 1, 1]
+    gen = torch.Generator().manual_seed(0)
+    cache = layer_cache(
+        layout, num_blocks, case.block_size, case.kv_heads, case.head_dim, dtype, DEVICE, gen
+    )
+    return cache.key_cache, cache.value_cache
 
 
 @pytest.mark.parametrize("dtype", list(TOLERANCES))

@@ -287,22 +287,30 @@ async def test_leases_hold_whatever_the_wall_clocks_read(
     )
 
 
+# A head of a block is 4 x 256 float32 = 4 KiB: runs long enough to be
+# received in place rather than through a staging chunk.
+LONG_RUNS = CacheSpec(num_kv_heads=4, head_dim=256, attention_layers=(0, 1))
+
+
 @pytest.mark.parametrize(
-    "ctx_size,gen_size,managers", [(2, 1, ("v2", "v1")), (1, 2, ("v1", "v2")), (2, 2, ("v2", "v2"))]
+    "whole,ctx_size,gen_size,managers",
+    [
+        (HYBRID_WHOLE, 2, 1, ("v2", "v1")),
+        (HYBRID_WHOLE, 1, 2, ("v1", "v2")),
+        (HYBRID_WHOLE, 2, 2, ("v2", "v2")),
+        (LONG_RUNS, 2, 1, ("v2", "v1")),
+        (LONG_RUNS, 1, 2, ("v1", "v2")),
+    ],
 )
 async def test_ranks_of_different_tensor_parallelism_exchange_head_slices(
-    ctx_size: int, gen_size: int, managers: tuple[str, str]
+    whole: CacheSpec, ctx_size: int, gen_size: int, managers: tuple[str, str]
 ) -> None:
     """Each generation rank pulls its heads from every context rank's handle;
     each holder is released once its pulls are done."""
-    cache = WholeCache(HYBRID_WHOLE, BLOCK_SIZE, num_blocks=3)
+    cache = WholeCache(whole, BLOCK_SIZE, num_blocks=3)
     num_tokens = 3 * BLOCK_SIZE - 1
-    holders = [
-        python_endpoint(managers[0], HYBRID_WHOLE.for_rank(r, ctx_size)) for r in range(ctx_size)
-    ]
-    pullers = [
-        python_endpoint(managers[1], HYBRID_WHOLE.for_rank(s, gen_size)) for s in range(gen_size)
-    ]
+    holders = [python_endpoint(managers[0], whole.for_rank(r, ctx_size)) for r in range(ctx_size)]
+    pullers = [python_endpoint(managers[1], whole.for_rank(s, gen_size)) for s in range(gen_size)]
     for worker in (*holders, *pullers):
         await worker.xcvr.start()
     try:

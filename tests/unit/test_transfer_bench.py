@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
-from transfer.bench import MIB, Rounds, _format, _row
+import pytest
+
+from kvcache.pool_layout import layout_for
+from transfer.bench import MIB, SIZES, Rounds, _format, _row, rank_specs
 
 
 def _rounds() -> Rounds:
@@ -38,3 +41,20 @@ def test_cpu_cost_counts_bytes_per_cpu_second_for_both_paths() -> None:
     assert row.raw_gb_per_cpu_s == round(moved / 0.4 / 1e9, 3)
     assert row.cpu_cores == round(0.6 / 0.825, 2)
     assert row.raw_cpu_cores == 1.0
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+@pytest.mark.parametrize("manager", ["v1", "v2"])
+def test_rank_zero_pool_holds_the_largest_request_for_the_raw_read(
+    ranks: int, manager: str
+) -> None:
+    """The raw limit of a tensor-parallel row is one READ of the whole
+    request's bytes between the rank 0 pools, which must hold them."""
+    specs = rank_specs("nixl", "tcp", manager, ranks)
+    assert len(specs) == ranks
+    rank0 = specs["ep"]
+    layout = layout_for(manager, rank0.spec, rank0.block_size, rank0.num_blocks, 0)
+    block_bytes = sum(r.length for r in layout.descriptors([1], None))
+    assert rank0.spec.heads.rank == 0
+    # Whole blocks from block 1 (block 0 is the null block).
+    assert (rank0.num_blocks - 1) * block_bytes >= SIZES[-1]
