@@ -15,9 +15,13 @@ on a shared machine; unlike wall-clock throughput it barely moves when other
 work loads the CPUs. `--idle-s` also measures the tree while no request is
 in flight (pollers and Ray's background work).
 
-`--profile DIR` records the serving process with py-spy during the first
-timed run and writes the top functions by own and by total samples to
-`DIR/server-top.txt` (the raw folded stacks next to it).
+`--profile DIR` runs the serving process under cProfile and writes its hot
+functions (called at least `--num-prompts` times: the per-request and
+per-token work) by own and by cumulative time to `DIR/server-top.txt`
+(`DIR/server.prof` holds the whole profile). cProfile rather than a sampling
+profiler: py-spy's samples of this process land in whichever Python frame
+ran last while uvloop waits in C, so their own-time shares mislead. cProfile
+slows every Python call, so read its shares, not its absolute times.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import subprocess
+import pstats
 import sys
 import time
 from collections.abc import Sequence
@@ -98,25 +102,23 @@ def format_spent(title: str, spent: dict[str, float], wall_s: float, tokens: int
     return "\n".join(lines)
 
 
-def top_functions(raw: Path, count: int = 25) -> str:
-    """py-spy's raw (folded) stacks -> the top functions by own and total samples."""
-    own: collections.Counter[str] = collections.Counter()
-    total: collections.Counter[str] = collections.Counter()
-    samples = 0
-    for line in raw.read_text().splitlines():
-        stack, _, n = line.rpartition(" ")
-        if not stack:
-            continue
-        frames = stack.split(";")
-        samples += int(n)
-        own[frames[-1]] += int(n)
-        for frame in set(frames):
-            total[frame] += int(n)
-    out = [f"{samples} samples"]
-    for title, counter in (("own", own), ("total", total)):
-        out.append(f"-- top {count} by {title} samples")
-        for frame, n in counter.most_common(count):
-            out.append(f"{100 * n / max(samples, 1):5.1f}%  {frame}")
+def hot_functions(stats_file: Path, min_calls: int, count: int = 30) -> str:
+    """The serving process's cProfile -> its functions called at least
+    `min_calls` times (per-request and per-token work; start-up code runs
+    once), by own time and by cumulative time."""
+    stats = pstats.Stats(str(stats_file)).stats  # type: ignore[attr-defined]
+    rows = []
+    for (path, line, name), (_, calls, own, cumulative, _) in stats.items():
+        if calls >= min_calls:
+            where = path.split("site-packages/")[-1].rsplit("python3.11/", 1)[-1]
+            rows.append((own, cumulative, calls, f"{name} ({where}:{line})"))
+    total = sum(row[0] for row in rows)
+    out = [f"{total:.2f} s own time in functions called >= {min_calls} times"]
+    for title, key in (("own", 0), ("cumulative", 1)):
+        out.append(f"-- top {count} by {title} time: seconds, calls, us per call")
+        for row in sorted(rows, key=lambda r: -r[key])[:count]:
+            seconds = row[key]
+            out.append(f"{seconds:7.3f} {row[2]:8d} {1e6 * seconds / row[2]:8.1f}  {row[3]}")
     return "\n".join(out)
 
 
@@ -140,6 +142,10 @@ def measure(setup: Setup, args: argparse.Namespace) -> None:
     print(f"== {launch.label}", flush=True)
     check_ports_free(launch.ports)
     proc = launch.processes[0]
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        at = proc.argv.index("-m")
+        proc.argv[at:at] = ["-m", "cProfile", "-o", str(args.profile / "server.prof")]
     try:
         proc.start()
         wait_ready(launch, 0, args.startup_timeout)
@@ -152,37 +158,18 @@ def measure(setup: Setup, args: argparse.Namespace) -> None:
             spent = by_role(before, cpu_seconds(leader), leader)
             print(format_spent("idle", spent, time.monotonic() - started, 0), flush=True)
         for run in range(args.runs):
-            profiler = _start_profiler(leader, args.profile) if run == 0 else None
             before = cpu_seconds(leader)
             tokens, wall = drive(setup, args, args.num_prompts, args.seed + run)
             spent = by_role(before, cpu_seconds(leader), leader)
             title = f"run {run}: {tokens / wall:.0f} out tok/s"
             print(format_spent(title, spent, wall, tokens), flush=True)
-            if profiler is not None:
-                _stop_profiler(profiler, args.profile)
     finally:
         proc.stop()
         check_ports_free(launch.ports)
-
-
-def _start_profiler(pid: int, folder: Path | None) -> subprocess.Popen[bytes] | None:
-    if folder is None:
-        return None
-    folder.mkdir(parents=True, exist_ok=True)
-    py_spy = Path(sys.executable).parent / "py-spy"
-    argv = [str(py_spy), "record", "--pid", str(pid), "--rate", "500", "--format", "raw", "--gil"]
-    argv += ["-o", str(folder / "server.raw")]
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-
-
-def _stop_profiler(profiler: subprocess.Popen[bytes], folder: Path | None) -> None:
-    assert folder is not None
-    profiler.send_signal(2)  # SIGINT: py-spy writes what it recorded and exits
-    profiler.wait(60)
-    raw = folder / "server.raw"
-    if raw.exists():
-        (folder / "server-top.txt").write_text(top_functions(raw) + "\n")
-        print(f"   profile: {folder / 'server-top.txt'}", flush=True)
+    if args.profile is not None and (args.profile / "server.prof").exists():
+        top = hot_functions(args.profile / "server.prof", args.num_prompts)
+        (args.profile / "server-top.txt").write_text(top + "\n")
+        print(f"profile: {args.profile / 'server-top.txt'}", flush=True)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -195,7 +182,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--idle-s", type=float, default=0.0, help="also measure this long idle")
-    parser.add_argument("--profile", type=Path, help="py-spy the serving process into this folder")
+    parser.add_argument(
+        "--profile", type=Path, help="cProfile the serving process into this folder"
+    )
     parser.add_argument("--cpus", default="0,1")
     parser.add_argument("--port", type=int, default=18200)
     parser.add_argument("--workdir", type=Path)

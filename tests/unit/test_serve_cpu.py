@@ -1,28 +1,36 @@
-"""benchmarks.serve_cpu: CPU-seconds per process role and py-spy summaries."""
+"""benchmarks.serve_cpu: CPU-seconds per process role and the profile summary."""
 
 from __future__ import annotations
 
+import cProfile
 import os
 from pathlib import Path
 
-from benchmarks.serve_cpu import by_role, cpu_seconds, role, top_functions
+from benchmarks.serve_cpu import by_role, cpu_seconds, hot_functions, role
 
 
-def test_top_functions_counts_own_and_total_samples(tmp_path: Path) -> None:
-    raw = tmp_path / "server.raw"
-    raw.write_text("main;serve;send 3\nmain;serve;decode 1\nmain;poll 4\n")
-    top = top_functions(raw, count=2).splitlines()
-    assert top[0] == "8 samples"
-    own = top[top.index("-- top 2 by own samples") + 1 :][:2]
-    assert own == [" 50.0%  poll", " 37.5%  send"]
-    total = top[top.index("-- top 2 by total samples") + 1 :]
-    assert total == ["100.0%  main", " 50.0%  serve"]
+def _hot(n: int) -> int:
+    return sum(i * i for i in range(n))
+
+
+def _once() -> int:
+    return sum(_hot(200) for _ in range(300))
+
+
+def test_hot_functions_keep_only_functions_called_often(tmp_path: Path) -> None:
+    profile = cProfile.Profile()
+    profile.runcall(_once)
+    profile.dump_stats(tmp_path / "p.prof")
+    top = hot_functions(tmp_path / "p.prof", min_calls=300)
+    assert "_hot (" in top and "_once (" not in top  # _once ran once
+    own = top.splitlines()[2]
+    assert own.split()[1] in ("300", "60300")  # _hot itself or its generator
 
 
 def test_cpu_seconds_of_this_process_are_counted_as_the_serving_process() -> None:
     me = os.getpid()
     assert role(me, me) == "serving process (HTTP + router)"
     before = cpu_seconds(me)
-    sum(i * i for i in range(2_000_000))  # burn a little CPU
+    _hot(2_000_000)  # burn a little CPU
     spent = by_role(before, cpu_seconds(me), me)
     assert spent["serving process (HTTP + router)"] > 0
