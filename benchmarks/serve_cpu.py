@@ -102,18 +102,33 @@ def format_spent(title: str, spent: dict[str, float], wall_s: float, tokens: int
     return "\n".join(lines)
 
 
+# Where a served request's work runs in the serving process: our modules, the
+# HTTP stack, asyncio, Ray's call and stream paths, JSON and the metrics.
+# (Everything else a cProfile of the process holds is start-up: imports,
+# model config, Ray's init.)
+_SERVING_PATHS = (
+    "cluster/", "engine/", "models/tokenizer", "kvcache/hashing", "starlette/", "uvicorn/",
+    "fastapi/", "anyio/", "asyncio/", "ray/actor.py", "ray/_private/serialization.py",
+    "ray/_private/object_ref_generator.py", "json/", "prometheus_client/", "pydantic/main.py",
+)  # fmt: skip
+
+
 def hot_functions(stats_file: Path, min_calls: int, count: int = 30) -> str:
-    """The serving process's cProfile -> its functions called at least
-    `min_calls` times (per-request and per-token work; start-up code runs
-    once), by own time and by cumulative time."""
+    """The serving process's cProfile -> its serving-path functions called at
+    least `min_calls` times, by own time and by cumulative time."""
     stats = pstats.Stats(str(stats_file)).stats  # type: ignore[attr-defined]
     rows = []
     for (path, line, name), (_, calls, own, cumulative, _) in stats.items():
-        if calls >= min_calls:
+        # cProfile charges anyio's task-group context manager with the whole
+        # response it wraps (time spent awaiting, not computing): left out.
+        if name == "create_collapsing_task_group":
+            continue
+        if calls >= min_calls and any(part in path for part in _SERVING_PATHS):
             where = path.split("site-packages/")[-1].rsplit("python3.11/", 1)[-1]
-            rows.append((own, cumulative, calls, f"{name} ({where}:{line})"))
+            where = where.split("/cluster/")[-1] if "/cluster/" in where else where
+            rows.append((own, cumulative, calls, f"{name} ({Path(where).name}:{line})"))
     total = sum(row[0] for row in rows)
-    out = [f"{total:.2f} s own time in functions called >= {min_calls} times"]
+    out = [f"{total:.2f} s own time in serving-path functions called >= {min_calls} times"]
     for title, key in (("own", 0), ("cumulative", 1)):
         out.append(f"-- top {count} by {title} time: seconds, calls, us per call")
         for row in sorted(rows, key=lambda r: -r[key])[:count]:
