@@ -7,11 +7,14 @@ the steady stream of short-lived objects of serving (events, dicts, futures)
 triggers such passes: sampled natively, the serving process's event loop
 spent as long in `gc_collect` as in all of its request and token work.
 Freezing the start-up heap moves it to a permanent generation the collector
-never scans; objects made afterwards are collected as before.
+never scans; objects made afterwards are collected as before. At exit the
+heap is unfrozen again, so the interpreter's final collection still frees it
+(extension modules such as triton's report leaks otherwise).
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 
 _frozen = False
@@ -26,3 +29,4 @@ def freeze_startup_heap() -> None:
     _frozen = True
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)
