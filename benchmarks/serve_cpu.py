@@ -1,7 +1,7 @@
 """Where the CPU of a served run goes: CPU-seconds per process of `disagg serve`.
 
     python -m benchmarks.serve_cpu                       # our aggregated server, rate inf
-    python -m benchmarks.serve_cpu --runs 3 --profile /tmp/prof   # + py-spy of the server process
+    python -m benchmarks.serve_cpu --runs 3 --profile /tmp/prof   # + cProfile of the server process
 
 Starts our aggregated server (`benchmarks.serve_targets.ours_aggregated`, the
 anchor Llama unless `--model`), warms it up, then drives `--runs` timed runs of
@@ -10,18 +10,20 @@ the `benchmarks.serve_compare` workload (random prompts of exactly
 all sent at once) with `disagg bench`'s client in this process, and prints,
 per run, the CPU-seconds each process of the server's tree spent during it:
 the serving process (HTTP server + router), the engine worker, and each of
-Ray's daemons, and the serving process's CPU per streamed output token. CPU time is what the serving path takes away from the engine
-on a shared machine; unlike wall-clock throughput it barely moves when other
-work loads the CPUs. `--idle-s` also measures the tree while no request is
+Ray's daemons, and the serving process's CPU per streamed output token. CPU
+time is what the serving path takes away from the engine on a shared
+machine; unlike wall-clock throughput it moves little when other work loads
+the CPUs. `--idle-s` also measures the tree while no request is
 in flight (pollers and Ray's background work).
 
 `--profile DIR` runs the serving process under cProfile and writes its hot
 functions (called at least `--num-prompts` times: the per-request and
 per-token work) by own and by cumulative time to `DIR/server-top.txt`
 (`DIR/server.prof` holds the whole profile). cProfile rather than a sampling
-profiler: py-spy's samples of this process land in whichever Python frame
-ran last while uvloop waits in C, so their own-time shares mislead. cProfile
-slows every Python call, so read its shares, not its absolute times.
+profiler: py-spy's Python-only samples of this process land in whichever
+Python frame ran last while uvloop waits in C, so their own-time shares
+mislead (`py-spy record --native` does see C frames, such as `gc_collect`).
+cProfile slows every Python call, so read its shares, not its absolute times.
 """
 
 from __future__ import annotations
