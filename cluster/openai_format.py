@@ -73,6 +73,21 @@ class ChunkWriter:
     def line(self, choice: dict[str, Any]) -> str:
         return f"{self._prefix}{_dumps(choice)}]}}\n\n"
 
+    def text_line(self, text: str, finish: str | None) -> str:
+        """`line(completion_choice(text, finish, None))`, built without a dict:
+        the line of almost every streamed token."""
+        body = (
+            f'{{"index":0,"text":{_dumps(text)},"logprobs":null,"finish_reason":{_dumps(finish)}}}'
+        )
+        return f"{self._prefix}{body}]}}\n\n"
+
+    def content_line(self, text: str, finish: str | None) -> str:
+        """`line(chat_choice({"content": text} if text else {}, finish))`, built
+        without a dict."""
+        delta = f'{{"content":{_dumps(text)}}}' if text else "{}"
+        body = f'{{"index":0,"delta":{delta},"logprobs":null,"finish_reason":{_dumps(finish)}}}'
+        return f"{self._prefix}{body}]}}\n\n"
+
 
 SSE_DONE = "data: [DONE]\n\n"
 

@@ -167,8 +167,10 @@ class _OpenAIRoutes:
 
         def chunk(delta: Delta) -> str:
             nonlocal offset
-            logprobs = fmt.completion_logprobs(delta, tokenizer, num_top, offset)
-            offset += len(delta.text)
+            start, offset = offset, offset + len(delta.text)
+            if delta.logprobs is None:
+                return writer.text_line(delta.text, delta.finish_reason)
+            logprobs = fmt.completion_logprobs(delta, tokenizer, num_top, start)
             return writer.line(fmt.completion_choice(delta.text, delta.finish_reason, logprobs))
 
         def whole(delta: Delta) -> dict[str, Any]:
@@ -194,6 +196,8 @@ class _OpenAIRoutes:
         opening = [writer.line(fmt.chat_choice({"role": "assistant", "content": ""}, None))]
 
         def chunk(delta: Delta) -> str:
+            if delta.logprobs is None:
+                return writer.content_line(delta.text, delta.finish_reason)
             content = {"content": delta.text} if delta.text else {}
             lp = fmt.chat_logprobs(delta, tokenizer, num_top)
             return writer.line(fmt.chat_choice(content, delta.finish_reason, lp))

@@ -30,6 +30,7 @@ from cluster.plan import ClusterPlan
 from cluster.policies import WorkerState
 from cluster.router import Router, RoutingSettings, WorkerEndpoint
 from cluster.server import ServedModel, ServerLimits, build_app
+from engine.startup_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class ServingCluster:
             raise
         try:
             await self._start_http(listener)
+            freeze_startup_heap()  # router, app and tokenizer are built
         except BaseException:
             await self._close()
             raise

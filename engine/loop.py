@@ -24,6 +24,7 @@ from typing import TypeVar
 from engine.core import EngineCore, StepResult
 from engine.messages import TokenEvent
 from engine.request import Request
+from engine.startup_heap import freeze_startup_heap
 from engine.threads import compute_executor
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class EngineLoop:
 
     def start(self) -> None:
         if self._task is None:
+            freeze_startup_heap()  # the model is loaded: what exists now lives on
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:

@@ -10,6 +10,7 @@ the union of `generation_config.json`, `config.json` and the tokenizer's
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -65,7 +66,10 @@ class Tokenizer:
         self.chat_template = chat_template
         self._template: jinja2.Template | None = None
         self._is_byte_level: bool | None = None  # read from the backend on first use
+        self._plain_byte_level = False  # the decoder is ByteLevel and nothing else
         self._added_ids: set[int] = set()
+        # Each token's bytes as streamed text shows them (special tokens skipped).
+        self._stream_bytes: dict[int, bytes] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -104,8 +108,28 @@ class Tokenizer:
             decoder = json.loads(self.backend.to_str()).get("decoder") or {}
             kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders", [])]
             self._is_byte_level = "ByteLevel" in kinds
+            self._plain_byte_level = decoder.get("type") == "ByteLevel"
             self._added_ids = set(self.backend.get_added_tokens_decoder())
         return self._is_byte_level
+
+    def stream_bytes(self, token_id: int) -> bytes:
+        """What `token_id` adds to decoded text with special tokens skipped,
+        as bytes; only for a plain byte-level decoder (`streams_bytes`)."""
+        found = self._stream_bytes.get(token_id)
+        if found is None:
+            if token_id in self._added_ids:
+                found = self.decode([token_id]).encode()
+            else:
+                found = self.token_bytes(token_id)
+            self._stream_bytes[token_id] = found
+        return found
+
+    @property
+    def streams_bytes(self) -> bool:
+        """True when decoding is concatenating the tokens' bytes (a decoder that
+        is ByteLevel alone: GPT-2 style BPE), so text can be streamed from
+        `stream_bytes` without decoding windows of ids."""
+        return self._byte_level and self._plain_byte_level
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
@@ -137,9 +161,33 @@ class Tokenizer:
 
     def detokenizer(
         self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
-    ) -> IncrementalDetokenizer:
+    ) -> IncrementalDetokenizer | ByteStreamDetokenizer:
         """A fresh streaming decoder for one sequence continuing `prompt_ids`."""
+        if skip_special_tokens and self.streams_bytes:
+            return ByteStreamDetokenizer(self)
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
+
+
+class ByteStreamDetokenizer:
+    """`IncrementalDetokenizer` for a plain byte-level tokenizer: each token's
+    bytes go through one incremental UTF-8 decoder, which holds back a
+    character split over tokens until it completes. No id is decoded twice
+    and no context is needed: a byte-level token carries its own spaces."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._bytes = tokenizer.stream_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        delta: str = self._utf8.decode(self._bytes(token_id))
+        self.text += delta
+        return delta
+
+    def finish(self) -> str:
+        delta: str = self._utf8.decode(b"", final=True)
+        self.text += delta
+        return delta
 
 
 class IncrementalDetokenizer:

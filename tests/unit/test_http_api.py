@@ -285,6 +285,10 @@ def test_chunk_writer_lines_equal_the_whole_chunk_serialized() -> None:
     assert chat.line(chat_choice({"content": "hi"}, None)) == sse(
         chat_chunk(meta, {"content": "hi"}, None)
     )
+    for body, finish in (('a "b"\n', None), ("", "length"), ("€\u2028\\", "stop")):
+        assert text.text_line(body, finish) == sse(completion_chunk(meta, body, finish, None))
+        content = {"content": body} if body else {}
+        assert chat.content_line(body, finish) == sse(chat_chunk(meta, content, finish))
 
 
 def test_bench_statistics_percentiles_tpot_and_goodput() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,16 @@ def test_finish_flushes_a_truncated_character(checkpoint: Path) -> None:
     assert "\ufffd" not in streamed
     assert stream.finish().endswith("\ufffd")
     assert stream.text == tok.decode(ids[:-1])
+
+
+def test_byte_level_stream_matches_decode_of_any_ids(checkpoint: Path) -> None:
+    """The byte-level streaming path (no window decoding) gives exactly what
+    decoding the whole output gives, special tokens and split characters included."""
+    tok = load_tokenizer(checkpoint)
+    assert tok.streams_bytes
+    rng = random.Random(0)
+    for _ in range(50):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
+        stream = tok.detokenizer(tok.encode("serving"))
+        streamed = "".join(stream.push(token) for token in ids) + stream.finish()
+        assert streamed == stream.text == tok.decode(ids)

@@ -1,0 +1,43 @@
+"""benchmarks.serve_cpu: CPU-seconds per process role and the profile summary."""
+
+from __future__ import annotations
+
+import cProfile
+import os
+from pathlib import Path
+
+from benchmarks.serve_cpu import by_role, cpu_seconds, hot_functions, role
+from cluster.stop_strings import StopStringFilter
+
+
+def _hot(n: int) -> int:
+    return sum(i * i for i in range(n))
+
+
+def _serve_like() -> None:
+    """300 calls of a serving-path function, one of another, and 300 of one
+    outside the serving path."""
+    stops = StopStringFilter(["END"])
+    for _ in range(300):
+        stops.add("text ")
+        _hot(10)
+    stops.finish()
+
+
+def test_hot_functions_keep_serving_functions_called_often(tmp_path: Path) -> None:
+    profile = cProfile.Profile()
+    profile.runcall(_serve_like)
+    profile.dump_stats(tmp_path / "p.prof")
+    top = hot_functions(tmp_path / "p.prof", min_calls=300)
+    assert "add (stop_strings.py:" in top  # 300 calls, a serving module
+    assert "finish (stop_strings.py:" not in top  # called once
+    assert "_hot (" not in top  # not on the serving path
+
+
+def test_cpu_seconds_of_this_process_are_counted_as_the_serving_process() -> None:
+    me = os.getpid()
+    assert role(me, me) == "serving process (HTTP + router)"
+    before = cpu_seconds(me)
+    _hot(2_000_000)  # burn a little CPU
+    spent = by_role(before, cpu_seconds(me), me)
+    assert spent["serving process (HTTP + router)"] > 0
