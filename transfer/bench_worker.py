@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from engine.startup_heap import freeze_startup_heap
 from kvcache.factory import create_manager
 from kvcache.layout import Region
 from kvcache.spec import CacheSpec
@@ -143,6 +144,7 @@ class EndpointHost:
     async def start(self) -> None:
         for endpoint in self.endpoints.values():
             await endpoint.xcvr.start()
+        freeze_startup_heap()  # as a worker does once its model and caches are up
 
     async def close(self) -> None:
         for endpoint in self.endpoints.values():
