@@ -121,8 +121,21 @@ def transformers_greedy(
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    return greedy_generate(model, prompts, new_tokens)
+
+
+def greedy_generate(
+    model: Any,
+    prompts: list[list[int]],
+    new_tokens: int,
+    inputs: list[dict[str, torch.Tensor]] | None = None,
+) -> list[list[int]]:
+    """Exactly `new_tokens` greedy tokens of each prompt from a transformers
+    model's `generate`; `inputs[i]` (pixels, say) goes with prompt `i`."""
+    if inputs is not None and len(inputs) != len(prompts):
+        raise ValueError(f"{len(inputs)} inputs for {len(prompts)} prompts")
     outputs = []
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         ids = torch.tensor([prompt])
         with torch.no_grad():
             out = model.generate(
@@ -132,6 +145,7 @@ def transformers_greedy(
                 max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens,
                 pad_token_id=0,
+                **(inputs[i] if inputs is not None else {}),
             )
         outputs.append(out[0, len(prompt) :].tolist())
     return outputs

@@ -64,6 +64,7 @@ from tests.integration.test_workers_parity import (
     _params,
     _reference,
 )
+from tests.launched_cluster import greedy_generate
 
 # (role, tensor_parallel_size) -> manager: pairs (1,2) v1->v2, (2,1) v2->v1, (2,2) v2->v2.
 WORKERS = {
@@ -237,28 +238,17 @@ def _image_reference(
 
     model = NemotronH_Omni_Reasoning_V3.from_pretrained(checkpoint, dtype=torch.float32).eval()
     processing = _processing(checkpoint)
-    outputs = []
-    for prompt, with_images in zip(prompts, images, strict=True):
-        pixels: dict[str, torch.Tensor] = {}
+    pixels: list[dict[str, torch.Tensor]] = []
+    for with_images in images:
+        inputs: dict[str, torch.Tensor] = {}
         for image in with_images:
             grid = image.grid_hw
-            pixels["pixel_values"] = preprocess_image(
+            inputs["pixel_values"] = preprocess_image(
                 Image.open(io.BytesIO(image.data)), grid, processing
             )
-            pixels["image_grid_hw"] = torch.tensor(processing.encoder_grids(grid))
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                pad_token_id=0,
-                **pixels,
-            )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+            inputs["image_grid_hw"] = torch.tensor(processing.encoder_grids(grid))
+        pixels.append(inputs)
+    return greedy_generate(model, prompts, NEW_TOKENS, pixels)
 
 
 @pytest.mark.parametrize(("ctx_size", "gen_size"), PAIRS)
