@@ -24,8 +24,10 @@ class StopStringFilter:
 
     def add(self, delta: str) -> str:
         """Feed new text; returns the part now safe to show (may be empty)."""
-        if not self._stops or self.stopped:
-            return "" if self.stopped else delta  # nothing to hold back without stops
+        if self.stopped:
+            return ""
+        if not self._stops:  # nothing to hold back
+            return delta
         self._text += delta
         cut = self._stop_cut()
         if cut is not None:
