@@ -17,6 +17,7 @@ import pytest
 import ray
 import torch
 
+from cluster.launcher import init_local_ray
 from decode_worker.worker import GenerationWorker
 from engine.errors import RequestFailedError
 from engine.messages import ContextRequest, GenerationRequest, PrefetchRequest, TokenEvent
@@ -76,7 +77,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def ray_session() -> Any:
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    init_local_ray(4, log_to_driver=False)
     yield
     ray.shutdown()
 
