@@ -43,6 +43,7 @@ class StepStats:
     steps: int = 0
     tokens: int = 0
     preemptions: int = 0
+    handed_back: int = 0
     schedule_s: float = 0.0
     build_s: float = 0.0
     forward_s: float = 0.0
@@ -52,6 +53,7 @@ class StepStats:
         self.steps += 1
         self.tokens += result.num_tokens
         self.preemptions += result.num_preempted
+        self.handed_back += result.num_handed_back
         self.schedule_s += result.schedule_s
         self.build_s += result.timings.build_s
         self.forward_s += result.timings.forward_s
