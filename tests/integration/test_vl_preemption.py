@@ -6,10 +6,10 @@ context worker), so it cannot recompute the request: it ends it with
 "preempted", and the router prefills the prompt plus the tokens already sent
 on the context worker again (which encodes the image again) and pulls that.
 
-To preempt it deterministically, another prompt's prefetch pins every block
-of the generation worker but the request's own prompt blocks, until the test
-has seen the hand-back: the request runs alone, and its first decode that
-needs a new block finds none.
+To preempt it deterministically, every block of the generation worker but
+the request's own prompt blocks stays pinned (`tests.pinned_blocks`) until
+the test has seen the hand-back: the request runs alone, and its first
+decode that needs a new block finds none.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,6 @@ from cluster.metrics import ServingMetrics
 from cluster.policies import WorkerState
 from cluster.router import Router, RoutingSettings, WorkerEndpoint
 from decode_worker.worker import GenerationWorker
-from engine.messages import PrefetchRequest
 from engine.multimodal import ImageInput
 from engine.sampling import SamplingParams
 from engine.worker_config import WorkerConfig
@@ -38,12 +36,13 @@ from models.embedded.writer import write_checkpoint
 from prefill_worker.worker import ContextWorker
 from tests.integration.test_serve_images import picture
 from tests.integration.test_tensor_parallel_transfer import _image_text, _image_token, _processing
+from tests.pinned_blocks import blocks_pinned, until
 
 BLOCK = 8
 NEW_TOKENS = 10  # more than a block: the request needs a new block as it decodes
 IMAGE_OFFSET = 4
-# The generation side fits the request alone, and a pinned prompt of 40 tokens
-# beside its prompt.
+# The generation side fits the request alone with room to spare, which the
+# pin takes.
 GEN_MAX_TOKENS = 256
 SECRET = "handback-secret"
 
@@ -114,13 +113,6 @@ async def _tokens(router: Router, rid: str, prompt: list[int], image: ImageInput
     return [t for e in events for t in e.token_ids]
 
 
-async def _until(condition: Any, what: str, within_s: float = 120.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not await condition():
-        assert time.monotonic() < deadline, f"no {what} within {within_s}s"
-        await asyncio.sleep(0.05)
-
-
 async def test_a_preempted_image_request_resumes_with_the_same_tokens(
     workers: tuple[Any, Any], image_request: tuple[list[int], ImageInput]
 ) -> None:
@@ -129,24 +121,15 @@ async def test_a_preempted_image_request_resumes_with_the_same_tokens(
     router = _router(ctx, gen)
     alone = await _tokens(router, "alone", prompt, image)
     assert (await gen.step_stats.remote())["handed_back"] == 0
-    # Pin every block but the request's prompt blocks: a prefetch of a prompt
-    # the context worker never gets holds its blocks until it is aborted.
-    prompt_blocks = -(-len(prompt) // BLOCK)
-    load = await gen.load.remote()
-    pinned = load.num_free_blocks - prompt_blocks
-    await gen.prefetch.remote(PrefetchRequest("pin", list(range(10, 10 + pinned * BLOCK)), ctx))
-
-    async def pinned_all() -> bool:
-        return bool((await gen.load.remote()).num_free_blocks == prompt_blocks)
-
-    await _until(pinned_all, "pinned blocks")
-    squeezed = asyncio.ensure_future(_tokens(router, "squeezed", prompt, image))
 
     async def handed_back() -> bool:
         return bool((await gen.step_stats.remote())["handed_back"] == 1)
 
-    await _until(handed_back, "hand-back")
-    await gen.abort.remote("pin")  # its resumed pull finds room now
+    prompt_blocks = -(-len(prompt) // BLOCK)
+    async with blocks_pinned(gen, ctx, "pin", leave=prompt_blocks, block_size=BLOCK):
+        squeezed = asyncio.ensure_future(_tokens(router, "squeezed", prompt, image))
+        await until(handed_back, "hand-back")
+    # Unpinned: the resumed request's pull finds room.
     assert await squeezed == alone
     assert router.metrics.handed_back._value.get() == 1
     for actor in (ctx, gen):
@@ -154,4 +137,4 @@ async def test_a_preempted_image_request_resumes_with_the_same_tokens(
         async def idle(actor: Any = actor) -> bool:
             return bool((await actor.integrity.remote()).idle)
 
-        await _until(idle, "idle cache")
+        await until(idle, "idle cache")
