@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcache.layout import LayoutSignature, Region, RequestRegions
+from kvcache.layout import LayoutSignature, RequestRegions
 from transfer.base import (
     BufferInfo,
     Transceiver,
@@ -71,7 +71,12 @@ from transfer.nixl_agent import (
     create_agent,
     nixl_available,
 )
-from transfer.nixl_descriptors import PairGroups, PreparedTables, group_pairs
+from transfer.nixl_descriptors import (
+    PairGroups,
+    PreparedTables,
+    group_pairs,
+    group_slice_pairs,
+)
 from transfer.offers import Offer
 from transfer.plan import check_bounds
 
@@ -341,10 +346,8 @@ class NixlTransceiver(Transceiver):
         check_shards(rid, source, dest)
         if not same_heads(source, dest):
             pairs = plan_head_slices(rid, source, handle.regions, dest, dest_regions)
-            src_runs = tuple(Region(p.src_buffer, o, n) for p in pairs for o, n in p.source_runs())
-            dst_runs = tuple(Region(p.dst_buffer, o, n) for p in pairs for o, n in p.dest_runs())
-            check_bounds(rid, dst_runs, self._sizes)
-            return group_pairs(src_runs, dst_runs)
+            check_bounds(rid, [p.dest_span() for p in pairs], self._sizes)
+            return group_slice_pairs(pairs)
         # A replicated head may sit on a rank of another position.
         check_signature(rid, handle.signature, dest.to_dict(), ignore=("tp_size", "tp_rank"))
         src_desc, dst_desc = handle.regions.descriptors, dest_regions.descriptors
