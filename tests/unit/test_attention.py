@@ -82,8 +82,10 @@ def dense_reference(
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def run_and_compare(context_lens: list[int], new_lens: list[int], window: int | None) -> None:
-    batch, cache, keys, values, q = make_step(context_lens, new_lens)
+def run_and_compare(
+    context_lens: list[int], new_lens: list[int], window: int | None, num_blocks: int = 32
+) -> None:
+    batch, cache, keys, values, q = make_step(context_lens, new_lens, num_blocks)
     new_k = torch.cat([k[c:] for k, c in zip(keys, context_lens, strict=True)])
     new_v = torch.cat([v[c:] for v, c in zip(values, context_lens, strict=True)])
     out = paged_attention(q, new_k, new_v, cache, batch, SCALE, window)
@@ -175,3 +177,11 @@ def test_prompt_steps_read_every_key_from_the_cache_through_the_c_kernel(
     for i, ctx in enumerate([0, 6, 3]):
         expected = dense_reference(q[starts[i] : starts[i + 1]], keys[i], values[i], ctx, None)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "sliding-3"])
+def test_a_step_with_a_sequence_past_1024_tokens_matches_dense_attention(
+    window: int | None,
+) -> None:
+    # Past 1,024 tokens the CPU step leaves the per-token kernel for SDPA's tiles.
+    run_and_compare(context_lens=[1030, 0], new_lens=[3, 5], window=window, num_blocks=300)
