@@ -268,6 +268,23 @@ class ForwardBatch:
         return blocks, self.slot_mapping - blocks * self.block_size
 
     @functools.cached_property
+    def token_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every new token as a one-query sequence: `(block_tables, seq_lens)`,
+        `[T, blocks]` and `[T]`, its sequence's table row (cut to the blocks
+        the step reads) and its position + 1 (the keys it sees, itself
+        included). Causal attention over the cache is then decode attention
+        over these rows.
+
+            seq 0: context 2, 3 new tokens at positions 2, 3, 4 -> rows 0..2
+            rows 0..2: block_tables[0], seq_lens 3, 4, 5
+        """
+        blocks = -(-self.max_seq_len // self.block_size)
+        tables = self.block_tables[:, :blocks].repeat_interleave(
+            self.query_lens, dim=0, output_size=self.num_tokens
+        )
+        return tables, self.positions + 1
+
+    @functools.cached_property
     def decode_rows(self) -> DecodeRows | None:
         """The step's single-token sequences (see `DecodeRows`); None without any."""
         single = self.shape.single_token_seqs

@@ -7,11 +7,21 @@ import torch
 
 from kvcache.views import AttentionLayerCache
 from models.batch import ForwardBatch
-from models.kernels import dispatch
-from models.layers.attention import paged_attention
+from models.kernels import cpu_build, dispatch
+from models.layers.attention import attend, paged_attention, write_kv
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 SCALE = DIM**-0.5
+
+
+@pytest.fixture(autouse=True, params=["c-kernels", "torch"])
+def cpu_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test twice on CPU: through the C kernels where they serve (a step
+    with prompt tokens runs as one per-token decode call), and with them off
+    (the torch paths: padded, per-prompt and chunked SDPA calls)."""
+    if request.param == "torch":
+        monkeypatch.setenv(cpu_build.ENABLE_ENV, "0")
+    return str(request.param)
 
 
 def make_step(
@@ -72,8 +82,10 @@ def dense_reference(
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def run_and_compare(context_lens: list[int], new_lens: list[int], window: int | None) -> None:
-    batch, cache, keys, values, q = make_step(context_lens, new_lens)
+def run_and_compare(
+    context_lens: list[int], new_lens: list[int], window: int | None, num_blocks: int = 32
+) -> None:
+    batch, cache, keys, values, q = make_step(context_lens, new_lens, num_blocks)
     new_k = torch.cat([k[c:] for k, c in zip(keys, context_lens, strict=True)])
     new_v = torch.cat([v[c:] for v, c in zip(values, context_lens, strict=True)])
     out = paged_attention(q, new_k, new_v, cache, batch, SCALE, window)
@@ -143,3 +155,33 @@ def test_fresh_chunk_beside_continuing_chunks_and_decodes(window: int | None) ->
     # A step that also carries cached tokens: a chunk starting its prompt attends
     # over its own new K/V, the others read theirs back from the cache.
     run_and_compare(context_lens=[0, 6, 10, 0], new_lens=[9, 5, 1, 2], window=window)
+
+
+def test_prompt_steps_read_every_key_from_the_cache_through_the_c_kernel(
+    cpu_kernels: str,
+) -> None:
+    # With the C kernel a step with prompt tokens attends over the cache alone:
+    # the K/V passed in are not read (here zeros), only what the cache holds.
+    if cpu_kernels == "torch":
+        pytest.skip("the torch paths read a fresh prompt's K/V from the arguments")
+    batch, cache, keys, values, q = make_step([0, 6, 3], [9, 5, 1])
+    write_kv(
+        torch.cat([keys[0], keys[1][6:], keys[2][3:]]),
+        torch.cat([values[0], values[1][6:], values[2][3:]]),
+        cache,
+        batch,
+    )
+    zeros = torch.zeros(batch.num_tokens, KV_HEADS, DIM)
+    out = attend(q, zeros, zeros, cache, batch, SCALE)
+    starts = batch.query_start_loc.tolist()
+    for i, ctx in enumerate([0, 6, 3]):
+        expected = dense_reference(q[starts[i] : starts[i + 1]], keys[i], values[i], ctx, None)
+        torch.testing.assert_close(out[starts[i] : starts[i + 1]], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "sliding-3"])
+def test_a_step_with_a_sequence_past_1024_tokens_matches_dense_attention(
+    window: int | None,
+) -> None:
+    # Past 1,024 tokens the CPU step leaves the per-token kernel for SDPA's tiles.
+    run_and_compare(context_lens=[1030, 0], new_lens=[3, 5], window=window, num_blocks=300)
