@@ -166,6 +166,9 @@ class ClusterConfig(_Strict):
     # Bearer token the /v1 routes require; None leaves the API open.
     api_key: str | None = Field(default=None, min_length=1)
     max_request_body_bytes: int = Field(default=1 << 20, gt=0)
+    # `disagg serve`'s own process yields its cores to the workers (see
+    # cluster/process_priority.py): its niceness once they are up.
+    serving_nice: int = Field(default=10, ge=0, le=19)
     router: RouterConfig = RouterConfig()
     media: MediaConfig = MediaConfig()
     conditional_disagg: ConditionalDisaggConfig = ConditionalDisaggConfig()
