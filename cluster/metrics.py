@@ -123,6 +123,19 @@ class ServingMetrics:
             ["phase"],
             registry=r,
         )
+        self.engine_steps = Gauge(
+            "disagg_engine_steps",
+            "Engine steps each worker ran since it started, as last polled.",
+            ["worker"],
+            registry=r,
+        )
+        self.engine_busy = Gauge(
+            "disagg_engine_busy_seconds",
+            "Wall seconds each worker's engine spent in its steps since it started, as last "
+            "polled (against elapsed time: how busy the engine was).",
+            ["worker"],
+            registry=r,
+        )
         self.worker_node = Gauge(
             "disagg_worker_node",
             "1 for each worker, labelled with its role and the address of its Ray node.",
