@@ -262,8 +262,8 @@ def test_section_resources_place_roles_and_refuse_what_ray_sizes_itself() -> Non
         config_from_dict({"model": "m", "generation_servers": {"resources": {"decode": 0}}})
 
 
-def test_serving_nice_is_a_niceness_and_defaults_to_yielding_to_the_workers() -> None:
-    assert config_from_dict({"model": "m"}).serving_nice == 10
+def test_serving_nice_is_auto_or_a_niceness() -> None:
+    assert config_from_dict({"model": "m"}).serving_nice == "auto"
     assert config_from_dict({"model": "m", "serving_nice": 0}).serving_nice == 0
-    with pytest.raises(ConfigError, match="serving_nice: .*19"):
+    with pytest.raises(ConfigError, match="serving_nice.*less than or equal to 19"):
         config_from_dict({"model": "m", "serving_nice": 20})

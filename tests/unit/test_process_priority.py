@@ -1,7 +1,8 @@
-"""`lower_process_priority`: every thread of the process, and threads started
-later, run at the niceness asked for; a nicer thread keeps its own.
+"""`serving_nice` resolved from the plan, and `lower_process_priority`: every
+thread of the process, and threads started later, run at the niceness asked
+for; a nicer thread keeps its own.
 
-Niceness cannot be lowered again without privileges, so each case runs in a
+Niceness cannot be lowered again without privileges, so those cases run in a
 fresh interpreter."""
 
 from __future__ import annotations
@@ -10,6 +11,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+from cluster.config import config_from_dict
+from cluster.plan import resolve_plan
+from cluster.process_priority import MULTI_THREADED_NICENESS, serving_niceness
+from models.embedded.configs import checkpoint_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,3 +70,20 @@ def test_every_thread_and_later_ones_get_the_niceness_a_nicer_one_keeps_its_own(
     assert base == {"before": own, "nicer": 15, "after": own, "main": own}
     target = max(own + 3, 5)
     assert run(target) == {"before": target, "nicer": 15, "after": target, "main": target}
+
+
+def _niceness(tmp_path: Path, **overrides: Any) -> int:
+    (tmp_path / "config.json").write_text(json.dumps(checkpoint_config("llama", "tiny")))
+    raw = {"model": str(tmp_path), "cache_transceiver": {"backend": "python"}, **overrides}
+    config = config_from_dict(raw)
+    return serving_niceness(config.serving_nice, resolve_plan(config).instances)
+
+
+def test_auto_yields_only_to_multi_threaded_cpu_workers(tmp_path: Path) -> None:
+    assert _niceness(tmp_path) == 0  # 1P1D, one thread each
+    aggregated = {"context_servers": {"num_instances": 0}}
+    two_threads = aggregated | {"generation_servers": {"num_instances": 1, "num_cpus": 2}}
+    assert _niceness(tmp_path, **aggregated) == 0
+    assert _niceness(tmp_path, **two_threads) == MULTI_THREADED_NICENESS
+    assert _niceness(tmp_path, **two_threads, serving_nice=0) == 0
+    assert _niceness(tmp_path, serving_nice=3) == 3
