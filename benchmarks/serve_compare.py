@@ -293,7 +293,7 @@ def serve_and_measure(
             client_cpu = children_cpu_seconds() - client_cpu
             print(
                 f"   rate {rate}: {m.output_tok_s:.0f} out tok/s "
-                f"(the client took {client_cpu:.2f} CPU-s of the same CPUs)",
+                f"(the client process: {client_cpu:.2f} CPU-s, start-up included)",
                 flush=True,
             )
             rows.append(Row(key, launch.label, rate, setup.prefix_caching, m))
