@@ -21,7 +21,7 @@ import difflib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -166,9 +166,6 @@ class ClusterConfig(_Strict):
     # Bearer token the /v1 routes require; None leaves the API open.
     api_key: str | None = Field(default=None, min_length=1)
     max_request_body_bytes: int = Field(default=1 << 20, gt=0)
-    # `disagg serve`'s own process yields its cores to multi-threaded CPU
-    # workers (see cluster/process_priority.py): its niceness once they are up.
-    serving_nice: Literal["auto"] | Annotated[int, Field(ge=0, le=19)] = "auto"
     router: RouterConfig = RouterConfig()
     media: MediaConfig = MediaConfig()
     conditional_disagg: ConditionalDisaggConfig = ConditionalDisaggConfig()

@@ -150,12 +150,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(config: ClusterConfig, plan: Any, log_level: str) -> None:
-    from cluster.process_priority import lower_process_priority, serving_niceness
     from cluster.serving import ServingCluster
 
     async with ServingCluster(config, plan, log_level) as serving:
         assert serving.cluster is not None
-        lower_process_priority(serving_niceness(config.serving_nice, plan.instances))
         print(serving.cluster.placement(), flush=True)
         print(f"serving {Path(plan.checkpoint).resolve().name} at {serving.url}", flush=True)
         await serving.wait_stopped()

@@ -260,10 +260,3 @@ def test_section_resources_place_roles_and_refuse_what_ray_sizes_itself() -> Non
         config_from_dict({"model": "m", "generation_servers": {"resources": {"GPU": 1}}})
     with pytest.raises(ConfigError, match="resources.decode is 0"):
         config_from_dict({"model": "m", "generation_servers": {"resources": {"decode": 0}}})
-
-
-def test_serving_nice_is_auto_or_a_niceness() -> None:
-    assert config_from_dict({"model": "m"}).serving_nice == "auto"
-    assert config_from_dict({"model": "m", "serving_nice": 0}).serving_nice == 0
-    with pytest.raises(ConfigError, match="serving_nice.*less than or equal to 19"):
-        config_from_dict({"model": "m", "serving_nice": 20})
