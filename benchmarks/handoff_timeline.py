@@ -47,7 +47,7 @@ import ray
 
 from benchmarks.serve_targets import Setup, base_config
 from cluster.config import config_from_dict
-from cluster.launcher import launch
+from cluster.launcher import init_local_ray, launch
 from cluster.metrics import ServingMetrics
 from cluster.plan import resolve_plan
 from cluster.router import Router
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
         folder = Path(tempfile.gettempdir()) / "disagg-bench-mini-llama"
         checkpoint = ensure_checkpoint(folder, "llama", "mini")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(2, log_to_driver=False)
     try:
         return asyncio.run(_run(args, checkpoint))
     finally:

@@ -34,6 +34,7 @@ from typing import Any
 import ray
 import torch
 
+from cluster.launcher import init_local_ray
 from cluster.metrics import ServingMetrics
 from cluster.policies import WorkerState
 from cluster.router import Router, RoutingSettings, WorkerEndpoint
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint = ensure_checkpoint(
             Path(tempfile.gettempdir()) / "disagg-bench-small-llama", "llama", "small"
         )
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    init_local_ray(2, log_to_driver=False)
     try:
         ctx = (
             ray.remote(ContextWorker)

@@ -103,9 +103,40 @@ class RunningCluster:
             ray.shutdown()
 
 
+# The node address of a local cluster. On loopback, Ray's servers (GCS,
+# raylet, object manager, each worker's RPC server) and the transceivers,
+# which listen where Ray places their node, are out of reach of other
+# machines. Not 127.0.0.1 itself: given that, Ray advertises the machine's
+# external address instead.
+LOCAL_NODE_IP = "127.0.0.3"
+
+
+def init_local_ray(
+    num_cpus: int, runtime_env: dict[str, Any] | None = None, **options: Any
+) -> None:
+    """Start a Ray of this process's own on `LOCAL_NODE_IP`; `options` go to
+    `ray.init`. "local" always starts one: without it Ray would join a
+    cluster that `ray start` left running on this machine, or trip over the
+    stale record (ray_current_cluster) of one that was stopped."""
+    env = dict(runtime_env or {})
+    # UCX (under NIXL and the UCX wire) listens on every network device
+    # unless told otherwise; a local cluster's transfers stay on this machine.
+    devices = os.environ.get("UCX_NET_DEVICES", "lo")
+    env["env_vars"] = {"UCX_NET_DEVICES": devices, **env.get("env_vars", {})}
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        runtime_env=env,
+        _node_ip_address=LOCAL_NODE_IP,
+        **options,
+    )
+
+
 def connect_ray(address: str | None, num_cpus: float) -> bool:
-    """Join `address`, or start a local Ray with at least `num_cpus` CPUs (what
-    the plan's instances ask for together); True when started here."""
+    """Join `address`, or start a local Ray (`init_local_ray`) with at least
+    `num_cpus` CPUs (what the plan's instances ask for together); True when
+    started here."""
     if ray.is_initialized():
         return False
     env = {"env_vars": {"PYTHONPATH": _project_root()}}
@@ -122,17 +153,7 @@ def connect_ray(address: str | None, num_cpus: float) -> bool:
     # A local cluster grants every instance its num_cpus even on a smaller
     # machine: the grant sizes each worker's torch threads, it does not pin cores.
     cpus = max(os.cpu_count() or 1, math.ceil(num_cpus))
-    # "local" always starts a Ray of our own: without it Ray would join a
-    # cluster that `ray start` left running on this machine, or trip over
-    # the stale record (ray_current_cluster) of one that was stopped.
-    ray.init(
-        address="local",
-        num_cpus=cpus,
-        include_dashboard=False,
-        runtime_env=env,
-        logging_level=logging.WARNING,
-        log_to_driver=True,
-    )
+    init_local_ray(cpus, runtime_env=env, logging_level=logging.WARNING, log_to_driver=True)
     return True
 
 

@@ -136,6 +136,12 @@ class ServingMetrics:
             ["worker"],
             registry=r,
         )
+        self.handed_back = Counter(
+            "disagg_handed_back",
+            "Requests a generation worker preempted but could not recompute (their images "
+            "were encoded on a context worker), resumed through a new context prefill.",
+            registry=r,
+        )
         self.worker_node = Gauge(
             "disagg_worker_node",
             "1 for each worker, labelled with its role and the address of its Ray node.",

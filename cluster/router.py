@@ -24,7 +24,9 @@ token goes to the caller as soon as the context worker returns it, before
 the cache moves. A pull that fails before the generation worker reports it
 complete (`cache_ready`: the context worker died, stalled or the transfer
 timed out) resumes the request on another context worker: it prefills the
-prompt plus the tokens already sent and continues from there. When the
+prompt plus the tokens already sent and continues from there. So does a
+request the generation worker hands back after a preemption (it cannot
+recompute a prompt whose images were encoded elsewhere). When the
 caller stops iterating (client disconnect), the request is aborted on every
 worker it touched, so both sides free its blocks.
 
@@ -203,15 +205,18 @@ class Router:
         touched: list[WorkerEndpoint],
     ) -> AsyncIterator[TokenEvent]:
         """Context, then generation. The context worker's first token goes to
-        the caller at once, before its cache moves; if the pull fails, the
-        request resumes from the tokens the caller has (`Continuation`)."""
+        the caller at once, before its cache moves. The request resumes from
+        the tokens the caller has (`Continuation`) when the pull fails (at
+        most `max_attempts` times) or when the generation worker hands it
+        back after a preemption (each round sends at least the context
+        worker's token, so that ends within `max_tokens` rounds)."""
         context_hashes = hashes
         if self.settings.context_block_size != self.settings.generation_block_size:
             context_hashes = self._routing_hashes(prompt, self.settings.context_block_size, images)
         resume = Continuation(prompt, params)
         errors: list[str] = []
-        for attempt in range(self.settings.max_attempts):
-            target = self._prefetch_target(prompt, hashes, touched) if attempt == 0 else None
+        target = self._prefetch_target(prompt, hashes, touched)
+        while len(errors) < self.settings.max_attempts:
             context_request = ContextRequest(request_id, resume.prompt, resume.params, images)
             try:
                 context = await self._run_context(context_request, context_hashes, touched, target)
@@ -234,16 +239,22 @@ class Router:
                 context,
                 tuple(i.without_data() for i in images),
             )
+            resume.advance(first.token_ids)
             try:
+                handed_back = False
                 async for event in self._stream_generation(request, hashes, touched, target):
-                    if not event.cache_ready:
+                    handed_back = event.handed_back
+                    if not (event.cache_ready or handed_back):
                         yield resume.event(event)
-                return
+                        resume.advance(event.token_ids)
+                if not handed_back:
+                    return
+                self.metrics.handed_back.inc()
             except _PullFailed as failure:
                 errors.append(str(failure))
                 # The holder may still pin the cache (the puller died): free it.
                 self._abort_everywhere(request_id, [holder])
-                resume.advance(context.first_token_id)
+            target = None
         yield _error_event(request_id, "cache transfer failed: " + "; ".join(errors))
 
     def _prefetch_target(

@@ -41,6 +41,7 @@ class StepResult:
     preempted: list[Request] = field(default_factory=list)
     num_tokens: int = 0
     num_preempted: int = 0
+    num_handed_back: int = 0  # preempted, and ended here to resume elsewhere
     schedule_s: float = 0.0
     timings: StepTimings = field(default_factory=StepTimings)
 
@@ -95,13 +96,14 @@ class EngineCore:
         result = StepResult(
             num_tokens=sched.num_tokens,
             num_preempted=len(sched.preempted),
+            num_handed_back=len(sched.handed_back),
             schedule_s=time.perf_counter() - t0,
             preempted=list(sched.preempted),
         )
-        for failed in sched.failed:
-            result.events.append(self._final_event(failed, []))
-            result.finished.append(failed)
-            self._forget(failed.request_id)
+        for ended in (*sched.failed, *sched.handed_back):
+            result.events.append(self._final_event(ended, []))
+            result.finished.append(ended)
+            self._forget(ended.request_id)
         if sched.is_empty:
             return result
         runner_out = self.runner.execute(sched.sequences)

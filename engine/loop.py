@@ -43,8 +43,9 @@ class StepStats:
 
     steps: int = 0
     tokens: int = 0
-    busy_s: float = 0.0  # wall time from each step's start to its result, hand-off included
+    busy_s: float = 0.0  # wall time from handing each step to the compute thread to its result
     preemptions: int = 0
+    handed_back: int = 0
     schedule_s: float = 0.0
     build_s: float = 0.0
     forward_s: float = 0.0
@@ -54,6 +55,7 @@ class StepStats:
         self.steps += 1
         self.tokens += result.num_tokens
         self.preemptions += result.num_preempted
+        self.handed_back += result.num_handed_back
         self.schedule_s += result.schedule_s
         self.build_s += result.timings.build_s
         self.forward_s += result.timings.forward_s

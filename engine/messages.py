@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine.multimodal import EncoderCacheEvent, ImageInput
+from engine.request import FinishReason
 
 if TYPE_CHECKING:
     from engine.sampling import SamplingParams
@@ -126,6 +127,9 @@ class TokenEvent:
     A generation worker that pulls a cache first sends one event with no
     tokens and no `finish_reason` once the pull completed (`cache_ready`): up
     to then the request can still be re-run from its prefill elsewhere.
+    A pulled request it preempts but cannot compute again (its images were
+    encoded on the context worker) ends with `finish_reason` "preempted"
+    (`handed_back`): the router resumes it through a new context prefill.
     """
 
     request_id: str
@@ -143,6 +147,10 @@ class TokenEvent:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def handed_back(self) -> bool:
+        return self.finish_reason == FinishReason.PREEMPTED.value
 
 
 @dataclass(frozen=True)

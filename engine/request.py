@@ -38,6 +38,9 @@ class FinishReason(enum.Enum):
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # cancelled by the client or the router
     HANDOFF = "handoff"  # context phase done; the cache waits for the generation side
+    # Generation side: preempted, and its images' bytes stayed with the
+    # context worker, so only a new context prefill can run it on.
+    PREEMPTED = "preempted"
     ERROR = "error"  # the request can never run here; `Request.error` says why
 
 

@@ -8,11 +8,20 @@ Each step gets a token budget (`max_num_tokens`) and a sequence cap
 3. waiting requests (preempted ones sit at the head), each taking a prefill
    chunk of whatever budget is left.
 
-When a running request cannot get the blocks for its next tokens, the newest
-running request is preempted (its blocks and Mamba slot freed, its computed
-tokens forgotten) and put back at the head of the waiting queue; that repeats
-until the allocation fits or the request itself was the newest. A request
-that needs more tokens than the whole cache holds fails with
+When a running request cannot get the blocks for its next tokens, another
+running request is preempted (its blocks and Mamba slot freed), and that
+repeats until the allocation fits or the request itself was the victim.
+Victims are chosen newest first among the requests this worker can compute
+again; only when none is left does the newest of the others go:
+
+- a request that can be recomputed forgets its computed tokens and goes back
+  to the head of the waiting queue (preemption by recompute);
+- a request whose images were encoded on a context worker cannot (only their
+  hashes came with its cache): it is *handed back*, ending here with
+  `FinishReason.PREEMPTED`, and the router resumes it with a fresh context
+  prefill of its prompt and the tokens already sent (`cluster.continuation`).
+
+A request that needs more tokens than the whole cache holds fails with
 `FinishReason.ERROR` instead of looping. Waiting requests never preempt
 running ones; they wait until blocks come free.
 
@@ -90,6 +99,9 @@ class ScheduledSequence:
 class SchedulerOutput:
     sequences: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Preempted requests that cannot be recomputed here: they end with
+    # `FinishReason.PREEMPTED` and resume through a new context prefill.
+    handed_back: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)
 
     @property
@@ -186,7 +198,7 @@ class Scheduler:
             return 0
         spent = 0
         while not self._allocate(request, num_new):
-            victim = self.running[-1]
+            victim = self._victim()
             spent -= self._preempt(victim, out)
             if victim is request:
                 return spent
@@ -231,9 +243,16 @@ class Scheduler:
             request.request_id, total, request.all_token_ids[:total], request.images
         )
 
+    def _victim(self) -> Request:
+        """The running request to preempt: the newest one this worker can
+        compute again, else the newest of all."""
+        recomputable = (r for r in reversed(self.running) if r.can_recompute)
+        return next(recomputable, self.running[-1])
+
     def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
         """Free the victim's cache and requeue it at the head of the waiting
-        queue. Returns the budget it had been given this step (0 if none)."""
+        queue, or hand it back when it cannot be recomputed here. Returns the
+        budget it had been given this step (0 if none)."""
         self.running.remove(victim)
         self.manager.free(victim.request_id)
         refund = 0
@@ -243,13 +262,8 @@ class Scheduler:
                 out.sequences.remove(seq)
                 break
         if not victim.can_recompute:
-            victim.finish(
-                FinishReason.ERROR,
-                f"request {victim.request_id!r} was preempted, and its images were encoded "
-                "on a context worker, so it cannot be computed again here; give generation "
-                "workers more KV cache (kv_cache.max_tokens)",
-            )
-            out.failed.append(victim)
+            victim.finish(FinishReason.PREEMPTED)
+            out.handed_back.append(victim)
             return refund
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0

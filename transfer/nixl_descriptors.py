@@ -16,12 +16,13 @@ locally and per remote agent.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from kvcache.layout import Region
 from transfer.base import BufferInfo
+from transfer.head_slices import SlicePair
 
 TableKey = tuple[str, int, int]  # (buffer, item length, offset % length)
 # {(local key, remote key): (local indices, remote indices)}, indices as int32.
@@ -91,3 +92,54 @@ def group_pairs(src: tuple[Region, ...], dst: tuple[Region, ...]) -> PairGroups:
         key: (np.array(local, dtype=np.int32), np.array(remote, dtype=np.int32))
         for key, (local, remote) in groups.items()
     }
+
+
+def group_slice_pairs(pairs: Sequence[SlicePair]) -> PairGroups:
+    """`group_pairs` of every run of every pair, without a `Region` per run.
+
+    A head-slice pull is thousands of runs (64 MiB of a bench cache split in
+    two is 4096 runs of 16 KiB) but a few pairs, each an arithmetic progression
+    on both sides; the runs are expanded and grouped with array operations:
+
+        pair (src_offset, dst_offset, run, num_runs, src_stride, dst_stride)
+        run i:  src_offset + i * src_stride  ->  dst_offset + i * dst_stride
+        table:  (buffer, run, offset % run), index offset // run
+
+    Within a group, runs keep the order of `pairs` and of their steps.
+    """
+    if not pairs:
+        return {}
+    names = sorted({p.src_buffer for p in pairs} | {p.dst_buffer for p in pairs})
+    code = {name: i for i, name in enumerate(names)}
+    fields = np.array(
+        [
+            (code[p.dst_buffer], code[p.src_buffer], p.run, p.num_runs)
+            + (p.dst_offset, p.src_offset, p.dst_stride, p.src_stride)
+            for p in pairs
+        ],
+        dtype=np.int64,
+    )
+    counts = fields[:, 3]
+    of_run = np.repeat(np.arange(len(pairs)), counts)
+    step = np.arange(of_run.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    run = fields[of_run, 2]
+    dst = fields[of_run, 4] + step * fields[of_run, 6]
+    src = fields[of_run, 5] + step * fields[of_run, 7]
+    keys = np.stack([fields[of_run, 0], fields[of_run, 1], run, dst % run, src % run])
+    order = np.lexsort(keys[::-1])  # stable: runs keep their order within a table pair
+    ordered = keys[:, order]
+    starts = np.flatnonzero(np.any(ordered[:, 1:] != ordered[:, :-1], axis=0)) + 1
+    bounds = [0, *starts.tolist(), order.size]
+    groups: PairGroups = {}
+    for start, stop in zip(bounds, bounds[1:], strict=False):
+        dst_code, src_code, length, dst_phase, src_phase = ordered[:, start].tolist()
+        members = order[start:stop]
+        key = (
+            (names[dst_code], length, dst_phase),
+            (names[src_code], length, src_phase),
+        )
+        groups[key] = (
+            (dst[members] // length).astype(np.int32),
+            (src[members] // length).astype(np.int32),
+        )
+    return groups

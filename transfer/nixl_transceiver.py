@@ -49,13 +49,13 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from kvcache.layout import LayoutSignature, Region, RequestRegions
+from kvcache.layout import LayoutSignature, RequestRegions
 from transfer.base import (
     BufferInfo,
     Transceiver,
@@ -71,7 +71,12 @@ from transfer.nixl_agent import (
     create_agent,
     nixl_available,
 )
-from transfer.nixl_descriptors import PairGroups, PreparedTables, group_pairs
+from transfer.nixl_descriptors import (
+    PairGroups,
+    PreparedTables,
+    group_pairs,
+    group_slice_pairs,
+)
 from transfer.offers import Offer
 from transfer.plan import check_bounds
 
@@ -129,6 +134,8 @@ class NixlTransceiver(Transceiver):
         self._claim_window_s = claim_window_s
         # Puller: claims sent and not yet answered, by (request id, transfer id).
         self._claims: dict[tuple[str, str], asyncio.Future[float | None]] = {}
+        # Puller: claims `pull_ranks` sent ahead, (sent at, granted window), by (rid, tid).
+        self._early_claims: dict[tuple[str, str], asyncio.Task[tuple[float, float]]] = {}
         self._thread = AgentThread(f"nixl-{self.name}")
         # Owned by the agent thread from start() to close():
         self._agent: Any = None
@@ -288,6 +295,38 @@ class NixlTransceiver(Transceiver):
 
     # ----------------------------------------------------------------- puller
 
+    async def pull_ranks(
+        self,
+        handles: Sequence[TransferHandle],
+        dest_regions: RequestRegions,
+        dest_signature: LayoutSignature,
+        timeout_s: float,
+    ) -> None:
+        """`Transceiver.pull_ranks`, with every holder rank claimed at once
+        before the first READ: the claims' round trips (a holder answers
+        within its notification poll) overlap instead of adding up, while
+        the READs and releases keep their order (rank 0 last)."""
+        keys = [(h.request_id, h.transfer_id) for h in handles]
+        if len(handles) > 1:
+            for handle, key in zip(handles, keys, strict=True):
+                if handle.kind == self.kind and handle.agent_name is not None:
+                    self._early_claims[key] = asyncio.ensure_future(self._timed_claim(handle))
+        try:
+            await super().pull_ranks(handles, dest_regions, dest_signature, timeout_s)
+        finally:
+            # Claims of ranks not pulled (an earlier one failed): their holders
+            # were told to release, so only the local futures are left.
+            for key in keys:
+                early = self._early_claims.pop(key, None)
+                if early is not None:
+                    early.cancel()
+                    await asyncio.gather(early, return_exceptions=True)
+
+    async def _timed_claim(self, handle: TransferHandle) -> tuple[float, float]:
+        """(when the claim left, the window granted); see `_claim`."""
+        claimed_at = time.monotonic()
+        return claimed_at, await self._claim(handle)
+
     async def _pull(
         self,
         handle: TransferHandle,
@@ -297,8 +336,8 @@ class NixlTransceiver(Transceiver):
     ) -> None:
         groups = self._check_request(handle, dest_regions, dest)
         # Counted from before the claim leaves, so it ends before the holder's window.
-        claimed_at = time.monotonic()
-        window = await self._claim(handle)
+        early = self._early_claims.pop((handle.request_id, handle.transfer_id), None)
+        claimed_at, window = await (early or self._timed_claim(handle))
         deadline = claimed_at + window
         xfers: list[Any] = []  # filled on the agent thread, released there too
         try:
@@ -341,10 +380,8 @@ class NixlTransceiver(Transceiver):
         check_shards(rid, source, dest)
         if not same_heads(source, dest):
             pairs = plan_head_slices(rid, source, handle.regions, dest, dest_regions)
-            src_runs = tuple(Region(p.src_buffer, o, n) for p in pairs for o, n in p.source_runs())
-            dst_runs = tuple(Region(p.dst_buffer, o, n) for p in pairs for o, n in p.dest_runs())
-            check_bounds(rid, dst_runs, self._sizes)
-            return group_pairs(src_runs, dst_runs)
+            check_bounds(rid, [p.dest_span() for p in pairs], self._sizes)
+            return group_slice_pairs(pairs)
         # A replicated head may sit on a rank of another position.
         check_signature(rid, handle.signature, dest.to_dict(), ignore=("tp_size", "tp_rank"))
         src_desc, dst_desc = handle.regions.descriptors, dest_regions.descriptors

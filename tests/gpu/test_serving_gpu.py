@@ -22,7 +22,7 @@ import pytest
 import ray
 
 from cluster.config import config_from_dict
-from cluster.launcher import launch
+from cluster.launcher import init_local_ray, launch
 from cluster.plan import resolve_plan
 from cluster.router import Router
 from models.embedded.writer import write_checkpoint
@@ -35,7 +35,7 @@ NEW_TOKENS = 12
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     path = write_checkpoint(tmp_path_factory.mktemp("gpu") / "llama", "llama", "tiny", seed=3)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    init_local_ray(4, log_to_driver=False)
     try:
         yield path
     finally:

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import ray
 
+from cluster.launcher import init_local_ray
 from models.embedded.writer import ensure_checkpoint
 from tests.launched_cluster import context_parallel_refusal, serve_greedy, transformers_greedy
 
@@ -34,7 +35,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    init_local_ray(4, log_to_driver=False)
     try:
         yield
     finally:

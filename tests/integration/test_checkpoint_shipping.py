@@ -15,7 +15,7 @@ import ray
 
 from cluster.checkpoint_shipping import CheckpointShipping
 from cluster.config import config_from_dict
-from cluster.launcher import RunningCluster
+from cluster.launcher import RunningCluster, init_local_ray
 from cluster.plan import resolve_plan
 from models.checkpoint_manifest import manifest_of
 from models.embedded.writer import write_checkpoint
@@ -25,7 +25,7 @@ SERVER = "checkpoint-server-under-test"
 
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    init_local_ray(1, log_to_driver=False)
     yield
     ray.shutdown()
 

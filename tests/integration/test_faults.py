@@ -32,7 +32,7 @@ import ray
 
 from cluster import router as router_module
 from cluster.config import config_from_dict
-from cluster.launcher import RunningCluster, launch
+from cluster.launcher import RunningCluster, init_local_ray, launch
 from cluster.metrics import ServingMetrics
 from cluster.plan import resolve_plan
 from cluster.policies import WorkerState
@@ -50,7 +50,7 @@ LONG_TOKENS = 120  # long enough to kill a worker while it streams
 @pytest.fixture(scope="module")
 def clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RunningCluster]]:
     checkpoint = write_checkpoint(tmp_path_factory.mktemp("faults") / "llama", "llama", "tiny")
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    init_local_ray(8, log_to_driver=False)
     plans = {kind: resolve_plan(config_from_dict(_config(checkpoint, kind))) for kind in KINDS}
 
     async def start() -> list[RunningCluster]:

@@ -1,16 +1,19 @@
 """`disagg serve` without `address` runs a Ray of its own, whatever `ray start`
-left on the machine."""
+left on the machine, and that Ray listens on a loopback address only."""
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
-from tests.ray_nodes import RayCluster, new_cluster, remove_cluster_files, start_node
-from tests.serve_process import ROOT, start_serve, stop_group
+from tests.ray_nodes import new_cluster, remove_cluster_files, start_node
+from tests.serve_process import ROOT, ServeProcess, start_serve, stop_group
 
 CONFIG = ROOT / "deploy" / "configs" / "1p1d.yaml"
 
@@ -22,33 +25,69 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llama", "llama", "tiny")
 
 
-@pytest.fixture
-def foreign_ray() -> Iterator[RayCluster]:
-    cluster = new_cluster()
+@pytest.fixture(scope="module")
+def served_after_a_stopped_ray_start(checkpoint: Path) -> Iterator[ServeProcess]:
+    """`ray start --head`, then stopped (killed, not `ray stop`ped): its record
+    stays where Ray looks for a cluster to join. Then `disagg serve`."""
+    foreign_ray = new_cluster()
     try:
-        yield cluster
+        start_node(foreign_ray, "127.0.0.2", num_cpus=1, resources={"foreign": 1})
+        foreign_ray.stop()
+        record = foreign_ray.temp_dir / "ray" / "ray_current_cluster"
+        assert record.exists(), "ray start left no record where serve looks"
+        server = start_serve(CONFIG, checkpoint, env=foreign_ray.env)
+        try:
+            yield server
+        finally:
+            stop_group(server.process)
     finally:
-        cluster.stop()
-        remove_cluster_files(cluster)
+        foreign_ray.stop()
+        remove_cluster_files(foreign_ray)
 
 
 def test_serve_starts_its_own_ray_despite_a_stopped_ray_start(
-    foreign_ray: RayCluster, checkpoint: Path
+    served_after_a_stopped_ray_start: ServeProcess, checkpoint: Path
 ) -> None:
-    # `ray start --head`, then stopped (killed, not `ray stop`ped): its record
-    # stays where Ray looks for a cluster to join. Serve must start a Ray of
-    # its own, neither joining nor failing on the record.
-    start_node(foreign_ray, "127.0.0.2", num_cpus=1, resources={"foreign": 1})
-    foreign_ray.stop()
-    record = foreign_ray.temp_dir / "ray" / "ray_current_cluster"
-    assert record.exists(), "ray start left no record where serve looks"
-    server = start_serve(CONFIG, checkpoint, env=foreign_ray.env)
-    try:
-        reply = httpx.post(
-            server.url + "/completions",
-            json={"model": checkpoint.name, "prompt": "Hello", "max_tokens": 2},
-            timeout=120,
-        )
-        assert reply.status_code == 200, reply.text
-    finally:
-        stop_group(server.process)
+    # Serve must start a Ray of its own, neither joining nor failing on the record.
+    reply = httpx.post(
+        served_after_a_stopped_ray_start.url + "/completions",
+        json={"model": checkpoint.name, "prompt": "Hello", "max_tokens": 2},
+        timeout=120,
+    )
+    assert reply.status_code == 200, reply.text
+
+
+def test_a_local_cluster_listens_on_loopback_only(
+    served_after_a_stopped_ray_start: ServeProcess,
+) -> None:
+    """Every server of the serve process and of its Ray (GCS, raylet, agents,
+    each worker's RPC server and transceiver) listens on a loopback address.
+
+    Ray 2.60 binds its gRPC servers to the wildcard address whatever the node
+    address (later releases bind them to the node address): those are allowed,
+    one per Ray worker or driver process and those of the GCS, the raylet
+    and the dashboard agent; any other listener must be on loopback.
+    """
+    server = psutil.Process(served_after_a_stopped_ray_start.process.pid)
+    specific: dict[str, set[str]] = {}
+    wildcards: dict[str, int] = {}
+    for process in [server, *server.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            name = f"{process.name()} ({process.pid})"
+            for conn in process.net_connections(kind="inet"):
+                if conn.status != psutil.CONN_LISTEN:
+                    continue
+                if ipaddress.ip_address(conn.laddr.ip).is_unspecified:
+                    wildcards[name] = wildcards.get(name, 0) + 1
+                else:
+                    specific.setdefault(name, set()).add(conn.laddr.ip)
+    exposed = {
+        name: ips
+        for name, ips in specific.items()
+        if not all(ipaddress.ip_address(ip).is_loopback for ip in ips)
+    }
+    assert not exposed, f"listening on a network address: {exposed}"
+    ray_servers = ("gcs_server", "raylet", "ray::DashboardAgent")
+    extra = {n: k for n, k in wildcards.items() if k > 1 and not n.startswith(ray_servers)}
+    assert not extra, f"listening on every address beside Ray's RPC server: {extra}"
+    assert any(name.startswith("gcs_server") for name in wildcards), (specific, wildcards)

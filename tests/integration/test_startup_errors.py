@@ -22,6 +22,8 @@ import pytest
 import ray
 import yaml
 
+from cluster.launcher import init_local_ray
+
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 60
 
@@ -164,14 +166,7 @@ def test_the_command_exits_non_zero_with_one_line_for_wrong_tensor_shapes(
 
 @pytest.fixture
 def local_ray() -> Iterator[None]:
-    # address="local": a fresh cluster of its own, whatever else runs on the machine.
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        logging_level="ERROR",
-        log_to_driver=False,
-    )
+    init_local_ray(2, logging_level="ERROR", log_to_driver=False)
     try:
         yield
     finally:

@@ -39,6 +39,7 @@ import torch
 import transformers
 from PIL import Image
 
+from cluster.launcher import init_local_ray
 from decode_worker.worker import GenerationWorker
 from engine.errors import RequestFailedError
 from engine.messages import ContextRequest, GenerationRequest
@@ -90,8 +91,9 @@ ABORT_LEASE_S = 300.0
 GEN_MAX_TOKENS = 64
 # The VL model's generation side fits every request: a pulled request with an
 # image cannot be computed again there after a preemption (its image bytes
-# stay with the context worker), so it fails instead; chunked prefill and
-# preemption are the other models' cases.
+# stay with the context worker), so it is handed back for the router to
+# resume, and no router runs here (tests/integration/test_vl_preemption.py
+# does); chunked prefill and preemption are the other models' cases.
 VL_GEN_MAX_TOKENS = 512
 
 
@@ -107,7 +109,7 @@ def _one_kv_head(source: Path, out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    init_local_ray(4, log_to_driver=False)
     yield
     ray.shutdown()
 

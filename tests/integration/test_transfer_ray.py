@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import ray
 
+from cluster.launcher import init_local_ray
 from kvcache.spec import CacheSpec
 from transfer.bench_worker import EndpointHost, EndpointSpec
 from transfer.nixl_transceiver import nixl_available
@@ -67,9 +68,8 @@ def spawn() -> Host:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[Host, Host]]:
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
+    init_local_ray(
+        2,
         runtime_env={
             "env_vars": {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
         },

@@ -3,7 +3,9 @@ manager pair) == aggregated == transformers' greedy `generate`, token for token.
 
 One Ray session and one set of worker actors per module. Prompts of mixed
 lengths include ones longer than a prefill chunk, and the generation side's
-cache is small enough that decoding them together forces preemption.
+cache is small enough that decoding them together forces preemption (pinned
+smaller still while the disaggregated requests start, so that it does
+whatever their timing).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 import ray
 import torch
 
+from cluster.launcher import init_local_ray
 from decode_worker.worker import GenerationWorker
 from engine.errors import RequestFailedError
 from engine.messages import ContextRequest, GenerationRequest, PrefetchRequest, TokenEvent
@@ -25,6 +28,7 @@ from engine.worker_config import WorkerConfig
 from models.embedded.writer import write_checkpoint
 from prefill_worker.worker import ContextWorker
 from tests.launched_cluster import transformers_greedy
+from tests.pinned_blocks import blocks_pinned, until
 
 NEW_TOKENS = 10
 CHUNK = 16  # max_num_tokens: prompts of 23 and 37 tokens take several steps
@@ -32,6 +36,8 @@ PROMPT_LENGTHS = (3, 9, 23, 37)
 # Generation side: 96 tokens of KV. All four requests need 72 + 4 x 10 = 112,
 # so they cannot all decode at once; the longest alone needs 47.
 GEN_MAX_TOKENS = 96
+# The longest prompt's blocks: its decode needs one more.
+LONGEST_PROMPT_BLOCKS = -(-max(PROMPT_LENGTHS) // 8)
 CTX_MAX_TOKENS = 160
 SECRET = "parity-secret"
 
@@ -76,7 +82,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def ray_session() -> Any:
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    init_local_ray(4, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -204,15 +210,25 @@ async def test_disaggregated_equals_aggregated_equals_transformers(
 ) -> None:
     ctx, gen, tag = _pair(workers, arch, ctx_mgr, gen_mgr, xcvr)
     preemptions_before = (await gen.step_stats.remote())["preemptions"]
-    disagg = await asyncio.gather(
-        *[_disaggregated(ctx, gen, f"d-{tag}-{i}", p) for i, p in enumerate(prompts)]
-    )
+
+    async def preempted() -> bool:
+        return bool((await gen.step_stats.remote())["preemptions"] > preemptions_before)
+
+    # Requests that arrive one after another may each find the cache to
+    # themselves. Pinned down to the longest prompt's blocks, the cache is
+    # short of that request's decode, however they arrive: it (or another)
+    # is preempted before the pin goes.
+    async with blocks_pinned(gen, ctx, f"pin-{tag}", leave=LONGEST_PROMPT_BLOCKS, block_size=8):
+        disaggregated = asyncio.gather(
+            *[_disaggregated(ctx, gen, f"d-{tag}-{i}", p) for i, p in enumerate(prompts)]
+        )
+        await until(preempted, "preemption")
+    disagg = await disaggregated
     aggregated = await asyncio.gather(
         *[_aggregated(gen, f"a-{tag}-{i}", p) for i, p in enumerate(prompts)]
     )
     assert disagg == references[arch]
     assert aggregated == references[arch]
-    assert (await gen.step_stats.remote())["preemptions"] > preemptions_before
     # Nothing leaks: every block is free again on both sides once pulls released.
     for actor in (ctx, gen):
         load = await actor.load.remote()

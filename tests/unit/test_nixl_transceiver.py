@@ -339,3 +339,32 @@ async def test_ranks_of_different_tensor_parallelism_read_head_slices(
     finally:
         for worker in (*pullers, *holders):
             await worker.xcvr.close()
+
+
+async def test_a_holder_rank_gone_fails_the_pull_and_releases_the_other_ranks() -> None:
+    """Every holder rank is claimed before the first READ; when one rank's
+    lease is over, the pull fails and rank 0, already granted, is released
+    at once rather than at the end of its lease."""
+    holders = [
+        Endpoint("v2", NixlTransceiver, HYBRID_WHOLE.for_rank(r, 2), block_size=BLOCK_SIZE)
+        for r in (1, 0)
+    ]
+    puller = Endpoint("v2", NixlTransceiver, HYBRID_WHOLE, block_size=BLOCK_SIZE)
+    for worker in (*holders, puller):
+        await worker.xcvr.start()
+    try:
+        handles = []
+        for holder, lease_s in zip(holders, (0.05, 30.0), strict=True):
+            holder.fill("req", BLOCK_SIZE)
+            handles.append(TransferHandle.from_bytes(holder.publish("req", lease_s).to_bytes()))
+        await asyncio.sleep(0.1)
+        assert puller.manager.allocate_for_transfer("req", BLOCK_SIZE)
+        regions, signature = puller.manager.regions("req"), puller.manager.layout_signature()
+        with pytest.raises(UnknownRequest):
+            await puller.xcvr.pull_ranks(handles, regions, signature, timeout_s=10)
+        await wait_for(lambda: holders[1].released == ["req"])
+        assert holders[1].released == ["req"] and holders[1].xcvr.num_pinned == 0
+        assert not puller.xcvr._early_claims and not puller.xcvr._claims
+    finally:
+        for worker in (puller, *holders):
+            await worker.xcvr.close()

@@ -136,21 +136,44 @@ def test_preempted_request_resumes_with_prompt_and_outputs_recomputed() -> None:
     mgr.check_integrity()
 
 
-def test_preempted_request_with_pulled_images_fails_instead_of_recomputing() -> None:
+def pulled(rid: str, n: int, first: int) -> Request:
+    """A request as a generation worker pulls it: its image without the bytes."""
+    request = req(rid, n, first)
+    request.images = (ImageInput(b"h" * 32, b"", (4, 4), offset=1, num_tokens=4),)
+    return request
+
+
+def test_preempted_request_with_pulled_images_is_handed_back() -> None:
     """A request whose images were encoded on a context worker holds only their
-    hashes here: recomputing it would feed placeholder tokens without images."""
+    hashes here: recomputing it would feed placeholder tokens without images,
+    so it ends here for a new context prefill elsewhere."""
     sched, mgr = make(num_blocks=5)
-    sched.add(req("a", 6))
-    pulled = req("b", 6, first=300)
-    pulled.images = (ImageInput(b"h" * 32, b"", (4, 4), offset=1, num_tokens=4),)
-    sched.add(pulled)
+    sched.add(pulled("a", 6, first=100))
+    b = pulled("b", 6, first=300)
+    sched.add(b)
     for _ in range(3):
         run_step(sched)
-    out = run_step(sched)  # a needs a 3rd block: b would be preempted
-    assert out.preempted == [] and [r.request_id for r in out.failed] == ["b"]
-    assert pulled.finish_reason is FinishReason.ERROR
-    assert "cannot be computed again" in (pulled.error or "")
+    out = run_step(sched)  # a needs a 3rd block: b, the newest, goes
+    assert out.preempted == [] and out.failed == []
+    assert [r.request_id for r in out.handed_back] == ["b"]
+    assert b.finish_reason is FinishReason.PREEMPTED and b.error is None
     assert not mgr.has_request("b") and [r.request_id for r in sched.running] == ["a"]
+    mgr.check_integrity()
+
+
+def test_victims_that_can_be_recomputed_go_first() -> None:
+    """The newest request is handed back only when no recomputable one is left:
+    here the older, recomputable `b` is preempted so that `c` keeps its cache."""
+    sched, mgr = make(num_blocks=7)  # 6 usable blocks = 24 tokens
+    sched.add(req("a", 6))
+    sched.add(req("b", 6, first=200))
+    c = pulled("c", 6, first=300)
+    sched.add(c)
+    for _ in range(3):
+        run_step(sched)  # 8 tokens each: every block in use
+    out = run_step(sched)  # a needs a 3rd block
+    assert [r.request_id for r in out.preempted] == ["b"] and out.handed_back == []
+    assert [r.request_id for r in sched.running] == ["a", "c"]
     mgr.check_integrity()
 
 
