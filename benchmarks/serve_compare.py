@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import resource
 import signal
 import subprocess
 import sys
@@ -245,6 +246,13 @@ def run_client(
     return Measurement.from_result(json.loads(out.read_text()))
 
 
+def children_cpu_seconds() -> float:
+    """user + system CPU-seconds of every child this process has waited for
+    (the client is one; a server's processes are counted only once stopped)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def wait_ready(launch: Launch, index: int, timeout_s: float) -> None:
     """Until process `index` answers `/v1/models` with 200; RuntimeError if it dies or times out."""
     url, proc = launch.ready_urls[index], launch.processes[index]
@@ -280,8 +288,14 @@ def serve_and_measure(
         run_client(setup, warm, "inf", WARMUP_SEED, f"{key}-warmup", args.client_timeout)
         rows = []
         for rate, seed in rate_seeds(rates, workload.seed):
+            client_cpu = children_cpu_seconds()
             m = run_client(setup, workload, rate, seed, f"{key}-rate{rate}", args.client_timeout)
-            print(f"   rate {rate}: {m.output_tok_s:.0f} out tok/s", flush=True)
+            client_cpu = children_cpu_seconds() - client_cpu
+            print(
+                f"   rate {rate}: {m.output_tok_s:.0f} out tok/s "
+                f"(the client process: {client_cpu:.2f} CPU-s, start-up included)",
+                flush=True,
+            )
             rows.append(Row(key, launch.label, rate, setup.prefix_caching, m))
         return rows
     except (RuntimeError, subprocess.TimeoutExpired, OSError, httpx.HTTPError) as exc:

@@ -10,7 +10,10 @@ the `benchmarks.serve_compare` workload (random prompts of exactly
 all sent at once) with `disagg bench`'s client in this process, and prints,
 per run, the CPU-seconds each process of the server's tree spent during it:
 the serving process (HTTP server + router), the engine worker, and each of
-Ray's daemons, and the serving process's CPU per streamed output token. CPU
+Ray's daemons, and the serving process's CPU per streamed output token;
+then each worker's engine steps during the run and how much of its wall
+time they took (busy) or left (idle), from `disagg_engine_steps` and
+`disagg_engine_busy_seconds` on the server's /metrics. CPU
 time is what the serving path takes away from the engine on a shared
 machine; unlike wall-clock throughput it moves little when other work loads
 the CPUs. `--idle-s` also measures the tree while no request is
@@ -32,11 +35,13 @@ import argparse
 import asyncio
 import collections
 import pstats
+import re
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import httpx
 import psutil
 
 from benchmarks.process_group import check_ports_free, descendants
@@ -91,6 +96,50 @@ def by_role(before: dict[int, float], after: dict[int, float], leader: int) -> d
     for pid, seconds in after.items():
         spent[role(pid, leader)] += seconds - before.get(pid, 0.0)
     return dict(spent)
+
+
+# Long enough for the router's next poll of every worker (every 0.25 s) to
+# land, so the engine gauges on /metrics cover the whole run.
+_POLL_SETTLE_S = 0.6
+_ENGINE_GAUGE = re.compile(
+    r'^(disagg_engine_steps|disagg_engine_busy_seconds)\{worker="([^"]+)"\} (\S+)$'
+)
+
+
+def engine_totals(metrics_text: str) -> dict[str, tuple[float, float]]:
+    """Each worker's (engine steps, seconds busy in them) since it started, from
+    the text of the server's /metrics."""
+    found: dict[str, dict[str, float]] = collections.defaultdict(dict)
+    for line in metrics_text.splitlines():
+        match = _ENGINE_GAUGE.match(line)
+        if match:
+            found[match[2]][match[1]] = float(match[3])
+    return {
+        worker: (
+            gauges.get("disagg_engine_steps", 0.0),
+            gauges.get("disagg_engine_busy_seconds", 0.0),
+        )
+        for worker, gauges in found.items()
+    }
+
+
+def scrape_engines(base_url: str) -> dict[str, tuple[float, float]]:
+    return engine_totals(httpx.get(base_url + "/metrics", timeout=30).text)
+
+
+def format_engines(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]], wall_s: float
+) -> str:
+    """Per worker: steps run during the run, and how much of its wall time they took."""
+    lines = []
+    for worker, (steps, busy) in sorted(after.items()):
+        steps0, busy0 = before.get(worker, (0.0, 0.0))
+        ran, spent = steps - steps0, busy - busy0
+        lines.append(
+            f"   engine {worker}: {ran:.0f} steps, busy {spent:.2f} s of {wall_s:.2f} s "
+            f"wall ({100 * spent / wall_s:.0f}%), idle {wall_s - spent:.2f} s"
+        )
+    return "\n".join(lines)
 
 
 def format_spent(title: str, spent: dict[str, float], wall_s: float, tokens: int) -> str:
@@ -175,11 +224,15 @@ def measure(setup: Setup, args: argparse.Namespace) -> None:
             spent = by_role(before, cpu_seconds(leader), leader)
             print(format_spent("idle", spent, time.monotonic() - started, 0), flush=True)
         for run in range(args.runs):
+            time.sleep(_POLL_SETTLE_S)
+            engines = scrape_engines(setup.url)
             before = cpu_seconds(leader)
             tokens, wall = drive(setup, args, args.num_prompts, args.seed + run)
             spent = by_role(before, cpu_seconds(leader), leader)
             title = f"run {run}: {tokens / wall:.0f} out tok/s"
             print(format_spent(title, spent, wall, tokens), flush=True)
+            time.sleep(_POLL_SETTLE_S)
+            print(format_engines(engines, scrape_engines(setup.url), wall), flush=True)
     finally:
         proc.stop()
         check_ports_free(launch.ports)

@@ -123,6 +123,19 @@ class ServingMetrics:
             ["phase"],
             registry=r,
         )
+        self.engine_steps = Gauge(
+            "disagg_engine_steps",
+            "Engine steps each worker ran since it started, as last polled.",
+            ["worker"],
+            registry=r,
+        )
+        self.engine_busy = Gauge(
+            "disagg_engine_busy_seconds",
+            "Wall seconds each worker's engine spent in its steps since it started, as last "
+            "polled (against elapsed time: how busy the engine was).",
+            ["worker"],
+            registry=r,
+        )
         self.handed_back = Counter(
             "disagg_handed_back",
             "Requests a generation worker preempted but could not recompute (their images "

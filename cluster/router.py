@@ -436,6 +436,8 @@ class Router:
         state.num_total_blocks = load.num_total_blocks
         held = load.num_waiting + load.num_running + load.num_transferring
         self.metrics.worker_requests.labels(endpoint.name).set(held)
+        self.metrics.engine_steps.labels(endpoint.name).set(load.num_steps)
+        self.metrics.engine_busy.labels(endpoint.name).set(load.step_busy_s)
         if load.encoder_cache_hits or load.encoder_cache_misses:
             self.metrics.encoder_cache.labels(endpoint.name, "hit").set(load.encoder_cache_hits)
             self.metrics.encoder_cache.labels(endpoint.name, "miss").set(load.encoder_cache_misses)

@@ -145,6 +145,8 @@ class EngineInstance:
             encoder_cache_hits=encoder.stats.hits if encoder is not None else 0,
             encoder_cache_misses=encoder.stats.misses if encoder is not None else 0,
             ranks=self.rank_cache_usage(),
+            num_steps=self.loop.stats.steps,
+            step_busy_s=self.loop.stats.busy_s,
         )
 
     def rank_cache_usage(self) -> tuple[RankCacheUsage, ...]:

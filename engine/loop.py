@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -42,6 +43,7 @@ class StepStats:
 
     steps: int = 0
     tokens: int = 0
+    busy_s: float = 0.0  # wall time from handing each step to the compute thread to its result
     preemptions: int = 0
     handed_back: int = 0
     schedule_s: float = 0.0
@@ -178,9 +180,11 @@ class EngineLoop:
                     if not self._pending:
                         await self._wake.wait()
                     continue
+                started = time.perf_counter()
                 result = await asyncio.get_running_loop().run_in_executor(
                     compute_executor(), self.core.step
                 )
+                self.stats.busy_s += time.perf_counter() - started
                 self.stats.add(result)
                 self._dispatch(result)
                 if result.num_tokens == 0 and not result.events:

@@ -183,6 +183,10 @@ class WorkerLoad:
     encoder_cache_hits: int = 0
     encoder_cache_misses: int = 0
     ranks: tuple[RankCacheUsage, ...] = ()
+    # Engine steps run since start, and the wall seconds they took (the rest
+    # of the worker's time its engine idled or waited for the event loop).
+    num_steps: int = 0
+    step_busy_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,12 @@ def _cached_blocks(server: Server) -> float:
     return sum(float(v) for v in re.findall(pattern, text))
 
 
+def _engine_steps(server: Server) -> dict[str, float]:
+    text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
+    pattern = r'disagg_engine_steps\{worker="([\w-]+)"\} ([0-9.e+]+)'
+    return {w: float(v) for w, v in re.findall(pattern, text)}
+
+
 def _worker_requests(server: Server) -> float:
     text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
     return sum(float(v) for v in re.findall(r"disagg_worker_requests\{[^}]*\} ([0-9.]+)", text))
@@ -202,15 +208,22 @@ def test_32_concurrent_requests_on_2p2d(server: Server, reference: tuple) -> Non
             )
         return [r.choices[0].text for r in results]
 
-    before = _routed(server)
+    before, steps_before = _routed(server), _engine_steps(server)
     texts = asyncio.run(run_all())
     expected = [_greedy(reference, tokenizer(p).input_ids, MAX_TOKENS) for p in prompts]
     assert texts == expected
     after = _routed(server)
-    for worker in ("context-0", "context-1", "generation-0", "generation-1"):
+    workers = ("context-0", "context-1", "generation-0", "generation-1")
+    for worker in workers:
         phase = "context" if worker.startswith("context") else "generation"
         # Both workers of each pool took part in the burst.
         assert after.get((worker, phase), 0) > before.get((worker, phase), 0)
+
+    def every_engine_stepped() -> bool:
+        steps = _engine_steps(server)
+        return all(steps.get(w, 0) > steps_before.get(w, 0) for w in workers)
+
+    assert _wait_until(every_engine_stepped, 5), "the engine step gauges did not move"
 
 
 def test_prefix_aware_routes_a_repeated_prefix_to_its_holder(server: Server) -> None:

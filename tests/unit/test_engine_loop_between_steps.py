@@ -1,11 +1,14 @@
 """Calls between steps: a cancelled `run_between_steps` waiter never breaks the
-loop, and `submit`'s `prepare` runs in the gap that admits the request."""
+loop, and `submit`'s `prepare` runs in the gap that admits the request; the
+loop's stats count the steps and the time they took."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
+from engine.core import StepResult
 from engine.loop import EngineLoop
 from engine.messages import TokenEvent
 from engine.request import Request
@@ -62,4 +65,31 @@ async def test_prepare_runs_in_the_admitting_gap_and_its_error_ends_the_request(
     assert ran == ["prep", "add ok"]
     assert [(e.request_id, e.finish_reason) for e in events] == [("bad", "error")]
     assert "no transfer in progress" in (events[0].error or "")
+    await loop.stop()
+
+
+class _SleepingCore(_IdleCore):
+    """Three steps of one token, each at least `STEP_S` long."""
+
+    STEP_S = 0.02
+
+    def __init__(self) -> None:
+        self.left = 3
+
+    def has_work(self) -> bool:
+        return self.left > 0
+
+    def step(self) -> StepResult:
+        time.sleep(self.STEP_S)
+        self.left -= 1
+        return StepResult(num_tokens=1)
+
+
+async def test_stats_count_steps_and_the_wall_time_spent_in_them() -> None:
+    loop = EngineLoop(_SleepingCore())
+    loop.start()
+    while loop.stats.steps < 3:
+        await asyncio.sleep(0.01)
+    assert loop.stats.tokens == 3
+    assert loop.stats.busy_s >= 3 * _SleepingCore.STEP_S  # a sleep lasts at least that long
     await loop.stop()

@@ -23,6 +23,7 @@ from benchmarks.serve_compare import (
     Measurement,
     Row,
     bench_command,
+    children_cpu_seconds,
     format_ratios,
     format_table,
     parse_args,
@@ -216,3 +217,10 @@ def test_stop_ends_descendants_that_left_the_group(tmp_path: Path) -> None:
 def _running(pid: int) -> bool:
     stat = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True)
     return stat.returncode == 0 and not stat.stdout.strip().startswith("Z")
+
+
+def test_children_cpu_seconds_count_a_finished_client() -> None:
+    before = children_cpu_seconds()
+    spin = "import time\nend = time.process_time() + 0.2\nwhile time.process_time() < end: pass"
+    subprocess.run([sys.executable, "-c", spin], check=True, timeout=60)
+    assert children_cpu_seconds() - before >= 0.2

@@ -6,7 +6,14 @@ import cProfile
 import os
 from pathlib import Path
 
-from benchmarks.serve_cpu import by_role, cpu_seconds, hot_functions, role
+from benchmarks.serve_cpu import (
+    by_role,
+    cpu_seconds,
+    engine_totals,
+    format_engines,
+    hot_functions,
+    role,
+)
 from cluster.stop_strings import StopStringFilter
 
 
@@ -41,3 +48,26 @@ def test_cpu_seconds_of_this_process_are_counted_as_the_serving_process() -> Non
     _hot(2_000_000)  # burn a little CPU
     spent = by_role(before, cpu_seconds(me), me)
     assert spent["serving process (HTTP + router)"] > 0
+
+
+METRICS_BEFORE = """# HELP disagg_engine_steps Engine steps each worker ran since it started, as last polled.
+# TYPE disagg_engine_steps gauge
+disagg_engine_steps{worker="generation-0"} 100.0
+disagg_engine_busy_seconds{worker="generation-0"} 2.5
+disagg_worker_requests{worker="generation-0"} 0.0
+"""
+METRICS_AFTER = """disagg_engine_steps{worker="generation-0"} 173.0
+disagg_engine_busy_seconds{worker="generation-0"} 4.25
+disagg_engine_steps{worker="context-0"} 9.0
+disagg_engine_busy_seconds{worker="context-0"} 0.5
+"""
+
+
+def test_engine_lines_give_steps_and_busy_time_during_the_run() -> None:
+    before, after = engine_totals(METRICS_BEFORE), engine_totals(METRICS_AFTER)
+    assert before == {"generation-0": (100.0, 2.5)}
+    lines = format_engines(before, after, wall_s=2.0).splitlines()
+    assert lines == [
+        "   engine context-0: 9 steps, busy 0.50 s of 2.00 s wall (25%), idle 1.50 s",
+        "   engine generation-0: 73 steps, busy 1.75 s of 2.00 s wall (88%), idle 0.25 s",
+    ]
