@@ -24,6 +24,9 @@ printed as p50 / p99 of each phase:
 - sampled -> second token: the hand-off as a whole (result to the router,
   dispatch to the generation worker, pull, admission, one decode step),
   comparable whether or not the first token waits for the cache;
+- of which second token out: from its sampling on the generation worker to
+  the router (the worker's event batch, the router's split), the rest being
+  the hand-off up to that decode step;
 - later ITL: mean gap between the remaining tokens.
 
 The router's own `disagg_kv_transfer_seconds` (generation dispatch ->
@@ -63,6 +66,8 @@ class Timeline:
 
     dispatched_wall: float
     sampled_wall: float = 0.0
+    second_sampled_wall: float = 0.0
+    second_wall: float = 0.0
     dispatched: float = 0.0
     first: float = 0.0
     second: float = 0.0
@@ -79,6 +84,7 @@ class Timeline:
             "TTFT": ttft,
             "first -> second token": self.second - self.first,
             "sampled -> second token": self.second - self.dispatched - to_sampled,
+            "of which second token out": self.second_wall - self.second_sampled_wall,
             "later ITL (mean)": later,
         }
 
@@ -94,7 +100,8 @@ async def _one(router: Router, rid: str, prompt: list[int], params: SamplingPara
             if timeline.num_tokens == 1:
                 timeline.first, timeline.sampled_wall = now, event.timestamp
             elif timeline.num_tokens == 2:
-                timeline.second = now
+                timeline.second, timeline.second_wall = now, time.time()
+                timeline.second_sampled_wall = event.timestamp
         timeline.last = now
     return timeline
 
