@@ -20,6 +20,7 @@ off the same way.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -60,8 +61,13 @@ _lock = threading.Lock()
 _loaded: dict[str, ctypes.CDLL | None] = {}
 
 
+@functools.cache
 def enabled() -> bool:
-    """False when `DISAGG_CPU_KERNELS=0` asks for the plain-torch paths."""
+    """False when `DISAGG_CPU_KERNELS=0` asks for the plain-torch paths.
+
+    Read once per process: every kernel call of every step asks.
+    `dispatch.reread_kernel_switches` reads it again (tests that change it).
+    """
     return os.environ.get(ENABLE_ENV, "1") != "0"
 
 

@@ -17,13 +17,21 @@ Each function has the signature of its reference twin.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import torch.nn.functional as F
 from triton.runtime.interpreter import InterpretedFunction
 
-from models.kernels import block_copy, cpu_attention, cpu_norm, cpu_rope, paged_attention
+from models.kernels import (
+    block_copy,
+    cpu_attention,
+    cpu_build,
+    cpu_norm,
+    cpu_rope,
+    paged_attention,
+)
 from models.kernels import mamba_state_update as mamba_kernel
 from models.kernels.block_copy import BlockIds
 from models.kernels.mamba_state_update import NO_DT_LIMIT, DtLimit
@@ -45,6 +53,22 @@ def kernels_interpreted() -> bool:
     return all(isinstance(kernel, InterpretedFunction) for kernel in kernels)
 
 
+@functools.cache
+def triton_forced() -> bool:
+    """Whether `DISAGG_FORCE_TRITON=1` asks for the kernels on CPU tensors.
+
+    Read once per process: every kernel call of every step asks.
+    """
+    return os.environ.get(FORCE_TRITON_ENV, "0") == "1"
+
+
+def reread_kernel_switches() -> None:
+    """Read `DISAGG_FORCE_TRITON` and `DISAGG_CPU_KERNELS` again at their next
+    use: for tests that change them within one process."""
+    triton_forced.cache_clear()
+    cpu_build.enabled.cache_clear()
+
+
 def use_triton(device: torch.device) -> bool:
     """Whether calls with tensors on `device` run the Triton kernel.
 
@@ -53,7 +77,7 @@ def use_triton(device: torch.device) -> bool:
     """
     if device.type == "cuda":
         return True
-    if os.environ.get(FORCE_TRITON_ENV, "0") != "1":
+    if not triton_forced():
         return False
     if not kernels_interpreted():
         raise KernelUnavailableError(
@@ -84,7 +108,7 @@ def paged_attention_decode(
 
 def _cpu_kernels_apply(t: torch.Tensor) -> bool:
     """Whether a C kernel may serve `t`: a CPU tensor, Triton not forced."""
-    return t.device.type == "cpu" and os.environ.get(FORCE_TRITON_ENV, "0") != "1"
+    return t.device.type == "cpu" and not triton_forced()
 
 
 def cpu_decode_attention(

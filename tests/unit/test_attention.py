@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -15,12 +17,14 @@ SCALE = DIM**-0.5
 
 
 @pytest.fixture(autouse=True, params=["c-kernels", "torch"])
-def cpu_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def cpu_kernels(
+    request: pytest.FixtureRequest, kernel_switch: Callable[[str, str | None], None]
+) -> str:
     """Every test twice on CPU: through the C kernels where they serve (a step
     with prompt tokens runs as one per-token decode call), and with them off
     (the torch paths: padded, per-prompt and chunked SDPA calls)."""
     if request.param == "torch":
-        monkeypatch.setenv(cpu_build.ENABLE_ENV, "0")
+        kernel_switch(cpu_build.ENABLE_ENV, "0")
     return str(request.param)
 
 
@@ -122,12 +126,14 @@ def test_new_kv_lands_in_the_pool_slots() -> None:
 
 
 @pytest.mark.skipif(not dispatch.kernels_interpreted(), reason="kernels compiled for a GPU")
-def test_decode_through_the_triton_kernel_matches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_through_the_triton_kernel_matches(
+    kernel_switch: Callable[[str, str | None], None],
+) -> None:
     batch, cache, keys, values, q = make_step([3, 10], [1, 1])
     new_k = torch.stack([keys[0][3], keys[1][10]])
     new_v = torch.stack([values[0][3], values[1][10]])
     torch_out = paged_attention(q, new_k, new_v, cache, batch, SCALE)
-    monkeypatch.setenv(dispatch.FORCE_TRITON_ENV, "1")
+    kernel_switch(dispatch.FORCE_TRITON_ENV, "1")
     kernel_out = paged_attention(q, new_k, new_v, cache, batch, SCALE)
     torch.testing.assert_close(kernel_out, torch_out, rtol=1e-5, atol=1e-5)
 

@@ -4,6 +4,7 @@ unpadded one, the CPU skip, and (on a GPU) replay equal to eager."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -90,10 +91,10 @@ def _prefilled_decode_step(runner: ModelRunner, manager: KVCacheManager) -> list
 
 @pytest.mark.parametrize("path", ["cpu-kernels", "triton-interpreted"])
 def test_padded_step_matches_the_step_and_writes_only_the_null_block(
-    checkpoints: dict[str, Path], path: str, monkeypatch: pytest.MonkeyPatch
+    checkpoints: dict[str, Path], path: str, kernel_switch: Callable[[str, str | None], None]
 ) -> None:
     if path == "triton-interpreted":
-        monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+        kernel_switch(FORCE_TRITON_ENV, "1")
     runner, manager, cache = make_runner(checkpoints["llama"])
     step = runner.build_batch(_prefilled_decode_step(runner, manager))
     with torch.inference_mode():

@@ -66,9 +66,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture
-def gpu_code_path(monkeypatch: pytest.MonkeyPatch) -> None:
+def gpu_code_path(kernel_switch: Callable[[str, str | None], None]) -> None:
     if DEVICE == "cpu":
-        monkeypatch.setenv(FORCE_TRITON_ENV, "1")
+        kernel_switch(FORCE_TRITON_ENV, "1")
 
 
 def _decoding(manager: object, rid: str, prompt: list[int]) -> ScheduledSequence:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,11 +172,14 @@ def test_unsupported_inputs_are_refused() -> None:
 
 
 def test_disabled_or_unbuildable_kernels_fall_back(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch,
+    kernel_switch: Callable[[str, str | None], None],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    monkeypatch.setenv(cpu_build.ENABLE_ENV, "0")
+    kernel_switch(cpu_build.ENABLE_ENV, "0")
     assert cpu_build.load("decode_attention") is None
-    monkeypatch.delenv(cpu_build.ENABLE_ENV)
+    kernel_switch(cpu_build.ENABLE_ENV, None)
     # A compiler that fails: the build is refused with a warning, nothing is cached.
     monkeypatch.setattr(cpu_build, "_loaded", {})
     monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))

@@ -81,8 +81,10 @@ def _spies(monkeypatch: pytest.MonkeyPatch, suffix: str) -> list[str]:
     return calls
 
 
-def test_cpu_tensors_run_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(dispatch.FORCE_TRITON_ENV, raising=False)
+def test_cpu_tensors_run_the_reference(
+    monkeypatch: pytest.MonkeyPatch, kernel_switch: Callable[[str, str | None], None]
+) -> None:
+    kernel_switch(dispatch.FORCE_TRITON_ENV, None)
     kernel_calls, ref_calls = _spies(monkeypatch, ""), _spies(monkeypatch, "_ref")
     _run_all()
     assert kernel_calls == []
@@ -93,14 +95,14 @@ def test_cpu_tensors_run_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_force_triton_runs_the_kernels_on_cpu_with_the_same_results(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, kernel_switch: Callable[[str, str | None], None]
 ) -> None:
     if torch.cuda.is_available() and not dispatch.kernels_interpreted():
         pytest.skip("kernels are compiled for CUDA in this process; CPU forcing is covered below")
     torch.manual_seed(0)
-    monkeypatch.delenv(dispatch.FORCE_TRITON_ENV, raising=False)
+    kernel_switch(dispatch.FORCE_TRITON_ENV, None)
     by_reference = _run_all()
-    monkeypatch.setenv(dispatch.FORCE_TRITON_ENV, "1")
+    kernel_switch(dispatch.FORCE_TRITON_ENV, "1")
     kernel_calls, ref_calls = _spies(monkeypatch, ""), _spies(monkeypatch, "_ref")
     torch.manual_seed(0)
     by_kernel = _run_all()
@@ -115,16 +117,16 @@ def test_without_a_gpu_the_suite_builds_kernels_for_the_interpreter() -> None:
     assert torch.cuda.is_available() or dispatch.kernels_interpreted()
 
 
-def test_cuda_always_selects_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(dispatch.FORCE_TRITON_ENV, raising=False)
+def test_cuda_always_selects_the_kernel(kernel_switch: Callable[[str, str | None], None]) -> None:
+    kernel_switch(dispatch.FORCE_TRITON_ENV, None)
     assert dispatch.use_triton(torch.device("cuda", 0))
     assert not dispatch.use_triton(CPU)
 
 
 def test_forcing_compiled_kernels_onto_cpu_says_how_to_fix_it(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, kernel_switch: Callable[[str, str | None], None]
 ) -> None:
-    monkeypatch.setenv(dispatch.FORCE_TRITON_ENV, "1")
+    kernel_switch(dispatch.FORCE_TRITON_ENV, "1")
     monkeypatch.setattr(dispatch, "kernels_interpreted", lambda: False)
     with pytest.raises(dispatch.KernelUnavailableError, match="TRITON_INTERPRET=1"):
         dispatch.use_triton(CPU)
