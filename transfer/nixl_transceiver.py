@@ -21,8 +21,10 @@ NIXL moves raw memory by descriptor, so both sides must lay their cache out
 identically (same manager, dtype, block size, layers): the signature is
 compared before any byte moves. V1 <-> V2 needs the Python transceiver.
 Between ranks of different tensor parallelism a READ descriptor is one run of
-a head slice (the K or V heads of one token), through tables prepared per
-(buffer, run length, phase) like the whole-block ones.
+a head slice (`transfer.head_slices`): the K or the V heads a puller rank
+takes from one block of one layer (longer where runs join up on both sides),
+or one section of a Mamba state; its tables are prepared per (buffer, run
+length, phase) like the whole-block ones.
 
 Every call on the agent runs on the transceiver's own `AgentThread`, never on
 the event loop: over UCX on CPU a READ copies inside its post, and a pull in
