@@ -11,10 +11,11 @@ an image in two of its prompts (rank 0 of the context instance encodes it;
 the pulled cache holds its effect). Prompts longer than a prefill chunk
 prefill in several steps (on the context instance, and on the generation
 instance, which runs the same prompts whole beside the pulled ones: aggregated
-TP 2 parity too), and the generation side's cache is small enough that this
-forces preemption. The managers differ across
-most pairs (V1 <-> V2 bridged per segment). One Ray session for the module;
-one checkpoint's four workers at a time.
+TP 2 parity too), and the generation side's cache is small enough that they
+cannot all decode at once (pinned smaller still while they start, so that one
+is preempted whatever their timing). The managers differ across most pairs
+(V1 <-> V2 bridged per segment). One Ray session for the module; one
+checkpoint's four workers at a time.
 
 A context instance of two ranks whose request is aborted as its cache is
 published unpins it on both ranks at once, not when the lease runs out.
@@ -29,7 +30,7 @@ import io
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ from PIL import Image
 from cluster.launcher import init_local_ray
 from decode_worker.worker import GenerationWorker
 from engine.errors import RequestFailedError
-from engine.messages import ContextRequest, GenerationRequest
+from engine.messages import ContextRequest, GenerationRequest, TokenEvent
 from engine.multimodal import ImageInput
 from engine.request import Request
 from engine.worker_config import WorkerConfig
@@ -59,6 +60,7 @@ from tests.integration.test_serve_images import picture
 from tests.integration.test_workers_parity import (
     CHUNK,
     CTX_MAX_TOKENS,
+    LONGEST_PROMPT_BLOCKS,
     NEW_TOKENS,
     SECRET,
     _collect,
@@ -66,6 +68,7 @@ from tests.integration.test_workers_parity import (
     _reference,
 )
 from tests.launched_cluster import greedy_generate
+from tests.pinned_blocks import until
 
 # (role, tensor_parallel_size) -> manager: pairs (1,2) v1->v2, (2,1) v2->v1, (2,2) v2->v2.
 WORKERS = {
@@ -87,13 +90,16 @@ LEASE_S = 60.0
 # Far longer than an abort takes to unpin a cache on every rank.
 ABORT_LEASE_S = 300.0
 # Generation side: 64 tokens (8 blocks) of KV; the prompts take 11 blocks,
-# twice that with the local run beside the pulled one.
+# twice that with the local run beside the pulled one. Pinned down to the
+# longest prompt's blocks, it is short of that request's decode.
 GEN_MAX_TOKENS = 64
-# The VL model's generation side fits every request: a pulled request with an
-# image cannot be computed again there after a preemption (its image bytes
-# stay with the context worker), so it is handed back for the router to
-# resume, and no router runs here (tests/integration/test_vl_preemption.py
-# does); chunked prefill and preemption are the other models' cases.
+# The VL model's generation side fits every request at once (all eight take
+# 40 of its 64 blocks): none is preempted, whatever their timing. A pulled request with an image cannot be
+# computed again there (its image bytes stay with the context worker): when
+# no other request can give way, it is handed back with finish reason
+# "preempted" for the router to resume, and no router runs here
+# (tests/integration/test_vl_preemption.py covers that); chunked prefill and
+# preemption are the other models' cases.
 VL_GEN_MAX_TOKENS = 512
 
 
@@ -139,6 +145,8 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 @pytest.fixture(scope="module")
 def workers(ray_session: None, checkpoint: Path) -> Iterator[dict[tuple[str, int], Any]]:
+    # Ray's workers cannot import this test module: its classes travel by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     actors: dict[tuple[str, int], Any] = {}
     nixl = checkpoint.name == NIXL
     gen_max_tokens = VL_GEN_MAX_TOKENS if checkpoint.name == VL else GEN_MAX_TOKENS
@@ -156,7 +164,7 @@ def workers(ray_session: None, checkpoint: Path) -> Iterator[dict[tuple[str, int
             cluster_secret=SECRET,
             tensor_parallel_size=size,
         )
-        cls = ContextWorker if role == "context" else GenerationWorker
+        cls = ContextWorker if role == "context" else PinningGenerationWorker
         name = f"{role}-tp{size}"
         actors[(role, size)] = ray.remote(cls).options(num_cpus=0.25).remote(config, name)
     ray.get([actor.start.remote() for actor in actors.values()])
@@ -265,7 +273,12 @@ async def test_disaggregated_across_tensor_parallelism_equals_transformers(
 ) -> None:
     ctx, gen = workers[("context", ctx_size)], workers[("generation", gen_size)]
     tag = f"{checkpoint.name}-{ctx_size}-{gen_size}"
-    preemptions_before = (await gen.step_stats.remote())["preemptions"]
+    stats_before = await gen.step_stats.remote()
+
+    async def preempted() -> bool:
+        stats = await gen.step_stats.remote()
+        return bool(stats["preemptions"] > stats_before["preemptions"])
+
     results = await asyncio.gather(
         *[
             ctx.prefill.remote(ContextRequest(f"{tag}-{i}", p, _params(), images[i]))
@@ -284,17 +297,63 @@ async def test_disaggregated_across_tensor_parallelism_equals_transformers(
         GenerationRequest(f"{tag}-local-{i}", p, _params(), images=images[i])
         for i, p in enumerate(prompts)
     ]
-    streams = await asyncio.gather(*[_collect(gen.generate.remote(r)) for r in (*pulled, *local)])
+
+    def all_streams() -> asyncio.Future[list[list[TokenEvent]]]:
+        return asyncio.gather(*[_collect(gen.generate.remote(r)) for r in (*pulled, *local)])
+
+    if checkpoint.name == VL:
+        streams = await all_streams()
+    else:
+        # Requests that arrive one after another may each find the cache to
+        # themselves: pinned, it is short of the longest one's decode however
+        # they arrive, so it (or another) is preempted before the pin goes.
+        async with _blocks_pinned(gen, f"pin-{tag}", leave=LONGEST_PROMPT_BLOCKS):
+            running = all_streams()
+            await until(preempted, "preemption")
+        streams = await running
+    assert all(events[-1].finish_reason == "length" for events in streams), streams
     tokens = [[t for e in events for t in e.token_ids] for events in streams]
     firsts = [[r.first_token_id] for r in results]
     assert [f + t for f, t in zip(firsts, tokens[:4], strict=True)] == reference
     assert tokens[4:] == reference
-    preempted = (await gen.step_stats.remote())["preemptions"] > preemptions_before
-    assert preempted == (checkpoint.name != VL)
+    stats = await gen.step_stats.remote()
+    assert stats["handed_back"] == stats_before["handed_back"]
+    if checkpoint.name == VL:
+        assert stats["preemptions"] == stats_before["preemptions"]
     # Nothing leaks: every block is free again on both sides once pulls
     # released, well before a lease would free it. (A NIXL holder hears of
     # the release by a notification, which may land after the last token.)
     await _until_idle(ctx, gen, within_s=LEASE_S / 4)
+
+
+class PinningGenerationWorker(GenerationWorker):
+    """A generation worker whose free blocks a test can hold, as the prefetch
+    of `tests.pinned_blocks` holds them; an instance of several ranks starts
+    no prefetch."""
+
+    async def pin(self, pin_id: str, leave: int) -> None:
+        """Allocate all free blocks but `leave` to `pin_id`, as a pull would."""
+        await self.start()
+        manager = self.engine.manager
+
+        def allocate() -> bool:
+            num_tokens = (manager.num_free_blocks - leave) * manager.block_size
+            return num_tokens > 0 and manager.allocate_for_transfer(pin_id, num_tokens)
+
+        assert await self._between_steps(allocate), f"cannot pin all free blocks but {leave}"
+
+    async def unpin(self, pin_id: str) -> None:
+        await self._between_steps(lambda: self.engine.manager.free(pin_id))
+
+
+@contextlib.asynccontextmanager
+async def _blocks_pinned(gen: Any, pin_id: str, leave: int) -> AsyncIterator[None]:
+    """All of the idle `gen`'s free blocks but `leave` stay pinned inside the block."""
+    await gen.pin.remote(pin_id, leave)
+    try:
+        yield
+    finally:
+        await gen.unpin.remote(pin_id)
 
 
 async def _until_idle(*actors: Any, within_s: float) -> None:
@@ -330,8 +389,7 @@ async def test_an_abort_as_the_ranks_publish_unpins_every_rank_at_once(
         cluster_secret=SECRET,
         tensor_parallel_size=2,
     )
-    # Ray's workers cannot import this test module: the class travels by value.
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # as in `workers`
     ctx = ray.remote(AbortedAsItPublishes).options(num_cpus=0.25).remote(config, "abort-tp2")
     try:
         prompt = list(range(10, 47))  # three prefill chunks
