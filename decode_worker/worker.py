@@ -157,7 +157,11 @@ class GenerationWorker:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """One request's events, for a caller that drives this worker alone
         (tests, offline benchmarks): it reads `events()` itself, so it must not
-        share the worker with a router. Leaving early aborts the request."""
+        share the worker with a router. Leaving early aborts the request.
+
+        A pulled request with images may end with finish reason "preempted"
+        (handed back: see `engine.scheduler`); only a router resumes it.
+        """
         if self._reader is None or self._reader.done():
             self._reader = asyncio.ensure_future(self._read_locally())
         queue = self._local.open(request.request_id)
