@@ -41,7 +41,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,9 +188,11 @@ class Router:
                 )
             else:
                 events = self._disaggregated(request_id, prompt, params, images, hashes, touched)
-            async for event in events:
-                finished = event.finished
-                yield event
+            # Closed before the abort below, so a generation submit in flight is in `touched`.
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    finished = event.finished
+                    yield event
         finally:
             if not finished:
                 self._abort_everywhere(request_id, touched)
@@ -203,7 +205,7 @@ class Router:
         images: tuple[ImageInput, ...],
         hashes: Sequence[bytes],
         touched: list[WorkerEndpoint],
-    ) -> AsyncIterator[TokenEvent]:
+    ) -> AsyncGenerator[TokenEvent, None]:
         """Context, then generation. The context worker's first token goes to
         the caller at once, before its cache moves. The request resumes from
         the tokens the caller has (`Continuation`) when the pull fails (at
@@ -227,8 +229,8 @@ class Router:
                 break
             holder = touched[-1]
             first = resume.event(_first_event(context))
-            yield first
             if first.finished:
+                yield first
                 if target is not None:  # nothing to pull: end the prefetch
                     target.actor.abort.remote(request_id)
                 return
@@ -240,9 +242,14 @@ class Router:
                 tuple(i.without_data() for i in images),
             )
             resume.advance(first.token_ids)
+            stream = self._stream_generation(request, hashes, touched, target)
+            # The generation worker gets the request while the caller handles
+            # the first token, not after.
+            submitted = asyncio.ensure_future(anext(stream))
             try:
+                yield first
                 handed_back = False
-                async for event in self._stream_generation(request, hashes, touched, target):
+                async for event in _started(submitted, stream):
                     handed_back = event.handed_back
                     if not (event.cache_ready or handed_back):
                         yield resume.event(event)
@@ -254,6 +261,10 @@ class Router:
                 errors.append(str(failure))
                 # The holder may still pin the cache (the puller died): free it.
                 self._abort_everywhere(request_id, [holder])
+            finally:
+                submitted.cancel()  # the caller left before the first event came
+                await asyncio.gather(submitted, return_exceptions=True)
+                await stream.aclose()
             target = None
         yield _error_event(request_id, "cache transfer failed: " + "; ".join(errors))
 
@@ -311,7 +322,7 @@ class Router:
         hashes: Sequence[bytes],
         touched: list[WorkerEndpoint],
         target: WorkerEndpoint | None = None,
-    ) -> AsyncIterator[TokenEvent]:
+    ) -> AsyncGenerator[TokenEvent, None]:
         """Stream from a generation worker. A whole request moves to another
         worker while nothing was streamed; a disaggregated one raises
         `_PullFailed` until its `cache_ready` event (its cache is gone then,
@@ -482,3 +493,12 @@ def _error_event(request_id: str, message: str) -> TokenEvent:
 
 def _max_tokens(params: Any) -> int:
     return int(getattr(params, "max_tokens", 0) or 0)
+
+
+async def _started(
+    first: Awaitable[TokenEvent], rest: AsyncIterator[TokenEvent]
+) -> AsyncIterator[TokenEvent]:
+    """A stream whose first event is already being awaited (`first`), then the rest."""
+    yield await first
+    async for event in rest:
+        yield event

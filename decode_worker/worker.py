@@ -334,15 +334,14 @@ class GenerationWorker:
                 return None
             return manager.regions(rid)
 
-        deadline = time.monotonic() + self.config.transfer_timeout_s
-        while (regions := await self._between_steps(allocate)) is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"no free blocks for {req.num_prompt_tokens} tokens within "
-                    f"{self.config.transfer_timeout_s}s; raise max_tokens on generation workers"
-                )
-            await asyncio.sleep(_ALLOC_RETRY_S)
         handles, timeout_s = context.all_handles, self.config.transfer_timeout_s
+        # The holder's answer to a claim comes while the allocation waits for its gap.
+        self.transceiver.claim_ahead(handles)
+        try:
+            regions = await self._allocate_destination(req, allocate)
+        except BaseException:
+            self.transceiver.abort(rid)  # drops the claims; the holder frees now
+            raise
         pull = self.transceiver.pull_ranks(handles, regions, manager.layout_signature(), timeout_s)
         ranks = self.engine.ranks
         if ranks is None:
@@ -352,6 +351,20 @@ class GenerationWorker:
             # (`RankGroup.pull`) before the blocks are freed.
             await _all_or_none(pull, ranks.pull(handles, regions, timeout_s))
         return True
+
+    async def _allocate_destination(
+        self, req: Request, allocate: Callable[[], RequestRegions | None]
+    ) -> RequestRegions:
+        """Run `allocate` between steps until it finds room or `transfer_timeout_s` passes."""
+        deadline = time.monotonic() + self.config.transfer_timeout_s
+        while (regions := await self._between_steps(allocate)) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no free blocks for {req.num_prompt_tokens} tokens within "
+                    f"{self.config.transfer_timeout_s}s; raise max_tokens on generation workers"
+                )
+            await asyncio.sleep(_ALLOC_RETRY_S)
+        return regions
 
     async def _between_steps(self, fn: Callable[[], T]) -> T:
         return await self.engine.loop.run_between_steps(fn)

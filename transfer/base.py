@@ -269,6 +269,13 @@ class Transceiver(ABC):
         if task is not None and not task.done():
             task.cancel()
 
+    def claim_ahead(self, handles: Sequence[TransferHandle]) -> None:
+        """The caller will `pull_ranks(handles, ...)` once its destination is
+        allocated: a transport whose pull opens with a round trip to the holder
+        may start that round trip now. The caller ends what this starts with
+        that `pull_ranks` or with `abort(request_id)`. Here: nothing to start."""
+        return None
+
     async def pull(
         self,
         handle: TransferHandle,

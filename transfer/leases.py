@@ -68,6 +68,11 @@ class LeaseTable:
         self._leases[request_id] = lease
         return lease
 
+    @property
+    def num_unclaimed(self) -> int:
+        """Live leases no transfer is reading: a puller's claim or pull is still due."""
+        return sum(1 for lease in self._leases.values() if lease.streams == 0)
+
     def get(self, request_id: str, transfer_id: str | None = None) -> Lease | None:
         """The live lease of `request_id` (and `transfer_id`, when given), else None."""
         lease = self._leases.get(request_id)

@@ -13,6 +13,10 @@
     -> on_release(rid) once all                    all READs done
        `of` puller ranks released
 
+The generation worker claims ahead (`claim_ahead`), as soon as the request
+reaches it: the grant's round trip overlaps the wait for destination blocks,
+and a holder polls every 1 ms while a published request awaits its claim.
+
 Offered blocks of a prompt still prefilling (`transfer.offers`) are claimed
 the same way; the puller ends such a pull with "done <rid> <tid>" instead of
 "release", which closes that claim's window early and keeps the request.
@@ -94,8 +98,9 @@ _DONE = b"done"  # READs of offered blocks finished; the holder keeps the reques
 _LOCAL_AGENT = "NIXL_INIT_AGENT"
 # Notification polls of an agent with nothing pinned or claimed.
 _IDLE_POLL_INTERVAL_S = 0.05
-# ... and of a puller waiting for a grant: a claim is short-lived, and the
-# first token has reached the caller, who now waits on this round trip.
+# ... and of a puller waiting for a grant, or of a holder with a published
+# request not yet claimed: the first token has reached the caller, who now
+# waits on this round trip, and a claim is due within milliseconds.
 _CLAIM_POLL_INTERVAL_S = 0.001
 # Completion polls of a READ still in flight (RDMA, GPU) sleep a small fraction
 # of its age, so a short READ is seen done within microseconds and a long one
@@ -113,8 +118,8 @@ class NixlTransceiver(Transceiver):
         once as DRAM or VRAM.
     name: the agent name, unique in the cluster (a random one by default).
     poll_interval_s: how often notifications are polled while requests are
-        pinned here (every 1 ms while a claim of ours awaits its grant, every
-        50 ms otherwise).
+        pinned here and claimed (every 1 ms while a claim of ours awaits its
+        grant or a published request its claim, every 50 ms otherwise).
     claim_window_s: how long a granted claim pins a request for its READs.
     """
 
@@ -138,6 +143,8 @@ class NixlTransceiver(Transceiver):
         self._claims: dict[tuple[str, str], asyncio.Future[float | None]] = {}
         # Puller: claims `pull_ranks` sent ahead, (sent at, granted window), by (rid, tid).
         self._early_claims: dict[tuple[str, str], asyncio.Task[tuple[float, float]]] = {}
+        # Puller: handles of `claim_ahead` whose `pull_ranks` has not begun, by request id.
+        self._claimed_ahead: dict[str, list[TransferHandle]] = {}
         self._thread = AgentThread(f"nixl-{self.name}")
         # Owned by the agent thread from start() to close():
         self._agent: Any = None
@@ -233,7 +240,7 @@ class NixlTransceiver(Transceiver):
                     self._apply_notification(sender, message)
             busy = len(self._leases) or self._offers
             interval = _IDLE_POLL_INTERVAL_S
-            if self._claims:
+            if self._claims or self._leases.num_unclaimed:
                 interval = min(_CLAIM_POLL_INTERVAL_S, self._poll_interval_s)
             elif busy:
                 interval = self._poll_interval_s
@@ -309,10 +316,10 @@ class NixlTransceiver(Transceiver):
         within its notification poll) overlap instead of adding up, while
         the READs and releases keep their order (rank 0 last)."""
         keys = [(h.request_id, h.transfer_id) for h in handles]
+        for handle in handles:
+            self._claimed_ahead.pop(handle.request_id, None)  # this pull ends those claims
         if len(handles) > 1:
-            for handle, key in zip(handles, keys, strict=True):
-                if handle.kind == self.kind and handle.agent_name is not None:
-                    self._early_claims[key] = asyncio.ensure_future(self._timed_claim(handle))
+            self._claim_each(handles)
         try:
             await super().pull_ranks(handles, dest_regions, dest_signature, timeout_s)
         finally:
@@ -323,6 +330,34 @@ class NixlTransceiver(Transceiver):
                 if early is not None:
                     early.cancel()
                     await asyncio.gather(early, return_exceptions=True)
+
+    def claim_ahead(self, handles: Sequence[TransferHandle]) -> None:
+        """Claim now: the grant's round trip overlaps the wait for the destination."""
+        for handle in self._claim_each(handles):
+            self._claimed_ahead.setdefault(handle.request_id, []).append(handle)
+
+    def _claim_each(self, handles: Sequence[TransferHandle]) -> list[TransferHandle]:
+        """Send a claim for each NIXL handle not claimed yet; the handles claimed."""
+        claimed = []
+        for handle in handles:
+            key = (handle.request_id, handle.transfer_id)
+            if handle.kind != self.kind or handle.agent_name is None or key in self._early_claims:
+                continue
+            task = asyncio.ensure_future(self._timed_claim(handle))
+            task.add_done_callback(_retrieve)  # a claim given up on may have failed
+            self._early_claims[key] = task
+            claimed.append(handle)
+        return claimed
+
+    def abort(self, request_id: str) -> None:
+        """`Transceiver.abort`; claims sent ahead of a pull that never began
+        are dropped and their holders told to free."""
+        super().abort(request_id)
+        for handle in self._claimed_ahead.pop(request_id, []):
+            early = self._early_claims.pop((handle.request_id, handle.transfer_id), None)
+            if early is not None:
+                early.cancel()
+                self._notify_abort(handle)
 
     async def _timed_claim(self, handle: TransferHandle) -> tuple[float, float]:
         """(when the claim left, the window granted); see `_claim`."""
@@ -339,6 +374,7 @@ class NixlTransceiver(Transceiver):
         groups = self._check_request(handle, dest_regions, dest)
         # Counted from before the claim leaves, so it ends before the holder's window.
         early = self._early_claims.pop((handle.request_id, handle.transfer_id), None)
+        self._claimed_ahead.pop(handle.request_id, None)  # a plain `pull` after `claim_ahead`
         claimed_at, window = await (early or self._timed_claim(handle))
         deadline = claimed_at + window
         xfers: list[Any] = []  # filled on the agent thread, released there too
@@ -577,6 +613,12 @@ def _release(xfers: list[Any]) -> None:
     for xfer in xfers:
         with contextlib.suppress(Exception):
             xfer.release()
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """Mark a claim's outcome seen, so a failed one given up on logs nothing."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _buffer_info(tensor: torch.Tensor) -> BufferInfo:

@@ -365,6 +365,26 @@ async def test_client_disconnect_mid_stream_frees_both_sides(harness: Harness) -
     await h.all_idle(10.0)
 
 
+async def test_the_request_moves_on_while_the_caller_holds_the_first_token(
+    harness: Harness,
+) -> None:
+    """The router sends the request to a generation worker before the caller
+    asks for the next event; a caller that leaves then frees both sides."""
+    h = harness
+    stream = h.router.generate("held", PROMPTS[0], _long())
+    first = await anext(stream)
+    assert first.token_ids and not first.finished
+    deadline = time.monotonic() + 4 * TIMEOUT_S
+    while True:
+        loads = [await e.actor.load.remote() for e in h.router.generation]
+        if any(load.num_running + load.num_transferring for load in loads):
+            break
+        assert time.monotonic() < deadline, "no generation worker got the request"
+        await asyncio.sleep(0.05)
+    await stream.aclose()
+    await h.all_idle(10.0)
+
+
 async def test_client_disconnect_during_the_pull_frees_both_sides(harness: Harness) -> None:
     h = harness
     task, _holder, _puller, pids = await _paused_at_pull(h, "gone-early", PROMPTS[0])

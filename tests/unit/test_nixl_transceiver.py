@@ -368,3 +368,39 @@ async def test_a_holder_rank_gone_fails_the_pull_and_releases_the_other_ranks() 
     finally:
         for worker in (puller, *holders):
             await worker.xcvr.close()
+
+
+async def test_a_claim_sent_ahead_is_granted_before_the_destination_exists(
+    workers: dict[str, Endpoint],
+) -> None:
+    """`claim_ahead` pins the holder's lease while the puller still has no
+    blocks; the pull that follows reads under that grant and releases."""
+    src, dst = workers["v2"], workers["v2b"]
+    sent = src.fill("r1", 2 * BLOCK_SIZE)
+    handle = TransferHandle.from_bytes(src.publish("r1").to_bytes())
+    assert src.xcvr._leases.num_unclaimed == 1
+    dst.xcvr.claim_ahead([handle])
+    await wait_for(lambda: src.xcvr._leases.num_unclaimed == 0)
+    assert src.xcvr._leases.num_unclaimed == 0 and src.xcvr.num_pinned == 1
+    assert dst.manager.allocate_for_transfer("r1", 2 * BLOCK_SIZE)
+    regions, signature = dst.manager.regions("r1"), dst.manager.layout_signature()
+    await dst.xcvr.pull_ranks([handle], regions, signature, timeout_s=10)
+    assert dst.segments("r1") == sent
+    await wait_for(lambda: src.released == ["r1"])
+    assert src.released == ["r1"]
+    assert not dst.xcvr._early_claims and not dst.xcvr._claimed_ahead
+
+
+async def test_an_abort_before_the_pull_drops_the_claim_and_frees_the_holder(
+    workers: dict[str, Endpoint],
+) -> None:
+    src, dst = workers["v2"], workers["v2b"]
+    src.fill("r1", BLOCK_SIZE)
+    handle = TransferHandle.from_bytes(src.publish("r1", lease_s=30.0).to_bytes())
+    dst.xcvr.claim_ahead([handle])
+    await wait_for(lambda: src.xcvr._leases.num_unclaimed == 0)
+    dst.xcvr.abort("r1")
+    assert not dst.xcvr._early_claims and not dst.xcvr._claimed_ahead
+    await wait_for(lambda: src.released == ["r1"])  # long before the lease ends
+    assert src.released == ["r1"] and src.xcvr.num_pinned == 0
+    src.manager.check_integrity()
