@@ -14,6 +14,7 @@ from engine.sampling import (
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
+    greedy_pick,
     make_generator,
 )
 
@@ -231,3 +232,29 @@ def test_params_normalize_lists_and_top_k_off() -> None:
 def test_mismatched_batch_is_rejected() -> None:
     with pytest.raises(ValueError, match="logits"):
         Sampler().sample(torch.zeros(2, VOCAB), [SamplingParams()], [[1]], [[]], [None])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("vocab", [49152, 32000, 50257, 600, 300, 7])
+def test_greedy_pick_is_argmax(vocab: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(9, vocab, generator=gen).to(dtype)
+    # Ties: row 1 repeats its maximum in a later slice and right after it;
+    # row 2 is constant; row 3 peaks in the last column; row 4 is all -inf;
+    # rows 5 and 6 hold NaN (argmax takes the first NaN); row 7 peaks in the
+    # first column; row 8 rounds to few distinct values (many ties).
+    logits[1, vocab // 3] = logits[1, -1] = logits[1, vocab // 3 + 1] = 50.0
+    logits[2] = 1.0
+    logits[3, -1] = 60.0
+    logits[4] = -math.inf
+    logits[5, vocab // 2] = math.nan
+    logits[5, vocab - 1] = math.nan
+    logits[6, 0] = 70.0
+    logits[6, vocab - 2] = math.nan
+    logits[7, 0] = 80.0
+    logits[8] = logits[8].round()
+    assert torch.equal(greedy_pick(logits), logits.argmax(dim=-1))
+
+
+def test_greedy_pick_of_no_rows() -> None:
+    assert greedy_pick(torch.zeros(0, 1000)).shape == (0,)
