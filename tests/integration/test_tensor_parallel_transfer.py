@@ -94,12 +94,12 @@ ABORT_LEASE_S = 300.0
 # longest prompt's blocks, it is short of that request's decode.
 GEN_MAX_TOKENS = 64
 # The VL model's generation side fits every request at once (all eight take
-# 40 of its 64 blocks): none is preempted, whatever their timing. A pulled request with an image cannot be
-# computed again there (its image bytes stay with the context worker): when
-# no other request can give way, it is handed back with finish reason
-# "preempted" for the router to resume, and no router runs here
-# (tests/integration/test_vl_preemption.py covers that); chunked prefill and
-# preemption are the other models' cases.
+# 40 of its 64 blocks): none is preempted, whatever their timing. A pulled
+# request with an image cannot be computed again there (its image bytes stay
+# with the context worker): when no other request can give way, it is handed
+# back with finish reason "preempted" for the router to resume, and no router
+# runs here (tests/integration/test_vl_preemption.py covers that); chunked
+# prefill and preemption are the other models' cases.
 VL_GEN_MAX_TOKENS = 512
 
 
