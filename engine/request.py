@@ -73,6 +73,11 @@ class Request:
     images: tuple[ImageInput, ...] = ()
 
     def __post_init__(self) -> None:
+        if not self.request_id or any(c.isspace() for c in self.request_id):
+            # Transfer notifications carry the id as a space-separated field.
+            raise ValueError(
+                f"request id {self.request_id!r} must be non-empty, without whitespace"
+            )
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r} has an empty prompt")
 
