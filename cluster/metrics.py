@@ -151,6 +151,18 @@ class ServingMetrics:
         self.in_flight = Gauge(
             "disagg_requests_in_flight", "Requests being served right now.", registry=r
         )
+        self._worker_nodes: dict[str, tuple[str, str]] = {}  # worker -> (role, node)
+
+    def place_worker(self, worker: str, role: str, node: str) -> None:
+        """Label `worker` with the node it runs on now; a worker Ray restarted
+        on another node loses its old node's label."""
+        previous = self._worker_nodes.get(worker)
+        if previous == (role, node):
+            return
+        if previous is not None:
+            self.worker_node.remove(worker, *previous)
+        self.worker_node.labels(worker, role, node).set(1)
+        self._worker_nodes[worker] = (role, node)
 
     def record_rank_caches(self, worker: str, ranks: Iterable[RankCacheUsage]) -> None:
         """Set the per-rank cache gauges of one worker instance from its load report."""

@@ -456,6 +456,8 @@ class Router:
             used = 1 - load.num_free_blocks / load.num_total_blocks
             self.metrics.cache_usage.labels(endpoint.name).set(used)
         self.metrics.record_rank_caches(endpoint.name, load.ranks)
+        if load.node_ip:
+            self.metrics.place_worker(endpoint.name, load.role, load.node_ip)
         stored = [e.block_hash for e in batch.events if e.kind == "stored"]
         removed = [e.block_hash for e in batch.events if e.kind == "removed"]
         state.apply_kv_event(stored, removed)

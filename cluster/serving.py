@@ -121,8 +121,7 @@ class ServingCluster:
     async def _start_http(self, listener: socket.socket) -> None:
         assert self.cluster is not None
         for instance in self.cluster.instances:
-            labels = (instance.plan.name, instance.plan.role, instance.node_ip)
-            self.metrics.worker_node.labels(*labels).set(1)
+            self.metrics.place_worker(instance.plan.name, instance.plan.role, instance.node_ip)
         self.router = build_router(self.cluster, self.config, self.metrics)
         limits = ServerLimits(
             api_key=self.config.api_key,

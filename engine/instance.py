@@ -55,6 +55,7 @@ class EngineInstance:
     core: EngineCore
     loop: EngineLoop
     ranks: RankGroup | None = None  # ranks 1.. of a tensor-parallel instance
+    node_ip: str = ""  # the Ray node of this process, "" outside Ray
 
     @classmethod
     def build(cls, config: WorkerConfig, role: str, worker_id: str) -> EngineInstance:
@@ -114,6 +115,7 @@ class EngineInstance:
             core=core,
             loop=EngineLoop(core),
             ranks=ranks,
+            node_ip=_ray_node_ip(),
         )
 
     def create_transceiver(self) -> Transceiver:
@@ -147,6 +149,7 @@ class EngineInstance:
             ranks=self.rank_cache_usage(),
             num_steps=self.loop.stats.steps,
             step_busy_s=self.loop.stats.busy_s,
+            node_ip=self.node_ip,
         )
 
     def rank_cache_usage(self) -> tuple[RankCacheUsage, ...]:
@@ -257,3 +260,11 @@ def _stop_check(request: Request, eos: tuple[int, ...], tokenizer: Tokenizer) ->
         return FinishReason.LENGTH if decision.reason == "length" else FinishReason.STOP
 
     return check
+
+
+def _ray_node_ip() -> str:
+    """The address of the Ray node running this process ("" outside Ray):
+    after Ray restarts a worker on another node, its load reports say so."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else ""
