@@ -28,12 +28,14 @@ _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
 class ServeProcess:
-    """A running `disagg serve -c config` (`config` None: the embedded default);
-    `url` is its `/v1` base once entered.
+    """A running `disagg serve -c config` (`config` None: the embedded default),
+    or any `command` that starts one; `url` is its `/v1` base once started.
 
-    Entering waits (up to `startup_timeout_s`) for the `serving ... at URL`
+    It runs in its own process group, like a terminal's job. `start()` (or
+    entering) waits up to `startup_timeout_s` for the `serving ... at URL`
     line and raises `RuntimeError` with the output's tail if it never comes.
-    Leaving sends SIGTERM and waits for a clean exit (SIGKILL after 60 s).
+    `stop()` (or leaving) sends SIGTERM to the whole group, what Ctrl-C in a
+    terminal reaches, and SIGKILLs it if it has not exited within 60 s.
     """
 
     def __init__(
@@ -42,25 +44,32 @@ class ServeProcess:
         extra_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
         startup_timeout_s: float = 240.0,
+        *,
+        command: list[str] | None = None,
+        cwd: Path = ROOT,
     ) -> None:
-        self.command = [sys.executable, "-m", "cluster.cli", "serve"]
-        self.command += ["-c", str(config)] if config is not None else []  # None: the default
-        self.command += list(extra_args)
+        if command is None:
+            command = [sys.executable, "-m", "cluster.cli", "serve"]
+            command += ["-c", str(config)] if config is not None else []  # None: the default
+            command += list(extra_args)
+        self.command = command
+        self.cwd = cwd
         self.env = os.environ | (env or {})
         self.startup_timeout_s = startup_timeout_s
         self.output: list[str] = []
         self.url = ""
         self._lines: queue.Queue[str] = queue.Queue()
-        self.process: subprocess.Popen[str] | None = None
+        self._process: subprocess.Popen[str] | None = None
 
-    def __enter__(self) -> ServeProcess:
-        self.process = subprocess.Popen(
+    def start(self) -> ServeProcess:
+        self._process = subprocess.Popen(
             self.command,
-            cwd=ROOT,
+            cwd=self.cwd,
             env=self.env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=True,
         )
         threading.Thread(target=self._drain, daemon=True).start()
         try:
@@ -69,6 +78,9 @@ class ServeProcess:
             self.stop()
             raise
         return self
+
+    def __enter__(self) -> ServeProcess:
+        return self.start()
 
     def __exit__(
         self,
@@ -79,35 +91,37 @@ class ServeProcess:
         self.stop()
 
     @property
+    def process(self) -> subprocess.Popen[str]:
+        assert self._process is not None, "the server is not started"
+        return self._process
+
+    @property
     def pid(self) -> int:
-        assert self.process is not None, "the server is not started"
         return self.process.pid
+
+    @property
+    def base(self) -> str:
+        """The server's root URL (`url` without `/v1`), where `/metrics` is."""
+        return self.url.removesuffix("/v1")
 
     def rss_bytes(self) -> int:
         """Resident memory of the server and every process below it (Ray, workers)."""
         return process_tree_rss(self.pid)
 
     def stop(self) -> int | None:
-        """SIGTERM, wait for the exit; returns the exit status."""
-        if self.process is None:
+        """Stop the process group; returns the server's exit status."""
+        if self._process is None:
             return None
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        stop_group(self._process)
+        return self._process.returncode
 
     def _drain(self) -> None:  # keep the pipe empty so the server never blocks on it
-        assert self.process is not None and self.process.stdout is not None
-        for line in self.process.stdout:
+        assert self._process is not None and self._process.stdout is not None
+        for line in self._process.stdout:
             self.output.append(line)
             self._lines.put(line)
 
     def _wait_for_url(self) -> str:
-        assert self.process is not None
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             try:
@@ -120,6 +134,21 @@ class ServeProcess:
             if match:
                 return match.group(1)
         raise RuntimeError("disagg serve did not start:\n" + "".join(self.output[-40:]))
+
+
+def stop_group(process: subprocess.Popen[str], timeout_s: float = 60.0) -> None:
+    """SIGTERM the process's whole group (what Ctrl-C in a terminal reaches),
+    then SIGKILL it if it has not exited within `timeout_s`."""
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    except ProcessLookupError:
+        process.wait()
 
 
 def process_tree_rss(root_pid: int) -> int:
