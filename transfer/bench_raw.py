@@ -27,7 +27,8 @@ pull is 820 separate copies of 64 KiB (of its 1024 descriptors), 256 MiB is
 2472 of 4096 (V2: 205 of 256 and 618 of 1024). Handed out in ascending id
 order, the same pulls would be 8 and 12 copies (V2: 2 and 3).
 
-Raw TCP and memcpy still use a scratch buffer as large as the pool.
+Raw TCP and memcpy still use a scratch buffer as large as the pool, allocated
+as the pools are.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any
 
 import torch
 
+from kvcache.tensors import allocate_host_buffer
 from transfer.bench_worker import EndpointHost, EndpointSpec
 
 _SIZE = struct.Struct(">Q")
@@ -74,7 +76,8 @@ class BenchHost(EndpointHost):
                 for endpoint in self.endpoints.values()
                 for t in endpoint.tensors.buffers().values()
             )
-            self._scratch_buffer = torch.ones(size, dtype=torch.uint8)
+            # Pages of the same kind as the pools' (`allocate_host_buffer`).
+            self._scratch_buffer = allocate_host_buffer(size).fill_(1)
         return self._scratch_buffer
 
     # ---------------------------------------------------------------- TCP

@@ -99,23 +99,34 @@ class CacheEndpoint:
         if not self.manager.allocate_for_transfer(rid, num_tokens):
             raise RuntimeError(f"pool too small to receive {num_tokens} tokens")
         regions, signature = self.manager.regions(rid), self.manager.layout_signature()
-        # "seconds" and "cpu_seconds" are the transceiver's alone.
+        # "seconds" and "cpu_seconds" are the transceiver's alone; "started" and
+        # "ended" (perf_counter) bound it, for a host timing several ranks at once.
         start, cpu = time.perf_counter(), time.process_time()
         try:
             await self.xcvr.pull_ranks(handles, regions, signature, timeout_s)
         except TransferError as exc:
             self.manager.free(rid)
-            elapsed = time.perf_counter() - start
+            end = time.perf_counter()
             return {
                 "ok": False,
-                "seconds": elapsed,
+                "seconds": end - start,
                 "cpu_seconds": time.process_time() - cpu,
+                "started": start,
+                "ended": end,
                 "error": type(exc).__name__,
                 "message": str(exc),
             }
-        elapsed, used = time.perf_counter() - start, time.process_time() - cpu
+        end, used = time.perf_counter(), time.process_time() - cpu
         self.manager.finish_transfer(rid)
-        return {"ok": True, "seconds": elapsed, "cpu_seconds": used, "error": None, "message": ""}
+        return {
+            "ok": True,
+            "seconds": end - start,
+            "cpu_seconds": used,
+            "started": start,
+            "ended": end,
+            "error": None,
+            "message": "",
+        }
 
     def state(self) -> dict[str, Any]:
         """Free blocks, pinned requests and releases so far; raises if the pool is inconsistent."""
@@ -170,18 +181,21 @@ class EndpointHost:
         self, names: list[str], handles_bytes: list[bytes], num_tokens: int, timeout_s: float
     ) -> dict[str, Any]:
         """Every named endpoint (the ranks of a tensor-parallel puller) pulls
-        its heads from every handle, all at once; wall and CPU seconds of the
-        whole, or the first failure."""
+        its heads from every handle, all at once; the first failure, or wall
+        seconds from the first rank's transceiver start to the last one's end
+        (each rank's destination allocation and bookkeeping are the manager's,
+        outside, as for one rank) and this process's CPU seconds over the whole."""
         import asyncio
 
-        start, cpu = time.perf_counter(), time.process_time()
+        cpu = time.process_time()
         results = await asyncio.gather(
             *(self.endpoints[n].pull_ranks(handles_bytes, num_tokens, timeout_s) for n in names)
         )
         failed = [r for r in results if not r["ok"]]
         if failed:
             return failed[0]
-        seconds, used = time.perf_counter() - start, time.process_time() - cpu
+        seconds = max(r["ended"] for r in results) - min(r["started"] for r in results)
+        used = time.process_time() - cpu
         return {"ok": True, "seconds": seconds, "cpu_seconds": used, "error": None, "message": ""}
 
     def free(self, name: str, request_id: str) -> None:

@@ -98,10 +98,15 @@ _DONE = b"done"  # READs of offered blocks finished; the holder keeps the reques
 _LOCAL_AGENT = "NIXL_INIT_AGENT"
 # Notification polls of an agent with nothing pinned or claimed.
 _IDLE_POLL_INTERVAL_S = 0.05
-# ... and of a puller waiting for a grant, or of a holder with a published
-# request not yet claimed: the first token has reached the caller, who now
-# waits on this round trip, and a claim is due within milliseconds.
+# ... and of a holder with a published request not yet claimed: the first
+# token has reached the caller, who now waits on this round trip, and a claim
+# is due within milliseconds.
 _CLAIM_POLL_INTERVAL_S = 0.001
+# ... and of a puller waiting for a grant: the holder answers within its own
+# poll, so the grant is due within about a millisecond, and the READs wait on
+# it (a 64 MiB READ takes ~10 ms on CPU). Such a wait is short and rare enough
+# that polling it finely costs little CPU.
+_GRANT_POLL_INTERVAL_S = 0.0002
 # Completion polls of a READ still in flight (RDMA, GPU) sleep a small fraction
 # of its age, so a short READ is seen done within microseconds and a long one
 # costs at most one poll per `_MAX_POLL_GAP_S`.
@@ -118,8 +123,9 @@ class NixlTransceiver(Transceiver):
         once as DRAM or VRAM.
     name: the agent name, unique in the cluster (a random one by default).
     poll_interval_s: how often notifications are polled while requests are
-        pinned here and claimed (every 1 ms while a claim of ours awaits its
-        grant or a published request its claim, every 50 ms otherwise).
+        pinned here and claimed (every 0.2 ms while a claim of ours awaits
+        its grant, every 1 ms while a published request awaits its claim,
+        every 50 ms otherwise).
     claim_window_s: how long a granted claim pins a request for its READs.
     """
 
@@ -240,7 +246,9 @@ class NixlTransceiver(Transceiver):
                     self._apply_notification(sender, message)
             busy = len(self._leases) or self._offers
             interval = _IDLE_POLL_INTERVAL_S
-            if self._claims or self._leases.num_unclaimed:
+            if self._claims:
+                interval = min(_GRANT_POLL_INTERVAL_S, self._poll_interval_s)
+            elif self._leases.num_unclaimed:
                 interval = min(_CLAIM_POLL_INTERVAL_S, self._poll_interval_s)
             elif busy:
                 interval = self._poll_interval_s
@@ -311,15 +319,21 @@ class NixlTransceiver(Transceiver):
         dest_signature: LayoutSignature,
         timeout_s: float,
     ) -> None:
-        """`Transceiver.pull_ranks`, with every holder rank claimed at once
-        before the first READ: the claims' round trips (a holder answers
-        within its notification poll) overlap instead of adding up, while
-        the READs and releases keep their order (rank 0 last)."""
+        """`Transceiver.pull_ranks`, with several holder ranks claimed at once
+        before the first READ is planned: the claims' round trips (a holder
+        answers within its notification poll) overlap each other and the
+        planning instead of adding up, while the READs and releases keep
+        their order (rank 0 last). One holder rank is claimed once its
+        layout is checked, so a mismatch never reaches it."""
         keys = [(h.request_id, h.transfer_id) for h in handles]
         for handle in handles:
             self._claimed_ahead.pop(handle.request_id, None)  # this pull ends those claims
-        if len(handles) > 1:
-            self._claim_each(handles)
+        if len(handles) > 1 and self._claim_each(handles):
+            # Let the claims leave before planning the READs, which holds the
+            # GIL: their tasks queue the sends on the agent thread, which runs
+            # jobs in order, so once a later job is done they have left.
+            await asyncio.sleep(0)
+            await self._thread.run(_nothing)
         try:
             await super().pull_ranks(handles, dest_regions, dest_signature, timeout_s)
         finally:
@@ -613,6 +627,10 @@ def _release(xfers: list[Any]) -> None:
     for xfer in xfers:
         with contextlib.suppress(Exception):
             xfer.release()
+
+
+def _nothing() -> None:
+    """An agent-thread job that only marks its place in the queue."""
 
 
 def _retrieve(task: asyncio.Task[Any]) -> None:

@@ -205,22 +205,27 @@ class SocketBuffers:
         scattered by one strided copy per chunk, rather than as thousands of
         small receives.
         """
+        # Consecutive pairs received alike are received together: a V1 head
+        # slice is a pair per (layer, block), thousands in a large request.
         whole: list[Region] = []
+        direct: list[Runs] = []
         stream = not conn.keeps_message_boundaries
         for p in pairs:
             if p.dest_is_contiguous and (stream or p.source_is_contiguous):
+                await self.recv_runs(conn, direct)
+                direct = []
                 whole.append(Region(p.dst_buffer, p.dst_offset, p.num_bytes))
             elif not p.source_is_contiguous or (stream and p.run >= DIRECT_RUN_BYTES):
                 await self.recv(conn, whole)
                 whole = []
-                await self.recv_runs(
-                    conn, [(p.dst_buffer, p.dst_offset, p.run, p.num_runs, p.dst_stride)]
-                )
+                direct.append((p.dst_buffer, p.dst_offset, p.run, p.num_runs, p.dst_stride))
             else:
                 await self.recv(conn, whole)
-                whole = []
+                await self.recv_runs(conn, direct)
+                whole, direct = [], []
                 await self._recv_scattered(conn, p)
         await self.recv(conn, whole)
+        await self.recv_runs(conn, direct)
 
     async def _recv_scattered(self, conn: Connection, p: SlicePair) -> None:
         """Receive chunk k + 1 while chunk k is scattered on the scatter thread

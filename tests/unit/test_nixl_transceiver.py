@@ -202,13 +202,23 @@ async def test_large_pull_keeps_the_event_loop_responsive(
     large: tuple[Endpoint, Endpoint],
 ) -> None:
     src, dst = large
-    source = src.manager.regions("big")  # its bytes stay put after the holder frees it
-    elapsed, gap = await max_loop_gap(dst.pull(src.publish("big"), LARGE_TOKENS))
-    dest = dst.manager.regions("big")
-    for s, d in zip(source.descriptors, dest.descriptors, strict=True):
-        assert torch.equal(src.tensors.region_tensor(s), dst.tensors.region_tensor(d))
-    # Posting the READ on the loop would stall it for the whole copy (gap ~ elapsed).
-    assert gap < 0.5 * elapsed, f"loop stalled {gap * 1e3:.1f} ms of a {elapsed * 1e3:.1f} ms pull"
+    stalls = []
+    for rid in ("big", "big.1", "big.2"):
+        if rid != "big":
+            assert src.manager.allocate_slots(rid, LARGE_TOKENS)
+        source = src.manager.regions(rid)  # its bytes stay put after the holder frees it
+        elapsed, gap = await max_loop_gap(dst.pull(src.publish(rid), LARGE_TOKENS))
+        dest = dst.manager.regions(rid)
+        for s, d in zip(source.descriptors, dest.descriptors, strict=True):
+            assert torch.equal(src.tensors.region_tensor(s), dst.tensors.region_tensor(d))
+        dst.manager.free(rid)
+        stalls.append(f"{gap * 1e3:.1f} ms of {elapsed * 1e3:.1f} ms")
+        # Posting the READ on the loop would stall it for the whole copy (gap ~
+        # elapsed) in every pull; a pull of a few ms can also lose the core
+        # to another process for most of it, so one clean pull of three shows it.
+        if gap < 0.5 * elapsed:
+            return
+    pytest.fail(f"the loop stalled in every pull: {stalls}")
 
 
 async def test_aborted_pull_returns_only_once_no_byte_can_land(
