@@ -9,7 +9,11 @@ other ranks of a tensor-parallel instance, a benchmark's child process):
   instance's cores with its event loop and Ray's I/O threads (and, on one
   machine, with the router), which spinning starves: on 2 shared cores an
   aggregated instance with num_cpus 2 served 118-263 output tok/s spinning
-  and 826-959 passive.
+  and 826-959 passive. A bounded spin is no cure: with `GOMP_SPINCOUNT=100000`
+  (about 4 ms here) the aggregated SmolLM2 at one request per second had an
+  ITL p50 of 460-910 ms against 40 passive (two cores loaded by other
+  work). Passive waits make each parallel region pay a thread wake, which
+  `FusedLinear` avoids for decode-sized products over small weights.
 - `MALLOC_ARENA_MAX=1`, `MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`
   (glibc; other C libraries ignore them): a step frees its activations when
   it ends, and by default glibc returns them to the kernel (blocks above its

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
-from models.layers.fused_linear import FusedLinear
+from models.layers.fused_linear import (
+    SINGLE_THREAD_MAX_ROWS,
+    SINGLE_THREAD_MAX_WEIGHT_BYTES,
+    FusedLinear,
+)
 from models.layers.linear_mlp import SwiGLUMLP
 
 
@@ -72,3 +78,50 @@ def test_cpu_layers_are_prepacked_and_a_later_write_falls_back(dtype: torch.dtyp
         layers[0].weight.zero_()
     # The blocked copy is a snapshot: after a write the fusion is stale.
     assert not fused.is_current()
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _threads_inside(fused: FusedLinear, rows: int, monkeypatch: pytest.MonkeyPatch) -> int:
+    """torch's thread count while `fused` multiplies `rows` rows."""
+    seen: list[int] = []
+    matmul = FusedLinear._packed_matmul
+
+    def recording(self: FusedLinear, x: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return matmul(self, x)
+
+    monkeypatch.setattr(FusedLinear, "_packed_matmul", recording)
+    layer = fused.linears[0]
+    x = torch.randn(rows, layer.in_features)
+    torch.testing.assert_close(fused(x), layer(x), rtol=1e-5, atol=1e-5)
+    assert len(seen) == 1
+    return seen[0]
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_a_few_rows_over_a_small_weight_run_on_the_calling_thread_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    fused = FusedLinear([torch.nn.Linear(64, 256, bias=False)])
+    assert _threads_inside(fused, SINGLE_THREAD_MAX_ROWS, monkeypatch) == 1
+    assert torch.get_num_threads() == 2
+    # A prefill-sized product is compute-bound: every thread.
+    assert _threads_inside(fused, SINGLE_THREAD_MAX_ROWS + 1, monkeypatch) == 2
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_a_weight_of_the_limit_or_more_keeps_every_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    rows = SINGLE_THREAD_MAX_WEIGHT_BYTES // (64 * 4)  # fp32 [rows, 64]: the limit exactly
+    fused = FusedLinear([torch.nn.Linear(64, rows, bias=False)])
+    assert _threads_inside(fused, 1, monkeypatch) == 2
