@@ -26,6 +26,7 @@ from engine.core import EngineCore, StepResult
 from engine.messages import TokenEvent
 from engine.request import Request
 from engine.startup_heap import freeze_startup_heap
+from engine.step_timeline import StepTimeline
 from engine.threads import compute_executor
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class EngineLoop:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
         self.stats = StepStats()
+        self.timeline = StepTimeline()
         self.on_handoff: Callable[[Request], None] | None = None
         # Sees every step's result before its handoffs (between steps).
         self.on_step: Callable[[StepResult], None] | None = None
@@ -81,6 +83,7 @@ class EngineLoop:
     def start(self) -> None:
         if self._task is None:
             freeze_startup_heap()  # the model is loaded: what exists now lives on
+            self.timeline.gc.install()
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
@@ -178,14 +181,28 @@ class EngineLoop:
                 if not self.core.has_work():
                     self._wake.clear()
                     if not self._pending:
+                        idle_from = time.perf_counter()
                         await self._wake.wait()
+                        self.timeline.idled(time.perf_counter() - idle_from)
                     continue
-                started = time.perf_counter()
-                result = await asyncio.get_running_loop().run_in_executor(
-                    compute_executor(), self.core.step
+                started = self.timeline.starting()
+                gc_at_start = self.timeline.gc.total_s
+                timed = await asyncio.get_running_loop().run_in_executor(
+                    compute_executor(), self._timed_step
                 )
+                result, begin, end, cpu_s, process_cpu_s = timed
                 self.stats.busy_s += time.perf_counter() - started
                 self.stats.add(result)
+                self.timeline.stepped(
+                    started,
+                    begin,
+                    end,
+                    cpu_s,
+                    process_cpu_s,
+                    result.num_seqs,
+                    result.num_tokens,
+                    gc_at_start,
+                )
                 self._dispatch(result)
                 if result.num_tokens == 0 and not result.events:
                     await asyncio.sleep(_BLOCKED_RETRY_S)
@@ -196,6 +213,14 @@ class EngineLoop:
             logger.exception("engine loop died; failing every request in flight")
             self._fail_open_streams(f"engine failed: {exc!r}")
             raise
+
+    def _timed_step(self) -> tuple[StepResult, float, float, float, float]:
+        """`core.step` on the compute thread: its result, wall start and end,
+        and the CPU time of this thread and of the whole process in it."""
+        begin, cpu, process_cpu = time.perf_counter(), time.thread_time(), time.process_time()
+        result = self.core.step()
+        end = time.perf_counter()
+        return result, begin, end, time.thread_time() - cpu, time.process_time() - process_cpu
 
     def _fail_open_streams(self, error: str) -> None:
         """End every stream still open with a final error event."""
@@ -208,8 +233,11 @@ class EngineLoop:
 
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []
+        started = time.perf_counter()
         for fn in pending:
             fn()
+        if pending:
+            self.timeline.applied(len(pending), time.perf_counter() - started)
 
     def _dispatch(self, result: StepResult) -> None:
         if self.on_step is not None:
