@@ -2,9 +2,9 @@
 
     python -m benchmarks.handoff_timeline --transceiver nixl --rate 8 --requests 64
 
-A context and a generation instance with one CPU each, started by the
-launcher from the same config `benchmarks.serve_compare` gives
-`ours-1p1d-*`, and the router of `disagg serve` in this process (no HTTP in
+A context and a generation instance with one CPU each (pinned to CPUs 0 and
+1 unless `--unpinned`), started by the launcher from the same config
+`benchmarks.serve_compare` gives `ours-1p1d-*`, and the router of `disagg serve` in this process (no HTTP in
 front). Random prompts of `--input-len` token ids, `--output-len` greedy
 tokens each (EOS ignored), Poisson arrivals at `--rate` (inf: all at once),
 after `--warmup` requests that are not counted. Each request's way, on this
@@ -60,7 +60,7 @@ from typing import Any
 import ray
 
 from benchmarks.serve_compare import SMOLLM2, resolve_model
-from benchmarks.serve_targets import Setup, base_config
+from benchmarks.serve_targets import Setup, base_config, pinned_1p1d
 from cluster.config import config_from_dict
 from cluster.launcher import init_local_ray, launch
 from cluster.metrics import ServingMetrics
@@ -214,7 +214,10 @@ async def _run(args: argparse.Namespace, checkpoint: Path) -> int:
         vllm_python=Path(sys.executable),
         workdir=Path(tempfile.gettempdir()),
     )
-    config = config_from_dict(base_config(setup, args.transceiver))
+    config_dict = base_config(setup, args.transceiver)
+    if not args.unpinned:
+        config_dict, _ = pinned_1p1d(config_dict, setup.cpus)
+    config = config_from_dict(config_dict)
     cluster = await launch(resolve_plan(config), 300)
     metrics = ServingMetrics()
     router = build_router(cluster, config, metrics)
@@ -244,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--show-steps", type=int, default=10, help="longest steps listed")
+    parser.add_argument(
+        "--unpinned", action="store_true", help="no cpu_affinity: the OS places both instances"
+    )
     args = parser.parse_args(argv)
     checkpoint = args.checkpoint
     if checkpoint is None:

@@ -67,7 +67,7 @@ class GenerationWorker:
     def __init__(
         self, config: WorkerConfig, worker_id: str = "generation-0", role: str = "generation"
     ) -> None:
-        self.torch_threads = configure_torch_threads(config.device)
+        self.torch_threads = configure_torch_threads(config.device, config.cpu_affinity)
         self.config = config
         self.role = role
         self.engine = run_on_compute_thread(lambda: EngineInstance.build(config, role, worker_id))
