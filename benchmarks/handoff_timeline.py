@@ -53,7 +53,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,7 @@ class Timeline:
     second: float = 0.0
     last: float = 0.0
     num_tokens: int = 0
+    later_gaps: list[float] = field(default_factory=list)  # after the second token
 
     def phases(self) -> dict[str, float]:
         to_sampled = self.sampled_wall - self.dispatched_wall
@@ -108,6 +109,8 @@ async def _one(router: Router, rid: str, prompt: list[int], params: SamplingPara
         if event.error is not None:
             raise RuntimeError(event.error)
         now = time.perf_counter()
+        if timeline.num_tokens >= 2 and event.token_ids:
+            timeline.later_gaps.append(now - timeline.last)
         for _ in event.token_ids:
             timeline.num_tokens += 1
             if timeline.num_tokens == 1:
@@ -151,13 +154,22 @@ def _report(args: argparse.Namespace, timelines: list[Timeline], metrics: Servin
     print(f"{'phase':<26} {'p50 ms':>8} {'p99 ms':>8}")
     phases = [t.phases() for t in timelines]
     for name in phases[0]:
-        values = sorted(p[name] for p in phases)
-        p99 = values[min(len(values) - 1, round(0.99 * (len(values) - 1)))]
-        print(f"{name:<26} {1e3 * statistics.median(values):>8.1f} {1e3 * p99:>8.1f}")
+        _print_percentiles(name, [p[name] for p in phases])
+    # As `vllm bench serve` counts ITL: every gap after the first token, the
+    # hand-off (first -> second) included, one per request.
+    later = [gap for t in timelines for gap in t.later_gaps]
+    _print_percentiles("ITL, all gaps", later + [t.second - t.first for t in timelines])
+    _print_percentiles("ITL, hand-offs left out", later)
     total = metrics.registry.get_sample_value("disagg_kv_transfer_seconds_sum") or 0.0
     count = metrics.registry.get_sample_value("disagg_kv_transfer_seconds_count") or 0.0
     if count:
         print(f"{'transfer (router, mean)':<26} {1e3 * total / count:>8.1f}")
+
+
+def _print_percentiles(name: str, seconds: list[float]) -> None:
+    values = sorted(seconds)
+    p99 = values[min(len(values) - 1, round(0.99 * (len(values) - 1)))]
+    print(f"{name:<26} {1e3 * statistics.median(values):>8.1f} {1e3 * p99:>8.1f}")
 
 
 def _report_steps(records: list[StepRecord], shown: int) -> None:
@@ -213,10 +225,9 @@ async def _run(args: argparse.Namespace, checkpoint: Path) -> int:
         prefix_caching=False,
         vllm_python=Path(sys.executable),
         workdir=Path(tempfile.gettempdir()),
+        pin_instances=not args.unpinned,
     )
-    config_dict = base_config(setup, args.transceiver)
-    if not args.unpinned:
-        config_dict, _ = pinned_1p1d(config_dict, setup.cpus)
+    config_dict, _ = pinned_1p1d(base_config(setup, args.transceiver), setup)
     config = config_from_dict(config_dict)
     cluster = await launch(resolve_plan(config), 300)
     metrics = ServingMetrics()

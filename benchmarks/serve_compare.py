@@ -352,6 +352,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="rate i uses seed + 1 + i")
     parser.add_argument("--prefix-caching", action="store_true", help="on for both sides")
     parser.add_argument("--cpus", type=_cpus, default=(0, 1), help="CPU set, e.g. 0,1")
+    parser.add_argument(
+        "--unpinned",
+        action="store_true",
+        help="our 1P1D instances float over --cpus (default: one core each, as vLLM's)",
+    )
     parser.add_argument("--port", type=int, default=18100, help="first of the ports used")
     parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--workdir", type=Path, help="logs and configs (default: a temp dir)")
@@ -414,6 +419,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
         prefix_caching=args.prefix_caching,
         vllm_python=args.vllm_python,
         workdir=workdir.resolve(),
+        pin_instances=not args.unpinned,
     )
 
 

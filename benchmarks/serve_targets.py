@@ -56,6 +56,8 @@ class Setup:
     prefix_caching: bool
     vllm_python: Path
     workdir: Path  # logs and generated configs
+    # Our 1P1D: each instance on its own core of `cpus` (`cpu_affinity`), as vLLM's.
+    pin_instances: bool = True
 
     @property
     def url(self) -> str:
@@ -229,23 +231,24 @@ def ours_aggregated(setup: Setup) -> Launch:
     return _ours(setup, "ours-agg", config, f"disagg {how}")
 
 
-def pinned_1p1d(config: dict[str, Any], cpus: tuple[int, ...]) -> tuple[dict[str, Any], str]:
-    """`config` with its context instance pinned to the first of `cpus` and
-    its generation instance to the second, as vLLM's 1P1D instances are, and
-    how (for the label). A checkout whose schema lacks `cpu_affinity` runs
-    unpinned."""
+def pinned_1p1d(config: dict[str, Any], setup: Setup) -> tuple[dict[str, Any], str]:
+    """`config` with its context instance pinned to the first CPU of the
+    setup and its generation instance to the second, as vLLM's 1P1D instances
+    are, and how (for the label). Unpinned when the setup says so, or where
+    this checkout's schema lacks `cpu_affinity`."""
+    cpus = setup.cpus
+    if not setup.pin_instances or len(cpus) < 2:
+        return config, "unpinned"
     pinned = config | {
         "context_servers": {"cpu_affinity": [cpus[0]]},
         "generation_servers": {"cpu_affinity": [cpus[1]]},
     }
-    if len(cpus) >= 2 and accepts(pinned):
-        return pinned, "1 core each"
-    return config, "unpinned"
+    return (pinned, "1 core each") if accepts(pinned) else (config, "unpinned")
 
 
 def ours_1p1d(backend: str) -> Callable[[Setup], Launch]:
     def launch(setup: Setup) -> Launch:
-        config, how = pinned_1p1d(base_config(setup, backend), setup.cpus)
+        config, how = pinned_1p1d(base_config(setup, backend), setup)
         return _ours(setup, f"ours-1p1d-{backend}", config, f"disagg 1P1D {backend} ({how})")
 
     return launch
