@@ -17,6 +17,9 @@ prompts at one rate, and no rate repeats another's prompts. Before the timed
 rates each server serves a warm-up batch on other prompts, not counted.
 Prefix caching (vLLM) and block reuse (ours) are off unless
 `--prefix-caching`; the table says which.
+Both 1P1D setups run each instance on a core of its own (vLLM's by
+`taskset`, ours by `cpu_affinity`); `--unpinned` lets ours float over
+`--cpus` instead, to measure what the pinning buys.
 
 `ours-offline` is no server: our `EngineCore` stepped in a plain loop in one
 process, with no HTTP, router, Ray or asyncio in front
