@@ -26,7 +26,7 @@ from engine.core import EngineCore, StepResult
 from engine.messages import TokenEvent
 from engine.request import Request
 from engine.startup_heap import freeze_startup_heap
-from engine.step_timeline import StepTimeline
+from engine.step_timeline import StepTimeline, timed_call
 from engine.threads import compute_executor
 
 logger = logging.getLogger(__name__)
@@ -186,23 +186,12 @@ class EngineLoop:
                         self.timeline.idled(time.perf_counter() - idle_from)
                     continue
                 started = self.timeline.starting()
-                gc_at_start = self.timeline.gc.total_s
-                timed = await asyncio.get_running_loop().run_in_executor(
-                    compute_executor(), self._timed_step
+                result, timing = await asyncio.get_running_loop().run_in_executor(
+                    compute_executor(), timed_call, self.core.step
                 )
-                result, begin, end, cpu_s, process_cpu_s = timed
                 self.stats.busy_s += time.perf_counter() - started
                 self.stats.add(result)
-                self.timeline.stepped(
-                    started,
-                    begin,
-                    end,
-                    cpu_s,
-                    process_cpu_s,
-                    result.num_seqs,
-                    result.num_tokens,
-                    gc_at_start,
-                )
+                self.timeline.stepped(started, timing, result.num_seqs, result.num_tokens)
                 self._dispatch(result)
                 if result.num_tokens == 0 and not result.events:
                     await asyncio.sleep(_BLOCKED_RETRY_S)
@@ -213,14 +202,6 @@ class EngineLoop:
             logger.exception("engine loop died; failing every request in flight")
             self._fail_open_streams(f"engine failed: {exc!r}")
             raise
-
-    def _timed_step(self) -> tuple[StepResult, float, float, float, float]:
-        """`core.step` on the compute thread: its result, wall start and end,
-        and the CPU time of this thread and of the whole process in it."""
-        begin, cpu, process_cpu = time.perf_counter(), time.thread_time(), time.process_time()
-        result = self.core.step()
-        end = time.perf_counter()
-        return result, begin, end, time.thread_time() - cpu, time.process_time() - process_cpu
 
     def _fail_open_streams(self, error: str) -> None:
         """End every stream still open with a final error event."""

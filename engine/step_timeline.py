@@ -23,9 +23,11 @@ import gc
 import statistics
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 # Steps kept per worker (a few minutes of decode at tens of steps per second).
 TIMELINE_LENGTH = 8192
@@ -74,18 +76,51 @@ class GcClock:
             self.total_s += now - self._started
 
 
+@dataclass(frozen=True)
+class ComputeTiming:
+    """A call on the compute thread: wall start and end, and CPU time in it."""
+
+    begin: float
+    end: float
+    cpu_s: float  # the calling thread's
+    process_cpu_s: float  # every thread's of the process
+
+
+def timed_call(fn: Callable[[], T]) -> tuple[T, ComputeTiming]:
+    """`fn()` and how long it took; run it on the thread to be measured."""
+    begin, cpu, process_cpu = time.perf_counter(), time.thread_time(), time.process_time()
+    result = fn()
+    end = time.perf_counter()
+    timing = ComputeTiming(begin, end, time.thread_time() - cpu, time.process_time() - process_cpu)
+    return result, timing
+
+
+@dataclass
+class _OpenStep:
+    """The newest step, its gap still running."""
+
+    start: float
+    timing: ComputeTiming
+    resumed: float
+    gc_at_start: float
+    num_seqs: int
+    num_tokens: int
+
+
 class StepTimeline:
     """The last `TIMELINE_LENGTH` steps of one engine loop.
 
-    The loop calls `stepped` when a step's result is back and `starting` just
-    before handing over the next one; mutations between them go through
-    `applied`. The gap of the newest step is completed by the next `starting`.
+    The loop calls `starting` just before handing a step over and `stepped`
+    when its result is back; mutations between steps go through `applied`,
+    waits for work through `idled`. A step's record is complete (its gap
+    known) at the next `starting`.
     """
 
     def __init__(self, length: int = TIMELINE_LENGTH) -> None:
         self.records: deque[StepRecord] = deque(maxlen=length)
         self.gc = GcClock()
-        self._open: dict[str, Any] | None = None  # the newest step, gap still running
+        self._open: _OpenStep | None = None
+        self._gc_at_start = 0.0
         self._calls = 0
         self._calls_s = 0.0
         self._idle_s = 0.0
@@ -94,46 +129,15 @@ class StepTimeline:
         """Close the previous step's gap; returns the new step's start time."""
         now = time.perf_counter()
         if self._open is not None:
-            gap = now - self._open.pop("resumed") - self._idle_s
-            gc_s = self.gc.total_s - self._open.pop("gc_at_start")
-            self.records.append(
-                StepRecord(
-                    **self._open,
-                    gap_s=gap,
-                    idle_s=self._idle_s,
-                    num_calls=self._calls,
-                    calls_s=self._calls_s,
-                    gc_s=gc_s,
-                )
-            )
+            self.records.append(self._close(self._open, now))
             self._open = None
+        self._gc_at_start = self.gc.total_s
         self._calls, self._calls_s, self._idle_s = 0, 0.0, 0.0
         return now
 
-    def stepped(
-        self,
-        start: float,
-        begin: float,
-        end: float,
-        cpu_s: float,
-        process_cpu_s: float,
-        num_seqs: int,
-        num_tokens: int,
-        gc_at_start: float,
-    ) -> None:
+    def stepped(self, start: float, timing: ComputeTiming, num_seqs: int, num_tokens: int) -> None:
         resumed = time.perf_counter()
-        self._open = {
-            "start": start,
-            "handoff_s": begin - start,
-            "step_s": end - begin,
-            "step_cpu_s": cpu_s,
-            "process_cpu_s": process_cpu_s,
-            "wake_s": resumed - end,
-            "num_seqs": num_seqs,
-            "num_tokens": num_tokens,
-            "resumed": resumed,
-            "gc_at_start": gc_at_start,
-        }
+        self._open = _OpenStep(start, timing, resumed, self._gc_at_start, num_seqs, num_tokens)
 
     def applied(self, num_calls: int, seconds: float) -> None:
         self._calls += num_calls
@@ -141,6 +145,24 @@ class StepTimeline:
 
     def idled(self, seconds: float) -> None:
         self._idle_s += seconds
+
+    def _close(self, step: _OpenStep, now: float) -> StepRecord:
+        timing = step.timing
+        return StepRecord(
+            start=step.start,
+            handoff_s=timing.begin - step.start,
+            step_s=timing.end - timing.begin,
+            step_cpu_s=timing.cpu_s,
+            process_cpu_s=timing.process_cpu_s,
+            wake_s=step.resumed - timing.end,
+            gap_s=now - step.resumed - self._idle_s,
+            idle_s=self._idle_s,
+            num_seqs=step.num_seqs,
+            num_tokens=step.num_tokens,
+            num_calls=self._calls,
+            calls_s=self._calls_s,
+            gc_s=self.gc.total_s - step.gc_at_start,
+        )
 
 
 @dataclass(frozen=True)
