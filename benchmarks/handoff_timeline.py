@@ -2,9 +2,9 @@
 
     python -m benchmarks.handoff_timeline --transceiver nixl --rate 8 --requests 64
 
-A context and a generation instance with one CPU each, started by the
-launcher from the same config `benchmarks.serve_compare` gives
-`ours-1p1d-*`, and the router of `disagg serve` in this process (no HTTP in
+A context and a generation instance with one CPU each (pinned to CPUs 0 and
+1 unless `--unpinned`), started by the launcher from the same config
+`benchmarks.serve_compare` gives `ours-1p1d-*`, and the router of `disagg serve` in this process (no HTTP in
 front). Random prompts of `--input-len` token ids, `--output-len` greedy
 tokens each (EOS ignored), Poisson arrivals at `--rate` (inf: all at once),
 after `--warmup` requests that are not counted. Each request's way, on this
@@ -31,6 +31,16 @@ printed as p50 / p99 of each phase:
 
 The router's own `disagg_kv_transfer_seconds` (generation dispatch ->
 `cache_ready`) is printed as a mean.
+
+Then the generation worker's decode steps during the timed requests
+(`engine.step_timeline`): how many periods from one step to the next exceed
+1.5x the median (a request in both steps waited that long between tokens),
+the median step and the median long one split into hand-off, step wall and
+CPU time (the compute thread's and the whole process's), wake-up, the gap
+(with the calls applied in it) and collector pauses, and the longest ones.
+A long step with wall far above its CPU time waited for a core.
+
+    python -m benchmarks.handoff_timeline --checkpoint smollm2 --rate 1 --requests 16
 """
 
 from __future__ import annotations
@@ -43,12 +53,14 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import ray
 
-from benchmarks.serve_targets import Setup, base_config
+from benchmarks.serve_compare import SMOLLM2, resolve_model
+from benchmarks.serve_targets import Setup, base_config, pinned_1p1d
 from cluster.config import config_from_dict
 from cluster.launcher import init_local_ray, launch
 from cluster.metrics import ServingMetrics
@@ -56,6 +68,7 @@ from cluster.plan import resolve_plan
 from cluster.router import Router
 from cluster.serving import build_router
 from engine.sampling import SamplingParams
+from engine.step_timeline import StepRecord, long_steps
 
 LENGTH_MARGIN = 16
 
@@ -73,6 +86,7 @@ class Timeline:
     second: float = 0.0
     last: float = 0.0
     num_tokens: int = 0
+    later_gaps: list[float] = field(default_factory=list)  # after the second token
 
     def phases(self) -> dict[str, float]:
         to_sampled = self.sampled_wall - self.dispatched_wall
@@ -95,6 +109,8 @@ async def _one(router: Router, rid: str, prompt: list[int], params: SamplingPara
         if event.error is not None:
             raise RuntimeError(event.error)
         now = time.perf_counter()
+        if timeline.num_tokens >= 2 and event.token_ids:
+            timeline.later_gaps.append(now - timeline.last)
         for _ in event.token_ids:
             timeline.num_tokens += 1
             if timeline.num_tokens == 1:
@@ -106,7 +122,10 @@ async def _one(router: Router, rid: str, prompt: list[int], params: SamplingPara
     return timeline
 
 
-async def _drive(args: argparse.Namespace, router: Router, vocab: int) -> list[Timeline]:
+async def _drive(
+    args: argparse.Namespace, router: Router, vocab: int, generation: Any
+) -> tuple[list[Timeline], list[StepRecord]]:
+    """The timed requests' timelines, and the generation worker's steps meanwhile."""
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     rng = random.Random(args.seed)
 
@@ -115,12 +134,16 @@ async def _drive(args: argparse.Namespace, router: Router, vocab: int) -> list[T
 
     for i in range(args.warmup):
         await _one(router, f"warmup-{i}", prompt(), params)
+    warm: list[StepRecord] = await generation.step_timeline.remote()
+    timed_from = warm[-1].start if warm else 0.0
     tasks = []
     for i in range(args.requests):
         tasks.append(asyncio.ensure_future(_one(router, f"req-{i}", prompt(), params)))
         if args.rate != float("inf"):
             await asyncio.sleep(rng.expovariate(args.rate))
-    return list(await asyncio.gather(*tasks))
+    timelines = list(await asyncio.gather(*tasks))
+    steps: list[StepRecord] = await generation.step_timeline.remote()
+    return timelines, [r for r in steps if r.start > timed_from]
 
 
 def _report(args: argparse.Namespace, timelines: list[Timeline], metrics: ServingMetrics) -> None:
@@ -131,13 +154,63 @@ def _report(args: argparse.Namespace, timelines: list[Timeline], metrics: Servin
     print(f"{'phase':<26} {'p50 ms':>8} {'p99 ms':>8}")
     phases = [t.phases() for t in timelines]
     for name in phases[0]:
-        values = sorted(p[name] for p in phases)
-        p99 = values[min(len(values) - 1, round(0.99 * (len(values) - 1)))]
-        print(f"{name:<26} {1e3 * statistics.median(values):>8.1f} {1e3 * p99:>8.1f}")
+        _print_percentiles(name, [p[name] for p in phases])
+    # As `vllm bench serve` counts ITL: every gap after the first token, the
+    # hand-off (first -> second) included, one per request.
+    later = [gap for t in timelines for gap in t.later_gaps]
+    _print_percentiles("ITL, all gaps", later + [t.second - t.first for t in timelines])
+    _print_percentiles("ITL, hand-offs left out", later)
     total = metrics.registry.get_sample_value("disagg_kv_transfer_seconds_sum") or 0.0
     count = metrics.registry.get_sample_value("disagg_kv_transfer_seconds_count") or 0.0
     if count:
         print(f"{'transfer (router, mean)':<26} {1e3 * total / count:>8.1f}")
+
+
+def _print_percentiles(name: str, seconds: list[float]) -> None:
+    values = sorted(seconds)
+    p99 = values[min(len(values) - 1, round(0.99 * (len(values) - 1)))]
+    print(f"{name:<26} {1e3 * statistics.median(values):>8.1f} {1e3 * p99:>8.1f}")
+
+
+def _report_steps(records: list[StepRecord], shown: int) -> None:
+    """The generation worker's decode steps: how many periods (step to next
+    step) exceed 1.5x the median, where their time went, and the longest."""
+    found = long_steps(records)
+    if not found.num_steps:
+        return
+    print(
+        f"\ngeneration worker: {found.num_steps} decode steps, median period "
+        f"{1e3 * found.median_period_s:.1f} ms, {found.num_long} over "
+        f"{found.factor}x ({100 * found.num_long / found.num_steps:.1f}%)"
+    )
+    cols = ("period", "handoff", "step", "cpu", "proc cpu", "wake", "gap", "calls", "gc")
+    print(f"{'':>6}" + "".join(f"{c:>9}" for c in cols) + f"{'seqs':>6}{'n_calls':>8}")
+
+    def row(label: str, r: StepRecord) -> str:
+        values = (r.period_s, r.handoff_s, r.step_s, r.step_cpu_s, r.process_cpu_s)
+        values += (r.wake_s, r.gap_s)
+        values += (r.calls_s, r.gc_s)
+        cells = "".join(f"{1e3 * v:>9.1f}" for v in values)
+        return f"{label:>6}{cells}{r.num_seqs:>6}{r.num_calls:>8}"
+
+    decode = [r for r in records if r.num_tokens == r.num_seqs]
+    print(row("median", _median_record(decode)))
+    if found.long:
+        print(row("long", _median_record(list(found.long))) + "   (median of the long ones)")
+    for r in sorted(found.long, key=lambda r: -r.period_s)[:shown]:
+        print(row("", r))
+
+
+def _median_record(records: list[StepRecord]) -> StepRecord:
+    """Each field's median over `records`, as one record."""
+    fields = {
+        name: statistics.median(getattr(r, name) for r in records)
+        for name in StepRecord.__dataclass_fields__
+    }
+    fields["num_seqs"] = round(fields["num_seqs"])
+    fields["num_tokens"] = round(fields["num_tokens"])
+    fields["num_calls"] = round(fields["num_calls"])
+    return StepRecord(**fields)
 
 
 async def _run(args: argparse.Namespace, checkpoint: Path) -> int:
@@ -152,25 +225,31 @@ async def _run(args: argparse.Namespace, checkpoint: Path) -> int:
         prefix_caching=False,
         vllm_python=Path(sys.executable),
         workdir=Path(tempfile.gettempdir()),
+        pin_instances=not args.unpinned,
     )
-    config = config_from_dict(base_config(setup, args.transceiver))
+    config_dict, _ = pinned_1p1d(base_config(setup, args.transceiver), setup)
+    config = config_from_dict(config_dict)
     cluster = await launch(resolve_plan(config), 300)
     metrics = ServingMetrics()
     router = build_router(cluster, config, metrics)
     router.start()
     try:
         vocab = int(json.loads((checkpoint / "config.json").read_text())["vocab_size"])
-        timelines = await _drive(args, router, vocab)
+        generation = cluster.actors("generation")[0].actor
+        timelines, steps = await _drive(args, router, vocab, generation)
     finally:
         await router.stop()
         await cluster.shutdown()
     _report(args, timelines, metrics)
+    _report_steps(steps, args.show_steps)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", type=Path, help="default: the anchor mini Llama")
+    parser.add_argument(
+        "--checkpoint", help=f"a local HF folder or {SMOLLM2!r}; default: the anchor mini Llama"
+    )
     parser.add_argument("--transceiver", choices=("python", "nixl"), default="python")
     parser.add_argument("--rate", type=float, default=8.0, help="requests/s; inf: all at once")
     parser.add_argument("--requests", type=int, default=64)
@@ -178,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--show-steps", type=int, default=10, help="longest steps listed")
+    parser.add_argument(
+        "--unpinned", action="store_true", help="no cpu_affinity: the OS places both instances"
+    )
     args = parser.parse_args(argv)
     checkpoint = args.checkpoint
     if checkpoint is None:
@@ -185,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
 
         folder = Path(tempfile.gettempdir()) / "disagg-bench-mini-llama"
         checkpoint = ensure_checkpoint(folder, "llama", "mini")
+    else:
+        checkpoint = resolve_model(checkpoint)
     init_local_ray(2, log_to_driver=False)
     try:
         return asyncio.run(_run(args, checkpoint))

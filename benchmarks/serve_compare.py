@@ -17,6 +17,9 @@ prompts at one rate, and no rate repeats another's prompts. Before the timed
 rates each server serves a warm-up batch on other prompts, not counted.
 Prefix caching (vLLM) and block reuse (ours) are off unless
 `--prefix-caching`; the table says which.
+Both 1P1D setups run each instance on a core of its own (vLLM's by
+`taskset`, ours by `cpu_affinity`); `--unpinned` lets ours float over
+`--cpus` instead, to measure what the pinning buys.
 
 `ours-offline` is no server: our `EngineCore` stepped in a plain loop in one
 process, with no HTTP, router, Ray or asyncio in front
@@ -352,6 +355,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="rate i uses seed + 1 + i")
     parser.add_argument("--prefix-caching", action="store_true", help="on for both sides")
     parser.add_argument("--cpus", type=_cpus, default=(0, 1), help="CPU set, e.g. 0,1")
+    parser.add_argument(
+        "--unpinned",
+        action="store_true",
+        help="our 1P1D instances float over --cpus (default: one core each, as vLLM's)",
+    )
     parser.add_argument("--port", type=int, default=18100, help="first of the ports used")
     parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--workdir", type=Path, help="logs and configs (default: a temp dir)")
@@ -414,6 +422,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
         prefix_caching=args.prefix_caching,
         vllm_python=args.vllm_python,
         workdir=workdir.resolve(),
+        pin_instances=not args.unpinned,
     )
 
 

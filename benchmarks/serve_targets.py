@@ -5,7 +5,7 @@
 | `vllm-agg` | one `vllm serve` | all of `--cpus`, one OpenMP thread each |
 | `vllm-1p1d` | a prefill and a decode `vllm serve` joined by NixlConnector, and `benchmarks.pd_proxy` in front | one CPU each |
 | `ours-agg` | `disagg serve`, every request whole on one generation instance | see `aggregated_sections` |
-| `ours-1p1d-python`, `ours-1p1d-nixl` | `disagg serve`, one context + one generation instance on that transceiver | one CPU each |
+| `ours-1p1d-python`, `ours-1p1d-nixl` | `disagg serve`, one context + one generation instance on that transceiver | one CPU each (`cpu_affinity`), the router on either |
 | `ours-offline` | no server: `benchmarks.vllm_compare --skip-vllm --engine-only`, our `EngineCore` stepped in a plain loop, every prompt at once | all of `--cpus` |
 
 Every server is reached at `http://127.0.0.1:<port>`, gets the same batch
@@ -56,6 +56,8 @@ class Setup:
     prefix_caching: bool
     vllm_python: Path
     workdir: Path  # logs and generated configs
+    # Our 1P1D: each instance on its own core of `cpus` (`cpu_affinity`), as vLLM's.
+    pin_instances: bool = True
 
     @property
     def url(self) -> str:
@@ -229,10 +231,25 @@ def ours_aggregated(setup: Setup) -> Launch:
     return _ours(setup, "ours-agg", config, f"disagg {how}")
 
 
+def pinned_1p1d(config: dict[str, Any], setup: Setup) -> tuple[dict[str, Any], str]:
+    """`config` with its context instance pinned to the first CPU of the
+    setup and its generation instance to the second, as vLLM's 1P1D instances
+    are, and how (for the label). Unpinned when the setup says so, or where
+    this checkout's schema lacks `cpu_affinity`."""
+    cpus = setup.cpus
+    if not setup.pin_instances or len(cpus) < 2:
+        return config, "unpinned"
+    pinned = config | {
+        "context_servers": {"cpu_affinity": [cpus[0]]},
+        "generation_servers": {"cpu_affinity": [cpus[1]]},
+    }
+    return (pinned, "1 core each") if accepts(pinned) else (config, "unpinned")
+
+
 def ours_1p1d(backend: str) -> Callable[[Setup], Launch]:
     def launch(setup: Setup) -> Launch:
-        config = base_config(setup, backend)
-        return _ours(setup, f"ours-1p1d-{backend}", config, f"disagg 1P1D {backend}")
+        config, how = pinned_1p1d(base_config(setup, backend), setup)
+        return _ours(setup, f"ours-1p1d-{backend}", config, f"disagg 1P1D {backend} ({how})")
 
     return launch
 

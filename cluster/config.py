@@ -109,6 +109,9 @@ class ServerSectionConfig(_Strict):
     resources: dict[str, float] = Field(default_factory=dict)
     # Ray CPU grant per instance; on CPU it is also the instance's torch threads.
     num_cpus: float = Field(default=1.0, gt=0)
+    # CPU ids the instances are pinned to, `num_cpus` each in order (instance
+    # i takes the i-th group); None leaves placement to the OS.
+    cpu_affinity: list[int] | None = None
     kv_cache: KvCacheConfig | None = None
     cache_transceiver: CacheTransceiverConfig | None = None
     max_num_tokens: int | None = Field(default=None, gt=0)
@@ -126,6 +129,31 @@ class ServerSectionConfig(_Strict):
             if amount <= 0:
                 raise ValueError(f"resources.{name} is {amount}; give a positive amount")
         return value
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _distinct_cpu_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (len(set(value)) != len(value) or min(value, default=0) < 0):
+            raise ValueError(f"cpu_affinity {value} must list distinct CPU ids (0, 1, ...)")
+        return value
+
+    def check_cpu_affinity(self, name: str) -> None:
+        """Raise ValueError unless `cpu_affinity` gives each instance its `num_cpus` CPUs."""
+        cpus = self.cpu_affinity
+        if cpus is None:
+            return
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"{name}.cpu_affinity pins single-rank instances; remove it or set "
+                f"tensor_parallel_size to 1 (it is {self.tensor_parallel_size})"
+            )
+        wanted = self.num_instances * self.num_cpus
+        if not self.num_cpus.is_integer() or len(cpus) != wanted:
+            raise ValueError(
+                f"{name}.cpu_affinity lists {len(cpus)} CPUs, but its {self.num_instances} "
+                f"instance(s) of num_cpus {self.num_cpus:g} need {wanted:g}: list "
+                "num_instances x num_cpus CPU ids (num_cpus a whole number)"
+            )
 
 
 class MediaConfig(_Strict):
@@ -150,6 +178,7 @@ class RoleSettings(_Strict):
     num_gpus: float
     resources: dict[str, float]
     num_cpus: float
+    cpu_affinity: list[int] | None
     kv_cache: KvCacheConfig
     cache_transceiver: CacheTransceiverConfig
     max_num_tokens: int
@@ -181,6 +210,7 @@ class ClusterConfig(_Strict):
     def _sections_agree_with_top_level(self) -> ClusterConfig:
         for role in ROLES:
             self.role_settings(role)
+            getattr(self, role).check_cpu_affinity(role)
         if self.generation_servers.num_instances == 0:
             raise ValueError(
                 "generation_servers.num_instances is 0, but every request ends on a "
@@ -217,6 +247,7 @@ class ClusterConfig(_Strict):
             num_gpus=section.num_gpus,
             resources=section.resources,
             num_cpus=section.num_cpus,
+            cpu_affinity=section.cpu_affinity,
             kv_cache=KvCacheConfig.model_validate(kv_cache),
             cache_transceiver=CacheTransceiverConfig.model_validate(transceiver),
             dtype=self.dtype,

@@ -91,6 +91,8 @@ class InstancePlan:
     resources: dict[str, float] = field(default_factory=dict)
     # Ranks of the instance; the cache sizes above are each rank's.
     tensor_parallel_size: int = 1
+    # CPU ids its worker process is pinned to; empty: wherever the OS runs it.
+    cpu_affinity: tuple[int, ...] = ()
 
     @property
     def device(self) -> str:
@@ -131,6 +133,7 @@ class InstancePlan:
             transfer_host=transfer_host,
             transfer_wire=self.transfer_wire,
             tensor_parallel_size=self.tensor_parallel_size,
+            cpu_affinity=self.cpu_affinity,
         )
 
 
@@ -303,8 +306,18 @@ def _instance(
         resources=dict(settings.resources),
         tensor_parallel_size=settings.tensor_parallel_size,
         num_cpus=settings.num_cpus,
+        cpu_affinity=_instance_cpus(settings, index),
         aggregated=transceiver == NO_TRANSCEIVER,
     )
+
+
+def _instance_cpus(settings: RoleSettings, index: int) -> tuple[int, ...]:
+    """Instance `index`'s group of its section's `cpu_affinity` (checked to
+    hold `num_cpus` per instance); empty when the section pins nothing."""
+    if settings.cpu_affinity is None:
+        return ()
+    per = int(settings.num_cpus)
+    return tuple(settings.cpu_affinity[index * per : (index + 1) * per])
 
 
 def _cache_budget(
@@ -383,7 +396,8 @@ def format_plan(plan: ClusterPlan) -> str:
             "by memory" if i.num_blocks is None else str(i.num_blocks),
             str(i.num_mamba_slots),
             i.device if i.tensor_parallel_size == 1 else f"{i.device} x{i.tensor_parallel_size}",
-            f"{i.num_cpus:g}",
+            f"{i.num_cpus:g}"
+            + (f" on {','.join(map(str, i.cpu_affinity))}" if i.cpu_affinity else ""),
         )
         for i in plan.instances
     ]

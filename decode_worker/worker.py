@@ -50,6 +50,7 @@ from engine.messages import (
     WorkerLoad,
 )
 from engine.request import Request
+from engine.step_timeline import StepRecord
 from engine.threads import configure_torch_threads, run_on_compute_thread
 from engine.worker_config import WorkerConfig
 from kvcache.layout import RequestRegions
@@ -66,7 +67,7 @@ class GenerationWorker:
     def __init__(
         self, config: WorkerConfig, worker_id: str = "generation-0", role: str = "generation"
     ) -> None:
-        self.torch_threads = configure_torch_threads(config.device)
+        self.torch_threads = configure_torch_threads(config.device, config.cpu_affinity)
         self.config = config
         self.role = role
         self.engine = run_on_compute_thread(lambda: EngineInstance.build(config, role, worker_id))
@@ -233,6 +234,10 @@ class GenerationWorker:
         """The engine's step counters, and blocks pulled while their prompt prefilled."""
         pipelined = self._prefetches.num_pipelined_blocks if self._prefetches is not None else 0
         return {**self.engine.step_stats(), "pipelined_blocks": pipelined}
+
+    def step_timeline(self) -> list[StepRecord]:
+        """The engine's recent steps, oldest first (`engine.step_timeline`)."""
+        return list(self.engine.loop.timeline.records)
 
     async def shutdown(self) -> None:
         """Cancel pulls in flight, stop the engine (open streams end with an

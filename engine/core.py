@@ -40,6 +40,7 @@ class StepResult:
     prefilling: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_tokens: int = 0
+    num_seqs: int = 0  # sequences the step computed
     num_preempted: int = 0
     num_handed_back: int = 0  # preempted, and ended here to resume elsewhere
     schedule_s: float = 0.0
@@ -95,6 +96,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         result = StepResult(
             num_tokens=sched.num_tokens,
+            num_seqs=len(sched.sequences),
             num_preempted=len(sched.preempted),
             num_handed_back=len(sched.handed_back),
             schedule_s=time.perf_counter() - t0,

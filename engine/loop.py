@@ -26,6 +26,7 @@ from engine.core import EngineCore, StepResult
 from engine.messages import TokenEvent
 from engine.request import Request
 from engine.startup_heap import freeze_startup_heap
+from engine.step_timeline import StepTimeline, timed_call
 from engine.threads import compute_executor
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class EngineLoop:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
         self.stats = StepStats()
+        self.timeline = StepTimeline()
         self.on_handoff: Callable[[Request], None] | None = None
         # Sees every step's result before its handoffs (between steps).
         self.on_step: Callable[[StepResult], None] | None = None
@@ -81,6 +83,7 @@ class EngineLoop:
     def start(self) -> None:
         if self._task is None:
             freeze_startup_heap()  # the model is loaded: what exists now lives on
+            self.timeline.gc.install()
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
@@ -178,14 +181,17 @@ class EngineLoop:
                 if not self.core.has_work():
                     self._wake.clear()
                     if not self._pending:
+                        idle_from = time.perf_counter()
                         await self._wake.wait()
+                        self.timeline.idled(time.perf_counter() - idle_from)
                     continue
-                started = time.perf_counter()
-                result = await asyncio.get_running_loop().run_in_executor(
-                    compute_executor(), self.core.step
+                started = self.timeline.starting()
+                result, timing = await asyncio.get_running_loop().run_in_executor(
+                    compute_executor(), timed_call, self.core.step
                 )
                 self.stats.busy_s += time.perf_counter() - started
                 self.stats.add(result)
+                self.timeline.stepped(started, timing, result.num_seqs, result.num_tokens)
                 self._dispatch(result)
                 if result.num_tokens == 0 and not result.events:
                     await asyncio.sleep(_BLOCKED_RETRY_S)
@@ -208,8 +214,11 @@ class EngineLoop:
 
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []
+        started = time.perf_counter()
         for fn in pending:
             fn()
+        if pending:
+            self.timeline.applied(len(pending), time.perf_counter() - started)
 
     def _dispatch(self, result: StepResult) -> None:
         if self.on_step is not None:

@@ -74,6 +74,8 @@ class WorkerConfig:
     transfer_wire: what the Python transceiver listens on: "tcp", "ucx" or
         "auto" (UCX when `ucxx` imports on this node). Pulls follow the wire
         the holder's handle names.
+    cpu_affinity: CPU ids the worker process is pinned to (every thread);
+        empty: wherever the OS runs it.
     """
 
     checkpoint: str
@@ -97,6 +99,7 @@ class WorkerConfig:
     transfer_host: str = "127.0.0.1"
     transfer_wire: str = "tcp"
     tensor_parallel_size: int = 1
+    cpu_affinity: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.manager not in MANAGERS:

@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 class ContextWorker:
     def __init__(self, config: WorkerConfig, worker_id: str = "context-0") -> None:
-        self.torch_threads = configure_torch_threads(config.device)
+        self.torch_threads = configure_torch_threads(config.device, config.cpu_affinity)
         self.config = config
         self.engine = run_on_compute_thread(
             lambda: EngineInstance.build(config, "context", worker_id)

@@ -213,6 +213,39 @@ def test_num_cpus_per_section_reaches_every_instance_and_the_ray_size(llama_dir:
         config_from_dict({"model": "m", "context_servers": {"num_cpus": 0}})
 
 
+def test_cpu_affinity_gives_each_instance_its_own_group_of_cpus(llama_dir: Path) -> None:
+    raw = {
+        "model": str(llama_dir),
+        "cache_transceiver": {"backend": "python"},
+        "kv_cache": {"max_tokens": 64},
+        "context_servers": {"cpu_affinity": [0]},
+        "generation_servers": {"num_instances": 2, "num_cpus": 2, "cpu_affinity": [4, 5, 2, 3]},
+    }
+    plan = resolve_plan(config_from_dict(raw))
+    assert [i.cpu_affinity for i in plan.instances] == [(0,), (4, 5), (2, 3)]
+    assert plan.instances[2].worker_config("ckpt", "s", "").cpu_affinity == (2, 3)
+    assert format_plan(plan).splitlines()[-1].endswith("2 on 2,3")
+    unpinned = resolve_plan(config_from_dict(raw | {"context_servers": {}}))
+    assert unpinned.instances[0].cpu_affinity == ()
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"num_instances": 2, "cpu_affinity": [0]}, "lists 1 CPUs, but its 2 instance.* need 2"),
+        ({"num_cpus": 1.5, "cpu_affinity": [0]}, "num_cpus a whole number"),
+        ({"cpu_affinity": [1, 1]}, "distinct CPU ids"),
+        ({"cpu_affinity": [-1]}, "distinct CPU ids"),
+        ({"tensor_parallel_size": 2, "num_gpus": 1, "cpu_affinity": [0]}, "single-rank"),
+    ],
+)
+def test_cpu_affinity_that_cannot_pin_every_instance_is_refused(
+    section: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict({"model": "m", "generation_servers": section})
+
+
 def test_cpu_memory_fraction_needs_a_cpu_budget(llama_dir: Path) -> None:
     raw = {"model": str(llama_dir), "kv_cache": {"memory_fraction": 0.5}}
     with pytest.raises(ConfigError, match="needs kv_cache.cpu_memory_bytes"):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -61,3 +64,37 @@ async def test_a_worker_builds_and_steps_its_engine_on_the_compute_thread(
     # One thread builds the model and cache and runs every step: one OpenMP
     # team in the process.
     assert build_threads == [compute] and step_threads == {compute}
+
+
+_PIN_CHILD = """
+import os, sys, threading
+from engine.threads import CpuAffinityError, pin_process
+
+cpu = min(os.sched_getaffinity(0))
+waiting = threading.Event()
+early = threading.Thread(target=waiting.wait)  # a thread that exists before the pin
+early.start()
+pin_process([cpu])
+late = threading.Thread(target=waiting.wait)
+late.start()
+masks = {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")}
+waiting.set()
+try:
+    pin_process([10_000])
+except CpuAffinityError as exc:
+    refused = str(exc)
+print(masks == {frozenset([cpu])}, "cpu_affinity must name CPUs" in refused)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux-only")
+def test_pin_process_pins_every_thread_and_refuses_cpus_it_cannot_use() -> None:
+    # In a child process: pinning the test process would slow every later test.
+    out = subprocess.run(
+        [sys.executable, "-c", _PIN_CHILD],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    ).stdout
+    assert out.split() == ["True", "True"]

@@ -3,6 +3,7 @@ groups and port checks. (Running vLLM is the benchmark's job, not the suite's.)"
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import subprocess
 import sys
@@ -36,6 +37,7 @@ from benchmarks.serve_targets import (
     aggregated_sections,
     base_config,
     ours_offline,
+    pinned_1p1d,
 )
 
 
@@ -165,6 +167,17 @@ def test_our_configs_validate_and_aggregated_says_how(tmp_path: Path) -> None:
     else:
         assert config["conditional_disagg"]["max_local_prefill_length"] >= setup.max_model_len
         assert "prefill local" in how
+
+
+def test_our_1p1d_pins_one_core_per_instance_unless_told_not_to(tmp_path: Path) -> None:
+    setup = _setup(tmp_path)
+    config, how = pinned_1p1d(base_config(setup, "python"), setup)
+    assert accepts(config) and how == "1 core each"
+    assert config["context_servers"] == {"cpu_affinity": [0]}
+    assert config["generation_servers"] == {"cpu_affinity": [1]}
+    unpinned = dataclasses.replace(setup, pin_instances=False)
+    config, how = pinned_1p1d(base_config(unpinned, "python"), unpinned)
+    assert "context_servers" not in config and how == "unpinned"
 
 
 def test_block_reuse_follows_prefix_caching(tmp_path: Path) -> None:
