@@ -46,10 +46,20 @@ class WorkerChannel:
         `RayActorError`); the request is forgotten here when the caller leaves."""
         self._start()
         queue = self._demux.open(request.request_id)
+        submitted = False
         try:
             await self.actor.submit.remote(request)
+            submitted = True
             async for event in read_stream(queue):
                 yield event
+        except Exception:
+            if submitted:
+                # The stream broke, not necessarily the worker (the reader's
+                # call can fail while Ray restarts it, after this submit reached
+                # the new instance): cancel the request there if it still runs,
+                # so a retry of the same id is not refused as already in flight.
+                self.actor.abort.remote(request.request_id, remember=False)
+            raise
         finally:
             self._demux.close(request.request_id)
 

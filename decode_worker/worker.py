@@ -181,17 +181,20 @@ class GenerationWorker:
         async for batch in self.events():
             self._local.deliver(batch)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, remember: bool = True) -> None:
         """Cancel a request anywhere in its life; frees its blocks and slot.
 
         Its stream ends with a final "abort" event. An abort that arrives
         before its `submit` call (Ray does not order calls to an async
-        actor) makes that call end at once with "abort".
+        actor) makes that call end at once with "abort"; `remember=False`
+        (the caller knows `submit` ran) cancels only a request still here,
+        so a later submit of the same id is not refused.
         """
         if self._prefetches is not None:
             self._prefetches.discard(request_id)
         if request_id not in self._active:
-            self._aborted.add(request_id)
+            if remember:
+                self._aborted.add(request_id)
             return
         pull = self._pulls.pop(request_id, None)
         if pull is not None:

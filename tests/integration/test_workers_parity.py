@@ -347,6 +347,32 @@ async def test_a_prefill_that_arrives_after_its_abort_is_refused_and_pins_nothin
         await ctx.shutdown()
 
 
+async def test_an_abort_after_submit_ran_cancels_without_refusing_the_id_later(
+    checkpoints: dict[str, Path], prompts: list[list[int]]
+) -> None:
+    # The router's clean-up when a worker's event stream broke after `submit`
+    # ran: it must not turn into a refusal of a retry with the same id.
+    worker = GenerationWorker(_llama_config(checkpoints), "forget-test", role="aggregated")
+    await worker.start()
+    try:
+        worker.abort("gone", remember=False)  # no such request here: nothing to do
+        assert len(worker._aborted) == 0
+        events = [
+            e async for e in worker.generate(GenerationRequest("gone", prompts[1], _params()))
+        ]
+        assert events[-1].finish_reason == "length"
+        stream = worker.generate(GenerationRequest("running", prompts[1], _params()))
+        first = await anext(stream)
+        assert first.token_ids
+        worker.abort("running", remember=False)  # still here: cancelled
+        rest = [e async for e in stream]
+        assert rest[-1].finish_reason == "abort"
+        await asyncio.sleep(0.05)
+        _assert_unpinned(worker)
+    finally:
+        await worker.shutdown()
+
+
 async def test_prefix_reuse_skips_cached_blocks_and_keeps_outputs(
     checkpoints: dict[str, Path],
     prompts: list[list[int]],
