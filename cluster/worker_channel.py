@@ -8,9 +8,14 @@ about 1 ms per step message here, an order of magnitude less than an object
 per token per request, and Ray already reports a dead or restarted actor on
 it, across nodes, with no port or credential of our own.
 
-When the stream breaks (the worker died), every request open on it gets the
-error, which the router turns into a retry or a final error event; the
-channel then reopens the stream, which a restarted actor answers.
+When the stream breaks (the worker died), the requests submitted to the
+incarnation it came from get the error, which the router turns into a retry
+or a final error event; the channel then reopens the stream, which a
+restarted actor answers. Requests are matched to incarnations because a
+stream can break late: a call made while Ray restarted the worker may fail
+after a request already reached the new instance, whose events wait there
+for the reopened stream. A stream that broke before it said which instance
+it came from is resolved by asking the worker which incarnation runs now.
 """
 
 from __future__ import annotations
@@ -18,15 +23,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from engine.event_stream import EventDemux, read_stream
+from engine.event_stream import EventDemux, StreamOpened, read_stream
 from engine.messages import TokenEvent
 
 logger = logging.getLogger(__name__)
 
 _REOPEN_DELAY_S = 0.2
+# How long the channel waits for a worker to say which incarnation runs.
+_PROBE_TIMEOUT_S = 10.0
 
 
 class StreamBrokenError(ConnectionError):
@@ -39,17 +46,23 @@ class WorkerChannel:
         self.actor = actor  # a Ray ActorHandle of a generation worker
         self._demux = EventDemux()
         self._reader: asyncio.Task[None] | None = None
+        self._submitted_to: dict[str, str] = {}  # open request id -> incarnation
+        self._gone: set[str] = set()  # incarnations whose stream broke
 
     async def stream(self, request: Any) -> AsyncGenerator[TokenEvent, None]:
         """Send `request` (a `GenerationRequest`) and yield its events up to the
         final one. Raises what broke the worker's stream or the send (e.g.
         `RayActorError`); the request is forgotten here when the caller leaves."""
         self._start()
-        queue = self._demux.open(request.request_id)
+        request_id = request.request_id
+        queue = self._demux.open(request_id)
         submitted = False
         try:
-            await self.actor.submit.remote(request)
+            incarnation = await self.actor.submit.remote(request)
             submitted = True
+            if incarnation in self._gone:
+                raise StreamBrokenError(f"the event stream of {self.name} broke after the submit")
+            self._submitted_to[request_id] = incarnation
             async for event in read_stream(queue):
                 yield event
         except Exception:
@@ -61,7 +74,8 @@ class WorkerChannel:
                 self.actor.abort.remote(request.request_id, remember=False)
             raise
         finally:
-            self._demux.close(request.request_id)
+            self._demux.close(request_id)
+            self._submitted_to.pop(request_id, None)
 
     async def stop(self) -> None:
         """Stop reading; requests still open here get `StreamBrokenError`."""
@@ -79,9 +93,15 @@ class WorkerChannel:
     async def _read_forever(self) -> None:
         while True:
             error: BaseException
+            opened: str | None = None
             try:
                 async for ref in self.actor.events.remote():
-                    self._demux.deliver(await ref)
+                    item = await ref
+                    if isinstance(item, StreamOpened):
+                        opened = item.incarnation
+                        self._running(opened)
+                    else:
+                        self._demux.deliver(item)
                 error = StreamBrokenError(f"the event stream of {self.name} ended")
             except asyncio.CancelledError:
                 raise
@@ -89,5 +109,35 @@ class WorkerChannel:
                 error = exc
             if len(self._demux):
                 logger.warning("event stream of %s broke: %s", self.name, error)
-            self._demux.fail_all(error)
+            await self._broke(opened, error)
             await asyncio.sleep(_REOPEN_DELAY_S)
+
+    async def _broke(self, opened: str | None, error: BaseException) -> None:
+        """A stream from incarnation `opened` (None: it never said) broke."""
+        if opened is not None:
+            self._gone.add(opened)
+            self._fail(lambda incarnation: incarnation == opened, error)
+        elif self._submitted_to:
+            await self._probe(error)
+
+    def _running(self, incarnation: str) -> None:
+        """`incarnation` answers now: requests submitted to any other one went
+        down with it."""
+        self._gone.discard(incarnation)
+        gone = StreamBrokenError(f"{self.name} restarted; its requests were lost")
+        self._fail(lambda submitted_to: submitted_to != incarnation, gone)
+
+    async def _probe(self, error: BaseException) -> None:
+        """A stream broke before it said where it came from: ask the worker
+        which incarnation runs; if none answers, fail every request here."""
+        try:
+            running = await asyncio.wait_for(self.actor.incarnation.remote(), _PROBE_TIMEOUT_S)
+        except Exception:
+            self._fail(lambda _: True, error)
+            return
+        self._running(running)
+
+    def _fail(self, which: Callable[[str], bool], error: BaseException) -> None:
+        """End the open requests whose incarnation `which` selects."""
+        lost = [rid for rid, incarnation in self._submitted_to.items() if which(incarnation)]
+        self._demux.fail(lost, error)

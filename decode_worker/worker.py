@@ -23,7 +23,8 @@ nothing offered in time) frees its blocks and the submit pulls as usual.
 Run as a Ray actor: `ray.remote(GenerationWorker).options(num_cpus=...).remote(config, id, role)`;
 iterate `actor.events.remote()` as a streaming generator once, and send
 requests with `actor.submit.remote(req)`. An actor Ray restarts after a
-crash is rebuilt from the same arguments and starts itself on its first call.
+crash is rebuilt from the same arguments and starts itself on its first call;
+it has a new incarnation id, which its streams open with and `submit` returns.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from decode_worker.prefetch import Prefetches
 from engine.aborts import AbortedIds
 from engine.errors import RequestFailedError
-from engine.event_stream import EventDemux, EventOutbox, read_stream
+from engine.event_stream import EventDemux, EventOutbox, StreamOpened, read_stream
 from engine.instance import EngineInstance
 from engine.messages import (
     ContextResult,
@@ -70,6 +72,7 @@ class GenerationWorker:
         self.torch_threads = configure_torch_threads(config.device, config.cpu_affinity)
         self.config = config
         self.role = role
+        self._incarnation = uuid.uuid4().hex  # a new one when Ray restarts the actor
         self.engine = run_on_compute_thread(lambda: EngineInstance.build(config, role, worker_id))
         self.transceiver: Any = self.engine.create_transceiver() if role == "generation" else None
         self._pulls: dict[str, asyncio.Task[bool]] = {}
@@ -99,8 +102,9 @@ class GenerationWorker:
             await self.transceiver.start()
         self.engine.loop.start()
 
-    async def submit(self, request: GenerationRequest) -> None:
-        """Accept a request; its events arrive on the `events()` stream.
+    async def submit(self, request: GenerationRequest) -> str:
+        """Accept a request; its events arrive on the `events()` stream of this
+        incarnation (returned).
 
         With a context result attached the cache is pulled in the background
         and announced by a `cache_ready` event. An abort that overtook this
@@ -115,7 +119,7 @@ class GenerationWorker:
         if self._aborted.take(rid):
             reason = "aborted before it reached this worker"
             self._outbox.post([_error(req, reason, reason="abort")])
-            return
+            return self._incarnation
         self._active.add(rid)
         if request.context is None:
             self.engine.loop.submit(req)
@@ -126,6 +130,7 @@ class GenerationWorker:
             # abort from now on finds and cancels it.
             pull = self._start_pull(req, request.context)
             self._admitting.add(asyncio.get_running_loop().create_task(self._admit(req, pull)))
+        return self._incarnation
 
     async def prefetch(self, request: PrefetchRequest) -> None:
         """Start pulling a prompt's cache while its context worker prefills it.
@@ -144,16 +149,22 @@ class GenerationWorker:
             return
         self._prefetches.start(request)
 
-    async def events(self) -> AsyncIterator[list[TokenEvent]]:
-        """Every request's events, one list per engine step (or per wake-up,
-        when the reader lags): the router's single stream from this worker.
+    async def events(self) -> AsyncIterator[StreamOpened | list[TokenEvent]]:
+        """This incarnation's id, then every request's events, one list per
+        engine step (or per wake-up, when the reader lags): the router's
+        single stream from this worker.
 
         A later call takes over from an earlier one; events that find no
         reader wait for the next.
         """
         await self.start()
+        yield StreamOpened(self._incarnation)
         async for batch in self._outbox.batches():
             yield batch
+
+    def incarnation(self) -> str:
+        """The id `events()` opens with; a restarted actor has a new one."""
+        return self._incarnation
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """One request's events, for a caller that drives this worker alone
@@ -179,7 +190,8 @@ class GenerationWorker:
 
     async def _read_locally(self) -> None:
         async for batch in self.events():
-            self._local.deliver(batch)
+            if not isinstance(batch, StreamOpened):
+                self._local.deliver(batch)
 
     def abort(self, request_id: str, remember: bool = True) -> None:
         """Cancel a request anywhere in its life; frees its blocks and slot.

@@ -12,12 +12,17 @@ per-request streams:
 `EventOutbox` coalesces whatever was posted since its reader last woke (one
 step, or several when the reader is slower than the engine), so the number
 of messages never grows with the number of requests.
+
+A stream opens with a `StreamOpened` naming the worker's incarnation (a new
+one each time Ray restarts the actor), so the reader can tell which requests
+a broken stream took with it: only those submitted to that incarnation.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 
 from engine.messages import TokenEvent
 
@@ -25,6 +30,14 @@ from engine.messages import TokenEvent
 # stream they came on (the worker died); nothing follows either a final event
 # or an exception.
 StreamItem = TokenEvent | BaseException
+
+
+@dataclass(frozen=True)
+class StreamOpened:
+    """The first item of a worker's event stream: the incarnation of the
+    worker that answers it (`submit` returns the same id)."""
+
+    incarnation: str
 
 
 class EventOutbox:
@@ -97,9 +110,14 @@ class EventDemux:
 
     def fail_all(self, error: BaseException) -> None:
         """End every open stream with `error` (the stream they share broke)."""
-        queues, self._queues = self._queues, {}
-        for queue in queues.values():
-            queue.put_nowait(error)
+        self.fail(list(self._queues), error)
+
+    def fail(self, request_ids: Iterable[str], error: BaseException) -> None:
+        """End these requests' streams (those still open) with `error`."""
+        for request_id in request_ids:
+            queue = self._queues.pop(request_id, None)
+            if queue is not None:
+                queue.put_nowait(error)
 
 
 async def read_stream(queue: asyncio.Queue[StreamItem]) -> AsyncIterator[TokenEvent]:

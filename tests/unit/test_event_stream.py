@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from decode_worker.worker import GenerationWorker
-from engine.event_stream import EventDemux, EventOutbox, read_stream
+from engine.event_stream import EventDemux, EventOutbox, StreamOpened, read_stream
 from engine.messages import GenerationRequest, TokenEvent
 from engine.sampling import SamplingParams
 from engine.worker_config import WorkerConfig
@@ -69,11 +69,16 @@ async def test_a_worker_sends_each_step_of_all_its_requests_as_one_message(
     try:
         await worker.start()  # the engine idles: the four requests start in one step
         batches = worker.events()
+        opened = await anext(batches)
         for i in range(num_requests):
-            await worker.submit(GenerationRequest(f"r{i}", [5 + i, 6, 7], params))
+            incarnation = await worker.submit(GenerationRequest(f"r{i}", [5 + i, 6, 7], params))
+            # The stream names the incarnation that accepted the requests.
+            assert opened == StreamOpened(incarnation)
         received: list[list[TokenEvent]] = []
         while sum(e.finished for batch in received for e in batch) < num_requests:
-            received.append(await anext(batches))
+            batch = await anext(batches)
+            assert isinstance(batch, list)
+            received.append(batch)
     finally:
         await worker.shutdown()
     per_request = {f"r{i}": 0 for i in range(num_requests)}

@@ -1,0 +1,170 @@
+"""The router's channel to a generation worker fails exactly the requests a
+broken event stream took with it, across worker restarts.
+
+The worker side is scripted: which incarnation of the worker answers calls
+now, and each event stream the channel opens is a queue the test feeds (an
+item, or an exception that breaks the stream as a dead actor's would).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from cluster.worker_channel import StreamBrokenError, WorkerChannel
+from engine.event_stream import StreamOpened
+from engine.messages import GenerationRequest, TokenEvent
+from engine.sampling import SamplingParams
+
+
+class _Method:
+    def __init__(self, call: Callable[..., Any]) -> None:
+        self.remote = call
+
+
+class _Worker:
+    """The calls `WorkerChannel` makes on a generation worker's actor handle."""
+
+    def __init__(self, incarnation: str) -> None:
+        self.running = incarnation  # the incarnation that answers calls now
+        self.streams: asyncio.Queue[asyncio.Queue[Any]] = asyncio.Queue()
+        self.aborts: list[tuple[str, bool]] = []
+        self.probe_fails = False
+        self.submit = _Method(self._submit)
+        self.events = _Method(self._events)
+        self.incarnation = _Method(self._incarnation)
+        self.abort = _Method(lambda rid, remember=True: self.aborts.append((rid, remember)))
+
+    async def _submit(self, request: GenerationRequest) -> str:
+        return self.running
+
+    async def _incarnation(self) -> str:
+        if self.probe_fails:
+            raise ConnectionError("no answer")
+        return self.running
+
+    def _events(self) -> AsyncIterator[Awaitable[Any]]:
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.streams.put_nowait(queue)
+        return self._stream(queue)
+
+    async def _stream(self, queue: asyncio.Queue[Any]) -> AsyncIterator[Awaitable[Any]]:
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            ref: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            ref.set_result(item)  # what awaiting a stream's ObjectRef gives
+            yield ref
+
+
+def _request(request_id: str) -> GenerationRequest:
+    return GenerationRequest(request_id, [1, 2, 3], SamplingParams(max_tokens=1))
+
+
+def _final(request_id: str) -> list[TokenEvent]:
+    return [TokenEvent(request_id, [7], finish_reason="length")]
+
+
+async def _submitted(channel: WorkerChannel, request_id: str) -> asyncio.Future[TokenEvent]:
+    """Start a request on `channel`; the future is its first event."""
+    first = asyncio.ensure_future(anext(channel.stream(_request(request_id))))
+    while request_id not in channel._submitted_to:  # the submit came back
+        assert not first.done(), first
+        await asyncio.sleep(0.01)
+    return first
+
+
+async def test_a_stale_stream_breaking_late_spares_requests_on_the_restarted_worker() -> None:
+    worker = _Worker("old")
+    channel = WorkerChannel("generation-0", worker)
+    try:
+        first = asyncio.ensure_future(anext(channel.stream(_request("warm"))))
+        old = await worker.streams.get()
+        old.put_nowait(StreamOpened("old"))
+        old.put_nowait(_final("warm"))
+        await first
+        worker.running = "new"  # Ray restarted the worker; the old stream has not failed yet
+        first = await _submitted(channel, "r1")
+        old.put_nowait(ConnectionError("the old instance died"))
+        new = await worker.streams.get()
+        assert not first.done()
+        new.put_nowait(StreamOpened("new"))
+        new.put_nowait(_final("r1"))
+        assert (await first).token_ids == [7]
+        assert worker.aborts == []
+    finally:
+        await channel.stop()
+
+
+async def test_a_broken_stream_fails_the_requests_of_its_incarnation() -> None:
+    worker = _Worker("a")
+    channel = WorkerChannel("generation-0", worker)
+    try:
+        first = await _submitted(channel, "r1")
+        stream = await worker.streams.get()
+        stream.put_nowait(StreamOpened("a"))
+        stream.put_nowait(ConnectionError("a died"))
+        with pytest.raises(ConnectionError, match="a died"):
+            await first
+        # The request may still run there: it is cancelled, not remembered.
+        assert worker.aborts == [("r1", False)]
+    finally:
+        await channel.stop()
+
+
+async def test_a_stream_from_a_new_incarnation_fails_the_old_ones_requests() -> None:
+    worker = _Worker("a")
+    channel = WorkerChannel("generation-0", worker)
+    try:
+        first = await _submitted(channel, "r1")
+        stream = await worker.streams.get()
+        worker.running = "b"
+        stream.put_nowait(StreamOpened("b"))
+        with pytest.raises(StreamBrokenError, match="restarted"):
+            await first
+    finally:
+        await channel.stop()
+
+
+@pytest.mark.parametrize("probe_fails", [False, True])
+async def test_a_stream_that_broke_before_saying_where_it_came_from_asks_the_worker(
+    probe_fails: bool,
+) -> None:
+    worker = _Worker("a")
+    channel = WorkerChannel("generation-0", worker)
+    try:
+        first = await _submitted(channel, "r1")
+        stream = await worker.streams.get()
+        worker.probe_fails = probe_fails
+        stream.put_nowait(ConnectionError("the call failed"))
+        if probe_fails:  # nobody answers: the request cannot be vouched for
+            with pytest.raises(ConnectionError, match="the call failed"):
+                await first
+            return
+        reopened = await worker.streams.get()  # "a" still runs: its events wait for this
+        reopened.put_nowait(StreamOpened("a"))
+        reopened.put_nowait(_final("r1"))
+        assert (await first).token_ids == [7]
+    finally:
+        await channel.stop()
+
+
+async def test_a_submit_answered_by_an_incarnation_whose_stream_broke_fails_at_once() -> None:
+    worker = _Worker("a")
+    channel = WorkerChannel("generation-0", worker)
+    try:
+        first = asyncio.ensure_future(anext(channel.stream(_request("warm"))))
+        stream = await worker.streams.get()
+        stream.put_nowait(StreamOpened("a"))
+        stream.put_nowait(_final("warm"))
+        await first
+        stream.put_nowait(ConnectionError("a died"))
+        await worker.streams.get()  # the channel reopened: "a" is known gone
+        with pytest.raises(StreamBrokenError, match="broke after the submit"):
+            await anext(channel.stream(_request("r1")))
+    finally:
+        await channel.stop()
