@@ -9,19 +9,20 @@ replicated on several holder ranks is read once, from the lowest.
 
 Where the heads sit inside one segment:
 
-    KV segment  [2][kv_heads][block_size][head_dim] (head-major): a head
-                range is one run of whole heads per K and per V, so one
-                strided pair of two runs per segment:
-                  src  |K h0 h1|K h2 h3|V h0 h1|V h2 h3|   (holder: 4 heads)
-                  dst           |K h2 h3|        |V h2 h3| (puller: 2 heads)
-                       run = 2 heads x block_size tokens, num_runs = 2
+    KV segment  kv_heads pieces [2][block_size][head_dim], one per head
+                (`kvcache.pool_layout`); a V2 block holds each head's pieces
+                of all layers next to each other, so a head range of a
+                block is one run through all layers:
+                  src  |h0 L0 L1|h1 L0 L1|h2 L0 L1|h3 L0 L1|  (holder: 4 heads)
+                  dst                     |h2 L0 L1|h3 L0 L1| (puller: 2 heads)
+                In V1 a head range is one run per (layer, block).
     conv state  [conv_dim][kernel - 1], channels x | B | C: one run per
                 section (x channels follow the SSM heads, B and C the groups)
     SSM state   [heads][head_dim][state_size]: one run
 
-Pairs that continue each other on both sides (the next layer of a V2 block,
-the next block of a run of blocks) merge into one. A pair whose rows are
-whole on both sides is one contiguous range.
+Pairs that continue each other on both sides (the next head or layer of a
+V2 block, the next block of a run of blocks) merge into one. A pair whose
+rows are whole on both sides is one contiguous range.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from kvcache.layout import SSM, LayoutSignature, Region, RequestRegions
 from kvcache.spec import HeadShard, Span, head_shard
 from transfer.base import check_signature, parse_signature
 from transfer.errors import LayoutMismatch
-from transfer.plan import plan_ranges
+from transfer.plan import kv_piece_pairs, plan_ranges
 
 
 class SlicePair(NamedTuple):
@@ -214,47 +215,14 @@ def _kv_pairs(
     dst: RequestRegions,
     heads: Span,
 ) -> list[SlicePair]:
-    # One head of one block's keys (or values): block_size rows of head_dim.
-    head_bytes = source.block_size * source.head_dim * DTYPE_BYTES[source.dtype]
-    src_half, dst_half = source.num_kv_heads * head_bytes, dest.num_kv_heads * head_bytes
-    halves = 2  # keys, then values: a segment is two halves
-    src_skip = (heads[0] - source.kv_heads[0]) * head_bytes
-    dst_skip = (heads[0] - dest.kv_heads[0]) * head_bytes
-    run = (heads[1] - heads[0]) * head_bytes
-    # Segments in source order; one that continues the last pair's runs on
-    # both sides (the next layer of a V2 block, the next block of a run of
-    # blocks) extends it: thousands of segments become a few pairs here,
-    # without a SlicePair per segment.
-    runs: list[list[Any]] = []  # [src_buffer, src_offset, dst_buffer, dst_offset, num_runs]
-    for key, s in sorted(src.kv_segments.items(), key=_source_order):
-        d = dst.kv_segments[key]
-        if s.length != halves * src_half or d.length != halves * dst_half:
-            raise LayoutMismatch(
-                request_id,
-                ["kv_segments"],
-                f"segment {key} is {s.length} bytes on the source and {d.length} here, "
-                f"where the signatures give {halves * src_half} and {halves * dst_half}",
-            )
-        src_at, dst_at = s.offset + src_skip, d.offset + dst_skip
-        last = runs[-1] if runs else None
-        if (
-            last is not None
-            and last[0] == s.buffer
-            and last[2] == d.buffer
-            and last[1] + last[4] * src_half == src_at
-            and last[3] + last[4] * dst_half == dst_at
-        ):
-            last[4] += halves
-        else:
-            runs.append([s.buffer, src_at, d.buffer, dst_at, halves])
+    firsts = (source.kv_heads[0], dest.kv_heads[0])
+    counts = (source.num_kv_heads, dest.num_kv_heads)
     return [
-        SlicePair(src_buffer, src_at, dst_buffer, dst_at, run, count, src_half, dst_half)
-        for src_buffer, src_at, dst_buffer, dst_at, count in runs
+        SlicePair(src_buffer, src_at, dst_buffer, dst_at, n, 1, n, n)
+        for src_buffer, src_at, dst_buffer, dst_at, n in kv_piece_pairs(
+            request_id, src, dst, heads, firsts, counts
+        )
     ]
-
-
-def _source_order(item: tuple[Any, Region]) -> tuple[str, int]:
-    return item[1].buffer, item[1].offset
 
 
 def _contiguous(s: Region, src_start: int, d: Region, dst_start: int, length: int) -> SlicePair:
@@ -348,10 +316,18 @@ def _joined(last: SlicePair, p: SlicePair) -> SlicePair | None:
         return None
     if _whole(last) and _whole(p):
         n = last.num_bytes
-        if last.src_offset + n != p.src_offset or last.dst_offset + n != p.dst_offset:
+        if last.src_offset + n == p.src_offset and last.dst_offset + n == p.dst_offset:
+            n += p.num_bytes
+            return last._replace(run=n, num_runs=1, src_stride=n, dst_stride=n)
+    if p.num_runs == 1 and last.num_runs == 1 and p.run == last.run:
+        # Two equal runs, apart on either side: the start of a progression
+        # (a head range of the next block).
+        src_stride, dst_stride = p.src_offset - last.src_offset, p.dst_offset - last.dst_offset
+        if src_stride < p.run or dst_stride < p.run:
             return None
-        n += p.num_bytes
-        return last._replace(run=n, num_runs=1, src_stride=n, dst_stride=n)
+        return last._replace(num_runs=2, src_stride=src_stride, dst_stride=dst_stride)
+    if p.num_runs == 1:
+        p = p._replace(src_stride=last.src_stride, dst_stride=last.dst_stride)
     if (last.run, last.src_stride, last.dst_stride) != (p.run, p.src_stride, p.dst_stride):
         return None
     if (
