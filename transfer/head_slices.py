@@ -35,7 +35,7 @@ from kvcache.layout import SSM, LayoutSignature, Region, RequestRegions
 from kvcache.spec import HeadShard, Span, head_shard
 from transfer.base import check_signature, parse_signature
 from transfer.errors import LayoutMismatch
-from transfer.plan import kv_piece_pairs, plan_ranges
+from transfer.plan import PiecePair, kv_piece_pairs, plan_ranges
 
 
 class SlicePair(NamedTuple):
@@ -217,12 +217,38 @@ def _kv_pairs(
 ) -> list[SlicePair]:
     firsts = (source.kv_heads[0], dest.kv_heads[0])
     counts = (source.num_kv_heads, dest.num_kv_heads)
-    return [
-        SlicePair(src_buffer, src_at, dst_buffer, dst_at, n, 1, n, n)
-        for src_buffer, src_at, dst_buffer, dst_at, n in kv_piece_pairs(
-            request_id, src, dst, heads, firsts, counts
+    return _progressions(kv_piece_pairs(request_id, src, dst, heads, firsts, counts))
+
+
+def _progressions(runs: list[PiecePair]) -> list[SlicePair]:
+    """Runs as strided pairs: equal runs at equal steps on both sides (a head
+    range of consecutive blocks) become one pair. Plain ints per run, no
+    object: a large request is thousands of runs."""
+    pairs = []
+    i, n = 0, len(runs)
+    while i < n:
+        src_buffer, src_at, dst_buffer, dst_at, length = runs[i]
+        count, src_step, dst_step = 1, length, length
+        if i + 1 < n:
+            nsb, nso, ndb, ndo, nlen = runs[i + 1]
+            if (nsb, ndb, nlen) == (src_buffer, dst_buffer, length):
+                src_step, dst_step = nso - src_at, ndo - dst_at
+        if src_step >= length and dst_step >= length:
+            while i + count < n and runs[i + count] == (
+                src_buffer,
+                src_at + count * src_step,
+                dst_buffer,
+                dst_at + count * dst_step,
+                length,
+            ):
+                count += 1
+        if count == 1:
+            src_step = dst_step = length
+        pairs.append(
+            SlicePair(src_buffer, src_at, dst_buffer, dst_at, length, count, src_step, dst_step)
         )
-    ]
+        i += count
+    return pairs
 
 
 def _contiguous(s: Region, src_start: int, d: Region, dst_start: int, length: int) -> SlicePair:
@@ -316,18 +342,10 @@ def _joined(last: SlicePair, p: SlicePair) -> SlicePair | None:
         return None
     if _whole(last) and _whole(p):
         n = last.num_bytes
-        if last.src_offset + n == p.src_offset and last.dst_offset + n == p.dst_offset:
-            n += p.num_bytes
-            return last._replace(run=n, num_runs=1, src_stride=n, dst_stride=n)
-    if p.num_runs == 1 and last.num_runs == 1 and p.run == last.run:
-        # Two equal runs, apart on either side: the start of a progression
-        # (a head range of the next block).
-        src_stride, dst_stride = p.src_offset - last.src_offset, p.dst_offset - last.dst_offset
-        if src_stride < p.run or dst_stride < p.run:
+        if last.src_offset + n != p.src_offset or last.dst_offset + n != p.dst_offset:
             return None
-        return last._replace(num_runs=2, src_stride=src_stride, dst_stride=dst_stride)
-    if p.num_runs == 1:
-        p = p._replace(src_stride=last.src_stride, dst_stride=last.dst_stride)
+        n += p.num_bytes
+        return last._replace(run=n, num_runs=1, src_stride=n, dst_stride=n)
     if (last.run, last.src_stride, last.dst_stride) != (p.run, p.src_stride, p.dst_stride):
         return None
     if (

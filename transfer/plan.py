@@ -71,24 +71,16 @@ def kv_piece_pairs(
     _check_kv(request_id, src, dst, counts)
     if not src.kv_segments or heads[0] >= heads[1]:
         return []
-    names = sorted(
-        {r.buffer for r in src.kv_segments.values()} | {r.buffer for r in dst.kv_segments.values()}
-    )
-    code = {name: i for i, name in enumerate(names)}
-    sources = src.kv_segments.values()
-    n = len(sources)
-    # Generators of ints, not a tuple per segment: a large request makes no
-    # object the garbage collector tracks per segment.
-    src_buffers = np.fromiter((code[r.buffer] for r in sources), np.int64, n)
-    src_offsets = np.fromiter((r.offset for r in sources), np.int64, n)
-    dest_list = list(map(dst.kv_segments.__getitem__, src.kv_segments))
-    dst_buffers = np.fromiter((code[r.buffer] for r in dest_list), np.int64, n)
-    dst_offsets = np.fromiter((r.offset for r in dest_list), np.int64, n)
+    src_spans = list(src.kv_segments.values())
+    dst_spans = list(map(dst.kv_segments.__getitem__, src.kv_segments))
+    src_buffers, src_offsets = _columns(src_spans)
+    dst_buffers, dst_offsets = _columns(dst_spans)
+    names = sorted({*src_buffers, *dst_buffers})
     step = np.arange(heads[0], heads[1], dtype=np.int64)
     src_at = (src_offsets[:, None] + (step - firsts[0]) * src.kv_head_stride).ravel()
     dst_at = (dst_offsets[:, None] + (step - firsts[1]) * dst.kv_head_stride).ravel()
-    src_buf = np.repeat(src_buffers, step.size)
-    dst_buf = np.repeat(dst_buffers, step.size)
+    src_buf = np.repeat(_codes(src_buffers, names), step.size)
+    dst_buf = np.repeat(_codes(dst_buffers, names), step.size)
     order = np.lexsort((src_at, src_buf))
     src_at, dst_at, src_buf, dst_buf = src_at[order], dst_at[order], src_buf[order], dst_buf[order]
     piece = src.kv_head_bytes
@@ -113,6 +105,19 @@ def kv_piece_pairs(
     ]
 
 
+def _columns(spans: list[Region]) -> tuple[list[str], np.ndarray]:
+    """Buffer names and offsets of `spans`, as a list of (interned) str and an
+    int array: no object the garbage collector tracks per span."""
+    return [r.buffer for r in spans], np.array([r.offset for r in spans], dtype=np.int64)
+
+
+def _codes(buffers: list[str], names: list[str]) -> np.ndarray:
+    if len(names) == 1:
+        return np.zeros(len(buffers), dtype=np.int64)
+    code = {name: i for i, name in enumerate(names)}
+    return np.array([code[b] for b in buffers], dtype=np.int64)
+
+
 def _kv_heads(request_id: str, regions: RequestRegions) -> int:
     """Heads per KV segment, as the spans say."""
     if not regions.kv_segments:
@@ -134,12 +139,14 @@ def _check_kv(
         )
     for side, regions, count in (("source", src, counts[0]), ("destination", dst, counts[1])):
         span = (count - 1) * regions.kv_head_stride + regions.kv_head_bytes
-        wrong = next((k for k, r in regions.kv_segments.items() if r.length != span), None)
-        if wrong is not None:
+        lengths = np.array([r.length for r in regions.kv_segments.values()], dtype=np.int64)
+        wrong = np.flatnonzero(lengths != span)
+        if wrong.size:
+            key, region = list(regions.kv_segments.items())[wrong[0]]
             raise LayoutMismatch(
                 request_id,
                 ["kv_segments"],
-                f"segment {wrong} on the {side} spans {regions.kv_segments[wrong].length} "
+                f"segment {key} on the {side} spans {region.length} "
                 f"bytes where {count} heads span {span}",
             )
 
