@@ -53,14 +53,14 @@ class DecodeInputs:
 
 
 def make_inputs(shape: Shape, seed: int = 0) -> DecodeInputs:
-    """A V1 pool (head-major blocks, as `kvcache.pool_layout` lays them out)
+    """A V1 pool (head-outer blocks, as `kvcache.pool_layout` lays them out)
     with shuffled blocks; sequence lengths in [3/4 keys, keys]."""
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(shape.keys * 3 // 4, shape.keys + 1, (shape.batch,), generator=gen)
     width = -(-shape.keys // BLOCK)
     num_blocks = shape.batch * width + 1
-    pool = torch.randn(num_blocks, 2, KV_HEADS, BLOCK, HEAD_DIM, generator=gen).to(shape.dtype)
-    pool = pool.transpose(2, 3)  # indexed [block, 2, offset, head, dim]
+    pool = torch.randn(num_blocks, KV_HEADS, 2, BLOCK, HEAD_DIM, generator=gen).to(shape.dtype)
+    pool = pool.permute(0, 2, 3, 1, 4)  # indexed [block, 2, offset, head, dim]
     ids = torch.randperm(num_blocks - 1, generator=gen) + 1
     q = torch.randn(shape.batch, HEADS, HEAD_DIM, generator=gen).to(shape.dtype)
     tables = ids[: shape.batch * width].view(shape.batch, width)
@@ -74,7 +74,7 @@ def torch_decode(inputs: DecodeInputs, scale: float) -> torch.Tensor:
     span = width * BLOCK
     blocks = inputs.tables.reshape(-1)
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:  # head-major blocks -> [B, kv, span, d]
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # head-outer blocks -> [B, kv, span, d]
         picked = cache.transpose(1, 2).index_select(0, blocks)
         picked = picked.view(batch, width, KV_HEADS, BLOCK, dim).transpose(1, 2)
         return picked.reshape(batch, KV_HEADS, span, dim)

@@ -5,10 +5,12 @@ transceiver. A `Region` is a byte range of one such buffer; `RequestRegions`
 lists them for one request at two granularities:
 
 - segments: one per (attention ordinal, logical block) and per (Mamba ordinal,
-  "conv"|"ssm"). Every KV segment holds `[2, kv_heads, block_size, head_dim]`
-  (keys then values, each head-major) in both managers, so a transceiver can
-  move segments between a V1 and a V2 worker one for one, and a range of KV
-  heads of a segment is two contiguous runs (its keys' and its values').
+  "conv"|"ssm"). A KV segment is `kv_heads` *pieces*, one per head, each
+  `[2, block_size, head_dim]` (the head's keys then values) and contiguous,
+  `kv_head_stride` bytes apart: next to each other in V1, one whole block's
+  layers apart in V2 (`kvcache.pool_layout`). Pieces are alike in both
+  managers, so a transceiver moves them between a V1 and a V2 worker one for
+  one, and a range of KV heads of a V2 block is one contiguous run.
 - descriptors: the coarsest contiguous ranges, for NIXL. V2: one per block and
   one per Mamba slot. V1: one per (layer, block) and per Mamba (layer, kind).
 
@@ -28,9 +30,12 @@ SSM = "ssm"
 MAMBA_KINDS = (CONV, SSM)
 
 # The order of a KV segment's dims, as `LayoutSignature.kv_order` names it.
-# Both managers write head-major segments; token-major
-# (`[2, block_size, kv_heads, head_dim]`) is what a signature without the
-# field meant, so a peer that predates the field is refused, not misread.
+# Both managers write head-outer segments (per head its keys, then its values);
+# token-major (`[2, block_size, kv_heads, head_dim]`) is what a signature
+# without the field meant and head-major (`[2, kv_heads, block_size,
+# head_dim]`) what the previous layout wrote, so a peer with either is refused,
+# not misread.
+KV_HEAD_OUTER = "head_outer"
 KV_HEAD_MAJOR = "head_major"
 KV_TOKEN_MAJOR = "token_major"
 
@@ -54,7 +59,10 @@ class TensorPlacement:
 
     Item `i` (a block or a slot) of the tensor starts at byte
     `offset + i * stride` of `buffer` and holds `shape` elements of `dtype`,
-    contiguous. For attention, `shape` is `[2, kv_heads, block_size, head_dim]`.
+    contiguous unless `item_strides` gives each dim's byte stride. For
+    attention, `shape` is `[kv_heads, 2, block_size, head_dim]` with the heads
+    `head_stride` bytes apart. `region` is the span from an item's first byte
+    to its last, `item_bytes` long.
     """
 
     buffer: str
@@ -63,6 +71,7 @@ class TensorPlacement:
     dtype: str
     shape: tuple[int, ...]
     item_bytes: int
+    item_strides: tuple[int, ...] | None = None
 
     def region(self, index: int) -> Region:
         return Region(self.buffer, self.offset + index * self.stride, self.item_bytes)
@@ -74,7 +83,10 @@ class RequestRegions:
 
     block_ids: the request's block table, logical block `j` -> physical id.
     mamba_slot: the request's Mamba slot, None for dense models.
-    kv_segments: (attention ordinal, logical block index) -> its KV segment.
+    kv_segments: (attention ordinal, logical block index) -> the span of its
+        KV segment: its pieces, `kv_head_bytes` each, start `kv_head_stride`
+        bytes apart from the span's first byte (`kv_pieces`). In V2 a span
+        also covers other layers' pieces of the same block.
     mamba_segments: (Mamba ordinal, "conv" | "ssm") -> that state of its slot.
     descriptors: coarse contiguous regions covering exactly the same bytes.
     """
@@ -84,10 +96,32 @@ class RequestRegions:
     kv_segments: dict[tuple[int, int], Region]
     mamba_segments: dict[tuple[int, str], Region]
     descriptors: tuple[Region, ...]
+    kv_head_bytes: int
+    kv_head_stride: int
 
     @property
     def num_bytes(self) -> int:
         return sum(region.length for region in self.descriptors)
+
+    def kv_pieces(self, span: Region) -> list[Region]:
+        """The contiguous per-head pieces of the KV segment `span`, heads in order."""
+        count = (span.length - self.kv_head_bytes) // self.kv_head_stride + 1
+        return [
+            Region(span.buffer, span.offset + h * self.kv_head_stride, self.kv_head_bytes)
+            for h in range(count)
+        ]
+
+    def contiguous_segments(self) -> dict[tuple[object, ...], Region]:
+        """Every KV piece, keyed (ordinal, block index, head), and every Mamba
+        segment, keyed as in `mamba_segments`: contiguous regions, the bytes
+        the request holds, each once."""
+        out: dict[tuple[object, ...], Region] = {
+            (*key, h): piece
+            for key, span in self.kv_segments.items()
+            for h, piece in enumerate(self.kv_pieces(span))
+        }
+        out.update({(*key,): region for key, region in self.mamba_segments.items()})
+        return out
 
 
 @dataclass(frozen=True)

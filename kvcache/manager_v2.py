@@ -1,7 +1,7 @@
 """KV cache manager V2: one block-major pool, optional prefix reuse.
 
-A block holds every attention layer's KV, `[num_blocks, num_attn_layers, 2,
-kv_heads, block_size, head_dim]`, and a Mamba slot every Mamba layer's state,
+A block holds every attention layer's KV, `[num_blocks, kv_heads,
+num_attn_layers, 2, block_size, head_dim]`, and a Mamba slot every Mamba layer's state,
 so one block or one slot is one contiguous region (one NIXL descriptor).
 
 With `enable_block_reuse`, full blocks are published under chained content

@@ -2,20 +2,26 @@
 
 V1, layer-major: one buffer per attention layer and one per Mamba layer and kind.
 
-    kv.{l}    [num_blocks][2][kv_heads][block_size][head_dim]      (cache dtype)
+    kv.{l}    [num_blocks][kv_heads][2][block_size][head_dim]      (cache dtype)
     conv.{m}  [num_slots][conv_dim][conv_kernel - 1]               (cache dtype)
     ssm.{m}   [num_slots][num_heads][head_dim][state_size]         (float32)
 
-V2, block-major: one buffer for all KV, one for all Mamba state.
+V2, block-major and head-outer: one buffer for all KV, one for all Mamba state.
 
-    kv        [num_blocks][num_attn_layers][2][kv_heads][block_size][head_dim]
+    kv        [num_blocks][kv_heads][num_attn_layers][2][block_size][head_dim]
     mamba     [num_slots] x ( ssm_0 | conv_0 | ssm_1 | conv_1 | ... | pad )
 
-A KV segment (one layer's block) is head-major, keys then values, each
-`[kv_heads][block_size][head_dim]`: a range of KV heads of a block's keys (or
-values) is one contiguous run, which is what a rank of another tensor
-parallelism reads (`transfer.head_slices`). Models see the usual
-`[num_blocks, block_size, kv_heads, head_dim]` through strided views
+A KV *piece* is one head's keys then values of one layer's block,
+`[2][block_size][head_dim]`, contiguous; a KV segment (one layer's block) is
+its `kv_heads` pieces, next to each other in V1 and `num_attn_layers` pieces
+apart in V2:
+
+    V2 block  |h0: L0 L1 L2 L3|h1: L0 L1 L2 L3|h2: ...|h3: ...|
+              ^ a range of heads of a block, all layers: one run
+
+So a rank of another tensor parallelism reads its heads of a V2 block as one
+run (`transfer.head_slices`), of a V1 block one run per layer. Models see the
+usual `[num_blocks, block_size, kv_heads, head_dim]` through strided views
 (`kvcache.tensors`).
 
 In V2 a block (every layer's KV) and a slot (every layer's state) are each one
@@ -28,9 +34,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from kvcache.dtypes import DTYPE_BYTES
 from kvcache.layout import (
     CONV,
-    KV_HEAD_MAJOR,
+    KV_HEAD_OUTER,
     MAMBA_KINDS,
     SSM,
     LayoutSignature,
@@ -60,7 +67,27 @@ class CacheLayout(ABC):
         self.num_blocks = num_blocks
         self.num_slots = num_slots if spec.is_hybrid else 0
         self.kv_segment_bytes = spec.kv_bytes_per_block_per_layer(block_size)
-        self.kv_segment_shape = (2, spec.num_kv_heads, block_size, spec.head_dim)
+        self.kv_head_bytes = self.kv_segment_bytes // spec.num_kv_heads
+        self.kv_segment_shape = (spec.num_kv_heads, 2, block_size, spec.head_dim)
+
+    @property
+    @abstractmethod
+    def kv_head_stride(self) -> int:
+        """Bytes from one head's piece of a KV segment to the next head's."""
+
+    def _attention(self, buffer: str, offset: int, stride: int) -> TensorPlacement:
+        item = DTYPE_BYTES[self.spec.dtype]
+        half = self.block_size * self.spec.head_dim * item
+        heads = self.spec.num_kv_heads
+        return TensorPlacement(
+            buffer=buffer,
+            offset=offset,
+            stride=stride,
+            dtype=self.spec.dtype,
+            shape=self.kv_segment_shape,
+            item_bytes=(heads - 1) * self.kv_head_stride + self.kv_head_bytes,
+            item_strides=(self.kv_head_stride, half, self.spec.head_dim * item, item),
+        )
 
     @abstractmethod
     def buffers(self) -> dict[str, int]:
@@ -68,7 +95,7 @@ class CacheLayout(ABC):
 
     @abstractmethod
     def attention_placement(self, ordinal: int) -> TensorPlacement:
-        """Where attention layer `ordinal`'s `[2, heads, bs, dim]` blocks sit."""
+        """Where attention layer `ordinal`'s `[heads, 2, bs, dim]` blocks sit."""
 
     @abstractmethod
     def mamba_placement(self, ordinal: int, kind: str) -> TensorPlacement:
@@ -90,7 +117,7 @@ class CacheLayout(ABC):
             manager=self.manager,
             dtype=spec.dtype,
             block_size=self.block_size,
-            kv_order=KV_HEAD_MAJOR,
+            kv_order=KV_HEAD_OUTER,
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
             attention_layers=spec.attention_layers,
@@ -119,6 +146,8 @@ class CacheLayout(ABC):
             kv_segments=kv_segments,
             mamba_segments=mamba_segments,
             descriptors=self.descriptors(block_ids, slot),
+            kv_head_bytes=self.kv_head_bytes,
+            kv_head_stride=self.kv_head_stride,
         )
 
 
@@ -137,15 +166,12 @@ class LayerMajorLayout(CacheLayout):
                 sizes[f"{kind}.{m}"] = self.num_slots * self.mamba_state(kind)[2]
         return sizes
 
+    @property
+    def kv_head_stride(self) -> int:
+        return self.kv_head_bytes
+
     def attention_placement(self, ordinal: int) -> TensorPlacement:
-        return TensorPlacement(
-            buffer=f"kv.{ordinal}",
-            offset=0,
-            stride=self.kv_segment_bytes,
-            dtype=self.spec.dtype,
-            shape=self.kv_segment_shape,
-            item_bytes=self.kv_segment_bytes,
-        )
+        return self._attention(f"kv.{ordinal}", 0, self.kv_segment_bytes)
 
     def mamba_placement(self, ordinal: int, kind: str) -> TensorPlacement:
         dtype, shape, nbytes = self.mamba_state(kind)
@@ -182,15 +208,12 @@ class BlockMajorLayout(CacheLayout):
             sizes["mamba"] = self.num_slots * self.slot_bytes
         return sizes
 
+    @property
+    def kv_head_stride(self) -> int:
+        return self.spec.num_attention_layers * self.kv_head_bytes
+
     def attention_placement(self, ordinal: int) -> TensorPlacement:
-        return TensorPlacement(
-            buffer="kv",
-            offset=ordinal * self.kv_segment_bytes,
-            stride=self.block_bytes,
-            dtype=self.spec.dtype,
-            shape=self.kv_segment_shape,
-            item_bytes=self.kv_segment_bytes,
-        )
+        return self._attention("kv", ordinal * self.kv_head_bytes, self.block_bytes)
 
     def mamba_placement(self, ordinal: int, kind: str) -> TensorPlacement:
         dtype, shape, nbytes = self.mamba_state(kind)

@@ -96,7 +96,7 @@ class CacheSpec:
         return DTYPE_BYTES[self.dtype]
 
     def kv_bytes_per_block_per_layer(self, block_size: int) -> int:
-        """Bytes of one `[2, kv_heads, block_size, head_dim]` segment."""
+        """Bytes of one layer's KV of one block (all heads, keys and values)."""
         return 2 * block_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     @cached_property

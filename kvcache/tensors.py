@@ -38,7 +38,7 @@ class CacheTensors:
 
     def views(self) -> CacheViews:
         """Per attention ordinal key/value `[num_blocks, block_size, kv_heads,
-        head_dim]` (strided: the memory is head-major, see `pool_layout`), per
+        head_dim]` (strided: the memory is head-outer, see `pool_layout`), per
         Mamba ordinal conv/SSM `[num_slots, ...]`."""
         if self._views is None:
             self._views = self._build_views()
@@ -66,9 +66,11 @@ class CacheTensors:
         layout = self.layout
         attention = []
         for k in range(layout.spec.num_attention_layers):
-            # [blocks, 2, kv_heads, bs, d] in memory; models index [block, offset, head].
-            kv = self._placed(layout.attention_placement(k), layout.num_blocks).transpose(2, 3)
-            attention.append(AttentionLayerCache(key_cache=kv[:, 0], value_cache=kv[:, 1]))
+            # [blocks, kv_heads, 2, bs, d] in memory (heads strided); models
+            # index [block, offset, head].
+            kv = self._placed(layout.attention_placement(k), layout.num_blocks)
+            keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+            attention.append(AttentionLayerCache(key_cache=keys, value_cache=values))
         mamba = [
             MambaLayerCache(
                 conv_state=self._placed(layout.mamba_placement(m, CONV), layout.num_slots),
@@ -82,11 +84,15 @@ class CacheTensors:
         dtype = torch_dtype(placement.dtype)
         typed = self.raw[placement.buffer].view(dtype)
         itemsize = typed.element_size()
-        if placement.offset % itemsize or placement.stride % itemsize:
+        strides = placement.item_strides or ()
+        if any(n % itemsize for n in (placement.offset, placement.stride, *strides)):
             raise ValueError(f"{placement} is not aligned to {placement.dtype}")
-        inner = [1]
-        for dim in reversed(placement.shape[1:]):
-            inner.insert(0, inner[0] * dim)
+        if strides:
+            inner = [n // itemsize for n in strides]
+        else:
+            inner = [1]
+            for dim in reversed(placement.shape[1:]):
+                inner.insert(0, inner[0] * dim)
         return typed.as_strided(
             size=(count, *placement.shape),
             stride=(placement.stride // itemsize, *inner),

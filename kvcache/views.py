@@ -16,9 +16,11 @@ class AttentionLayerCache:
     """One attention layer's paged KV: both `[num_blocks, block_size, kv_heads, head_dim]`.
 
     The tensors may be strided views into a larger pool (V1 per-layer tensor or
-    the V2 block-major buffer, both head-major in memory: the offset stride is
-    `head_dim`, the head stride `block_size * head_dim`); writes through them
-    land in the pool. Kernels read them through their strides.
+    the V2 block-major buffer, both head-outer in memory: the offset stride is
+    `head_dim`, a head's keys of a block one `[block_size, head_dim]` tile,
+    the head stride `2 * block_size * head_dim` in V1 and `num_attn_layers`
+    times that in V2); writes through them land in the pool. Kernels read
+    them through their strides.
     """
 
     key_cache: torch.Tensor

@@ -2,7 +2,7 @@
 
 The kernels read K/V through their strides; tests hand them the views the
 engine hands them: one layer of a V1 per-layer pool or of a V2 block-major
-pool (three layers, the middle one), head-major blocks (`kvcache.pool_layout`).
+pool (three layers, the middle one), head-outer blocks (`kvcache.pool_layout`).
 """
 
 from __future__ import annotations

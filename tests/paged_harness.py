@@ -35,7 +35,7 @@ def build_cache_views(
     spec: CacheSpec, num_blocks: int, block_size: int, num_slots: int, block_major: bool = False
 ) -> CacheViews:
     """Zeroed caches for `spec` in the manager's own pools (V2 block-major or
-    V1 layer-major, head-major blocks); attention views are strided windows."""
+    V1 layer-major, head-outer blocks); attention views are strided windows."""
     manager = BlockMajorLayout.manager if block_major else LayerMajorLayout.manager
     layout = layout_for(manager, spec, block_size, num_blocks, num_slots)
     return allocate_cache_tensors(layout).views()

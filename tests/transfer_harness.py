@@ -56,7 +56,7 @@ class Endpoint:
         assert self.manager.allocate_slots(request_id, num_tokens)
         regions = self.manager.regions(request_id)
         contents: dict[object, bytes] = {}
-        for key, region in [*regions.kv_segments.items(), *regions.mamba_segments.items()]:
+        for key, region in regions.contiguous_segments().items():
             data = torch.randint(0, 256, (region.length,), dtype=torch.uint8).numpy().tobytes()
             self.tensors.write_region(region, data)
             contents[key] = data
@@ -66,7 +66,7 @@ class Endpoint:
         regions = self.manager.regions(request_id)
         return {
             key: self.tensors.read_region(region)
-            for key, region in [*regions.kv_segments.items(), *regions.mamba_segments.items()]
+            for key, region in regions.contiguous_segments().items()
         }
 
     def publish(self, request_id: str, lease_s: float = 30.0) -> TransferHandle:

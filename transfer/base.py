@@ -43,7 +43,8 @@ from transfer.plan import segment_regions
 
 
 def regions_to_dict(regions: RequestRegions) -> dict[str, Any]:
-    """`RequestRegions` as plain msgpack-safe values (regions as [buffer, offset, length])."""
+    """`RequestRegions` as plain msgpack-safe values (regions as [buffer, offset,
+    length], the KV pieces' geometry as [bytes, stride])."""
     return {
         "block_ids": list(regions.block_ids),
         "mamba_slot": regions.mamba_slot,
@@ -52,6 +53,7 @@ def regions_to_dict(regions: RequestRegions) -> dict[str, Any]:
             [o, k, r.buffer, r.offset, r.length] for (o, k), r in regions.mamba_segments.items()
         ],
         "descriptors": [[r.buffer, r.offset, r.length] for r in regions.descriptors],
+        "kv_head": [regions.kv_head_bytes, regions.kv_head_stride],
     }
 
 
@@ -62,6 +64,8 @@ def regions_from_dict(data: dict[str, Any]) -> RequestRegions:
         kv_segments={(o, b): Region(buf, off, n) for o, b, buf, off, n in data["kv"]},
         mamba_segments={(o, k): Region(buf, off, n) for o, k, buf, off, n in data["mamba"]},
         descriptors=tuple(Region(buf, off, n) for buf, off, n in data["descriptors"]),
+        kv_head_bytes=data["kv_head"][0],
+        kv_head_stride=data["kv_head"][1],
     )
 
 

@@ -63,13 +63,13 @@ class CacheEndpoint:
         return self.digests(request_id)
 
     def digests(self, request_id: str) -> dict[str, str]:
-        """SHA-256 of every KV and Mamba segment, keyed by "kv/<layer>/<block>" etc."""
+        """SHA-256 of every KV piece and Mamba segment, keyed by
+        "kv/<layer>/<block>/<head>" and "mamba/<layer>/<kind>"."""
         regions = self.manager.regions(request_id)
-        out = {f"kv/{o}/{b}": self._digest(r) for (o, b), r in regions.kv_segments.items()}
-        out.update(
-            {f"mamba/{o}/{k}": self._digest(r) for (o, k), r in regions.mamba_segments.items()}
-        )
-        return out
+        return {
+            "/".join(["kv" if len(key) == 3 else "mamba", *map(str, key)]): self._digest(r)
+            for key, r in regions.contiguous_segments().items()
+        }
 
     def publish(self, request_id: str, lease_s: float, alias: str | None = None) -> bytes:
         """Publish `request_id`'s cache; under `alias`, publish it again without

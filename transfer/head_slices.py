@@ -9,19 +9,20 @@ replicated on several holder ranks is read once, from the lowest.
 
 Where the heads sit inside one segment:
 
-    KV segment  [2][kv_heads][block_size][head_dim] (head-major): a head
-                range is one run of whole heads per K and per V, so one
-                strided pair of two runs per segment:
-                  src  |K h0 h1|K h2 h3|V h0 h1|V h2 h3|   (holder: 4 heads)
-                  dst           |K h2 h3|        |V h2 h3| (puller: 2 heads)
-                       run = 2 heads x block_size tokens, num_runs = 2
+    KV segment  kv_heads pieces [2][block_size][head_dim], one per head
+                (`kvcache.pool_layout`); a V2 block holds each head's pieces
+                of all layers next to each other, so a head range of a
+                block is one run through all layers:
+                  src  |h0 L0 L1|h1 L0 L1|h2 L0 L1|h3 L0 L1|  (holder: 4 heads)
+                  dst                     |h2 L0 L1|h3 L0 L1| (puller: 2 heads)
+                In V1 a head range is one run per (layer, block).
     conv state  [conv_dim][kernel - 1], channels x | B | C: one run per
                 section (x channels follow the SSM heads, B and C the groups)
     SSM state   [heads][head_dim][state_size]: one run
 
-Pairs that continue each other on both sides (the next layer of a V2 block,
-the next block of a run of blocks) merge into one. A pair whose rows are
-whole on both sides is one contiguous range.
+Pairs that continue each other on both sides (the next head or layer of a
+V2 block, the next block of a run of blocks) merge into one. A pair whose
+rows are whole on both sides is one contiguous range.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from kvcache.layout import SSM, LayoutSignature, Region, RequestRegions
 from kvcache.spec import HeadShard, Span, head_shard
 from transfer.base import check_signature, parse_signature
 from transfer.errors import LayoutMismatch
-from transfer.plan import plan_ranges
+from transfer.plan import PiecePair, kv_piece_pairs, plan_ranges
 
 
 class SlicePair(NamedTuple):
@@ -214,47 +215,40 @@ def _kv_pairs(
     dst: RequestRegions,
     heads: Span,
 ) -> list[SlicePair]:
-    # One head of one block's keys (or values): block_size rows of head_dim.
-    head_bytes = source.block_size * source.head_dim * DTYPE_BYTES[source.dtype]
-    src_half, dst_half = source.num_kv_heads * head_bytes, dest.num_kv_heads * head_bytes
-    halves = 2  # keys, then values: a segment is two halves
-    src_skip = (heads[0] - source.kv_heads[0]) * head_bytes
-    dst_skip = (heads[0] - dest.kv_heads[0]) * head_bytes
-    run = (heads[1] - heads[0]) * head_bytes
-    # Segments in source order; one that continues the last pair's runs on
-    # both sides (the next layer of a V2 block, the next block of a run of
-    # blocks) extends it: thousands of segments become a few pairs here,
-    # without a SlicePair per segment.
-    runs: list[list[Any]] = []  # [src_buffer, src_offset, dst_buffer, dst_offset, num_runs]
-    for key, s in sorted(src.kv_segments.items(), key=_source_order):
-        d = dst.kv_segments[key]
-        if s.length != halves * src_half or d.length != halves * dst_half:
-            raise LayoutMismatch(
-                request_id,
-                ["kv_segments"],
-                f"segment {key} is {s.length} bytes on the source and {d.length} here, "
-                f"where the signatures give {halves * src_half} and {halves * dst_half}",
-            )
-        src_at, dst_at = s.offset + src_skip, d.offset + dst_skip
-        last = runs[-1] if runs else None
-        if (
-            last is not None
-            and last[0] == s.buffer
-            and last[2] == d.buffer
-            and last[1] + last[4] * src_half == src_at
-            and last[3] + last[4] * dst_half == dst_at
-        ):
-            last[4] += halves
-        else:
-            runs.append([s.buffer, src_at, d.buffer, dst_at, halves])
-    return [
-        SlicePair(src_buffer, src_at, dst_buffer, dst_at, run, count, src_half, dst_half)
-        for src_buffer, src_at, dst_buffer, dst_at, count in runs
-    ]
+    firsts = (source.kv_heads[0], dest.kv_heads[0])
+    counts = (source.num_kv_heads, dest.num_kv_heads)
+    return _progressions(kv_piece_pairs(request_id, src, dst, heads, firsts, counts))
 
 
-def _source_order(item: tuple[Any, Region]) -> tuple[str, int]:
-    return item[1].buffer, item[1].offset
+def _progressions(runs: list[PiecePair]) -> list[SlicePair]:
+    """Runs as strided pairs: equal runs at equal steps on both sides (a head
+    range of consecutive blocks) become one pair. Plain ints per run, no
+    object: a large request is thousands of runs."""
+    pairs = []
+    i, n = 0, len(runs)
+    while i < n:
+        src_buffer, src_at, dst_buffer, dst_at, length = runs[i]
+        count, src_step, dst_step = 1, length, length
+        if i + 1 < n:
+            nsb, nso, ndb, ndo, nlen = runs[i + 1]
+            if (nsb, ndb, nlen) == (src_buffer, dst_buffer, length):
+                src_step, dst_step = nso - src_at, ndo - dst_at
+        if src_step >= length and dst_step >= length:
+            while i + count < n and runs[i + count] == (
+                src_buffer,
+                src_at + count * src_step,
+                dst_buffer,
+                dst_at + count * dst_step,
+                length,
+            ):
+                count += 1
+        if count == 1:
+            src_step = dst_step = length
+        pairs.append(
+            SlicePair(src_buffer, src_at, dst_buffer, dst_at, length, count, src_step, dst_step)
+        )
+        i += count
+    return pairs
 
 
 def _contiguous(s: Region, src_start: int, d: Region, dst_start: int, length: int) -> SlicePair:

@@ -97,9 +97,11 @@ def group_pairs(src: tuple[Region, ...], dst: tuple[Region, ...]) -> PairGroups:
 def group_slice_pairs(pairs: Sequence[SlicePair]) -> PairGroups:
     """`group_pairs` of every run of every pair, without a `Region` per run.
 
-    A head-slice pull is thousands of runs (64 MiB of a bench cache split in
-    two is 4096 runs of 16 KiB) but a few pairs, each an arithmetic progression
-    on both sides; the runs are expanded and grouped with array operations:
+    A head-slice pull is hundreds to thousands of runs (64 MiB of a bench
+    cache split in two is 256 runs of 128 KiB under V2, one per block, and
+    1024 of 32 KiB under V1, one per layer and block) but a few pairs, each an
+    arithmetic progression on both sides; the runs are expanded and grouped
+    with array operations:
 
         pair (src_offset, dst_offset, run, num_runs, src_stride, dst_stride)
         run i:  src_offset + i * src_stride  ->  dst_offset + i * dst_stride

@@ -1,16 +1,17 @@
 """Transfer plans: which source bytes land at which destination bytes.
 
 Both managers describe a request as segments keyed by what they hold:
-`(attention ordinal, logical block)` -> one `[2, kv_heads, block_size,
-head_dim]` KV segment, `(mamba ordinal, "conv" | "ssm")` -> one state segment.
-Segment *contents* are laid out identically in V1 and V2; only their
-addresses differ. Pairing segments by key therefore bridges V1 and V2, and
-merging runs that are contiguous on both sides turns V2 -> V2 into one range
-per block (V1 -> V1: one range per layer and run of adjacent blocks):
+`(attention ordinal, logical block)` -> one KV segment of per-head pieces
+`[2, block_size, head_dim]`, `(mamba ordinal, "conv" | "ssm")` -> one state
+segment. Pieces and state segments are laid out identically in V1 and V2;
+only their addresses differ. Pairing them by key therefore bridges V1 and
+V2, and merging runs that are contiguous on both sides turns V2 -> V2 into
+one range per run of adjacent blocks (V1 -> V1: one range per layer and run
+of adjacent blocks):
 
-    src  |L0B3|L1B3|L0B4|L1B4|        (V2: block-major)
-    dst  |L0B7|L1B7|L0B8|L1B8|        -> one range of 4 segments
-    dst  |L0B7|L0B8| ... |L1B7|L1B8|  (V1) -> four ranges
+    src  |B3: h0L0 h0L1 h1L0 h1L1|B4: ...|   (V2: block-major, head-outer)
+    dst  |B7: h0L0 h0L1 h1L0 h1L1|B8: ...|   -> one range
+    dst  |L0: B7h0 B7h1 B8h0 ...|L1: ...|    (V1) -> a range per piece
 
 The plan is pure Python over `Region`s.
 """
@@ -21,6 +22,8 @@ import bisect
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
+
 from kvcache.layout import Region, RequestRegions
 from transfer.errors import LayoutMismatch
 
@@ -28,76 +31,171 @@ RegionPair = tuple[Region, Region]
 
 
 def plan_ranges(request_id: str, src: RequestRegions, dst: RequestRegions) -> list[RegionPair]:
-    """Pair every source segment with the destination segment of the same key,
-    merging runs contiguous on both sides; ordered by source address.
+    """Pair every source KV piece and Mamba segment with the destination's of
+    the same key, merging runs contiguous on both sides; ordered by source
+    address.
 
     Raises `LayoutMismatch` if the key sets or any segment lengths differ (the
     destination allocated a different number of blocks, or the layouts disagree
     on block size, heads, head dim, dtype or Mamba shapes).
-
-    A 256 MiB request is thousands of segments but usually a handful of
-    ranges, so nothing the garbage collector tracks is made per segment (only
-    ints in flat lists): objects per segment would start collections in the
-    middle of a transfer. A `Region` is made per merged range.
     """
-    merged: list[RegionPair] = []
-    by_source = _pair_by_source_buffer(request_id, src, dst)
-    for buffer in sorted(by_source):
-        offsets, sources, dests = by_source[buffer]
-        start = end = dst_start = dst_end = -1
-        dst_buffer = ""
-        for i in sorted(range(len(offsets)), key=offsets.__getitem__):
-            s, d = sources[i], dests[i]
-            if s.offset == end and d.buffer == dst_buffer and d.offset == dst_end:
-                end += s.length
-                dst_end += s.length
-                continue
-            if start >= 0:
-                merged.append(_range_pair(buffer, start, dst_buffer, dst_start, end - start))
-            start, end, dst_buffer, dst_start, dst_end = s.offset, s.end, d.buffer, d.offset, d.end
-        if start >= 0:
-            merged.append(_range_pair(buffer, start, dst_buffer, dst_start, end - start))
-    return merged
-
-
-_Paired = tuple[list[int], list[Region], list[Region]]  # source offsets, sources, destinations
-
-
-def _pair_by_source_buffer(
-    request_id: str, src: RequestRegions, dst: RequestRegions
-) -> dict[str, _Paired]:
-    """Source buffer -> its segments and their destinations, in parallel lists."""
-    maps: list[tuple[str, Mapping[Any, Region], Mapping[Any, Region]]] = [
-        ("kv_segments", src.kv_segments, dst.kv_segments),
-        ("mamba_segments", src.mamba_segments, dst.mamba_segments),
+    heads = _kv_heads(request_id, src)
+    kv = [
+        _range_pair(*piece)
+        for piece in kv_piece_pairs(request_id, src, dst, (0, heads), (0, 0), (heads, heads))
     ]
-    by_source: dict[str, _Paired] = {}
-    for name, src_map, dst_map in maps:
-        # Key views compare as sets without building any.
-        if src_map.keys() != dst_map.keys():
-            missing = len(src_map.keys() - dst_map.keys())
-            extra = len(dst_map.keys() - src_map.keys())
+    return sorted([*kv, *_mamba_ranges(request_id, src, dst)], key=lambda p: _by_address(p[0]))
+
+
+PiecePair = tuple[str, int, str, int, int]  # src buffer, src offset, dst buffer, dst offset, length
+
+
+def kv_piece_pairs(
+    request_id: str,
+    src: RequestRegions,
+    dst: RequestRegions,
+    heads: tuple[int, int],
+    firsts: tuple[int, int],
+    counts: tuple[int, int],
+) -> list[PiecePair]:
+    """The pieces of heads `[heads[0], heads[1])` of every KV segment, source
+    to destination, merged where contiguous on both sides, by source address.
+
+    Head `h` is piece `h - firsts[0]` of a source segment and `h - firsts[1]`
+    of its destination; the sides' segments hold `counts` heads. In V2 the
+    pieces of a head range of a block lie next to each other through all
+    layers, so a block's share is one pair (and so is a run of blocks that
+    are consecutive on both sides). The pieces are expanded and merged with
+    array operations: no object per piece.
+    """
+    _check_kv(request_id, src, dst, counts)
+    if not src.kv_segments or heads[0] >= heads[1]:
+        return []
+    src_spans = list(src.kv_segments.values())
+    dst_spans = list(map(dst.kv_segments.__getitem__, src.kv_segments))
+    src_buffers, src_offsets = _columns(src_spans)
+    dst_buffers, dst_offsets = _columns(dst_spans)
+    names = sorted({*src_buffers, *dst_buffers})
+    step = np.arange(heads[0], heads[1], dtype=np.int64)
+    src_at = (src_offsets[:, None] + (step - firsts[0]) * src.kv_head_stride).ravel()
+    dst_at = (dst_offsets[:, None] + (step - firsts[1]) * dst.kv_head_stride).ravel()
+    src_buf = np.repeat(_codes(src_buffers, names), step.size)
+    dst_buf = np.repeat(_codes(dst_buffers, names), step.size)
+    order = np.lexsort((src_at, src_buf))
+    src_at, dst_at, src_buf, dst_buf = src_at[order], dst_at[order], src_buf[order], dst_buf[order]
+    piece = src.kv_head_bytes
+    continues = (
+        (src_buf[1:] == src_buf[:-1])
+        & (dst_buf[1:] == dst_buf[:-1])
+        & (src_at[1:] == src_at[:-1] + piece)
+        & (dst_at[1:] == dst_at[:-1] + piece)
+    )
+    starts = np.concatenate(([0], np.flatnonzero(~continues) + 1))
+    lengths = np.diff(np.concatenate((starts, [src_at.size]))) * piece
+    return [
+        (names[sb], so, names[db], do, n)
+        for sb, so, db, do, n in zip(
+            src_buf[starts].tolist(),
+            src_at[starts].tolist(),
+            dst_buf[starts].tolist(),
+            dst_at[starts].tolist(),
+            lengths.tolist(),
+            strict=True,
+        )
+    ]
+
+
+def _columns(spans: list[Region]) -> tuple[list[str], np.ndarray]:
+    """Buffer names and offsets of `spans`, as a list of (interned) str and an
+    int array: no object the garbage collector tracks per span."""
+    return [r.buffer for r in spans], np.array([r.offset for r in spans], dtype=np.int64)
+
+
+def _codes(buffers: list[str], names: list[str]) -> np.ndarray:
+    if len(names) == 1:
+        return np.zeros(len(buffers), dtype=np.int64)
+    code = {name: i for i, name in enumerate(names)}
+    return np.array([code[b] for b in buffers], dtype=np.int64)
+
+
+def _kv_heads(request_id: str, regions: RequestRegions) -> int:
+    """Heads per KV segment, as the spans say."""
+    if not regions.kv_segments:
+        return 0
+    span = next(iter(regions.kv_segments.values()))
+    return (span.length - regions.kv_head_bytes) // max(regions.kv_head_stride, 1) + 1
+
+
+def _check_kv(
+    request_id: str, src: RequestRegions, dst: RequestRegions, counts: tuple[int, int]
+) -> None:
+    _check_same_keys(request_id, "kv_segments", src.kv_segments, dst.kv_segments)
+    if src.kv_segments and src.kv_head_bytes != dst.kv_head_bytes:
+        raise LayoutMismatch(
+            request_id,
+            ["kv_segments"],
+            f"a KV head's piece is {src.kv_head_bytes} bytes on the source, "
+            f"{dst.kv_head_bytes} here",
+        )
+    for side, regions, count in (("source", src, counts[0]), ("destination", dst, counts[1])):
+        span = (count - 1) * regions.kv_head_stride + regions.kv_head_bytes
+        lengths = np.array([r.length for r in regions.kv_segments.values()], dtype=np.int64)
+        wrong = np.flatnonzero(lengths != span)
+        if wrong.size:
+            key, region = list(regions.kv_segments.items())[wrong[0]]
             raise LayoutMismatch(
                 request_id,
-                [name],
-                f"the destination lacks {missing} and has {extra} extra segments; "
-                f"allocate as many blocks (and a Mamba slot) as the source holds",
+                ["kv_segments"],
+                f"segment {key} on the {side} spans {region.length} "
+                f"bytes where {count} heads span {span}",
             )
-        for key, s in src_map.items():
-            d = dst_map[key]
-            if s.length != d.length:
-                raise LayoutMismatch(
-                    request_id,
-                    [name],
-                    f"segment {key} is {s.length} bytes on the source, {d.length} here",
+
+
+def _check_same_keys(
+    request_id: str, name: str, src_map: Mapping[Any, Region], dst_map: Mapping[Any, Region]
+) -> None:
+    # Key views compare as sets without building any.
+    if src_map.keys() != dst_map.keys():
+        missing = len(src_map.keys() - dst_map.keys())
+        extra = len(dst_map.keys() - src_map.keys())
+        raise LayoutMismatch(
+            request_id,
+            [name],
+            f"the destination lacks {missing} and has {extra} extra segments; "
+            f"allocate as many blocks (and a Mamba slot) as the source holds",
+        )
+
+
+def _by_address(region: Region) -> tuple[str, int]:
+    return region.buffer, region.offset
+
+
+def _mamba_ranges(request_id: str, src: RequestRegions, dst: RequestRegions) -> list[RegionPair]:
+    """Mamba segments paired by key, merged where contiguous on both sides."""
+    _check_same_keys(request_id, "mamba_segments", src.mamba_segments, dst.mamba_segments)
+    merged: list[RegionPair] = []
+    for key, s in sorted(src.mamba_segments.items(), key=lambda item: _by_address(item[1])):
+        d = dst.mamba_segments[key]
+        if s.length != d.length:
+            raise LayoutMismatch(
+                request_id,
+                ["mamba_segments"],
+                f"segment {key} is {s.length} bytes on the source, {d.length} here",
+            )
+        if merged:
+            last_s, last_d = merged[-1]
+            if (last_s.buffer, last_s.end, last_d.buffer, last_d.end) == (
+                s.buffer,
+                s.offset,
+                d.buffer,
+                d.offset,
+            ):
+                merged[-1] = _range_pair(
+                    s.buffer, last_s.offset, d.buffer, last_d.offset, last_s.length + s.length
                 )
-            paired = by_source.get(s.buffer)
-            if paired is None:
-                paired = by_source[s.buffer] = ([], [], [])
-            paired[0].append(s.offset)
-            paired[1].append(s)
-            paired[2].append(d)
-    return by_source
+                continue
+        merged.append((s, d))
+    return merged
 
 
 def _range_pair(

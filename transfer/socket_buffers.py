@@ -200,8 +200,8 @@ class SocketBuffers:
         destination takes either as one range. A contiguous source landing in
         strided runs here (more heads per block on this side) is received
         straight into the runs where the connection is a byte stream and the
-        runs are long (head-major blocks: a head of a block is
-        `block_size * head_dim` elements); else a staging chunk at a time,
+        runs are long (head-outer blocks: a head of a block is
+        `2 * block_size * head_dim` elements); else a staging chunk at a time,
         scattered by one strided copy per chunk, rather than as thousands of
         small receives.
         """

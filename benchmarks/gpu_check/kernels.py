@@ -50,10 +50,10 @@ def _attention(device: str, dtype: str, seq_lens: list[int]) -> dict[str, Any]:
     torch_dtype, block_size, heads, kv_heads, head_dim = DTYPES[dtype], 16, 16, 4, 64
     width = -(-max(seq_lens) // block_size)
     num_blocks = width * len(seq_lens) + 1
-    # Two layers of a V2 pool, head-major blocks as `kvcache.pool_layout` lays them out.
-    pool = torch.randn(num_blocks, 2, 2, kv_heads, block_size, head_dim, device=device)
-    pool = pool.to(torch_dtype).transpose(3, 4)
-    key, value = pool[:, 1, 0], pool[:, 1, 1]
+    # Two layers of a V2 pool, head-outer blocks as `kvcache.pool_layout` lays them out.
+    pool = torch.randn(num_blocks, kv_heads, 2, 2, block_size, head_dim, device=device)
+    pool = pool.to(torch_dtype)
+    key, value = pool[:, :, 1, 0].transpose(1, 2), pool[:, :, 1, 1].transpose(1, 2)
     ids = (torch.randperm(num_blocks - 1, device=device) + 1)[: width * len(seq_lens)]
     tables = ids.view(len(seq_lens), width)
     lens = torch.tensor(seq_lens, device=device)

@@ -52,10 +52,9 @@ class _Pool:
         self.tensors: CacheTensors = allocate_cache_tensors(self.manager, device)
 
     def segments(self, request_id: str) -> list[tuple[object, Region]]:
-        """The request's KV and Mamba segments in a fixed (logical) order."""
-        regions = self.manager.regions(request_id)
-        both = [*regions.kv_segments.items(), *regions.mamba_segments.items()]
-        return sorted(both, key=lambda item: repr(item[0]))
+        """The request's KV pieces and Mamba segments in a fixed (logical) order."""
+        regions = self.manager.regions(request_id).contiguous_segments()
+        return sorted(regions.items(), key=lambda item: repr(item[0]))
 
     def expected(self, request_id: str) -> list[torch.Tensor]:
         """The seeded bytes of every segment (the same on both sides)."""

@@ -4,9 +4,9 @@ A *pool* here is any tensor `[num_blocks, ...]` whose per-block region
 `pool[b]` is contiguous; `pool.stride(0)` may be larger than the region, so
 strided views work as long as each block's row is dense:
 
-    V1 per-layer pool    [num_blocks, 2, kv_heads, block_size, head_dim]
-    V2 block-major pool  [num_blocks, num_attn_layers, 2, kv_heads, block_size, head_dim]
-    V2 one-layer view    v2_pool[:, layer]          -> rows of 2*bs*h*d, stride(0) = L*2*bs*h*d
+    V1 per-layer pool    [num_blocks, ...] one layer's blocks
+    V2 block-major pool  [num_blocks, ...] every layer's KV of a block
+    a layer of a pool    v2_pool[:, layer]          -> rows of one layer, stride(0) = L * row
     Mamba slot pool      [num_slots, ...]
 
 The kernels treat the pool as `[num_blocks, row_elems]` with a row stride:

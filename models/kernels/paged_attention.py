@@ -12,10 +12,10 @@ Shapes (the contract of `models/batch.py`):
 The caches are usually views into a larger pool, so every stride is passed to
 the kernel instead of assuming contiguity:
 
-    V1  pool[num_blocks, 2, h, bs, d]           key = pool[:, 0].transpose(1, 2)
-    V2  pool[num_blocks, L, 2, h, bs, d]        key = pool[:, l, 0].transpose(1, 2)
+    V1  pool[num_blocks, h, 2, bs, d]           key = pool[:, :, 0].transpose(1, 2)
+    V2  pool[num_blocks, h, L, 2, bs, d]        key = pool[:, :, l, 0].transpose(1, 2)
 
-(head-major blocks, see `kvcache.pool_layout`: a kv head's keys of a block
+(head-outer blocks, see `kvcache.pool_layout`: a kv head's keys of a block
 are one contiguous `[bs, d]` tile, which is what a program here reads).
 
 Grouped-query attention: query head `qh` reads kv head `qh // (num_heads // kv_heads)`.

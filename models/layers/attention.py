@@ -202,7 +202,7 @@ def _batched_decode(
     def gather(cache: torch.Tensor) -> torch.Tensor:
         """`[B, kv_heads, span, d]`: a KV head is SDPA's head and its
         `heads // kv_heads` queries are SDPA's query rows. Blocks are gathered
-        as the pool holds them (head-major, `[kv_heads, bs, d]` each)."""
+        as the pool holds them (a `[bs, d]` tile per kv head)."""
         picked = cache.transpose(1, 2).index_select(0, blocks)
         picked = picked.view(num_seqs, num_blocks, kv_heads, block_size, head_dim)
         return picked.transpose(1, 2).reshape(num_seqs, kv_heads, span, head_dim)

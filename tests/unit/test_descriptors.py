@@ -65,10 +65,12 @@ def test_pattern_written_through_views_reads_back_through_regions(name: str) -> 
         for j, block_id in enumerate(regions.block_ids):
             layer.key_cache[block_id] = torch.randn(BLOCK_SIZE, 2, 4, generator=gen)
             layer.value_cache[block_id] = torch.randn(BLOCK_SIZE, 2, 4, generator=gen)
-            # A segment: keys then values, each head-major [kv_heads, block_size, head_dim].
+            # A segment: per head a piece, its keys then its values [2, block_size, head_dim].
             pair = torch.stack([layer.key_cache[block_id], layer.value_cache[block_id]])
-            expected = as_bytes(pair.transpose(1, 2))
-            assert tensors.read_region(regions.kv_segments[(k, j)]) == expected
+            pieces = regions.kv_pieces(regions.kv_segments[(k, j)])
+            assert len(pieces) == 2
+            for h, piece in enumerate(pieces):
+                assert tensors.read_region(piece) == as_bytes(pair[:, :, h])
     for m, state in enumerate(views.mamba):
         state.conv_state[slot] = torch.randn(6, 3, generator=gen)
         state.ssm_state[slot] = torch.randn(2, 4, 5, generator=gen)
@@ -101,7 +103,7 @@ def test_regions_cover_exactly_the_bytes_of_the_requests_blocks_and_slot(name: s
         state.conv_state[slot].view(torch.uint8).fill_(MARK)
         state.ssm_state[slot].view(torch.uint8).fill_(MARK)
 
-    segments = [*regions.kv_segments.values(), *regions.mamba_segments.values()]
+    segments = list(regions.contiguous_segments().values())
     seg_mask, desc_mask = masks(tensors, segments), masks(tensors, list(regions.descriptors))
     for buf_name, buf in tensors.buffers().items():
         assert torch.equal(buf == MARK, seg_mask[buf_name]), buf_name
@@ -132,8 +134,8 @@ def test_v1_segments_scatter_into_v2_blocks_one_for_one() -> None:
     gen = torch.Generator().manual_seed(1)
     for buf in t1.buffers().values():
         buf.copy_(torch.randint(0, 256, buf.shape, generator=gen, dtype=torch.uint8))
-    pairs = [(src, r2.kv_segments[key]) for key, src in r1.kv_segments.items()]
-    pairs += [(src, r2.mamba_segments[key]) for key, src in r1.mamba_segments.items()]
+    pieces = r2.contiguous_segments()
+    pairs = [(src, pieces[key]) for key, src in r1.contiguous_segments().items()]
     for src, dst in pairs:
         assert src.length == dst.length
         t2.write_region(dst, t1.read_region(src))

@@ -109,24 +109,24 @@ def test_head_slices_of_adjacent_blocks_merge_into_one_strided_read() -> None:
     for holder in holders:
         assert holder.manager.allocate_slots("req", NUM_TOKENS)
     _, plans = pull_all(holders, make_rank(DENSE_KV4, 0, 1, "v2", pad_blocks=2))
-    # Three blocks of three layers, keys and values: one read per holder, of
-    # 3 x 3 x 2 runs, each both of a holder's heads of a block (head-major).
+    # Three blocks of three layers: one read per holder, of 3 runs, each a
+    # holder's two heads of a block through all layers (head-outer).
     assert [len(pairs) for pairs in plans] == [1, 1]
     (pair,) = plans[1]
-    head_bytes = BLOCK_SIZE * 8 * 4
-    assert (pair.run, pair.num_runs) == (2 * head_bytes, 3 * 3 * 2)
-    assert (pair.src_stride, pair.dst_stride) == (2 * head_bytes, 4 * head_bytes)
+    piece = 2 * BLOCK_SIZE * 8 * 4  # one head's keys and values of a layer's block
+    assert (pair.run, pair.num_runs) == (2 * 3 * piece, 3)
+    assert (pair.src_stride, pair.dst_stride) == (2 * 3 * piece, 4 * 3 * piece)
 
 
 def test_a_head_slice_of_a_block_is_one_run_per_keys_and_values() -> None:
-    """2 -> 4: a puller rank's one head of each block's keys (or values) is one
-    run of block_size x head_dim, whatever the blocks' order on either side."""
+    """2 -> 4 on V1: a puller rank's one head of each layer's block is one run
+    of its keys and values, whatever the blocks' order on either side."""
     holder = make_rank(DENSE_KV4, 1, 2, "v1")
     assert holder.manager.allocate_slots("req", NUM_TOKENS)
     _, (pairs,) = pull_all([holder], make_rank(DENSE_KV4, 3, 4, "v1", pad_blocks=2))
-    head_bytes = BLOCK_SIZE * 8 * 4
-    assert {pair.run for pair in pairs} == {head_bytes}
-    assert sum(pair.num_runs for pair in pairs) == 3 * 3 * 2
+    piece = 2 * BLOCK_SIZE * 8 * 4
+    assert {pair.run for pair in pairs} == {piece}
+    assert sum(pair.num_runs for pair in pairs) == 3 * 3
 
 
 def test_replicated_kv_head_is_read_from_the_lowest_holder_only() -> None:
@@ -161,10 +161,13 @@ def test_shards_of_different_models_are_refused_before_any_byte_moves() -> None:
     assert "head_dim" in refused_plan(make_rank(DENSE_KV4, 0, 2, "v2"), other)
 
 
+@pytest.mark.parametrize("order", ["token_major", "head_major"])
 @pytest.mark.parametrize("same_heads", [True, False])
-def test_a_token_major_holder_is_refused_before_any_byte_moves(same_heads: bool) -> None:
+def test_a_holder_of_another_kv_order_is_refused_before_any_byte_moves(
+    same_heads: bool, order: str
+) -> None:
     holder = make_rank(DENSE_KV4, 0, 1 if same_heads else 2, "v2")
-    refused = refused_plan(holder, make_rank(DENSE_KV4, 0, 1, "v1"), kv_order="token_major")
+    refused = refused_plan(holder, make_rank(DENSE_KV4, 0, 1, "v1"), kv_order=order)
     assert "kv_order" in refused
 
 

@@ -77,7 +77,8 @@ async def test_moves_kv_and_mamba_bytes_exactly_between_any_managers(
     handle = TransferHandle.from_bytes(src.publish("r1").to_bytes())
     await dst.pull(handle, 3 * BLOCK_SIZE - 1)
     assert dst.segments("r1") == sent
-    assert len(sent) == 2 * 3 + 2 * 2  # (layer, block) KV and (layer, kind) Mamba segments
+    # (layer, block, head) KV pieces and (layer, kind) Mamba segments
+    assert len(sent) == 2 * 3 * HYBRID.num_kv_heads + 2 * 2
     assert src.released == ["r1"]
     assert src.manager.num_free_blocks == free_before
     assert src.xcvr.num_pinned == 0
@@ -130,7 +131,7 @@ async def test_scattered_destination_of_hundreds_of_pieces_lands_exactly() -> No
 
 async def test_payload_bytes_never_pass_through_python_memory() -> None:
     """Sent from views of the holder's pool, received straight into the puller's:
-    Python memory stays below one 1 MiB segment during a 24 MiB pull."""
+    Python memory stays below one 1 MiB (layer, block) segment during a 24 MiB pull."""
     big = CacheSpec(num_kv_heads=16, head_dim=256, attention_layers=(0, 1))
 
     def endpoint() -> Endpoint:
@@ -144,7 +145,7 @@ async def test_payload_bytes_never_pass_through_python_memory() -> None:
         num_tokens = 12 * 32
         sent = src.fill("r1", num_tokens)
         handle = src.publish("r1")
-        assert {len(b) for b in sent.values()} == {1 << 20}
+        assert {len(b) for b in sent.values()} == {(1 << 20) // big.num_kv_heads}
 
         tracemalloc.start()
         try:

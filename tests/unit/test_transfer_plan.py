@@ -28,10 +28,10 @@ def test_every_segment_lands_on_its_counterpart(src_kind: str, dst_kind: str) ->
 
     pairs = plan_ranges("r", src, dst)
 
-    segments = [*src.kv_segments.items(), *src.mamba_segments.items()]
-    destinations = {**dst.kv_segments, **dst.mamba_segments}
+    segments = src.contiguous_segments().items()
+    destinations = dst.contiguous_segments()
     for key, s in segments:
-        d = destinations[key]  # type: ignore[index]
+        d = destinations[key]
         covering = [
             (ps, pd)
             for ps, pd in pairs
@@ -50,7 +50,7 @@ def test_v2_to_v2_in_order_blocks_merge_into_one_range_per_buffer() -> None:
 
     pairs = plan_ranges("r", src, dst)
 
-    kv_bytes = sum(r.length for r in src.kv_segments.values())
+    kv_bytes = sum(r.length for r in src.descriptors if r.buffer == "kv")
     mamba_bytes = sum(r.length for r in src.mamba_segments.values())
     kv_start = min(r.offset for r in src.kv_segments.values())
     assert pairs == [
@@ -77,6 +77,21 @@ def test_runs_split_where_the_destination_is_not_contiguous() -> None:
     kv = [(s, d) for s, d in pairs if s.buffer.startswith("kv")]
     assert len(kv) == runs * len(HYBRID.attention_layers)
     assert sum(s.length for s, _ in kv) == sum(r.length for r in src.kv_segments.values())
+
+
+def test_v1_to_v2_moves_each_head_of_each_layer_alone() -> None:
+    """A V1 segment's heads are next to each other, a V2 segment's a block's
+    layers apart: one range per head and segment, to the head's place."""
+    src_manager = create_manager("v1", HYBRID, 16, BLOCK_SIZE, 2)
+    dst_manager = create_manager("v2", HYBRID, 16, BLOCK_SIZE, 2)
+    src, dst = _request(src_manager, "r", 3), _request(dst_manager, "r", 3)
+
+    kv = [(s, d) for s, d in plan_ranges("r", src, dst) if s.buffer.startswith("kv")]
+
+    assert len(kv) == len(src.kv_segments) * HYBRID.num_kv_heads
+    assert {s.length for s, _ in kv} == {src.kv_head_bytes}
+    pieces = [r for key, r in dst.contiguous_segments().items() if len(key) == 3]
+    assert {d for _, d in kv} == set(pieces)
 
 
 def test_mismatched_block_counts_name_what_to_allocate() -> None:
