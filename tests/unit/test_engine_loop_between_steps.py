@@ -5,6 +5,7 @@ loop's stats count the steps and the time they took."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
 
@@ -83,4 +84,27 @@ async def test_stats_count_steps_and_the_wall_time_spent_in_them() -> None:
         await asyncio.sleep(0.01)
     assert loop.stats.tokens == 3
     assert loop.stats.busy_s >= 3 * STEP_S  # a sleep lasts at least that long
+    await loop.stop()
+
+
+async def test_work_beside_a_step_runs_while_its_model_computes() -> None:
+    """A pull's allocation need not wait for the step in flight: the event
+    loop is free while the model runs, and `run_beside_step` runs at once,
+    where `run_between_steps` waits for the step to end."""
+    computing, release = threading.Event(), threading.Event()
+
+    def model() -> None:
+        computing.set()
+        release.wait(5.0)
+
+    core: Any = ScriptedCore([model])
+    loop = EngineLoop(core)
+    loop.start()
+    await asyncio.get_running_loop().run_in_executor(None, computing.wait, 5.0)
+    between = asyncio.ensure_future(loop.run_between_steps(lambda: "after the step"))
+    assert loop.run_beside_step(lambda: "now") == "now"
+    await asyncio.sleep(0.05)
+    assert not between.done() and loop.stats.steps == 0
+    release.set()
+    assert await asyncio.wait_for(between, 5.0) == "after the step"
     await loop.stop()
