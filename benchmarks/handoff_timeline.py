@@ -60,7 +60,7 @@ from typing import Any
 import ray
 
 from benchmarks.serve_compare import SMOLLM2, resolve_model
-from benchmarks.serve_targets import Setup, base_config, pinned_1p1d
+from benchmarks.serve_targets import Setup, base_config, first_token_setting, pinned_1p1d
 from cluster.config import config_from_dict
 from cluster.launcher import init_local_ray, launch
 from cluster.metrics import ServingMetrics
@@ -226,8 +226,11 @@ async def _run(args: argparse.Namespace, checkpoint: Path) -> int:
         vllm_python=Path(sys.executable),
         workdir=Path(tempfile.gettempdir()),
         pin_instances=not args.unpinned,
+        first_token_at=args.first_token_at,
     )
     config_dict, _ = pinned_1p1d(base_config(setup, args.transceiver), setup)
+    config_dict, when = first_token_setting(config_dict, setup)
+    print(f"first token at {when}")
     config = config_from_dict(config_dict)
     cluster = await launch(resolve_plan(config), 300)
     metrics = ServingMetrics()
@@ -257,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--first-token-at",
+        choices=("prefill", "admission"),
+        help="router.first_token_at (default: the config's default)",
+    )
     parser.add_argument("--show-steps", type=int, default=10, help="longest steps listed")
     parser.add_argument(
         "--unpinned", action="store_true", help="no cpu_affinity: the OS places both instances"

@@ -19,7 +19,9 @@ Prefix caching (vLLM) and block reuse (ours) are off unless
 `--prefix-caching`; the table says which.
 Both 1P1D setups run each instance on a core of its own (vLLM's by
 `taskset`, ours by `cpu_affinity`); `--unpinned` lets ours float over
-`--cpus` instead, to measure what the pinning buys.
+`--cpus` instead, to measure what the pinning buys. Our 1P1D's label says
+when its router sends a request's first token (`router.first_token_at`, the
+config's default unless `--first-token-at`).
 
 `ours-offline` is no server: our `EngineCore` stepped in a plain loop in one
 process, with no HTTP, router, Ray or asyncio in front
@@ -360,6 +362,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="our 1P1D instances float over --cpus (default: one core each, as vLLM's)",
     )
+    parser.add_argument(
+        "--first-token-at",
+        choices=("prefill", "admission"),
+        help="our 1P1D's router.first_token_at (default: the config's default; the label says)",
+    )
     parser.add_argument("--port", type=int, default=18100, help="first of the ports used")
     parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
     parser.add_argument("--workdir", type=Path, help="logs and configs (default: a temp dir)")
@@ -423,6 +430,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
         vllm_python=args.vllm_python,
         workdir=workdir.resolve(),
         pin_instances=not args.unpinned,
+        first_token_at=args.first_token_at,
     )
 
 

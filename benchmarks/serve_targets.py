@@ -58,6 +58,8 @@ class Setup:
     workdir: Path  # logs and generated configs
     # Our 1P1D: each instance on its own core of `cpus` (`cpu_affinity`), as vLLM's.
     pin_instances: bool = True
+    # Our 1P1D's `router.first_token_at`; None: the config's default.
+    first_token_at: str | None = None
 
     @property
     def url(self) -> str:
@@ -246,10 +248,21 @@ def pinned_1p1d(config: dict[str, Any], setup: Setup) -> tuple[dict[str, Any], s
     return (pinned, "1 core each") if accepts(pinned) else (config, "unpinned")
 
 
+def first_token_setting(config: dict[str, Any], setup: Setup) -> tuple[dict[str, Any], str]:
+    """`config` with the setup's `router.first_token_at` (if it names one), and
+    the setting the server will use (for the label)."""
+    if setup.first_token_at is not None:
+        config = config | {"router": config["router"] | {"first_token_at": setup.first_token_at}}
+    router = config_from_dict(config, source="<serve_compare>").router
+    return config, router.first_token_at
+
+
 def ours_1p1d(backend: str) -> Callable[[Setup], Launch]:
     def launch(setup: Setup) -> Launch:
         config, how = pinned_1p1d(base_config(setup, backend), setup)
-        return _ours(setup, f"ours-1p1d-{backend}", config, f"disagg 1P1D {backend} ({how})")
+        config, when = first_token_setting(config, setup)
+        label = f"disagg 1P1D {backend} ({how}; first token at {when})"
+        return _ours(setup, f"ours-1p1d-{backend}", config, label)
 
     return launch
 

@@ -47,6 +47,12 @@ class RouterConfig(_Strict):
     # Completions the server holds at once (running or waiting on a worker);
     # past it new requests get 429 with Retry-After instead of queueing.
     max_queued_requests: int = Field(default=256, gt=0)
+    # When a disaggregated request's first token (sampled by the context
+    # worker) goes to the client: "prefill" at once, before its cache moves
+    # (the transfer then sits between the first and second token); "admission"
+    # once the generation worker has the cache and admits the request (the
+    # transfer is part of TTFT and every later gap is one decode step).
+    first_token_at: Literal["prefill", "admission"] = "admission"
 
 
 class ConditionalDisaggConfig(_Strict):

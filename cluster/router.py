@@ -20,11 +20,14 @@ Failure rules: a dispatch that fails before any token reached the caller is
 retried on another worker of the same pool (a dead worker is marked
 unhealthy until it answers polls again, e.g. after Ray restarted it); after
 that, the caller gets a final error event. A disaggregated request's first
-token goes to the caller as soon as the context worker returns it, before
-the cache moves. A pull that fails before the generation worker reports it
-complete (`cache_ready`: the context worker died, stalled or the transfer
-timed out) resumes the request on another context worker: it prefills the
-prompt plus the tokens already sent and continues from there. So does a
+token (sampled by the context worker) goes to the caller when the
+generation worker reports the cache complete and the request admitted
+(`cache_ready`; `hold_first_token`, the default), or as soon as the context
+worker returns it, before the cache moves. A pull that fails before
+`cache_ready` (the context worker died, stalled or the transfer timed out)
+runs the request again on another context worker: from the start while the
+caller has nothing; once it has tokens, the prompt plus the tokens already
+sent is prefilled and the request continues from there. So does a
 request the generation worker hands back after a preemption (it cannot
 recompute a prompt whose images were encoded elsewhere). When the
 caller stops iterating (client disconnect), the request is aborted on every
@@ -96,6 +99,10 @@ class RoutingSettings:
     # Prompts longer than this (the context workers' prefill chunk) are
     # pulled chunk-pipelined; None: never.
     pipeline_above_tokens: int | None = None
+    # `router.first_token_at: admission`: a disaggregated request's first
+    # token waits for `cache_ready`; False sends it as the context worker
+    # returns it.
+    hold_first_token: bool = False
 
 
 class Router:
@@ -207,11 +214,13 @@ class Router:
         touched: list[WorkerEndpoint],
     ) -> AsyncGenerator[TokenEvent, None]:
         """Context, then generation. The context worker's first token goes to
-        the caller at once, before its cache moves. The request resumes from
-        the tokens the caller has (`Continuation`) when the pull fails (at
-        most `max_attempts` times) or when the generation worker hands it
-        back after a preemption (each round sends at least the context
-        worker's token, so that ends within `max_tokens` rounds)."""
+        the caller at `cache_ready` (`hold_first_token`) or at once. The
+        request runs again from the tokens the caller has (`Continuation`;
+        none yet: from the start) when the pull fails (at most
+        `max_attempts` times) or when the generation worker hands it back
+        after a preemption (a hand-back comes after `cache_ready`, so each
+        such round sent at least the context worker's token, and that ends
+        within `max_tokens` rounds)."""
         context_hashes = hashes
         if self.settings.context_block_size != self.settings.generation_block_size:
             context_hashes = self._routing_hashes(prompt, self.settings.context_block_size, images)
@@ -241,17 +250,22 @@ class Router:
                 context,
                 tuple(i.without_data() for i in images),
             )
-            resume.advance(first.token_ids)
             stream = self._stream_generation(request, hashes, touched, target)
             # The generation worker gets the request while the caller handles
             # the first token, not after.
             submitted = asyncio.ensure_future(anext(stream))
+            held = self.settings.hold_first_token
             try:
-                yield first
+                if not held:
+                    yield first
+                    resume.advance(first.token_ids)
                 handed_back = False
                 async for event in _started(submitted, stream):
                     handed_back = event.handed_back
-                    if not (event.cache_ready or handed_back):
+                    if event.cache_ready and held:
+                        yield first
+                        resume.advance(first.token_ids)
+                    elif not (event.cache_ready or handed_back):
                         yield resume.event(event)
                         resume.advance(event.token_ids)
                 if not handed_back:
@@ -266,7 +280,10 @@ class Router:
                 await asyncio.gather(submitted, return_exceptions=True)
                 await stream.aclose()
             target = None
-        yield _error_event(request_id, "cache transfer failed: " + "; ".join(errors))
+        why = "cache transfer failed: " + "; ".join(errors)
+        if not resume.sent:  # held first tokens only: the caller has nothing yet
+            raise RequestFailedError(request_id, why)
+        yield _error_event(request_id, why)
 
     def _prefetch_target(
         self, prompt: list[int], hashes: Sequence[bytes], touched: list[WorkerEndpoint]

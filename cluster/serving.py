@@ -198,6 +198,7 @@ def build_router(cluster: RunningCluster, config: ClusterConfig, metrics: Servin
         generation_block_size=block_size["generation"],
         hash_namespace=cluster.plan.hash_namespace,
         pipeline_above_tokens=chunk["context"] if pipelined else None,
+        hold_first_token=config.router.first_token_at == "admission",
     )
     return Router(endpoints("context"), endpoints("generation"), settings, metrics)
 

@@ -7,7 +7,7 @@ With a context result attached the worker allocates blocks (and a Mamba
 slot), pulls the prompt's cache through the transceiver in its own task —
 the running batch keeps stepping meanwhile — and then joins the running
 batch; the request's events start with one `cache_ready` event (no tokens)
-once the pull completed, then the *second* token (the first one came with
+as it joins the batch (its cache complete), then the *second* token (the first one came with
 the `ContextResult`). Without one it runs the whole request locally
 (aggregated mode and conditional disaggregation) and streams from the first
 token.
@@ -270,8 +270,9 @@ class GenerationWorker:
         self.engine.close()
 
     async def _admit(self, req: Request, pull: asyncio.Task[bool]) -> None:
-        """Wait for the pull, announce it (`cache_ready`), mark the cache
-        complete and join the batch (the last two in one gap between steps)."""
+        """Wait for the pull, then in one gap between steps mark the cache
+        complete, announce it (`cache_ready`) and join the batch: the next
+        step computes the request's next token."""
         try:
             error = await self._finish_pull(req, pull)
             if error is not None:
@@ -280,14 +281,14 @@ class GenerationWorker:
             ready = TokenEvent(
                 req.request_id, [], num_prompt_tokens=req.num_prompt_tokens, cache_ready=True
             )
-            self._post([ready])
-            manager = self.engine.manager
+            manager, unfinished = self.engine.manager, pull.result()
 
             def finish() -> None:
-                manager.finish_transfer(req.request_id, req.prompt_token_ids, req.images)
+                if unfinished:  # a prefetch that placed the cache finished it already
+                    manager.finish_transfer(req.request_id, req.prompt_token_ids, req.images)
+                self._post([ready])
 
-            # A prefetch that placed the cache finished it already.
-            self.engine.loop.submit(req, prefilled=True, prepare=finish if pull.result() else None)
+            self.engine.loop.submit(req, prefilled=True, prepare=finish)
         finally:
             self._admitting.discard(asyncio.current_task())  # type: ignore[arg-type]
 
@@ -349,13 +350,14 @@ class GenerationWorker:
                 await self._between_steps(lambda: manager.free(rid))
 
         def allocate() -> RequestRegions | None:
-            """The pull's destination, in one gap between steps; None while short."""
+            """The pull's destination (free blocks, so beside a step); None while short."""
             if not manager.allocate_for_transfer(rid, req.num_prompt_tokens):
                 return None
             return manager.regions(rid)
 
         handles, timeout_s = context.all_handles, self.config.transfer_timeout_s
-        # The holder's answer to a claim comes while the allocation waits for its gap.
+        # The holder's answer to a claim comes while the allocation runs (or
+        # waits for blocks).
         self.transceiver.claim_ahead(handles)
         try:
             regions = await self._allocate_destination(req, allocate)
@@ -375,9 +377,11 @@ class GenerationWorker:
     async def _allocate_destination(
         self, req: Request, allocate: Callable[[], RequestRegions | None]
     ) -> RequestRegions:
-        """Run `allocate` between steps until it finds room or `transfer_timeout_s` passes."""
+        """Run `allocate` until it finds room or `transfer_timeout_s` passes:
+        at once, beside a step in flight, so the pull starts without waiting
+        for that step to end (blocks it frees count from the next try)."""
         deadline = time.monotonic() + self.config.transfer_timeout_s
-        while (regions := await self._between_steps(allocate)) is None:
+        while (regions := self.engine.loop.run_beside_step(allocate)) is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"no free blocks for {req.num_prompt_tokens} tokens within "

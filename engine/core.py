@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.messages import TokenEvent
-from engine.model_runner import ModelRunner, SampledToken, StepTimings
+from engine.model_runner import ModelRunner, RunnerOutput, SampledToken, StepTimings
 from engine.request import FinishReason, Request
 from engine.scheduler import Scheduler, SchedulerOutput
 
@@ -27,6 +27,19 @@ from engine.scheduler import Scheduler, SchedulerOutput
 # reason or None. Built per request by the worker (EOS, stop tokens, stop
 # strings, max_tokens).
 StopCheck = Callable[[Request], FinishReason | None]
+
+
+@dataclass
+class StepPlan:
+    """A scheduled step: what the model computes, and the result so far
+    (requests that failed or were handed back while scheduling)."""
+
+    sched: SchedulerOutput
+    result: StepResult
+
+    @property
+    def is_empty(self) -> bool:
+        return self.sched.is_empty
 
 
 @dataclass
@@ -92,6 +105,18 @@ class EngineCore:
 
     def step(self) -> StepResult:
         """One engine iteration. Returns an empty result when nothing can run."""
+        plan = self.schedule()
+        if plan.is_empty:
+            return plan.result
+        return self.update(plan, self.execute(plan))
+
+    # A step in three calls, for a driver that runs the model on another
+    # thread (`engine.loop`): `schedule` and `update` change the scheduler
+    # and the cache manager; `execute` reads only the scheduled requests (their
+    # tokens, blocks and slots) and writes only their blocks and slots.
+
+    def schedule(self) -> StepPlan:
+        """Choose the step's chunks (allocating their blocks, preempting)."""
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         result = StepResult(
@@ -106,9 +131,15 @@ class EngineCore:
             result.events.append(self._final_event(ended, []))
             result.finished.append(ended)
             self._forget(ended.request_id)
-        if sched.is_empty:
-            return result
-        runner_out = self.runner.execute(sched.sequences)
+        return StepPlan(sched, result)
+
+    def execute(self, plan: StepPlan) -> RunnerOutput:
+        """Run the model on a non-empty plan."""
+        return self.runner.execute(plan.sched.sequences)
+
+    def update(self, plan: StepPlan, runner_out: RunnerOutput) -> StepResult:
+        """Apply the sampled tokens: advance, stop and free finished requests."""
+        sched, result = plan.sched, plan.result
         result.timings = runner_out.timings
         self.scheduler.commit(sched)
         self._apply_samples(sched, runner_out.sampled, result)

@@ -1,12 +1,17 @@
 """Drive an `EngineCore` from an actor's asyncio loop.
 
-Steps run on the process's compute thread (`engine.threads`), so the actor
-keeps answering calls (new requests, aborts, load reports, transfers) while
-the model computes. Every
-mutation of engine state — adding, aborting, freeing a handed-off request —
-is queued with `call_between_steps` and applied on the event loop while no
-step is running, so the scheduler and the cache manager only ever see one
-thread at a time.
+Each step's model runs on the process's compute thread (`engine.threads`),
+so the actor keeps answering calls (new requests, aborts, load reports,
+transfers) while the model computes; its scheduling and its update run on
+the event loop, so the scheduler and the cache manager only ever see one
+thread. Every mutation of engine state — adding, aborting, freeing a
+handed-off request — is queued with `call_between_steps` and applied while
+no step is running. Taking free blocks for a new request (a pull's
+destination) may run at once instead (`run_beside_step`): the model in
+flight reads only its scheduled requests.
+
+    event loop:   apply queued | schedule |     (free)     | update, send events | apply ...
+    compute:                              |--- the model --|
 
 Token events leave through one callback per step (`on_events`) with every
 request's new tokens of that step, never one call per token.
@@ -20,6 +25,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 from engine.core import EngineCore, StepResult
@@ -111,6 +117,17 @@ class EngineLoop:
         self._pending.append(fn)
         self._wake.set()
 
+    def run_beside_step(self, fn: Callable[[], T]) -> T:
+        """Run `fn` now, even while a step's model computes, and return its result.
+
+        Only for `fn` that touches no request of a step in flight, such as
+        allocating free blocks (and a Mamba slot) to a request not yet
+        submitted: a step's scheduling and update run on this event loop,
+        never at the same time as `fn`, and its model reads and writes only
+        the scheduled requests' blocks and slots (`EngineCore.execute`).
+        """
+        return fn()
+
     async def run_between_steps(self, fn: Callable[[], T]) -> T:
         """Run `fn` like `call_between_steps` and return its result (or raise its error).
 
@@ -185,13 +202,8 @@ class EngineLoop:
                         await self._wake.wait()
                         self.timeline.idled(time.perf_counter() - idle_from)
                     continue
-                started = self.timeline.starting()
-                result, timing = await asyncio.get_running_loop().run_in_executor(
-                    compute_executor(), timed_call, self.core.step
-                )
-                self.stats.busy_s += time.perf_counter() - started
+                result = await self._step()
                 self.stats.add(result)
-                self.timeline.stepped(started, timing, result.num_seqs, result.num_tokens)
                 self._dispatch(result)
                 if result.num_tokens == 0 and not result.events:
                     await asyncio.sleep(_BLOCKED_RETRY_S)
@@ -202,6 +214,20 @@ class EngineLoop:
             logger.exception("engine loop died; failing every request in flight")
             self._fail_open_streams(f"engine failed: {exc!r}")
             raise
+
+    async def _step(self) -> StepResult:
+        """Schedule here, run the model on the compute thread, update here."""
+        started = self.timeline.starting()
+        plan = self.core.schedule()
+        if plan.is_empty:
+            return plan.result
+        out, timing = await asyncio.get_running_loop().run_in_executor(
+            compute_executor(), timed_call, partial(self.core.execute, plan)
+        )
+        result = self.core.update(plan, out)
+        self.stats.busy_s += time.perf_counter() - started
+        self.timeline.stepped(started, timing, result.num_seqs, result.num_tokens)
+        return result
 
     def _fail_open_streams(self, error: str) -> None:
         """End every stream still open with a final error event."""

@@ -125,7 +125,8 @@ class TokenEvent:
     "abort" or "error"); with "error", `error` says what to change.
 
     A generation worker that pulls a cache first sends one event with no
-    tokens and no `finish_reason` once the pull completed (`cache_ready`): up
+    tokens and no `finish_reason` once the pull completed, as the request
+    joins its batch (`cache_ready`: the next token is one step away): up
     to then the request can still be re-run from its prefill elsewhere.
     A pulled request it preempts but cannot compute again (its images were
     encoded on the context worker) ends with `finish_reason` "preempted"

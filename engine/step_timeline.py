@@ -1,8 +1,9 @@
 """Every recent engine step of a worker, with what ran around it.
 
 A request's gap between two tokens is one step plus what the worker's event
-loop did before the next one: hand the step to the compute thread, wait for
-it, wake up with its result, send its events, apply the mutations queued
+loop did before the next one: schedule the step and hand its model to the
+compute thread, wait for it, wake up and apply its result, send its events,
+apply the mutations queued
 meanwhile (requests joining, blocks allocated for a pull, aborts), and run
 whatever else was ready (transfers, actor calls). One `StepRecord` per step
 splits that period:
@@ -38,11 +39,11 @@ class StepRecord:
     """One step and the gap after it, in seconds (`start` on `perf_counter`)."""
 
     start: float
-    handoff_s: float  # loop hands the step over -> the compute thread starts it
+    handoff_s: float  # loop schedules the step and hands it over -> the compute thread starts it
     step_s: float  # the step's wall time on the compute thread
     step_cpu_s: float  # the compute thread's CPU time in it
     process_cpu_s: float  # the whole process's CPU time in it (all threads)
-    wake_s: float  # the step returned -> the loop resumes with its result
+    wake_s: float  # the model returned -> the loop has applied its result
     gap_s: float  # the loop resumed -> the next step's start (idle time excluded)
     idle_s: float  # of the gap, waiting for work (no request to step)
     num_seqs: int

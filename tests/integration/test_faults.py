@@ -257,14 +257,51 @@ async def test_the_first_token_reaches_the_caller_before_the_cache_moves(
     await h.all_idle()
 
 
-async def test_killed_context_holder_is_retried_on_the_other_context_worker(
+async def test_a_held_first_token_waits_for_the_cache_and_the_stream_matches(
     harness: Harness,
 ) -> None:
-    """The holder dies after its prefill, before the pull: the puller gets
-    PeerGone (or times out), frees its blocks, and the router resumes the
-    request elsewhere after the first token it sent; the caller sees only the
-    fault-free tokens."""
+    """`router.first_token_at: admission`: while the generation workers are
+    paused no token reaches the caller, though the prefill is done; once
+    they resume, the first token and the rest are the fault-free ones."""
     h = harness
+    hold(h)
+    expected = tokens(await h.run("ref-held", PROMPTS[0], 8))
+    pids = {e.name: await pid_of(e.actor) for e in h.router.generation}
+    before = h.counts("generation", "generation")
+    for pid in pids.values():
+        h.paused.add(pid)
+        os.kill(pid, signal.SIGSTOP)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    stream = h.router.generate("held", PROMPTS[0], params)
+    first = asyncio.ensure_future(anext(stream))
+    try:
+        # Dispatched to a generation worker: the prefill is done.
+        await h.wait_routed("generation", "generation", before)
+        await asyncio.sleep(TIMEOUT_S / 4)
+        assert not first.done(), "a held first token reached the caller before its cache moved"
+    finally:
+        _resume_generation(h, pids)
+    head = await asyncio.wait_for(first, 4 * TIMEOUT_S)
+    rest = await asyncio.wait_for(_drain(stream), 4 * TIMEOUT_S)
+    assert tokens([head, *rest]) == expected and rest[-1].finish_reason == "length"
+    await h.all_idle()
+
+
+def hold(h: Harness, held: bool = True) -> None:
+    """Send disaggregated requests' first tokens at `cache_ready` (or at once)."""
+    h.router.settings = dataclasses.replace(h.router.settings, hold_first_token=held)
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["at-prefill", "held"])
+async def test_killed_context_holder_is_retried_on_the_other_context_worker(
+    harness: Harness, held: bool
+) -> None:
+    """The holder dies after its prefill, before the pull: the puller gets
+    PeerGone (or times out), frees its blocks, and the router runs the
+    request again elsewhere (from the first token it sent, or from the start
+    while that token is held); the caller sees only the fault-free tokens."""
+    h = harness
+    hold(h, held)
     [expected] = [tokens(await h.run("ref-holder", PROMPTS[1], 8))]
     task, holder, _puller, pids = await _paused_at_pull(h, "holder-dies", PROMPTS[1])
     os.kill(pids[holder], signal.SIGKILL)
@@ -278,10 +315,12 @@ async def test_killed_context_holder_is_retried_on_the_other_context_worker(
     await h.all_idle()  # the killed holder came back (restarted) with nothing pinned
 
 
+@pytest.mark.parametrize("held", [False, True], ids=["at-prefill", "held"])
 async def test_killed_puller_releases_the_holder_and_the_request_reruns(
-    harness: Harness,
+    harness: Harness, held: bool
 ) -> None:
     h = harness
+    hold(h, held)
     expected = tokens(await h.run("ref-puller", PROMPTS[2], 8))
     task, holder, puller, pids = await _paused_at_pull(h, "puller-dies", PROMPTS[2])
     os.kill(pids[puller], signal.SIGKILL)
@@ -385,8 +424,12 @@ async def test_the_request_moves_on_while_the_caller_holds_the_first_token(
     await h.all_idle(10.0)
 
 
-async def test_client_disconnect_during_the_pull_frees_both_sides(harness: Harness) -> None:
+@pytest.mark.parametrize("held", [False, True], ids=["at-prefill", "held"])
+async def test_client_disconnect_during_the_pull_frees_both_sides(
+    harness: Harness, held: bool
+) -> None:
     h = harness
+    hold(h, held)
     task, _holder, _puller, pids = await _paused_at_pull(h, "gone-early", PROMPTS[0])
     task.cancel()
     _resume_generation(h, pids)

@@ -88,6 +88,8 @@ def test_both_cache_sizing_keys_is_an_error() -> None:
 def test_bad_enum_value_names_the_key() -> None:
     with pytest.raises(ConfigError, match="router.type: .*prefix_aware"):
         config_from_dict({"model": "m", "router": {"type": "random"}})
+    with pytest.raises(ConfigError, match="router.first_token_at: .*admission"):
+        config_from_dict({"model": "m", "router": {"first_token_at": "decode"}})
 
 
 def test_missing_file_and_non_mapping_are_config_errors(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ def test_run_on_compute_thread_runs_there_and_nests_without_deadlock() -> None:
         run_on_compute_thread(lambda: 1 // 0)
 
 
-async def test_a_worker_builds_and_steps_its_engine_on_the_compute_thread(
+async def test_a_worker_builds_and_runs_its_model_on_the_compute_thread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     write_checkpoint(tmp_path, "llama", "tiny")
@@ -46,13 +46,13 @@ async def test_a_worker_builds_and_steps_its_engine_on_the_compute_thread(
     )
     compute = run_on_compute_thread(threading.get_ident)
     step_threads: set[int] = set()
-    step = worker.engine.core.step
+    execute = worker.engine.core.execute
 
-    def recording_step():  # type: ignore[no-untyped-def]
+    def recording_execute(plan):  # type: ignore[no-untyped-def]
         step_threads.add(threading.get_ident())
-        return step()
+        return execute(plan)
 
-    worker.engine.core.step = recording_step  # type: ignore[method-assign]
+    worker.engine.core.execute = recording_execute  # type: ignore[method-assign]
     await worker.start()
     try:
         params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -61,8 +61,8 @@ async def test_a_worker_builds_and_steps_its_engine_on_the_compute_thread(
         assert sum(len(e.token_ids) for e in events) == 4
     finally:
         await worker.shutdown()
-    # One thread builds the model and cache and runs every step: one OpenMP
-    # team in the process.
+    # One thread builds the model and cache and runs every step's model: one
+    # OpenMP team in the process.
     assert build_threads == [compute] and step_threads == {compute}
 
 

@@ -5,14 +5,15 @@ loop's stats count the steps and the time they took."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
 
-from engine.core import StepResult
 from engine.loop import EngineLoop
 from engine.messages import TokenEvent
 from engine.request import Request
 from engine.sampling import SamplingParams
+from tests.scripted_core import ScriptedCore
 
 
 class _IdleCore:
@@ -68,28 +69,42 @@ async def test_prepare_runs_in_the_admitting_gap_and_its_error_ends_the_request(
     await loop.stop()
 
 
-class _SleepingCore(_IdleCore):
-    """Three steps of one token, each at least `STEP_S` long."""
+STEP_S = 0.02
 
-    STEP_S = 0.02
 
-    def __init__(self) -> None:
-        self.left = 3
-
-    def has_work(self) -> bool:
-        return self.left > 0
-
-    def step(self) -> StepResult:
-        time.sleep(self.STEP_S)
-        self.left -= 1
-        return StepResult(num_tokens=1)
+def _sleep() -> None:
+    time.sleep(STEP_S)
 
 
 async def test_stats_count_steps_and_the_wall_time_spent_in_them() -> None:
-    loop = EngineLoop(_SleepingCore())
+    core: Any = ScriptedCore([_sleep] * 3)
+    loop = EngineLoop(core)
     loop.start()
     while loop.stats.steps < 3:
         await asyncio.sleep(0.01)
     assert loop.stats.tokens == 3
-    assert loop.stats.busy_s >= 3 * _SleepingCore.STEP_S  # a sleep lasts at least that long
+    assert loop.stats.busy_s >= 3 * STEP_S  # a sleep lasts at least that long
+    await loop.stop()
+
+
+async def test_work_beside_a_step_runs_while_its_model_computes() -> None:
+    """A pull's allocation need not wait for the step in flight: the event
+    loop is free while the model runs, and `run_beside_step` runs at once,
+    where `run_between_steps` waits for the step to end."""
+    computing, release = threading.Event(), threading.Event()
+
+    def model() -> None:
+        computing.set()
+        release.wait(5.0)
+
+    core: Any = ScriptedCore([model])
+    loop = EngineLoop(core)
+    loop.start()
+    await asyncio.get_running_loop().run_in_executor(None, computing.wait, 5.0)
+    between = asyncio.ensure_future(loop.run_between_steps(lambda: "after the step"))
+    assert loop.run_beside_step(lambda: "now") == "now"
+    await asyncio.sleep(0.05)
+    assert not between.done() and loop.stats.steps == 0
+    release.set()
+    assert await asyncio.wait_for(between, 5.0) == "after the step"
     await loop.stop()

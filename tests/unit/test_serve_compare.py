@@ -36,9 +36,11 @@ from benchmarks.serve_targets import (
     accepts,
     aggregated_sections,
     base_config,
+    first_token_setting,
     ours_offline,
     pinned_1p1d,
 )
+from cluster.config import RouterConfig
 
 
 def _setup(tmp_path: Path, prefix_caching: bool = False) -> Setup:
@@ -178,6 +180,16 @@ def test_our_1p1d_pins_one_core_per_instance_unless_told_not_to(tmp_path: Path) 
     unpinned = dataclasses.replace(setup, pin_instances=False)
     config, how = pinned_1p1d(base_config(unpinned, "python"), unpinned)
     assert "context_servers" not in config and how == "unpinned"
+
+
+def test_our_1p1d_says_when_its_router_sends_the_first_token(tmp_path: Path) -> None:
+    setup = _setup(tmp_path)
+    config, when = first_token_setting(base_config(setup, "python"), setup)
+    assert when == RouterConfig().first_token_at and "first_token_at" not in config["router"]
+    chosen = dataclasses.replace(setup, first_token_at="prefill")
+    config, when = first_token_setting(base_config(chosen, "python"), chosen)
+    assert when == "prefill" and config["router"]["first_token_at"] == "prefill"
+    assert parse_args(["--first-token-at", "admission"]).first_token_at == "admission"
 
 
 def test_block_reuse_follows_prefix_caching(tmp_path: Path) -> None:

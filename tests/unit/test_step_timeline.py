@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from dataclasses import replace
 
-from engine.core import StepResult
 from engine.loop import EngineLoop
 from engine.step_timeline import StepRecord, long_steps
+from tests.scripted_core import ScriptedCore
 
 
 def _sleep() -> None:
@@ -23,27 +22,13 @@ def _spin() -> None:
         pass
 
 
-class _ScriptedCore:
-    """Steps one decode token per queued action."""
-
-    def __init__(self, actions: list[Callable[[], None]]) -> None:
-        self.actions = actions
-
-    def has_work(self) -> bool:
-        return bool(self.actions)
-
-    def step(self) -> StepResult:
-        self.actions.pop(0)()
-        return StepResult(num_tokens=1, num_seqs=1)
-
-
 async def _steps(loop: EngineLoop, count: int) -> None:
     while loop.stats.steps < count:
         await asyncio.sleep(0.005)
 
 
 async def test_records_split_wall_from_cpu_and_count_calls_and_idle_time() -> None:
-    core = _ScriptedCore([_sleep, _spin])
+    core = ScriptedCore([_sleep, _spin])
     loop = EngineLoop(core)  # type: ignore[arg-type]
     loop.start()
     await asyncio.wait_for(_steps(loop, 2), 10.0)
