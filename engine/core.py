@@ -100,6 +100,11 @@ class EngineCore:
         self._forget(request_id)
         return request
 
+    def free_cache(self, request_id: str) -> None:
+        """Free the blocks and slot allocated under `request_id` for a request
+        that never joined (a pulled cache that could not be admitted)."""
+        self.scheduler.manager.free(request_id)
+
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 

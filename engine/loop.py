@@ -162,7 +162,8 @@ class EngineLoop:
         pulled). `prepare` runs between steps right before the request joins,
         in the same gap (marking a pulled cache complete costs no extra step).
         Raises ValueError for an id already in flight; capacity errors and an
-        error of `prepare` surface as a final event with `error` set.
+        error of `prepare` surface as a final event with `error` set (after
+        a failed `prepare` the request's blocks and slot are freed).
         """
         if request.request_id in self._open:
             raise ValueError(f"request id {request.request_id!r} is already in flight here")
@@ -172,6 +173,11 @@ class EngineLoop:
             try:
                 if prepare is not None:
                     prepare()
+            except Exception as exc:  # the pulled cache never joins: free it
+                self.core.free_cache(request.request_id)
+                self._emit([_error_event(request, str(exc))])
+                return
+            try:
                 if prefilled:
                     self.core.add_prefilled(request)
                 else:

@@ -48,6 +48,9 @@ class _RecordingCore(_IdleCore):
     def add_prefilled(self, request: Any) -> None:
         self.ran.append(f"add {request.request_id}")
 
+    def free_cache(self, request_id: str) -> None:
+        self.ran.append(f"free {request_id}")
+
 
 async def test_prepare_runs_in_the_admitting_gap_and_its_error_ends_the_request() -> None:
     ran: list[str] = []
@@ -63,7 +66,7 @@ async def test_prepare_runs_in_the_admitting_gap_and_its_error_ends_the_request(
     loop.submit(Request("bad", [1, 2], params), prefilled=True, prepare=broken)
     loop.start()
     await asyncio.wait_for(loop.run_between_steps(lambda: None), 5.0)
-    assert ran == ["prep", "add ok"]
+    assert ran == ["prep", "add ok", "free bad"]  # the failed one's pulled blocks go back
     assert [(e.request_id, e.finish_reason) for e in events] == [("bad", "error")]
     assert "no transfer in progress" in (events[0].error or "")
     await loop.stop()
