@@ -8,14 +8,16 @@ about 1 ms per step message here, an order of magnitude less than an object
 per token per request, and Ray already reports a dead or restarted actor on
 it, across nodes, with no port or credential of our own.
 
-When the stream breaks (the worker died), the requests submitted to the
-incarnation it came from get the error, which the router turns into a retry
-or a final error event; the channel then reopens the stream, which a
-restarted actor answers. Requests are matched to incarnations because a
-stream can break late: a call made while Ray restarted the worker may fail
-after a request already reached the new instance, whose events wait there
-for the reopened stream. A stream that broke before it said which instance
-it came from is resolved by asking the worker which incarnation runs now.
+When the stream breaks (the worker died), the requests open on it get the
+error, which the router turns into a retry or a final error event; the
+channel then reopens the stream, which a restarted actor answers. A stream
+opens with the worker's incarnation (new at each restart), which `submit`
+also returns, because a stream can break late: a call made while Ray
+restarted the worker may fail after a request already reached the new
+instance. Such a request is spared (its events wait there for the reopened
+stream); every other open request fails, since its events may have been in
+the broken stream. A request submitted to an incarnation that another one
+has since replaced fails too: that instance is gone.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from engine.event_stream import EventDemux, StreamOpened, read_stream
@@ -32,8 +34,6 @@ from engine.messages import TokenEvent
 logger = logging.getLogger(__name__)
 
 _REOPEN_DELAY_S = 0.2
-# How long the channel waits for a worker to say which incarnation runs.
-_PROBE_TIMEOUT_S = 10.0
 
 
 class StreamBrokenError(ConnectionError):
@@ -47,7 +47,8 @@ class WorkerChannel:
         self._demux = EventDemux()
         self._reader: asyncio.Task[None] | None = None
         self._submitted_to: dict[str, str] = {}  # open request id -> incarnation
-        self._gone: set[str] = set()  # incarnations whose stream broke
+        self._replaced: set[str] = set()  # incarnations a later one replaced
+        self._reading: str | None = None  # the incarnation of the last stream opened
 
     async def stream(self, request: Any) -> AsyncGenerator[TokenEvent, None]:
         """Send `request` (a `GenerationRequest`) and yield its events up to the
@@ -60,8 +61,8 @@ class WorkerChannel:
         try:
             incarnation = await self.actor.submit.remote(request)
             submitted = True
-            if incarnation in self._gone:
-                raise StreamBrokenError(f"the event stream of {self.name} broke after the submit")
+            if incarnation in self._replaced:
+                raise StreamBrokenError(f"{self.name} restarted after it accepted the request")
             self._submitted_to[request_id] = incarnation
             async for event in read_stream(queue):
                 yield event
@@ -109,35 +110,26 @@ class WorkerChannel:
                 error = exc
             if len(self._demux):
                 logger.warning("event stream of %s broke: %s", self.name, error)
-            await self._broke(opened, error)
+            self._broke(opened, error)
             await asyncio.sleep(_REOPEN_DELAY_S)
 
-    async def _broke(self, opened: str | None, error: BaseException) -> None:
-        """A stream from incarnation `opened` (None: it never said) broke."""
-        if opened is not None:
-            self._gone.add(opened)
-            self._fail(lambda incarnation: incarnation == opened, error)
-        elif self._submitted_to:
-            await self._probe(error)
+    def _broke(self, opened: str | None, error: BaseException) -> None:
+        """A stream from incarnation `opened` (None: it never said) broke: fail
+        every open request but those another incarnation accepted."""
+
+        def spared(request_id: str) -> bool:
+            accepted_by = self._submitted_to.get(request_id)
+            return opened is not None and accepted_by is not None and accepted_by != opened
+
+        self._demux.fail([r for r in self._demux.request_ids() if not spared(r)], error)
 
     def _running(self, incarnation: str) -> None:
-        """`incarnation` answers now: requests submitted to any other one went
-        down with it."""
-        self._gone.discard(incarnation)
-        gone = StreamBrokenError(f"{self.name} restarted; its requests were lost")
-        self._fail(lambda submitted_to: submitted_to != incarnation, gone)
-
-    async def _probe(self, error: BaseException) -> None:
-        """A stream broke before it said where it came from: ask the worker
-        which incarnation runs; if none answers, fail every request here."""
-        try:
-            running = await asyncio.wait_for(self.actor.incarnation.remote(), _PROBE_TIMEOUT_S)
-        except Exception:
-            self._fail(lambda _: True, error)
-            return
-        self._running(running)
-
-    def _fail(self, which: Callable[[str], bool], error: BaseException) -> None:
-        """End the open requests whose incarnation `which` selects."""
-        lost = [rid for rid, incarnation in self._submitted_to.items() if which(incarnation)]
-        self._demux.fail(lost, error)
+        """`incarnation` answers now: any other one is gone, with its requests."""
+        seen = set(self._submitted_to.values())
+        if self._reading is not None:
+            seen.add(self._reading)
+        self._replaced.update(seen - {incarnation})
+        self._replaced.discard(incarnation)
+        self._reading = incarnation
+        lost = [r for r, accepted_by in self._submitted_to.items() if accepted_by != incarnation]
+        self._demux.fail(lost, StreamBrokenError(f"{self.name} restarted; its requests were lost"))

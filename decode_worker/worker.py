@@ -162,10 +162,6 @@ class GenerationWorker:
         async for batch in self._outbox.batches():
             yield batch
 
-    def incarnation(self) -> str:
-        """The id `events()` opens with; a restarted actor has a new one."""
-        return self._incarnation
-
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """One request's events, for a caller that drives this worker alone
         (tests, offline benchmarks): it reads `events()` itself, so it must not

@@ -14,8 +14,8 @@ step, or several when the reader is slower than the engine), so the number
 of messages never grows with the number of requests.
 
 A stream opens with a `StreamOpened` naming the worker's incarnation (a new
-one each time Ray restarts the actor), so the reader can tell which requests
-a broken stream took with it: only those submitted to that incarnation.
+one each time Ray restarts the actor), so the reader can tell a late break of
+an old instance's stream from one that took the requests' events with it.
 """
 
 from __future__ import annotations
@@ -107,6 +107,10 @@ class EventDemux:
             queue.put_nowait(event)
             if event.finish_reason is not None:
                 del queues[event.request_id]
+
+    def request_ids(self) -> list[str]:
+        """The requests open here."""
+        return list(self._queues)
 
     def fail_all(self, error: BaseException) -> None:
         """End every open stream with `error` (the stream they share broke)."""
