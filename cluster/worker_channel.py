@@ -72,7 +72,7 @@ class WorkerChannel:
                 # call can fail while Ray restarts it, after this submit reached
                 # the new instance): cancel the request there if it still runs,
                 # so a retry of the same id is not refused as already in flight.
-                self.actor.abort.remote(request.request_id, remember=False)
+                self.actor.abort.remote(request_id, remember=False)
             raise
         finally:
             self._demux.close(request_id)

@@ -71,15 +71,22 @@ async def _submitted(channel: WorkerChannel, request_id: str) -> asyncio.Future[
     return first
 
 
+async def _opened(worker: _Worker, channel: WorkerChannel, incarnation: str) -> asyncio.Queue[Any]:
+    """Run one request through `channel`, so its stream is open and has said it
+    comes from `incarnation`; returns that stream's feed."""
+    first = asyncio.ensure_future(anext(channel.stream(_request("warm"))))
+    stream = await worker.streams.get()
+    stream.put_nowait(StreamOpened(incarnation))
+    stream.put_nowait(_final("warm"))
+    await first
+    return stream
+
+
 async def test_a_stale_stream_breaking_late_spares_requests_on_the_restarted_worker() -> None:
     worker = _Worker("old")
     channel = WorkerChannel("generation-0", worker)
     try:
-        first = asyncio.ensure_future(anext(channel.stream(_request("warm"))))
-        old = await worker.streams.get()
-        old.put_nowait(StreamOpened("old"))
-        old.put_nowait(_final("warm"))
-        await first
+        old = await _opened(worker, channel, "old")
         worker.running = "new"  # Ray restarted the worker; the old stream has not failed yet
         first = await _submitted(channel, "r1")
         old.put_nowait(ConnectionError("the old instance died"))
@@ -141,11 +148,7 @@ async def test_a_submit_answered_by_a_replaced_incarnation_fails_at_once() -> No
     worker = _Worker("a")
     channel = WorkerChannel("generation-0", worker)
     try:
-        first = asyncio.ensure_future(anext(channel.stream(_request("warm"))))
-        stream = await worker.streams.get()
-        stream.put_nowait(StreamOpened("a"))
-        stream.put_nowait(_final("warm"))
-        await first
+        stream = await _opened(worker, channel, "a")
         stream.put_nowait(ConnectionError("a died"))
         (await worker.streams.get()).put_nowait(StreamOpened("b"))  # "a" is gone
         while channel._reading != "b":
