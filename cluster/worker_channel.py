@@ -18,6 +18,11 @@ instance. Such a request is spared (its events wait there for the reopened
 stream); every other open request fails, since its events may have been in
 the broken stream. A request submitted to an incarnation that another one
 has since replaced fails too: that instance is gone.
+
+A request is sent only once the current stream has opened (said which
+incarnation answers it): by then that stream reads the worker's events, and
+an earlier call the router gave up on (still running on a live worker)
+cannot take any of the request's events.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class WorkerChannel:
         self._submitted_to: dict[str, str] = {}  # open request id -> incarnation
         self._replaced: set[str] = set()  # incarnations a later one replaced
         self._reading: str | None = None  # the incarnation of the last stream opened
+        self._opened: asyncio.Future[None] | None = None  # see _opening()
 
     async def stream(self, request: Any) -> AsyncGenerator[TokenEvent, None]:
         """Send `request` (a `GenerationRequest`) and yield its events up to the
@@ -59,6 +65,7 @@ class WorkerChannel:
         queue = self._demux.open(request_id)
         submitted = False
         try:
+            await asyncio.shield(self._opening())
             incarnation = await self.actor.submit.remote(request)
             submitted = True
             if incarnation in self._replaced:
@@ -78,6 +85,21 @@ class WorkerChannel:
             self._demux.close(request_id)
             self._submitted_to.pop(request_id, None)
 
+    def _opening(self) -> asyncio.Future[None]:
+        """Done once the current stream said its incarnation; fails with what
+        broke the stream before it did."""
+        if self._opened is None:
+            self._opened = asyncio.get_running_loop().create_future()
+        return self._opened
+
+    def _closed(self, error: BaseException) -> None:
+        """The current stream is gone: requests waiting to be sent get `error`,
+        later ones wait for the next stream."""
+        if self._opened is not None and not self._opened.done():
+            self._opened.set_exception(error)
+            self._opened.exception()  # waiters raise it; none is fine too
+        self._opened = None
+
     async def stop(self) -> None:
         """Stop reading; requests still open here get `StreamBrokenError`."""
         if self._reader is not None:
@@ -85,7 +107,9 @@ class WorkerChannel:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
             self._reader = None
-        self._demux.fail_all(StreamBrokenError(f"the router stopped reading {self.name}"))
+        stopped = StreamBrokenError(f"the router stopped reading {self.name}")
+        self._closed(stopped)
+        self._demux.fail_all(stopped)
 
     def _start(self) -> None:
         if self._reader is None:
@@ -101,6 +125,8 @@ class WorkerChannel:
                     if isinstance(item, StreamOpened):
                         opened = item.incarnation
                         self._running(opened)
+                        if not self._opening().done():
+                            self._opening().set_result(None)
                     else:
                         self._demux.deliver(item)
                 error = StreamBrokenError(f"the event stream of {self.name} ended")
@@ -108,6 +134,7 @@ class WorkerChannel:
                 raise
             except Exception as exc:
                 error = exc
+            self._closed(error)
             if len(self._demux):
                 logger.warning("event stream of %s broke: %s", self.name, error)
             self._broke(opened, error)

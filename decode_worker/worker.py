@@ -158,8 +158,9 @@ class GenerationWorker:
         reader wait for the next.
         """
         await self.start()
+        batches = self._outbox.batches()  # taken over before the caller hears of it
         yield StreamOpened(self._incarnation)
-        async for batch in self._outbox.batches():
+        async for batch in batches:
             yield batch
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:

@@ -16,6 +16,9 @@ of messages never grows with the number of requests.
 A stream opens with a `StreamOpened` naming the worker's incarnation (a new
 one each time Ray restarts the actor), so the reader can tell a late break of
 an old instance's stream from one that took the requests' events with it.
+The stream has taken over the outbox when `StreamOpened` is sent, so a
+request submitted after the reader saw it has all its events on that stream
+(an abandoned earlier call, still running on the worker, gets none of them).
 """
 
 from __future__ import annotations
@@ -43,9 +46,9 @@ class StreamOpened:
 class EventOutbox:
     """A worker's outgoing token events, handed out one batch per wake-up.
 
-    One reader at a time: a new `batches()` call takes over from the previous
-    one (which ends at its next wake-up), and events posted while nobody
-    reads wait for the next reader.
+    One reader at a time: `batches()` makes its caller the reader at once
+    (the previous one ends at its next wake-up), and events posted while
+    nobody reads wait for the next reader.
     """
 
     def __init__(self) -> None:
@@ -58,11 +61,16 @@ class EventOutbox:
         if self._events:
             self._ready.set()
 
-    async def batches(self) -> AsyncIterator[list[TokenEvent]]:
-        """Every event posted from now on (and any still waiting), in order."""
+    def batches(self) -> AsyncIterator[list[TokenEvent]]:
+        """Every event posted from now on (and any still waiting), in order.
+
+        The takeover happens in this call, not at the first `anext`: an event
+        posted after it can no longer go to the previous reader."""
         self._reader += 1
-        me = self._reader
         self._ready.set()  # a previous reader wakes up and sees it is replaced
+        return self._batches(self._reader)
+
+    async def _batches(self, me: int) -> AsyncIterator[list[TokenEvent]]:
         while True:
             await self._ready.wait()
             if self._reader != me:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,6 +42,20 @@ async def test_a_new_outbox_reader_takes_over_from_the_old_one() -> None:
     assert [e.token_ids for e in await anext(new)] == [[1]]
     with pytest.raises(StopAsyncIteration):
         await waiting
+
+
+async def test_the_takeover_happens_when_batches_is_called() -> None:
+    """Events posted after the call belong to the new reader, even before it
+    first asks for a batch (a stream announces itself before it reads)."""
+    outbox = EventOutbox()
+    old = outbox.batches()
+    outbox.post([_event("a", 1)])
+    assert [e.token_ids for e in await anext(old)] == [[1]]
+    new = outbox.batches()
+    outbox.post([_event("a", 2)])
+    with pytest.raises(StopAsyncIteration):
+        await anext(old)
+    assert [e.token_ids for e in await anext(new)] == [[2]]
 
 
 async def test_demux_routes_by_request_drops_strangers_and_forgets_finished() -> None:
@@ -89,3 +105,34 @@ async def test_a_worker_sends_each_step_of_all_its_requests_as_one_message(
     # The four requests share steps, so they share messages.
     assert len(received) <= max_tokens + 1
     assert any(len({e.request_id for e in batch}) == num_requests for batch in received)
+
+
+async def test_a_request_sent_after_a_new_stream_opened_has_no_event_on_the_old_one(
+    tmp_path: Path,
+) -> None:
+    """An earlier `events()` call the router gave up on still runs on the
+    worker; once the new call said its incarnation, it has taken over."""
+    write_checkpoint(tmp_path, "llama", "tiny")
+    config = WorkerConfig(checkpoint=str(tmp_path), block_size=4, max_tokens=512)
+    worker = GenerationWorker(config, "takeover", "aggregated")
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    async def read(stream: AsyncIterator[Any]) -> list[TokenEvent]:
+        return [e async for batch in stream for e in batch]
+
+    try:
+        old = worker.events()
+        await anext(old)
+        abandoned = asyncio.ensure_future(read(old))
+        new = worker.events()
+        await anext(new)
+        await worker.submit(GenerationRequest("r", [5, 6, 7], params))
+        events: list[TokenEvent] = []
+        while not events or not events[-1].finished:
+            batch = await anext(new)
+            assert isinstance(batch, list)
+            events.extend(batch)
+        assert sum(len(e.token_ids) for e in events) == 4
+        assert await asyncio.wait_for(abandoned, 5) == []
+    finally:
+        await worker.shutdown()

@@ -32,11 +32,13 @@ class _Worker:
         self.running = incarnation  # the incarnation that answers calls now
         self.streams: asyncio.Queue[asyncio.Queue[Any]] = asyncio.Queue()
         self.aborts: list[tuple[str, bool]] = []
+        self.submitted: list[str] = []
         self.submit = _Method(self._submit)
         self.events = _Method(self._events)
         self.abort = _Method(lambda rid, remember=True: self.aborts.append((rid, remember)))
 
     async def _submit(self, request: GenerationRequest) -> str:
+        self.submitted.append(request.request_id)
         return self.running
 
     def _events(self) -> AsyncIterator[Awaitable[Any]]:
@@ -100,13 +102,31 @@ async def test_a_stale_stream_breaking_late_spares_requests_on_the_restarted_wor
         await channel.stop()
 
 
+async def test_a_request_is_sent_only_once_the_stream_said_its_incarnation() -> None:
+    """Until then an earlier call the router gave up on may still read the
+    worker's events, and could take this request's."""
+    worker = _Worker("a")
+    channel = WorkerChannel("generation-0", worker)
+    try:
+        first = asyncio.ensure_future(anext(channel.stream(_request("r1"))))
+        stream = await worker.streams.get()
+        await asyncio.sleep(0.05)
+        assert worker.submitted == [] and not first.done()
+        stream.put_nowait(StreamOpened("a"))
+        while worker.submitted != ["r1"]:
+            await asyncio.sleep(0.01)
+        stream.put_nowait(_final("r1"))
+        assert (await first).token_ids == [7]
+    finally:
+        await channel.stop()
+
+
 async def test_a_broken_stream_fails_the_requests_of_its_incarnation() -> None:
     worker = _Worker("a")
     channel = WorkerChannel("generation-0", worker)
     try:
+        stream = await _opened(worker, channel, "a")
         first = await _submitted(channel, "r1")
-        stream = await worker.streams.get()
-        stream.put_nowait(StreamOpened("a"))
         stream.put_nowait(ConnectionError("a died"))
         with pytest.raises(ConnectionError, match="a died"):
             await first
@@ -117,29 +137,31 @@ async def test_a_broken_stream_fails_the_requests_of_its_incarnation() -> None:
 
 
 async def test_a_stream_from_a_new_incarnation_fails_the_old_ones_requests() -> None:
-    worker = _Worker("a")
+    worker = _Worker("z")
     channel = WorkerChannel("generation-0", worker)
     try:
+        old = await _opened(worker, channel, "z")
+        worker.running = "a"  # restarted; the stream of "z" has not failed yet
         first = await _submitted(channel, "r1")
-        stream = await worker.streams.get()
-        worker.running = "b"
-        stream.put_nowait(StreamOpened("b"))
+        old.put_nowait(ConnectionError("z died"))  # spares r1: "a" accepted it
+        worker.running = "b"  # "a" died too, before the stream reopened
+        (await worker.streams.get()).put_nowait(StreamOpened("b"))
         with pytest.raises(StreamBrokenError, match="restarted"):
             await first
     finally:
         await channel.stop()
 
 
-async def test_a_stream_that_broke_before_naming_its_incarnation_fails_every_request() -> None:
+async def test_a_stream_that_broke_before_naming_its_incarnation_fails_waiting_requests() -> None:
     worker = _Worker("a")
     channel = WorkerChannel("generation-0", worker)
     try:
-        first = await _submitted(channel, "r1")
+        first = asyncio.ensure_future(anext(channel.stream(_request("r1"))))
         stream = await worker.streams.get()
-        # Its events may have gone into this stream: it cannot be vouched for.
         stream.put_nowait(ConnectionError("the call failed"))
         with pytest.raises(ConnectionError, match="the call failed"):
             await first
+        assert worker.submitted == [] and worker.aborts == []  # it never left
     finally:
         await channel.stop()
 
