@@ -19,7 +19,6 @@ import torch
 from engine.decode_graphs import DecodeGraphs, build_decode_graphs
 from engine.image_encoder import ImageChunk, ImageEncoder
 from engine.scheduler import ScheduledSequence
-from engine.step_threads import StepThreads, calibrate
 from kvcache.views import CacheViews
 from models.batch import ForwardBatch
 
@@ -143,15 +142,11 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator | None] = {}
         # Captured decode steps (CUDA only), set by `prepare`.
         self.graphs: DecodeGraphs | None = None
-        # Threads of decode-sized steps (CPU only), measured by `prepare`.
-        self.step_threads = StepThreads()
 
     def prepare(self, max_blocks_per_seq: int, graph_batch_sizes: Sequence[int] = ()) -> None:
         """Startup, before any request: compile the decode kernels and, on
         CUDA, capture decode graphs for `graph_batch_sizes` (see
-        `engine.decode_graphs`; on CPU that is skipped with a log line). On
-        CPU, outside tensor parallelism, choose the threads of decode-sized
-        steps (`engine.step_threads`).
+        `engine.decode_graphs`; on CPU that is skipped with a log line).
 
         The warm-up steps write K/V only into the null block and, for hybrid
         models, Mamba slot 0, which no request holds yet and which is cleared
@@ -160,9 +155,6 @@ class ModelRunner:
         with torch.inference_mode():
             for width in sorted({1, max_blocks_per_seq}):
                 self._run(self._warm_up_step(width))
-            if self.device.type == "cpu" and self.followers is None:
-                step = self._warm_up_step(1)
-                self.step_threads = calibrate(lambda: self._run(step))
         self.graphs = build_decode_graphs(
             self.model,
             self.caches,
@@ -257,7 +249,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         step, image_chunks = self.describe(seqs)
         t1 = time.perf_counter()
-        with torch.inference_mode(), self.step_threads.for_step(len(step.input_ids)):
+        with torch.inference_mode():
             logits = self._run(step, image_chunks)
             if logits is not None and self.device.type == "cuda":
                 torch.cuda.synchronize()

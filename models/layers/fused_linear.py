@@ -41,12 +41,10 @@ one by one, which is always correct.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
-
-from models.cpu_threads import num_threads
 
 # Dtypes whose matmuls run prepacked through oneDNN on CPU.
 _PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -126,8 +124,7 @@ class FusedLinear:
         """`[..., sum(out_features)]`: the layers' outputs side by side, in order."""
         if self.packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
             if self.single_threaded(x):
-                with num_threads(1):
-                    return self._packed_matmul(x)
+                return _on_one_thread(self._packed_matmul, x)
             return self._packed_matmul(x)
         return F.linear(x, self.weight, self.bias)
 
@@ -139,6 +136,17 @@ class FusedLinear:
     def _packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
         assert self.packed is not None
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def _on_one_thread(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return fn(x)
+    torch.set_num_threads(1)
+    try:
+        return fn(x)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
