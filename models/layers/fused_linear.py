@@ -31,7 +31,10 @@ larger weight (the MLP's gate/up, the logits head) or a prefill still uses
 every thread. SmolLM2-135M in fp32 on 2 threads of a 2-vCPU KVM guest: Q/K/V,
 o_proj and down_proj (1.3-3.5 MB) on one thread, a decode step's threads
 sleep 64 times instead of 244, and the step takes 2-3% less time and 3-5%
-less CPU (the same process alternating both, step by step).
+less CPU (the same process alternating both, step by step). A whole decode
+step on one thread goes too far: alone it takes as long as on two (23.7 vs
+24.0 ms at batch 1, `benchmarks.thread_counts`), but the served aggregated
+instance then had a 5-10% higher ITL p50 (three A/B pairs against this rule).
 
 Anything that gives a layer a new tensor (`model.to(...)` across dtypes or
 devices, assigning a parameter) or writes into a weight after packing makes
