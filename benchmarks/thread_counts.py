@@ -118,6 +118,7 @@ def measure(args: argparse.Namespace, checkpoint: Path) -> list[CountResult]:
     results = [CountResult(n) for n in args.threads]
 
     def run() -> None:
+        before = torch.get_num_threads()
         instance = EngineInstance.build(config, "aggregated", "thread-counts")
         core = instance.core
         try:
@@ -136,6 +137,7 @@ def measure(args: argparse.Namespace, checkpoint: Path) -> list[CountResult]:
                     _timed_step(core, result)
         finally:
             instance.close()
+            torch.set_num_threads(before)  # the compute thread serves other callers too
 
     run_on_compute_thread(run)
     return results
