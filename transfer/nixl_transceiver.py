@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -398,8 +399,14 @@ class NixlTransceiver(Transceiver):
         try:
             for handle, source in zip(handles, sources, strict=True):
                 groups = self._plan(handle, source, dest_regions, dest)
-                reads.append(asyncio.ensure_future(self._read(handle, groups, True)))
-                await asyncio.sleep(0)  # its post leaves before the next plan holds the GIL
+                posted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                read = asyncio.ensure_future(self._read(handle, groups, True, posted))
+                read.add_done_callback(functools.partial(_settle_after, posted))
+                reads.append(read)
+                # Plan the next rank while this one's READs copy (the post
+                # releases the GIL), not while its grant waits for the loop.
+                if handle is not handles[-1]:
+                    await posted
             done = await asyncio.gather(*reads)
         except BaseException:
             # All or none: no READ may land once this raises, since the
@@ -429,16 +436,25 @@ class NixlTransceiver(Transceiver):
                 early.cancel()
                 await asyncio.gather(early, return_exceptions=True)
 
-    async def _read(self, handle: TransferHandle, groups: PairGroups, release: bool) -> list[Any]:
-        """Once `handle`'s claim is granted, post the READs of `groups` and wait
-        for them; the finished READs, for `_finish`. Raises only once no READ
-        of this handle can land any more."""
+    async def _read(
+        self,
+        handle: TransferHandle,
+        groups: PairGroups,
+        release: bool,
+        posted: asyncio.Future[None] | None = None,
+    ) -> list[Any]:
+        """Once `handle`'s claim is granted, post the READs of `groups` (and
+        settle `posted`) and wait for them; the finished READs, for `_finish`.
+        Raises only once no READ of this handle can land any more."""
         # Counted from before the claim left, so it ends before the holder's window.
         early = self._early_claims.pop((handle.request_id, handle.transfer_id), None)
         claimed_at, window = await (early or self._timed_claim(handle))
         deadline = claimed_at + window
         xfers: list[Any] = []  # filled on the agent thread, released there too
         try:
+            if posted is not None:
+                # Its waiter resumes only after this task queued the post below.
+                _settle(posted)
             states = await self._thread.run(self._post_reads, handle, groups, xfers)
             await self._wait(handle, xfers, states, deadline)
         except BaseException as exc:
@@ -684,6 +700,16 @@ def _release(xfers: list[Any]) -> None:
     for xfer in xfers:
         with contextlib.suppress(Exception):
             xfer.release()
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _settle_after(future: asyncio.Future[None], _: asyncio.Future[Any]) -> None:
+    """A done callback: settle `future` once the task it was passed to ended."""
+    _settle(future)
 
 
 def _nothing() -> None:
