@@ -28,7 +28,10 @@ Between ranks of different tensor parallelism a READ descriptor is one run of
 a head slice (`transfer.head_slices`): the K or the V heads a puller rank
 takes from one block of one layer (longer where runs join up on both sides),
 or one section of a Mamba state; its tables are prepared per (buffer, run
-length, phase) like the whole-block ones.
+length, phase) like the whole-block ones. A pull from several holder ranks
+(`pull_ranks`) claims them all at once and overlaps their READs: each rank's
+are posted once granted, the next rank is planned while they copy, and the
+holders are released in order, rank 0 last, once every READ is done.
 
 Every call on the agent runs on the transceiver's own `AgentThread`, never on
 the event loop: over UCX on CPU a READ copies inside its post, and a pull in
@@ -329,6 +332,8 @@ class NixlTransceiver(Transceiver):
         back). The holders are released in order, rank 0 last, once every
         READ is done: rank 0 frees the blocks of all ranks. A failure stops
         the other ranks' READs and waits for them before it raises."""
+        if not handles:
+            return
         for handle in handles:
             self._check_kind(handle)
             self._claimed_ahead.pop(handle.request_id, None)  # this pull ends those claims
