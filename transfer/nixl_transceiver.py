@@ -412,6 +412,8 @@ class NixlTransceiver(Transceiver):
                 # releases the GIL), not while its grant waits for the loop.
                 if handle is not handles[-1]:
                     await posted
+                    if read.done():  # it failed before its post: read no further rank
+                        break
             done = await asyncio.gather(*reads)
         except BaseException:
             # All or none: no READ may land once this raises, since the
