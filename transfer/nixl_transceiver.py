@@ -417,10 +417,13 @@ class NixlTransceiver(Transceiver):
             done = await asyncio.gather(*reads)
         except BaseException:
             # All or none: no READ may land once this raises, since the
-            # caller frees the destination blocks.
+            # caller frees the destination blocks. A read cancelled once
+            # (the gather above does so) is waiting for its READs to end: a
+            # second cancel would cut that wait short.
             for read in reads:
-                read.cancel()
-            await asyncio.gather(*reads, return_exceptions=True)
+                if not read.cancelling():
+                    read.cancel()
+            await _wait_all(reads)
             raise
         for handle, xfers in zip(handles, done, strict=True):
             self._thread.submit(self._finish, xfers, handle, dest, True)
@@ -707,6 +710,19 @@ def _release(xfers: list[Any]) -> None:
     for xfer in xfers:
         with contextlib.suppress(Exception):
             xfer.release()
+
+
+async def _wait_all(tasks: Sequence[asyncio.Task[Any]]) -> None:
+    """Return once every task is done, without cancelling any; a cancel of
+    the caller meanwhile is raised only then."""
+    interrupted: asyncio.CancelledError | None = None
+    while not all(task.done() for task in tasks):
+        try:
+            await asyncio.wait(tasks)
+        except asyncio.CancelledError as exc:
+            interrupted = exc
+    if interrupted is not None:
+        raise interrupted
 
 
 def _settle(future: asyncio.Future[None]) -> None:
