@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -299,6 +299,11 @@ class Transceiver(ABC):
         `abort(request_id)` ran meanwhile, `UnknownRequest` if the holder no
         longer has it. On any error the destination contents are undefined.
         """
+        self._check_kind(handle)
+        pull = self._pull(handle, dest_regions, dest_signature, release)
+        await self._guard([handle], pull, timeout_s)
+
+    def _check_kind(self, handle: TransferHandle) -> None:
         if handle.kind != self.kind:
             raise LayoutMismatch(
                 handle.request_id,
@@ -306,35 +311,52 @@ class Transceiver(ABC):
                 f"the holder published with {handle.kind!r}, this worker pulls with "
                 f"{self.kind!r}; use one backend on every instance",
             )
+
+    async def _guard(
+        self,
+        handles: Sequence[TransferHandle],
+        pull: Coroutine[Any, Any, None],
+        timeout_s: float,
+    ) -> None:
+        """Run `pull` (of one request from the holders of `handles`) as a task
+        `abort(request_id)` can cancel, within `timeout_s`; on failure tell the
+        holders to release now. Errors as in `pull`."""
+        handle = handles[-1]
         rid = handle.request_id
         # A task of its own, so `abort` can cancel the pull without cancelling
         # the caller; awaiting it directly keeps a small pull to a few loop turns.
-        task = asyncio.ensure_future(self._pull(handle, dest_regions, dest_signature, release))
+        task = asyncio.ensure_future(pull)
         self._pulls[rid] = task
         try:
             async with asyncio.timeout(timeout_s):
                 await task
         except TimeoutError:
             # The holder may only be stalled: have it free now, not at lease end.
-            self._notify_abort(handle)
+            self._notify_aborts(handles)
             raise TransferTimeout(rid, handle.peer, timeout_s) from None
         except asyncio.CancelledError:
             if task.cancelled() and not _current_task_cancelling():
-                self._notify_abort(handle)
+                self._notify_aborts(handles)
                 raise TransferAborted(rid, "aborted on the generation side") from None
             task.cancel()
-            self._notify_abort(handle)  # our caller went away: free the holder too
+            self._notify_aborts(handles)  # our caller went away: free the holder too
             raise
-        except UnknownRequest:
-            raise  # the holder already freed it
+        except UnknownRequest as exc:
+            # That holder already freed it; any other rank still holds it.
+            self._notify_aborts([h for h in handles if h.peer != exc.peer])
+            raise
         except Exception:
             # A failed pull (layout mismatch, broken connection, NIXL error)
             # releases the holder promptly instead of at lease expiry.
-            self._notify_abort(handle)
+            self._notify_aborts(handles)
             raise
         finally:
             if self._pulls.get(rid) is task:
                 del self._pulls[rid]
+
+    def _notify_aborts(self, handles: Sequence[TransferHandle]) -> None:
+        for handle in handles:
+            self._notify_abort(handle)
 
     async def pull_ranks(
         self,

@@ -95,9 +95,19 @@ class CacheEndpoint:
         """`pull` of one request held by several tensor-parallel ranks, one
         handle each (rank 0's last): this endpoint's heads from every one."""
         handles = [TransferHandle.from_bytes(h) for h in handles_bytes]
-        rid = handles[-1].request_id
-        if not self.manager.allocate_for_transfer(rid, num_tokens):
+        self.allocate(handles[-1].request_id, num_tokens)
+        return await self.pull_allocated(handles, timeout_s)
+
+    def allocate(self, request_id: str, num_tokens: int) -> None:
+        """The destination of a pull of `num_tokens` tokens of `request_id`."""
+        if not self.manager.allocate_for_transfer(request_id, num_tokens):
             raise RuntimeError(f"pool too small to receive {num_tokens} tokens")
+
+    async def pull_allocated(
+        self, handles: list[TransferHandle], timeout_s: float
+    ) -> dict[str, Any]:
+        """`pull_ranks` into the destination `allocate` made; frees it on error."""
+        rid = handles[-1].request_id
         regions, signature = self.manager.regions(rid), self.manager.layout_signature()
         # "seconds" and "cpu_seconds" are the transceiver's alone; "started" and
         # "ended" (perf_counter) bound it, for a host timing several ranks at once.
@@ -187,9 +197,14 @@ class EndpointHost:
         outside, as for one rank) and this process's CPU seconds over the whole."""
         import asyncio
 
+        handles = [TransferHandle.from_bytes(h) for h in handles_bytes]
+        # Every rank's destination first: one rank's allocation must not
+        # count against another rank's pull, which has begun meanwhile.
+        for name in names:
+            self.endpoints[name].allocate(handles[-1].request_id, num_tokens)
         cpu = time.process_time()
         results = await asyncio.gather(
-            *(self.endpoints[n].pull_ranks(handles_bytes, num_tokens, timeout_s) for n in names)
+            *(self.endpoints[n].pull_allocated(handles, timeout_s) for n in names)
         )
         failed = [r for r in results if not r["ok"]]
         if failed:

@@ -28,7 +28,10 @@ Between ranks of different tensor parallelism a READ descriptor is one run of
 a head slice (`transfer.head_slices`): the K or the V heads a puller rank
 takes from one block of one layer (longer where runs join up on both sides),
 or one section of a Mamba state; its tables are prepared per (buffer, run
-length, phase) like the whole-block ones.
+length, phase) like the whole-block ones. A pull from several holder ranks
+(`pull_ranks`) claims them all at once and overlaps their READs: each rank's
+are posted once granted, the next rank is planned while they copy, and the
+holders are released in order, rank 0 last, once every READ is done.
 
 Every call on the agent runs on the transceiver's own `AgentThread`, never on
 the event loop: over UCX on CPU a READ copies inside its post, and a pull in
@@ -51,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -319,31 +323,25 @@ class NixlTransceiver(Transceiver):
         dest_signature: LayoutSignature,
         timeout_s: float,
     ) -> None:
-        """`Transceiver.pull_ranks`, with several holder ranks claimed at once
-        before the first READ is planned: the claims' round trips (a holder
-        answers within its notification poll) overlap each other and the
-        planning instead of adding up, while the READs and releases keep
-        their order (rank 0 last). One holder rank is claimed once its
-        layout is checked, so a mismatch never reaches it."""
-        keys = [(h.request_id, h.transfer_id) for h in handles]
+        """`Transceiver.pull_ranks`, with the holder ranks' pulls overlapped.
+
+        Every layout is checked first, so a mismatch never reaches a holder;
+        then every rank is claimed at once, and each rank's READs are planned
+        while the claims and the earlier ranks' READs are in flight and
+        posted once planned and granted (the agent thread runs them back to
+        back). The holders are released in order, rank 0 last, once every
+        READ is done: rank 0 frees the blocks of all ranks. A failure stops
+        the other ranks' READs and waits for them before it raises."""
+        if not handles:
+            return
         for handle in handles:
+            self._check_kind(handle)
             self._claimed_ahead.pop(handle.request_id, None)  # this pull ends those claims
-        if len(handles) > 1 and self._claim_each(handles):
-            # Let the claims leave before planning the READs, which holds the
-            # GIL: their tasks queue the sends on the agent thread, which runs
-            # jobs in order, so once a later job is done they have left.
-            await asyncio.sleep(0)
-            await self._thread.run(_nothing)
+        pull = self._pull_all(handles, dest_regions, dest_signature)
         try:
-            await super().pull_ranks(handles, dest_regions, dest_signature, timeout_s)
+            await self._guard(handles, pull, timeout_s)
         finally:
-            # Claims of ranks not pulled (an earlier one failed): their holders
-            # were told to release, so only the local futures are left.
-            for key in keys:
-                early = self._early_claims.pop(key, None)
-                if early is not None:
-                    early.cancel()
-                    await asyncio.gather(early, return_exceptions=True)
+            await self._drop_claims(handles)
 
     def claim_ahead(self, handles: Sequence[TransferHandle]) -> None:
         """Claim now: the grant's round trip overlaps the wait for the destination."""
@@ -385,14 +383,88 @@ class NixlTransceiver(Transceiver):
         dest: LayoutSignature,
         release: bool,
     ) -> None:
-        groups = self._check_request(handle, dest_regions, dest)
-        # Counted from before the claim leaves, so it ends before the holder's window.
-        early = self._early_claims.pop((handle.request_id, handle.transfer_id), None)
+        source = self._check_layout(handle, dest)
         self._claimed_ahead.pop(handle.request_id, None)  # a plain `pull` after `claim_ahead`
+        try:
+            await self._send_claims([handle])  # its round trip overlaps the planning
+            groups = self._plan(handle, source, dest_regions, dest)
+            xfers = await self._read(handle, groups, release)
+        finally:
+            await self._drop_claims([handle])
+        # The holder learns in the background; the caller has its bytes now.
+        self._thread.submit(self._finish, xfers, handle, dest, release)
+
+    async def _pull_all(
+        self, handles: Sequence[TransferHandle], dest_regions: RequestRegions, dest: LayoutSignature
+    ) -> None:
+        """`pull_ranks`' body: every handle's READs, then every release."""
+        sources = [self._check_layout(handle, dest) for handle in handles]
+        await self._send_claims(handles)
+        reads: list[asyncio.Task[list[Any]]] = []
+        try:
+            for handle, source in zip(handles, sources, strict=True):
+                groups = self._plan(handle, source, dest_regions, dest)
+                posted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                read = asyncio.ensure_future(self._read(handle, groups, True, posted))
+                read.add_done_callback(functools.partial(_settle_after, posted))
+                reads.append(read)
+                # Plan the next rank while this one's READs copy (the post
+                # releases the GIL), not while its grant waits for the loop.
+                if handle is not handles[-1]:
+                    await posted
+                    if read.done():  # it failed before its post: read no further rank
+                        break
+            done = await asyncio.gather(*reads)
+        except BaseException:
+            # All or none: no READ may land once this raises, since the
+            # caller frees the destination blocks. A read cancelled once
+            # (the gather above does so) is waiting for its READs to end: a
+            # second cancel would cut that wait short.
+            for read in reads:
+                if not read.cancelling():
+                    read.cancel()
+            await _wait_all(reads)
+            raise
+        for handle, xfers in zip(handles, done, strict=True):
+            self._thread.submit(self._finish, xfers, handle, dest, True)
+
+    async def _send_claims(self, handles: Sequence[TransferHandle]) -> None:
+        """Claim each handle not claimed yet, and return once the claims have
+        left: their tasks queue the sends on the agent thread, which runs jobs
+        in order, so once a later job is done they are out."""
+        if self._claim_each(handles):
+            await asyncio.sleep(0)
+            await self._thread.run(_nothing)
+
+    async def _drop_claims(self, handles: Sequence[TransferHandle]) -> None:
+        """Forget claims of `handles` no READ took (a pull failed before it):
+        their holders are told to release by the pull's failure, so only the
+        local futures are left."""
+        for handle in handles:
+            early = self._early_claims.pop((handle.request_id, handle.transfer_id), None)
+            if early is not None:
+                early.cancel()
+                await asyncio.gather(early, return_exceptions=True)
+
+    async def _read(
+        self,
+        handle: TransferHandle,
+        groups: PairGroups,
+        release: bool,
+        posted: asyncio.Future[None] | None = None,
+    ) -> list[Any]:
+        """Once `handle`'s claim is granted, post the READs of `groups` (and
+        settle `posted`) and wait for them; the finished READs, for `_finish`.
+        Raises only once no READ of this handle can land any more."""
+        # Counted from before the claim left, so it ends before the holder's window.
+        early = self._early_claims.pop((handle.request_id, handle.transfer_id), None)
         claimed_at, window = await (early or self._timed_claim(handle))
         deadline = claimed_at + window
         xfers: list[Any] = []  # filled on the agent thread, released there too
         try:
+            if posted is not None:
+                # Its waiter resumes only after this task queued the post below.
+                _settle(posted)
             states = await self._thread.run(self._post_reads, handle, groups, xfers)
             await self._wait(handle, xfers, states, deadline)
         except BaseException as exc:
@@ -412,11 +484,28 @@ class NixlTransceiver(Transceiver):
         if time.monotonic() >= deadline:  # the holder may have freed them mid-READ
             self._thread.submit(_release, xfers)
             raise UnknownRequest(handle.request_id, handle.peer)
-        # The holder learns in the background; the caller has its bytes now.
-        self._thread.submit(self._finish, xfers, handle, dest, release)
+        return xfers
 
-    def _check_request(
-        self, handle: TransferHandle, dest_regions: RequestRegions, dest: LayoutSignature
+    def _check_layout(self, handle: TransferHandle, dest: LayoutSignature) -> LayoutSignature:
+        """The holder's signature, checked against `dest` (cheap: it runs
+        before the claim); `LayoutMismatch` unless both sides hold shards of
+        one model and layout, or the same heads of one layout."""
+        rid = handle.request_id
+        if handle.agent_name is None or handle.agent_metadata is None:
+            raise LayoutMismatch(rid, ["agent_name"], "handle has no NIXL agent")
+        source = parse_signature(rid, handle.signature)
+        check_shards(rid, source, dest)
+        if same_heads(source, dest):
+            # A replicated head may sit on a rank of another position.
+            check_signature(rid, handle.signature, dest.to_dict(), ignore=("tp_size", "tp_rank"))
+        return source
+
+    def _plan(
+        self,
+        handle: TransferHandle,
+        source: LayoutSignature,
+        dest_regions: RequestRegions,
+        dest: LayoutSignature,
     ) -> PairGroups:
         """The READs of this pull, grouped by descriptor table; `LayoutMismatch`
         unless the handle's cache fits `dest_regions` byte for byte.
@@ -426,16 +515,10 @@ class NixlTransceiver(Transceiver):
         run of a head slice (`transfer.head_slices`), K and V of each block.
         """
         rid = handle.request_id
-        if handle.agent_name is None or handle.agent_metadata is None:
-            raise LayoutMismatch(rid, ["agent_name"], "handle has no NIXL agent")
-        source = parse_signature(rid, handle.signature)
-        check_shards(rid, source, dest)
         if not same_heads(source, dest):
             pairs = plan_head_slices(rid, source, handle.regions, dest, dest_regions)
             check_bounds(rid, [p.dest_span() for p in pairs], self._sizes)
             return group_slice_pairs(pairs)
-        # A replicated head may sit on a rank of another position.
-        check_signature(rid, handle.signature, dest.to_dict(), ignore=("tp_size", "tp_rank"))
         src_desc, dst_desc = handle.regions.descriptors, dest_regions.descriptors
         if [r.length for r in src_desc] != [r.length for r in dst_desc]:
             raise LayoutMismatch(
@@ -627,6 +710,29 @@ def _release(xfers: list[Any]) -> None:
     for xfer in xfers:
         with contextlib.suppress(Exception):
             xfer.release()
+
+
+async def _wait_all(tasks: Sequence[asyncio.Task[Any]]) -> None:
+    """Return once every task is done, without cancelling any; a cancel of
+    the caller meanwhile is raised only then."""
+    interrupted: asyncio.CancelledError | None = None
+    while not all(task.done() for task in tasks):
+        try:
+            await asyncio.wait(tasks)
+        except asyncio.CancelledError as exc:
+            interrupted = exc
+    if interrupted is not None:
+        raise interrupted
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _settle_after(future: asyncio.Future[None], _: asyncio.Future[Any]) -> None:
+    """A done callback: settle `future` once the task it was passed to ended."""
+    _settle(future)
 
 
 def _nothing() -> None:

@@ -380,6 +380,57 @@ async def test_a_holder_rank_gone_fails_the_pull_and_releases_the_other_ranks() 
             await worker.xcvr.close()
 
 
+async def test_an_aborted_pull_of_several_ranks_returns_once_no_read_can_land() -> None:
+    """The holder ranks' READs overlap; an abort while the first one copies
+    raises only once no READ of any rank is left in flight, and every holder
+    rank is released at once."""
+    holders = [
+        Endpoint("v2", NixlTransceiver, HYBRID_WHOLE.for_rank(r, 2), block_size=BLOCK_SIZE)
+        for r in (1, 0)
+    ]
+    puller = Endpoint("v2", NixlTransceiver, HYBRID_WHOLE, block_size=BLOCK_SIZE)
+    for worker in (*holders, puller):
+        await worker.xcvr.start()
+    try:
+        handles = []
+        for holder in holders:
+            holder.fill("req", 2 * BLOCK_SIZE)
+            handles.append(TransferHandle.from_bytes(holder.publish("req").to_bytes()))
+        posting, go = threading.Event(), threading.Event()
+        posts = {"started": 0, "returned": 0}
+        post = puller.xcvr._agent.transfer
+
+        def transfer(*args: object) -> object:
+            posts["started"] += 1
+            posting.set()
+            go.wait(5)  # the first post "copies" until the abort has run
+            try:
+                return post(*args)
+            finally:
+                posts["returned"] += 1
+
+        puller.xcvr._agent.transfer = transfer
+        assert puller.manager.allocate_for_transfer("req", 2 * BLOCK_SIZE)
+        regions, signature = puller.manager.regions("req"), puller.manager.layout_signature()
+        pull = asyncio.create_task(puller.xcvr.pull_ranks(handles, regions, signature, 10))
+        while not posting.is_set():
+            await asyncio.sleep(0.0002)
+        puller.xcvr.abort("req")
+        asyncio.get_running_loop().call_later(0.05, go.set)  # the copy goes on a while
+        with pytest.raises(TransferAborted):
+            await pull
+        # The caller frees the blocks now, so every post must be over.
+        assert posts["started"] == posts["returned"] >= 1
+        puller.manager.free("req")
+        await wait_for(lambda: all(h.released == ["req"] for h in holders))
+        assert [h.released for h in holders] == [["req"], ["req"]]
+        assert all(h.xcvr.num_pinned == 0 for h in holders)
+        assert not puller.xcvr._early_claims and not puller.xcvr._claims
+    finally:
+        for worker in (puller, *holders):
+            await worker.xcvr.close()
+
+
 async def test_a_claim_sent_ahead_is_granted_before_the_destination_exists(
     workers: dict[str, Endpoint],
 ) -> None:
