@@ -22,7 +22,10 @@ has since replaced fails too: that instance is gone.
 A request is sent only once the current stream has opened (said which
 incarnation answers it): by then that stream reads the worker's events, and
 an earlier call the router gave up on (still running on a live worker)
-cannot take any of the request's events.
+cannot take any of the request's events. A request waiting to be sent is
+not failed by a break (none of its events can be lost: a restarting worker
+answers the reopened stream); it fails if no stream opens within
+`_OPEN_WAIT_S`, and the router then tries another worker.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from engine.messages import TokenEvent
 logger = logging.getLogger(__name__)
 
 _REOPEN_DELAY_S = 0.2
+_OPEN_WAIT_S = 30.0
 
 
 class StreamBrokenError(ConnectionError):
@@ -55,6 +59,7 @@ class WorkerChannel:
         self._replaced: set[str] = set()  # incarnations a later one replaced
         self._reading: str | None = None  # the incarnation of the last stream opened
         self._opened: asyncio.Future[None] | None = None  # see _opening()
+        self._waiting: set[str] = set()  # open request ids not sent yet
 
     async def stream(self, request: Any) -> AsyncGenerator[TokenEvent, None]:
         """Send `request` (a `GenerationRequest`) and yield its events up to the
@@ -65,7 +70,7 @@ class WorkerChannel:
         queue = self._demux.open(request_id)
         submitted = False
         try:
-            await asyncio.shield(self._opening())
+            await self._until_open(request_id)
             incarnation = await self.actor.submit.remote(request)
             submitted = True
             if incarnation in self._replaced:
@@ -85,6 +90,18 @@ class WorkerChannel:
             self._demux.close(request_id)
             self._submitted_to.pop(request_id, None)
 
+    async def _until_open(self, request_id: str) -> None:
+        """Wait (at most `_OPEN_WAIT_S`) for the current stream to open."""
+        self._waiting.add(request_id)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._opening()), _OPEN_WAIT_S)
+        except TimeoutError:
+            raise StreamBrokenError(
+                f"no event stream of {self.name} opened within {_OPEN_WAIT_S:.0f} s"
+            ) from None
+        finally:
+            self._waiting.discard(request_id)
+
     def _opening(self) -> asyncio.Future[None]:
         """Done once the current stream said its incarnation; fails with what
         broke the stream before it did."""
@@ -92,13 +109,18 @@ class WorkerChannel:
             self._opened = asyncio.get_running_loop().create_future()
         return self._opened
 
-    def _closed(self, error: BaseException) -> None:
-        """The current stream is gone: requests waiting to be sent get `error`,
-        later ones wait for the next stream."""
-        if self._opened is not None and not self._opened.done():
+    def _closed(self, error: BaseException | None = None) -> None:
+        """The current stream is gone: later requests wait for the next one.
+        With `error` (the router stopped reading), requests waiting to be
+        sent get it instead."""
+        if self._opened is None:
+            return
+        if self._opened.done():
+            self._opened = None
+        elif error is not None:
             self._opened.set_exception(error)
             self._opened.exception()  # waiters raise it; none is fine too
-        self._opened = None
+            self._opened = None
 
     async def stop(self) -> None:
         """Stop reading; requests still open here get `StreamBrokenError`."""
@@ -134,7 +156,7 @@ class WorkerChannel:
                 raise
             except Exception as exc:
                 error = exc
-            self._closed(error)
+            self._closed()
             if len(self._demux):
                 logger.warning("event stream of %s broke: %s", self.name, error)
             self._broke(opened, error)
@@ -142,10 +164,13 @@ class WorkerChannel:
 
     def _broke(self, opened: str | None, error: BaseException) -> None:
         """A stream from incarnation `opened` (None: it never said) broke: fail
-        every open request but those another incarnation accepted."""
+        every open request but those another incarnation accepted and those
+        not sent yet."""
 
         def spared(request_id: str) -> bool:
             accepted_by = self._submitted_to.get(request_id)
+            if request_id in self._waiting:  # not sent: none of its events were lost
+                return True
             return opened is not None and accepted_by is not None and accepted_by != opened
 
         self._demux.fail([r for r in self._demux.request_ids() if not spared(r)], error)
