@@ -103,8 +103,8 @@ class WorkerChannel:
             self._waiting.discard(request_id)
 
     def _opening(self) -> asyncio.Future[None]:
-        """Done once the current stream said its incarnation; fails with what
-        broke the stream before it did."""
+        """Done once the current stream said its incarnation; fails only when
+        the router stops reading first (`_closed`)."""
         if self._opened is None:
             self._opened = asyncio.get_running_loop().create_future()
         return self._opened
@@ -168,9 +168,9 @@ class WorkerChannel:
         not sent yet."""
 
         def spared(request_id: str) -> bool:
-            accepted_by = self._submitted_to.get(request_id)
             if request_id in self._waiting:  # not sent: none of its events were lost
                 return True
+            accepted_by = self._submitted_to.get(request_id)
             return opened is not None and accepted_by is not None and accepted_by != opened
 
         self._demux.fail([r for r in self._demux.request_ids() if not spared(r)], error)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -351,10 +352,10 @@ async def test_ranks_of_different_tensor_parallelism_read_head_slices(
             await worker.xcvr.close()
 
 
-async def test_a_holder_rank_gone_fails_the_pull_and_releases_the_other_ranks() -> None:
-    """Every holder rank is claimed before the first READ; when one rank's
-    lease is over, the pull fails and rank 0, already granted, is released
-    at once rather than at the end of its lease."""
+@contextlib.asynccontextmanager
+async def _two_holder_ranks() -> AsyncIterator[tuple[list[Endpoint], Endpoint]]:
+    """Holder ranks 1 and 0 of a TP 2 context instance (in publishing order)
+    and one TP 1 puller, started; closed on the way out."""
     holders = [
         Endpoint("v2", NixlTransceiver, HYBRID_WHOLE.for_rank(r, 2), block_size=BLOCK_SIZE)
         for r in (1, 0)
@@ -363,6 +364,17 @@ async def test_a_holder_rank_gone_fails_the_pull_and_releases_the_other_ranks() 
     for worker in (*holders, puller):
         await worker.xcvr.start()
     try:
+        yield holders, puller
+    finally:
+        for worker in (puller, *holders):
+            await worker.xcvr.close()
+
+
+async def test_a_holder_rank_gone_fails_the_pull_and_releases_the_other_ranks() -> None:
+    """Every holder rank is claimed before the first READ; when one rank's
+    lease is over, the pull fails and rank 0, already granted, is released
+    at once rather than at the end of its lease."""
+    async with _two_holder_ranks() as (holders, puller):
         handles = []
         for holder, lease_s in zip(holders, (0.05, 30.0), strict=True):
             holder.fill("req", BLOCK_SIZE)
@@ -375,23 +387,13 @@ async def test_a_holder_rank_gone_fails_the_pull_and_releases_the_other_ranks() 
         await wait_for(lambda: holders[1].released == ["req"])
         assert holders[1].released == ["req"] and holders[1].xcvr.num_pinned == 0
         assert not puller.xcvr._early_claims and not puller.xcvr._claims
-    finally:
-        for worker in (puller, *holders):
-            await worker.xcvr.close()
 
 
 async def test_an_aborted_pull_of_several_ranks_returns_once_no_read_can_land() -> None:
     """The holder ranks' READs overlap; an abort while the first one copies
     raises only once no READ of any rank is left in flight, and every holder
     rank is released at once."""
-    holders = [
-        Endpoint("v2", NixlTransceiver, HYBRID_WHOLE.for_rank(r, 2), block_size=BLOCK_SIZE)
-        for r in (1, 0)
-    ]
-    puller = Endpoint("v2", NixlTransceiver, HYBRID_WHOLE, block_size=BLOCK_SIZE)
-    for worker in (*holders, puller):
-        await worker.xcvr.start()
-    try:
+    async with _two_holder_ranks() as (holders, puller):
         handles = []
         for holder in holders:
             holder.fill("req", 2 * BLOCK_SIZE)
@@ -426,9 +428,6 @@ async def test_an_aborted_pull_of_several_ranks_returns_once_no_read_can_land() 
         assert [h.released for h in holders] == [["req"], ["req"]]
         assert all(h.xcvr.num_pinned == 0 for h in holders)
         assert not puller.xcvr._early_claims and not puller.xcvr._claims
-    finally:
-        for worker in (puller, *holders):
-            await worker.xcvr.close()
 
 
 async def test_a_claim_sent_ahead_is_granted_before_the_destination_exists(

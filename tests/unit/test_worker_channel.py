@@ -84,6 +84,18 @@ async def _opened(worker: _Worker, channel: WorkerChannel, incarnation: str) -> 
     return stream
 
 
+async def _sent_once_open(
+    worker: _Worker, stream: asyncio.Queue[Any], first: asyncio.Future[TokenEvent]
+) -> None:
+    """`stream` opens (incarnation "a"): the waiting request "r1" is sent then,
+    and its events arrive on that stream."""
+    stream.put_nowait(StreamOpened("a"))
+    while worker.submitted != ["r1"]:
+        await asyncio.sleep(0.01)
+    stream.put_nowait(_final("r1"))
+    assert (await first).token_ids == [7]
+
+
 async def test_a_stale_stream_breaking_late_spares_requests_on_the_restarted_worker() -> None:
     worker = _Worker("old")
     channel = WorkerChannel("generation-0", worker)
@@ -112,11 +124,7 @@ async def test_a_request_is_sent_only_once_the_stream_said_its_incarnation() -> 
         stream = await worker.streams.get()
         await asyncio.sleep(0.05)
         assert worker.submitted == [] and not first.done()
-        stream.put_nowait(StreamOpened("a"))
-        while worker.submitted != ["r1"]:
-            await asyncio.sleep(0.01)
-        stream.put_nowait(_final("r1"))
-        assert (await first).token_ids == [7]
+        await _sent_once_open(worker, stream, first)
     finally:
         await channel.stop()
 
@@ -162,11 +170,7 @@ async def test_a_request_waiting_for_its_stream_outlives_a_break_and_is_sent_on_
         (await worker.streams.get()).put_nowait(ConnectionError("the actor is restarting"))
         stream = await worker.streams.get()
         assert worker.submitted == [] and not first.done()
-        stream.put_nowait(StreamOpened("a"))
-        while worker.submitted != ["r1"]:
-            await asyncio.sleep(0.01)
-        stream.put_nowait(_final("r1"))
-        assert (await first).token_ids == [7]
+        await _sent_once_open(worker, stream, first)
     finally:
         await channel.stop()
 
