@@ -94,7 +94,10 @@ class FusedLinear:
                 )
                 self._point_layers_at_fused_storage()
             self.packed = _pack_for_cpu(self.weight)
-        self._versions = [layer.weight._version for layer in self.linears]
+        # What `is_current` compares, per layer: its weight's address (its rows
+        # of the fused tensor) and, where a packed snapshot exists, version.
+        self._expected = self._layer_stamps() if self.packed is not None else None
+        self._expected_ptrs = self._weight_ptrs()
         self._small = self.weight.numel() * self.weight.element_size() < (
             SINGLE_THREAD_MAX_WEIGHT_BYTES
         )
@@ -109,19 +112,24 @@ class FusedLinear:
 
     def is_current(self) -> bool:
         """Whether every layer's weight still views the fused tensor, at its
-        rows, unchanged since fusion (the packed copy is a snapshot)."""
-        row_bytes = self.weight.stride(0) * self.weight.element_size()
-        expected = self.weight.data_ptr()
-        for layer, rows, version in zip(
-            self.linears, self.out_features, self._versions, strict=True
-        ):
-            weight = layer.weight
-            if weight.data_ptr() != expected or weight.dtype != self.weight.dtype:
-                return False
-            if self.packed is not None and weight._version != version:
-                return False
-            expected += rows * row_bytes
-        return True
+        rows, unchanged since fusion (the packed copy is a snapshot).
+
+        Runs before every product (over a hundred per decode step), so it
+        compares precomputed stamps rather than recomputing row offsets.
+        """
+        if self._expected is not None:
+            return self._layer_stamps() == self._expected
+        return self._weight_ptrs() == self._expected_ptrs
+
+    def _layer_stamps(self) -> list[tuple[int, torch.dtype, int]]:
+        """Each layer's weight address, dtype and version counter."""
+        weights = [layer._parameters["weight"] for layer in self.linears]
+        return [(w.data_ptr(), w.dtype, w._version) for w in weights if w is not None]
+
+    def _weight_ptrs(self) -> list[tuple[int, torch.dtype]]:
+        """Each layer's weight address and dtype."""
+        weights = [layer._parameters["weight"] for layer in self.linears]
+        return [(w.data_ptr(), w.dtype) for w in weights if w is not None]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`[..., sum(out_features)]`: the layers' outputs side by side, in order."""
