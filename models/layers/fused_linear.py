@@ -94,10 +94,7 @@ class FusedLinear:
                 )
                 self._point_layers_at_fused_storage()
             self.packed = _pack_for_cpu(self.weight)
-        # What `is_current` compares, per layer: its weight's address (its rows
-        # of the fused tensor) and, where a packed snapshot exists, version.
-        self._expected = self._layer_stamps() if self.packed is not None else None
-        self._expected_ptrs = self._weight_ptrs()
+        self._expected = self._stamps()  # what `is_current` compares against
         self._small = self.weight.numel() * self.weight.element_size() < (
             SINGLE_THREAD_MAX_WEIGHT_BYTES
         )
@@ -117,19 +114,16 @@ class FusedLinear:
         Runs before every product (over a hundred per decode step), so it
         compares precomputed stamps rather than recomputing row offsets.
         """
-        if self._expected is not None:
-            return self._layer_stamps() == self._expected
-        return self._weight_ptrs() == self._expected_ptrs
+        return self._stamps() == self._expected
 
-    def _layer_stamps(self) -> list[tuple[int, torch.dtype, int]]:
-        """Each layer's weight address, dtype and version counter."""
+    def _stamps(self) -> list[tuple[int, torch.dtype, int]]:
+        """Per layer: its weight's address (its rows of the fused tensor),
+        dtype and, where a packed snapshot exists, version counter."""
+        packed = self.packed is not None
         weights = [layer._parameters["weight"] for layer in self.linears]
-        return [(w.data_ptr(), w.dtype, w._version) for w in weights if w is not None]
-
-    def _weight_ptrs(self) -> list[tuple[int, torch.dtype]]:
-        """Each layer's weight address and dtype."""
-        weights = [layer._parameters["weight"] for layer in self.linears]
-        return [(w.data_ptr(), w.dtype) for w in weights if w is not None]
+        return [
+            (w.data_ptr(), w.dtype, w._version if packed else 0) for w in weights if w is not None
+        ]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`[..., sum(out_features)]`: the layers' outputs side by side, in order."""
