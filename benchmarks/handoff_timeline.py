@@ -41,6 +41,11 @@ CPU time (the compute thread's and the whole process's), wake-up, the gap
 A long step with wall far above its CPU time waited for a core.
 
     python -m benchmarks.handoff_timeline --checkpoint smollm2 --rate 1 --requests 16
+
+`--aggregated` runs one aggregated-only instance on both CPUs instead (as
+`benchmarks.serve_compare`'s `ours-agg`): the phases then read as queue +
+prefill on that instance, and its steps are listed the same way, steps with
+prompt tokens on a row of their own.
 """
 
 from __future__ import annotations
@@ -60,7 +65,13 @@ from typing import Any
 import ray
 
 from benchmarks.serve_compare import SMOLLM2, resolve_model
-from benchmarks.serve_targets import Setup, base_config, first_token_setting, pinned_1p1d
+from benchmarks.serve_targets import (
+    Setup,
+    aggregated_sections,
+    base_config,
+    first_token_setting,
+    pinned_1p1d,
+)
 from cluster.config import config_from_dict
 from cluster.launcher import init_local_ray, launch
 from cluster.metrics import ServingMetrics
@@ -148,7 +159,7 @@ async def _drive(
 
 def _report(args: argparse.Namespace, timelines: list[Timeline], metrics: ServingMetrics) -> None:
     print(
-        f"1P1D {args.transceiver}, rate {args.rate}, {args.requests} requests of "
+        f"{'aggregated' if args.aggregated else '1P1D ' + args.transceiver}, rate {args.rate}, {args.requests} requests of "
         f"{args.input_len} in / {args.output_len} out"
     )
     print(f"{'phase':<26} {'p50 ms':>8} {'p99 ms':>8}")
@@ -195,6 +206,9 @@ def _report_steps(records: list[StepRecord], shown: int) -> None:
 
     decode = [r for r in records if r.num_tokens == r.num_seqs]
     print(row("median", _median_record(decode)))
+    prefill = [r for r in records if r.num_tokens > r.num_seqs]
+    if prefill:
+        print(row("prefill", _median_record(prefill)) + "   (median of steps with prompt tokens)")
     if found.long:
         print(row("long", _median_record(list(found.long))) + "   (median of the long ones)")
     for r in sorted(found.long, key=lambda r: -r.period_s)[:shown]:
@@ -228,9 +242,13 @@ async def _run(args: argparse.Namespace, checkpoint: Path) -> int:
         pin_instances=not args.unpinned,
         first_token_at=args.first_token_at,
     )
-    config_dict, _ = pinned_1p1d(base_config(setup, args.transceiver), setup)
-    config_dict, when = first_token_setting(config_dict, setup)
-    print(f"first token at {when}")
+    if args.aggregated:
+        config_dict, how = aggregated_sections(base_config(setup, "python"), len(setup.cpus))
+        print(how)
+    else:
+        config_dict, _ = pinned_1p1d(base_config(setup, args.transceiver), setup)
+        config_dict, when = first_token_setting(config_dict, setup)
+        print(f"first token at {when}")
     config = config_from_dict(config_dict)
     cluster = await launch(resolve_plan(config), 300)
     metrics = ServingMetrics()
@@ -264,6 +282,11 @@ def main(argv: list[str] | None = None) -> int:
         "--first-token-at",
         choices=("prefill", "admission"),
         help="router.first_token_at (default: the config's default)",
+    )
+    parser.add_argument(
+        "--aggregated",
+        action="store_true",
+        help="one aggregated-only instance on both CPUs (as serve_compare's ours-agg) instead",
     )
     parser.add_argument("--show-steps", type=int, default=10, help="longest steps listed")
     parser.add_argument(

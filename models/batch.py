@@ -285,6 +285,14 @@ class ForwardBatch:
         return tables, self.positions + 1
 
     @functools.cached_property
+    def all_seq_rows(self) -> DecodeRows:
+        """Every sequence as a decode row (its first token's), for a
+        decode-only step: built once, not once per attention layer."""
+        return DecodeRows(
+            self.query_start_loc[:-1], self.block_tables, self.seq_lens, self.max_seq_len
+        )
+
+    @functools.cached_property
     def decode_rows(self) -> DecodeRows | None:
         """The step's single-token sequences (see `DecodeRows`); None without any."""
         single = self.shape.single_token_seqs

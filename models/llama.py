@@ -63,6 +63,7 @@ class LlamaAttention(torch.nn.Module):
         self.o_proj = torch.nn.Linear(q_size, hidden, bias=out_bias)
         self.qkv: FusedLinear | None = None
         self.out: FusedLinear | None = None
+        self._qkv_heads = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
 
     def fuse_projections(self) -> None:
         self.qkv = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
@@ -84,7 +85,7 @@ class LlamaAttention(torch.nn.Module):
             if dispatch.cpu_rope_and_cache(
                 qkv, cos, sin, self.num_heads, keys, values, batch.slot_mapping, batch.block_size
             ):
-                q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+                q, k, v = qkv.split_with_sizes(self._qkv_heads, dim=1)
                 out = attend(q, k, v, layer_cache, batch, self.scale, self.sliding_window)
                 return self._project_out(out, num_tokens)
             q, k, v = self._rotate(qkv, cos, sin)

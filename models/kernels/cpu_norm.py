@@ -38,9 +38,10 @@ _KERNEL = cpu_build.KernelFunction(
 
 def supported(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
     """Whether `rms_norm(x, weight, eps, residual)` can run the C kernel."""
-    if x.device.type != "cpu" or x.dtype not in _DTYPES or x.dim() != 2:
+    if not x.is_cpu or x.dtype not in _DTYPES or x.dim() != 2:
         return False
-    if weight.dtype != x.dtype or weight.shape != (x.shape[1],) or x.shape[1] > _MAX_WIDTH:
+    width = x.shape[1]
+    if weight.dtype != x.dtype or weight.shape != (width,) or width > _MAX_WIDTH:
         return False
     if x.stride(1) != 1 or weight.stride(0) != 1:
         return False

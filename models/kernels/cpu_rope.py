@@ -44,8 +44,11 @@ def supported(
     """Whether `rope_and_cache` serves these tensors (see the module docstring)."""
     if qkv.device.type != "cpu" or qkv.dtype not in _DTYPES or qkv.dim() != 3:
         return False
-    tensors = (cos, sin, key_cache, value_cache)
-    if any(t.device.type != "cpu" or t.dtype != qkv.dtype for t in tensors):
+    # Spelled out rather than a generator over the four: this runs per layer.
+    dtype = qkv.dtype
+    if not (cos.dtype == sin.dtype == key_cache.dtype == value_cache.dtype == dtype):
+        return False
+    if not (cos.is_cpu and sin.is_cpu and key_cache.is_cpu and value_cache.is_cpu):
         return False
     tokens, _, dim = qkv.shape
     if qkv.stride(2) != 1 or qkv.stride(1) != dim or key_cache.stride() != value_cache.stride():

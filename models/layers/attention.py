@@ -162,14 +162,7 @@ def decode_attention(
     neither covers (sliding window on CUDA, cache dtype != q dtype, fp16 on CPU).
     """
     return _batched_decode(
-        q,
-        layer_cache,
-        DecodeRows(
-            batch.query_start_loc[:-1], batch.block_tables, batch.seq_lens, batch.max_seq_len
-        ),
-        batch.block_size,
-        scale,
-        sliding_window,
+        q, layer_cache, batch.all_seq_rows, batch.block_size, scale, sliding_window
     )
 
 

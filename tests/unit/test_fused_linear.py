@@ -53,6 +53,17 @@ def test_a_dtype_change_makes_the_fusion_stale_and_the_mlp_still_correct() -> No
     torch.testing.assert_close(mlp(x.double()), want.double())
 
 
+@pytest.mark.parametrize("replaced", [0, 2])
+def test_a_replaced_weight_makes_the_fusion_stale(replaced: int) -> None:
+    layers = _layers(bias=False)
+    fused = FusedLinear(layers)
+    layers[replaced].weight = torch.nn.Parameter(layers[replaced].weight.detach().clone())
+    assert not fused.is_current()
+    alone = FusedLinear([torch.nn.Linear(16, 8)])
+    alone.linears[0].weight = torch.nn.Parameter(torch.zeros(8, 16))
+    assert not alone.is_current()
+
+
 def test_layers_that_do_not_share_an_input_are_refused() -> None:
     with pytest.raises(ValueError, match="in_features"):
         FusedLinear([torch.nn.Linear(16, 4), torch.nn.Linear(8, 4)])
