@@ -21,7 +21,7 @@ before any byte moves.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvcache.spec import HeadShard
 
@@ -40,9 +40,13 @@ KV_HEAD_MAJOR = "head_major"
 KV_TOKEN_MAJOR = "token_major"
 
 
-@dataclass(frozen=True)
-class Region:
-    """`length` bytes at byte `offset` of the buffer registered as `buffer`."""
+class Region(NamedTuple):
+    """`length` bytes at byte `offset` of the buffer registered as `buffer`.
+
+    A named tuple, not a dataclass: a request's regions number in the
+    thousands and travel in every transfer handle, and a tuple builds,
+    pickles and unpickles in a fraction of a dataclass's time.
+    """
 
     buffer: str
     offset: int
