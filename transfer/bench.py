@@ -21,7 +21,11 @@ are endpoints in that side's one process, so a row still comes from two
 processes, and its size is the whole request's (all heads): the same bytes
 the raw limit moves, which is measured as for equal ranks (one TCP stream,
 or one NIXL READ between the rank 0 pools, each as large in bytes as a
-whole-heads pool).
+whole-heads pool). What bounds such a row on NIXL is the count of READ
+descriptors, not bytes: a head slice is one descriptor per block in V2 (all
+layers of a block's heads lie together: 128 KiB here, 512 per 64 MiB) and
+one per (layer, block) in V1 (32 KiB, 2,048 per 64 MiB), against one for
+the raw READ, and UCX spends CPU on each descriptor it posts.
 
 How sure a line is: `ratio` is the median over rounds of (raw seconds /
 transceiver seconds) within a round, with its min-max spread over the rounds

@@ -18,7 +18,7 @@ import torch
 
 from engine.startup_heap import freeze_startup_heap
 from kvcache.factory import create_manager
-from kvcache.layout import Region
+from kvcache.layout import LayoutSignature, Region, RequestRegions
 from kvcache.spec import CacheSpec
 from kvcache.tensors import allocate_cache_tensors
 from transfer.base import Transceiver, TransferHandle
@@ -95,20 +95,25 @@ class CacheEndpoint:
         """`pull` of one request held by several tensor-parallel ranks, one
         handle each (rank 0's last): this endpoint's heads from every one."""
         handles = [TransferHandle.from_bytes(h) for h in handles_bytes]
-        self.allocate(handles[-1].request_id, num_tokens)
-        return await self.pull_allocated(handles, timeout_s)
+        destination = self.allocate(handles[-1].request_id, num_tokens)
+        return await self.pull_allocated(handles, destination, timeout_s)
 
-    def allocate(self, request_id: str, num_tokens: int) -> None:
-        """The destination of a pull of `num_tokens` tokens of `request_id`."""
+    def allocate(self, request_id: str, num_tokens: int) -> tuple[RequestRegions, LayoutSignature]:
+        """The destination of a pull of `num_tokens` tokens of `request_id`:
+        its regions and this pool's signature, as a pull takes them."""
         if not self.manager.allocate_for_transfer(request_id, num_tokens):
             raise RuntimeError(f"pool too small to receive {num_tokens} tokens")
+        return self.manager.regions(request_id), self.manager.layout_signature()
 
     async def pull_allocated(
-        self, handles: list[TransferHandle], timeout_s: float
+        self,
+        handles: list[TransferHandle],
+        destination: tuple[RequestRegions, LayoutSignature],
+        timeout_s: float,
     ) -> dict[str, Any]:
-        """`pull_ranks` into the destination `allocate` made; frees it on error."""
+        """`pull_ranks` into the `destination` `allocate` made; frees it on error."""
         rid = handles[-1].request_id
-        regions, signature = self.manager.regions(rid), self.manager.layout_signature()
+        regions, signature = destination
         # "seconds" and "cpu_seconds" are the transceiver's alone; "started" and
         # "ended" (perf_counter) bound it, for a host timing several ranks at once.
         start, cpu = time.perf_counter(), time.process_time()
@@ -198,13 +203,17 @@ class EndpointHost:
         import asyncio
 
         handles = [TransferHandle.from_bytes(h) for h in handles_bytes]
-        # Every rank's destination first: one rank's allocation must not
-        # count against another rank's pull, which has begun meanwhile.
-        for name in names:
-            self.endpoints[name].allocate(handles[-1].request_id, num_tokens)
+        # Every rank's destination first (blocks and regions): building one
+        # rank's must not count against another rank's pull, begun meanwhile.
+        destinations = [
+            self.endpoints[n].allocate(handles[-1].request_id, num_tokens) for n in names
+        ]
         cpu = time.process_time()
         results = await asyncio.gather(
-            *(self.endpoints[n].pull_allocated(handles, timeout_s) for n in names)
+            *(
+                self.endpoints[n].pull_allocated(handles, d, timeout_s)
+                for n, d in zip(names, destinations, strict=True)
+            )
         )
         failed = [r for r in results if not r["ok"]]
         if failed:
