@@ -96,15 +96,21 @@ class Endpoint:
 
 
 async def check_skewed_wall_clocks(
-    src: Endpoint, dst: Endpoint, skew_clock: Callable[[float], None]
+    src: Endpoint,
+    dst: Endpoint,
+    skew_clock: Callable[[float], None],
+    reads_before_grant: bool = False,
 ) -> None:
     """Leases hold whatever the wall clocks read: `skew_clock(seconds)` moves
     `time.time()` after the holder published, as a puller on a node whose clock
     differs by that much would see it.
 
-    A clock an hour behind must not make a puller read an expired request's
-    blocks, which the holder has meanwhile handed to another request; a clock
-    an hour ahead must not make it refuse a live one.
+    A clock an hour behind must not make a puller take an expired request's
+    blocks, which the holder has meanwhile handed to another request, for its
+    own; a clock an hour ahead must not make it refuse a live one. A puller
+    that reads before the holder's answer (`reads_before_grant`, NIXL) may
+    bring the other request's bytes into its destination, but the pull fails
+    and those blocks are free again; any other never receives them.
     """
     from transfer.errors import UnknownRequest
 
@@ -113,6 +119,7 @@ async def check_skewed_wall_clocks(
     while "expired" not in src.released:
         await asyncio.sleep(0.01)
     reused = src.fill("reuser", BLOCK_SIZE)  # the freed blocks, new bytes
+    free_before = dst.manager.num_free_blocks
     skew_clock(-3600.0)
     try:
         await dst.pull(late, BLOCK_SIZE)
@@ -120,8 +127,11 @@ async def check_skewed_wall_clocks(
         pass
     else:
         raise AssertionError("a pull behind the holder's clock read a freed request")
-    seen = b"".join(t.numpy().tobytes() for t in dst.tensors.buffers().values())
-    assert not any(chunk in seen for chunk in reused.values() if any(chunk))
+    assert dst.manager.num_free_blocks == free_before
+    dst.manager.check_integrity()
+    if not reads_before_grant:
+        seen = b"".join(t.numpy().tobytes() for t in dst.tensors.buffers().values())
+        assert not any(chunk in seen for chunk in reused.values() if any(chunk))
     skew_clock(+3600.0)
     sent = src.fill("live", BLOCK_SIZE)
     await dst.pull(src.publish("live", lease_s=30.0), BLOCK_SIZE)

@@ -6,9 +6,10 @@
         metadata, buffer addresses,                load holder metadata (once per peer)
         descriptors}        --- Ray --->           READ descriptor indices from tables
                                                    prepared once per (peer, buffer)
-    lease live? pin it    <--- notif ---           "claim <rid> <tid> <metadata>"
-    for a window W        --- notif --->           "grant <rid> <tid> <W>" (or "expired")
-                                                   READ, within W of sending the claim
+    lease live? pin it    <--- notif ---           "claim <rid> <tid> <metadata>", then READ
+    for a window W        --- notif --->           "grant <rid> <tid> <W>" (or "expired"):
+                                                   the READs count if done within W of
+                                                   sending the claim
     poll notifications   <--- notif ---            "release <rid> <tid> <rank> <of>" when
     -> on_release(rid) once all                    all READs done
        `of` puller ranks released
@@ -30,7 +31,7 @@ takes from one block of one layer (longer where runs join up on both sides),
 or one section of a Mamba state; its tables are prepared per (buffer, run
 length, phase) like the whole-block ones. A pull from several holder ranks
 (`pull_ranks`) claims them all at once and overlaps their READs: each rank's
-are posted once granted, the next rank is planned while they copy, and the
+are posted once planned, the next rank is planned while they copy, and the
 holders are released in order, rank 0 last, once every READ is done.
 
 Every call on the agent runs on the transceiver's own `AgentThread`, never on
@@ -40,14 +41,19 @@ the loop; the agent, its prepared tables and the peer maps stay on the thread.
 A pull that fails, times out or is aborted raises only once its READs are
 over or released, since its caller frees the destination blocks right after.
 
-READs are one-sided, so the holder cannot see them. Before reading, the
-puller claims the request; the holder, whose monotonic clock alone decides
-whether the lease is still live, answers "expired" or pins the blocks for a
-window W past the lease. The puller counts W on its own monotonic clock from
+READs are one-sided, so the holder cannot see them. The puller claims the
+request and posts its READs without waiting for the answer; the holder,
+whose monotonic clock alone decides whether the lease is still live, answers
+"expired" or pins the blocks for a window W past the lease. A lease never
+comes back, so a grant means the blocks held the request's bytes from
+publish until the answer and stay pinned for W after: READs done within the
+window read the request. The puller counts W on its own monotonic clock from
 *before* it sent the claim, so its window closes before the holder's does
 whatever the two clocks read (only their rates must agree); READs not done
-by then are released and the pull fails with `UnknownRequest`. A holder that
-aborts a request while a READ is in flight still cannot stop it.
+by then are released and the pull fails with `UnknownRequest`, as it does on
+"expired" once its READs are over (what they brought lands only in blocks the
+caller frees). A holder that aborts a request while a READ is in flight still
+cannot stop it.
 """
 
 from __future__ import annotations
@@ -328,7 +334,7 @@ class NixlTransceiver(Transceiver):
         Every layout is checked first, so a mismatch never reaches a holder;
         then every rank is claimed at once, and each rank's READs are planned
         while the claims and the earlier ranks' READs are in flight and
-        posted once planned and granted (the agent thread runs them back to
+        posted once planned (the agent thread runs them back to
         back). The holders are released in order, rank 0 last, once every
         READ is done: rank 0 frees the blocks of all ranks. A failure stops
         the other ranks' READs and waits for them before it raises."""
@@ -429,12 +435,11 @@ class NixlTransceiver(Transceiver):
             self._thread.submit(self._finish, xfers, handle, dest, True)
 
     async def _send_claims(self, handles: Sequence[TransferHandle]) -> None:
-        """Claim each handle not claimed yet, and return once the claims have
-        left: their tasks queue the sends on the agent thread, which runs jobs
-        in order, so once a later job is done they are out."""
+        """Claim each handle not claimed yet, and return once the claims' sends
+        are queued on the agent thread, which runs jobs in order: ahead of
+        any READ posted after this returns."""
         if self._claim_each(handles):
-            await asyncio.sleep(0)
-            await self._thread.run(_nothing)
+            await asyncio.sleep(0)  # each claim task runs up to its queued send
 
     async def _drop_claims(self, handles: Sequence[TransferHandle]) -> None:
         """Forget claims of `handles` no READ took (a pull failed before it):
@@ -453,21 +458,32 @@ class NixlTransceiver(Transceiver):
         release: bool,
         posted: asyncio.Future[None] | None = None,
     ) -> list[Any]:
-        """Once `handle`'s claim is granted, post the READs of `groups` (and
-        settle `posted`) and wait for them; the finished READs, for `_finish`.
-        Raises only once no READ of this handle can land any more."""
+        """Post the READs of `groups` (settling `posted` as the agent thread
+        enters the post) and wait for them and for `handle`'s grant; the
+        finished READs, for `_finish`. Raises only once no READ of this handle
+        can land any more.
+
+        The READs go out without waiting for the grant, whose round trip
+        would otherwise sit in front of every pull. That is sound because
+        a lease never comes back: a grant means the holder kept the blocks
+        for the request from publish until it answered, and pins them for the
+        window after, so READs done within the window saw the request's bytes.
+        An "expired" answer fails the pull once its READs are over; the bytes
+        they brought land only in destination blocks the caller then frees."""
         # Counted from before the claim left, so it ends before the holder's window.
-        early = self._early_claims.pop((handle.request_id, handle.transfer_id), None)
-        claimed_at, window = await (early or self._timed_claim(handle))
-        deadline = claimed_at + window
+        claim = self._early_claims.pop((handle.request_id, handle.transfer_id), None)
+        if claim is None:
+            claim = asyncio.ensure_future(self._timed_claim(handle))
+            claim.add_done_callback(_retrieve)
         xfers: list[Any] = []  # filled on the agent thread, released there too
         try:
-            if posted is not None:
-                # Its waiter resumes only after this task queued the post below.
-                _settle(posted)
-            states = await self._thread.run(self._post_reads, handle, groups, xfers)
+            entering = self._entering_post(posted)
+            states = await self._thread.run(self._post_reads, handle, groups, xfers, entering)
+            claimed_at, window = await claim
+            deadline = claimed_at + window
             await self._wait(handle, xfers, states, deadline)
         except BaseException as exc:
+            claim.cancel()  # a no-op once answered
             # Bytes may land in the destination blocks until the post returns
             # (a CPU READ copies inside it) and its READs are released (which
             # aborts an unfinished one); the caller frees the blocks once this
@@ -485,6 +501,17 @@ class NixlTransceiver(Transceiver):
             self._thread.submit(_release, xfers)
             raise UnknownRequest(handle.request_id, handle.peer)
         return xfers
+
+    def _entering_post(self, posted: asyncio.Future[None] | None) -> Callable[[], None]:
+        """An agent-thread callback that settles `posted` on the loop."""
+        if posted is None:
+            return _nothing
+        loop = asyncio.get_running_loop()
+
+        def entering() -> None:
+            loop.call_soon_threadsafe(_settle, posted)
+
+        return entering
 
     def _check_layout(self, handle: TransferHandle, dest: LayoutSignature) -> LayoutSignature:
         """The holder's signature, checked against `dest` (cheap: it runs
@@ -531,11 +558,18 @@ class NixlTransceiver(Transceiver):
         return group_pairs(src_desc, dst_desc)
 
     def _post_reads(
-        self, handle: TransferHandle, groups: PairGroups, xfers: list[Any]
+        self,
+        handle: TransferHandle,
+        groups: PairGroups,
+        xfers: list[Any],
+        entering: Callable[[], None],
     ) -> list[str]:
-        """Agent thread: one READ per (local, remote) table pair; returns their states."""
+        """Agent thread: one READ per (local, remote) table pair; returns their
+        states. `entering` runs just before the first post, which releases
+        the GIL while it copies."""
         remote = self._remote_tables(handle)
         assert self._local is not None
+        entering()
         states = []
         for (lkey, rkey), (lidx, ridx) in groups.items():
             xfer = self._agent.make_prepped_xfer(

@@ -118,15 +118,55 @@ async def test_lease_expiry_frees_the_holder(workers: dict[str, Endpoint]) -> No
         src.publish("r2", lease_s=0)
 
 
-async def test_pull_after_lease_expiry_reads_nothing(workers: dict[str, Endpoint]) -> None:
+async def test_a_pull_after_lease_expiry_fails_naming_the_lease_and_frees_its_destination(
+    workers: dict[str, Endpoint],
+) -> None:
+    """The READs went out before the holder answered "expired": the pull
+    still fails, and only once they are over, so the blocks freed hold
+    whatever they brought and nothing lands later."""
     src, dst = workers["v2"], workers["v2b"]
     src.fill("r1", BLOCK_SIZE)
     handle = src.publish("r1", lease_s=0.05)
     await asyncio.sleep(0.1)
+    free_before = dst.manager.num_free_blocks
     with pytest.raises(UnknownRequest, match="lease_s"):
         await dst.pull(handle, BLOCK_SIZE)
-    assert all(torch.count_nonzero(t) == 0 for t in dst.tensors.buffers().values())
+    assert dst.manager.num_free_blocks == free_before
     dst.manager.check_integrity()
+    assert not dst.xcvr._early_claims and not dst.xcvr._claims
+    settled = b"".join(t.numpy().tobytes() for t in dst.tensors.buffers().values())
+    await asyncio.sleep(0.05)
+    assert b"".join(t.numpy().tobytes() for t in dst.tensors.buffers().values()) == settled
+
+
+async def test_reads_go_out_before_the_claim_is_answered(
+    workers: dict[str, Endpoint], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The grant's round trip does not sit in front of the READs: with the
+    holder's answers held back, the puller's READ is posted anyway, and the
+    pull completes once the grant comes."""
+    src, dst = workers["v2"], workers["v2b"]
+    sent = src.fill("r1", 2 * BLOCK_SIZE)
+    handle = src.publish("r1")
+    answers: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(src.xcvr, "_send_answer", lambda *args: answers.append(args))
+    posts: list[float] = []
+    real_post = dst.xcvr._post_reads
+
+    def post(*args: Any) -> list[str]:
+        posts.append(time.monotonic())
+        return real_post(*args)
+
+    monkeypatch.setattr(dst.xcvr, "_post_reads", post)
+    pull = asyncio.ensure_future(dst.pull(handle, 2 * BLOCK_SIZE))
+    await wait_for(lambda: posts and answers)
+    assert posts and answers and not pull.done()  # READ posted, grant held back
+    monkeypatch.undo()
+    src.xcvr._thread.submit(src.xcvr._send_answer, *answers[0])
+    await asyncio.wait_for(pull, 10)
+    assert dst.segments("r1") == sent
+    await wait_for(lambda: src.released == ["r1"])
+    assert src.released == ["r1"]
 
 
 async def test_abort_on_holder_releases_once(workers: dict[str, Endpoint]) -> None:
@@ -306,7 +346,10 @@ async def test_leases_hold_whatever_the_wall_clocks_read(
     src, dst = workers["v2"], workers["v2b"]
     real = time.time
     await check_skewed_wall_clocks(
-        src, dst, lambda skew: monkeypatch.setattr(time, "time", lambda: real() + skew)
+        src,
+        dst,
+        lambda skew: monkeypatch.setattr(time, "time", lambda: real() + skew),
+        reads_before_grant=True,
     )
 
 
