@@ -260,10 +260,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--client-timeout", type=float, default=900.0)
-    parser.add_argument("--vllm-python", type=Path, default=Path("/work/vllm-venv/bin/python"))
     args = parser.parse_args(argv)
     args.cpus = tuple(int(c) for c in args.cpus.split(","))
+    # The rest of `serve_compare.make_setup`'s arguments: only our aggregated
+    # server runs here, so no vLLM (this interpreter stands in for its
+    # checked-for path), no prefix caching, and no 1P1D settings.
+    args.vllm_python = Path(sys.executable)
     args.prefix_caching = False
+    args.unpinned = False
+    args.first_token_at = None
     return args
 
 

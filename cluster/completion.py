@@ -101,7 +101,7 @@ async def stream_completion(
                 latency.tokens(len(event.token_ids))
             num_cached = max(num_cached, event.num_cached_tokens)
             output_ids.extend(event.token_ids)
-            text = stops.add("".join(detokenizer.push(t) for t in event.token_ids))
+            text = stops.add("".join(map(detokenizer.push, event.token_ids)))
             finish = event.finish_reason
             if stops.stopped:
                 finish = "stop"

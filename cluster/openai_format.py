@@ -11,6 +11,7 @@ usage, before `data: [DONE]`.
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,15 +57,17 @@ def sse(body: dict[str, Any]) -> str:
     return f"data: {_dumps(body)}\n\n"
 
 
-def _dumps(body: Any) -> str:
-    return json.dumps(body, separators=(",", ":"))
+# Every body and chunk goes through this one encoder: `json.dumps` with any
+# option set builds a new `JSONEncoder` per call.
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
 class ChunkWriter:
     """SSE lines of one stream's chunks. The fields every chunk repeats (id,
-    object, created, model) are serialized once per stream; each chunk
-    serializes only its own choice. The line is what `sse` makes of the
-    whole chunk object."""
+    object, created, model) are serialized once per stream, and what follows
+    a token's text once per finish reason; each chunk serializes only its
+    own text (or choice). The line is what `sse` makes of the whole chunk
+    object."""
 
     def __init__(self, meta: ResponseMeta, obj: str) -> None:
         head = _dumps({"id": meta.id, "object": obj, "created": meta.created, "model": meta.model})
@@ -76,17 +79,19 @@ class ChunkWriter:
     def text_line(self, text: str, finish: str | None) -> str:
         """`line(completion_choice(text, finish, None))`, built without a dict:
         the line of almost every streamed token."""
-        body = (
-            f'{{"index":0,"text":{_dumps(text)},"logprobs":null,"finish_reason":{_dumps(finish)}}}'
-        )
-        return f"{self._prefix}{body}]}}\n\n"
+        return f'{self._prefix}{{"index":0,"text":{_dumps(text)}{_choice_tail(finish)}'
 
     def content_line(self, text: str, finish: str | None) -> str:
         """`line(chat_choice({"content": text} if text else {}, finish))`, built
         without a dict."""
         delta = f'{{"content":{_dumps(text)}}}' if text else "{}"
-        body = f'{{"index":0,"delta":{delta},"logprobs":null,"finish_reason":{_dumps(finish)}}}'
-        return f"{self._prefix}{body}]}}\n\n"
+        return f'{self._prefix}{{"index":0,"delta":{delta}{_choice_tail(finish)}'
+
+
+@functools.cache
+def _choice_tail(finish: str | None) -> str:
+    """What closes a streamed choice without logprobs, and its chunk's line."""
+    return f',"logprobs":null,"finish_reason":{_dumps(finish)}}}]}}\n\n'
 
 
 SSE_DONE = "data: [DONE]\n\n"

@@ -19,13 +19,22 @@ stream); every other open request fails, since its events may have been in
 the broken stream. A request submitted to an incarnation that another one
 has since replaced fails too: that instance is gone.
 
+Requests go to the worker in bursts: one `submit_many` call carries every
+request waiting for it, and at most one such call is in flight per worker;
+requests that arrive meanwhile go in the next call. A request the worker
+refuses (an id already in flight there) fails alone. At rate inf this sends
+a burst of 64 requests in a few calls instead of 64.
+
 A request is sent only once the current stream has opened (said which
 incarnation answers it): by then that stream reads the worker's events, and
 an earlier call the router gave up on (still running on a live worker)
-cannot take any of the request's events. A request waiting to be sent is
-not failed by a break (none of its events can be lost: a restarting worker
-answers the reopened stream); it fails if no stream opens within
-`_OPEN_WAIT_S`, and the router then tries another worker.
+cannot take any of the request's events. A stream that closes while a
+request waits for the next call sends it back to waiting for the next
+stream. A request waiting to be sent is not failed by a break (none of its
+events can be lost: a restarting worker answers the reopened stream); it
+fails if no stream opens within `_OPEN_WAIT_S`, and the router then tries
+another worker; `stop()` fails it at once. A caller that leaves before its
+request went is taken out of the next call.
 """
 
 from __future__ import annotations
@@ -36,8 +45,9 @@ import logging
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from engine.errors import RequestFailedError
 from engine.event_stream import EventDemux, StreamOpened, read_stream
-from engine.messages import TokenEvent
+from engine.messages import GenerationRequest, SubmitReceipt, TokenEvent
 
 logger = logging.getLogger(__name__)
 
@@ -60,22 +70,25 @@ class WorkerChannel:
         self._reading: str | None = None  # the incarnation of the last stream opened
         self._opened: asyncio.Future[None] | None = None  # see _opening()
         self._waiting: set[str] = set()  # open request ids not sent yet
+        # Requests for the next submit call, each with its future: the
+        # incarnation that accepted it, or None (the stream closed first).
+        self._outgoing: dict[str, tuple[GenerationRequest, asyncio.Future[str | None]]] = {}
+        self._sender: asyncio.Task[None] | None = None  # the submit calls' loop
 
-    async def stream(self, request: Any) -> AsyncGenerator[TokenEvent, None]:
-        """Send `request` (a `GenerationRequest`) and yield its events up to the
-        final one. Raises what broke the worker's stream or the send (e.g.
-        `RayActorError`); the request is forgotten here when the caller leaves."""
+    async def stream(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
+        """Send `request` and yield its events up to the final one. Raises what
+        broke the worker's stream or the send (e.g. `RayActorError`), or the
+        worker's refusal (`RequestFailedError`); the request is forgotten here
+        when the caller leaves."""
         self._start()
         request_id = request.request_id
         queue = self._demux.open(request_id)
         submitted = False
         try:
-            await self._until_open(request_id)
-            incarnation = await self.actor.submit.remote(request)
+            incarnation = await self._send(request)
             submitted = True
             if incarnation in self._replaced:
                 raise StreamBrokenError(f"{self.name} restarted after it accepted the request")
-            self._submitted_to[request_id] = incarnation
             async for event in read_stream(queue):
                 yield event
         except Exception:
@@ -90,17 +103,80 @@ class WorkerChannel:
             self._demux.close(request_id)
             self._submitted_to.pop(request_id, None)
 
-    async def _until_open(self, request_id: str) -> None:
-        """Wait (at most `_OPEN_WAIT_S`) for the current stream to open."""
+    async def _send(self, request: GenerationRequest) -> str:
+        """Send `request` in the next submit call once the current stream has
+        opened; the incarnation that accepted it (recorded in `_submitted_to`)."""
+        request_id = request.request_id
+        loop = asyncio.get_running_loop()
         self._waiting.add(request_id)
+        try:
+            while True:
+                await self._until_open()
+                sent: asyncio.Future[str | None] = loop.create_future()
+                self._outgoing[request_id] = (request, sent)
+                if self._sender is None:
+                    self._sender = loop.create_task(self._send_bursts())
+                try:
+                    incarnation = await sent
+                finally:
+                    if request_id in self._outgoing and self._outgoing[request_id][1] is sent:
+                        del self._outgoing[request_id]  # the caller left before the call
+                if incarnation is not None:
+                    return incarnation
+        finally:
+            self._waiting.discard(request_id)
+
+    async def _until_open(self) -> None:
+        """Wait (at most `_OPEN_WAIT_S`) for the current stream to open."""
+        if self._opened is not None and self._opened.done():
+            return
         try:
             await asyncio.wait_for(asyncio.shield(self._opening()), _OPEN_WAIT_S)
         except TimeoutError:
             raise StreamBrokenError(
                 f"no event stream of {self.name} opened within {_OPEN_WAIT_S:.0f} s"
             ) from None
+
+    async def _send_bursts(self) -> None:
+        """Send the requests waiting in `_outgoing`, all in one submit call, and
+        again those that arrived during it, until none waits."""
+        try:
+            while self._outgoing:
+                # A future already done: its caller left (the entry goes soon).
+                burst = [(r, sent) for r, sent in self._outgoing.values() if not sent.done()]
+                self._outgoing.clear()
+                if self._opened is None or not self._opened.done():
+                    for _, sent in burst:  # the stream closed: back to waiting for the next
+                        sent.set_result(None)
+                elif burst:
+                    for request, _ in burst:
+                        self._waiting.discard(request.request_id)
+                    await self._submit(burst)
         finally:
-            self._waiting.discard(request_id)
+            self._sender = None
+
+    async def _submit(
+        self, burst: list[tuple[GenerationRequest, asyncio.Future[str | None]]]
+    ) -> None:
+        """One submit call for `burst`; settles each request's future."""
+        try:
+            receipt: SubmitReceipt = await self.actor.submit_many.remote([r for r, _ in burst])
+        except Exception as exc:
+            _fail(burst, exc)
+            return
+        except asyncio.CancelledError:  # stop()
+            _fail(burst, self._stopped())
+            raise
+        for request, sent in burst:
+            rid = request.request_id
+            if sent.done():  # the caller left; the router aborts the request
+                continue
+            if rid in receipt.refused:
+                sent.set_exception(RequestFailedError(rid, receipt.refused[rid]))
+            else:
+                # Recorded at once: the reader may run before the caller resumes.
+                self._submitted_to[rid] = receipt.incarnation
+                sent.set_result(receipt.incarnation)
 
     def _opening(self) -> asyncio.Future[None]:
         """Done once the current stream said its incarnation; fails only when
@@ -123,15 +199,22 @@ class WorkerChannel:
             self._opened = None
 
     async def stop(self) -> None:
-        """Stop reading; requests still open here get `StreamBrokenError`."""
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
-            self._reader = None
-        stopped = StreamBrokenError(f"the router stopped reading {self.name}")
+        """Stop reading and sending; requests still open here, sent or not,
+        get `StreamBrokenError`."""
+        for task in (self._reader, self._sender):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._reader = self._sender = None
+        stopped = self._stopped()
+        _fail(list(self._outgoing.values()), stopped)
+        self._outgoing.clear()
         self._closed(stopped)
         self._demux.fail_all(stopped)
+
+    def _stopped(self) -> StreamBrokenError:
+        return StreamBrokenError(f"the router stopped reading {self.name}")
 
     def _start(self) -> None:
         if self._reader is None:
@@ -185,3 +268,11 @@ class WorkerChannel:
         self._reading = incarnation
         lost = [r for r, accepted_by in self._submitted_to.items() if accepted_by != incarnation]
         self._demux.fail(lost, StreamBrokenError(f"{self.name} restarted; its requests were lost"))
+
+
+def _fail(
+    burst: list[tuple[GenerationRequest, asyncio.Future[str | None]]], error: BaseException
+) -> None:
+    for _, sent in burst:
+        if not sent.done():
+            sent.set_exception(error)

@@ -22,9 +22,11 @@ nothing offered in time) frees its blocks and the submit pulls as usual.
 
 Run as a Ray actor: `ray.remote(GenerationWorker).options(num_cpus=...).remote(config, id, role)`;
 iterate `actor.events.remote()` as a streaming generator once, and send
-requests with `actor.submit.remote(req)`. An actor Ray restarts after a
-crash is rebuilt from the same arguments and starts itself on its first call;
-it has a new incarnation id, which its streams open with and `submit` returns.
+requests with `actor.submit.remote(req)`, or several in one call with
+`actor.submit_many.remote(reqs)`. An actor Ray restarts after a crash is
+rebuilt from the same arguments and starts itself on its first call; it has
+a new incarnation id, which its streams open with and `submit` (or
+`submit_many`'s receipt) returns.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from engine.messages import (
     GenerationRequest,
     KVEventBatch,
     PrefetchRequest,
+    SubmitReceipt,
     TokenEvent,
     WorkerHealth,
     WorkerIntegrity,
@@ -112,14 +115,33 @@ class GenerationWorker:
         flight here raises `RequestFailedError`.
         """
         await self.start()
+        refusal = self._accept(request)
+        if refusal is not None:
+            raise RequestFailedError(request.request_id, refusal)
+        return self._incarnation
+
+    async def submit_many(self, requests: list[GenerationRequest]) -> SubmitReceipt:
+        """`submit` for each of `requests`, in order, in one call (the router
+        sends the requests waiting for this worker together). A refused
+        request fails alone: the receipt says why, and the others run."""
+        await self.start()
+        refused: dict[str, str] = {}
+        for request in requests:
+            refusal = self._accept(request)
+            if refusal is not None:
+                refused[request.request_id] = refusal
+        return SubmitReceipt(self._incarnation, refused)
+
+    def _accept(self, request: GenerationRequest) -> str | None:
+        """Start `request` here (see `submit`); why it is refused, or None."""
         rid = request.request_id
-        req = Request(rid, list(request.prompt_token_ids), request.params, images=request.images)
         if rid in self._active:
-            raise RequestFailedError(rid, "a request with this id is already in flight here")
+            return "a request with this id is already in flight here"
+        req = Request(rid, list(request.prompt_token_ids), request.params, images=request.images)
         if self._aborted.take(rid):
             reason = "aborted before it reached this worker"
             self._outbox.post([_error(req, reason, reason="abort")])
-            return self._incarnation
+            return None
         self._active.add(rid)
         if request.context is None:
             self.engine.loop.submit(req)
@@ -130,7 +152,7 @@ class GenerationWorker:
             # abort from now on finds and cancels it.
             pull = self._start_pull(req, request.context)
             self._admitting.add(asyncio.get_running_loop().create_task(self._admit(req, pull)))
-        return self._incarnation
+        return None
 
     async def prefetch(self, request: PrefetchRequest) -> None:
         """Start pulling a prompt's cache while its context worker prefills it.

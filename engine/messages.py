@@ -79,6 +79,16 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class SubmitReceipt:
+    """A generation worker's answer to `submit_many`: the incarnation that
+    accepted the requests, and why it refused those it did not accept (by
+    request id; a refused request has no events)."""
+
+    incarnation: str
+    refused: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class PrefetchRequest:
     """Start pulling a prompt's cache while its context worker still prefills it
     (chunk-pipelined transfer).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -289,6 +290,11 @@ def test_chunk_writer_lines_equal_the_whole_chunk_serialized() -> None:
         assert text.text_line(body, finish) == sse(completion_chunk(meta, body, finish, None))
         content = {"content": body} if body else {}
         assert chat.content_line(body, finish) == sse(chat_chunk(meta, content, finish))
+        # The shared encoder writes what json.dumps does with compact separators.
+        whole = completion_chunk(meta, body, finish, None)
+        assert (
+            text.text_line(body, finish) == f"data: {json.dumps(whole, separators=(',', ':'))}\n\n"
+        )
 
 
 def test_bench_statistics_percentiles_tpot_and_goodput() -> None:

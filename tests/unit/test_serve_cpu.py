@@ -6,12 +6,14 @@ import cProfile
 import os
 from pathlib import Path
 
+from benchmarks.serve_compare import make_setup
 from benchmarks.serve_cpu import (
     by_role,
     cpu_seconds,
     engine_totals,
     format_engines,
     hot_functions,
+    parse_args,
     role,
 )
 from cluster.stop_strings import StopStringFilter
@@ -71,3 +73,11 @@ def test_engine_lines_give_steps_and_busy_time_during_the_run() -> None:
         "   engine context-0: 9 steps, busy 0.50 s of 2.00 s wall (25%), idle 1.50 s",
         "   engine generation-0: 73 steps, busy 1.75 s of 2.00 s wall (88%), idle 0.25 s",
     ]
+
+
+def test_its_arguments_make_a_setup_without_a_vllm_install(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    args = parse_args(["--model", str(tmp_path), "--workdir", str(tmp_path / "logs")])
+    setup = make_setup(args)
+    assert setup.model == tmp_path.resolve() and setup.cpus == (0, 1)
+    assert setup.pin_instances and setup.first_token_at is None and not setup.prefix_caching

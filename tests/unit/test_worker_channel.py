@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from cluster.worker_channel import StreamBrokenError, WorkerChannel
+from engine.errors import RequestFailedError
 from engine.event_stream import StreamOpened
-from engine.messages import GenerationRequest, TokenEvent
+from engine.messages import GenerationRequest, SubmitReceipt, TokenEvent
 from engine.sampling import SamplingParams
 
 
@@ -33,13 +34,27 @@ class _Worker:
         self.streams: asyncio.Queue[asyncio.Queue[Any]] = asyncio.Queue()
         self.aborts: list[tuple[str, bool]] = []
         self.submitted: list[str] = []
-        self.submit = _Method(self._submit)
+        self.calls: list[list[str]] = []  # request ids per submit call
+        self.in_flight = 0  # submit calls not answered yet
+        self.refuse: set[str] = set()  # ids answered as already in flight
+        self.answer = asyncio.Event()  # cleared: submit calls wait until it is set
+        self.answer.set()
+        self.submit_many = _Method(self._submit_many)
         self.events = _Method(self._events)
         self.abort = _Method(lambda rid, remember=True: self.aborts.append((rid, remember)))
 
-    async def _submit(self, request: GenerationRequest) -> str:
-        self.submitted.append(request.request_id)
-        return self.running
+    async def _submit_many(self, requests: list[GenerationRequest]) -> SubmitReceipt:
+        self.in_flight += 1
+        try:
+            assert self.in_flight == 1, "two submit calls in flight to one worker"
+            ids = [r.request_id for r in requests]
+            self.calls.append(ids)
+            self.submitted.extend(ids)
+            await self.answer.wait()
+            refused = {rid: "already in flight" for rid in ids if rid in self.refuse}
+            return SubmitReceipt(self.running, refused)
+        finally:
+            self.in_flight -= 1
 
     def _events(self) -> AsyncIterator[Awaitable[Any]]:
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -187,5 +202,91 @@ async def test_a_submit_answered_by_a_replaced_incarnation_fails_at_once() -> No
         # A submit that reached "a" before it died: its events went with it.
         with pytest.raises(StreamBrokenError, match="restarted after it accepted"):
             await anext(channel.stream(_request("r1")))
+    finally:
+        await channel.stop()
+
+
+async def test_requests_arriving_during_a_submit_call_go_together_in_the_next() -> None:
+    worker = _Worker("a")
+    channel = WorkerChannel("generation-0", worker)
+    try:
+        stream = await _opened(worker, channel, "a")
+        worker.answer.clear()  # submit calls stay in flight
+        ids = [f"r{i}" for i in range(8)]
+        firsts = [asyncio.ensure_future(anext(channel.stream(_request(ids[0]))))]
+        while worker.calls[-1] != ["r0"]:
+            await asyncio.sleep(0.01)
+        firsts += [asyncio.ensure_future(anext(channel.stream(_request(r)))) for r in ids[1:]]
+        await asyncio.sleep(0.05)
+        assert worker.calls == [["warm"], ["r0"]]  # the others wait for r0's call
+        worker.answer.set()
+        while len(worker.submitted) < 1 + len(ids):
+            await asyncio.sleep(0.01)
+        assert worker.calls == [["warm"], ["r0"], ids[1:]]
+        for i, rid in enumerate(ids):
+            stream.put_nowait([TokenEvent(rid, [i], finish_reason="length")])
+        assert [(await first).token_ids for first in firsts] == [[i] for i in range(8)]
+    finally:
+        await channel.stop()
+
+
+async def test_a_refused_request_fails_alone() -> None:
+    worker = _Worker("a")
+    channel = WorkerChannel("generation-0", worker)
+    try:
+        stream = await _opened(worker, channel, "a")
+        worker.refuse.add("dup")
+        worker.answer.clear()
+        firsts = {r: asyncio.ensure_future(anext(channel.stream(_request(r)))) for r in "xy"}
+        refused = asyncio.ensure_future(anext(channel.stream(_request("dup"))))
+        await asyncio.sleep(0.05)
+        worker.answer.set()
+        with pytest.raises(RequestFailedError, match="already in flight"):
+            await refused
+        assert worker.calls[-1] == ["x", "y", "dup"]
+        stream.put_nowait(_final("x") + _final("y"))
+        assert [(await f).token_ids for f in firsts.values()] == [[7], [7]]
+        assert worker.aborts == []  # a refused request never ran there
+    finally:
+        await channel.stop()
+
+
+async def test_stop_fails_requests_still_waiting_to_be_sent() -> None:
+    worker = _Worker("a")
+    channel = WorkerChannel("generation-0", worker)
+    await _opened(worker, channel, "a")
+    worker.answer.clear()
+    in_call = asyncio.ensure_future(anext(channel.stream(_request("r1"))))
+    while worker.calls[-1] != ["r1"]:
+        await asyncio.sleep(0.01)
+    queued = asyncio.ensure_future(anext(channel.stream(_request("r2"))))
+    await asyncio.sleep(0.05)
+    assert worker.submitted == ["warm", "r1"]  # r2 waits for r1's call
+    await channel.stop()
+    for first in (in_call, queued):
+        with pytest.raises(StreamBrokenError, match="stopped"):
+            await asyncio.wait_for(first, 5)
+    assert worker.submitted == ["warm", "r1"]
+
+
+async def test_a_request_whose_caller_left_before_its_call_is_not_sent() -> None:
+    worker = _Worker("a")
+    channel = WorkerChannel("generation-0", worker)
+    try:
+        await _opened(worker, channel, "a")
+        worker.answer.clear()
+        in_call = asyncio.ensure_future(anext(channel.stream(_request("r1"))))
+        while worker.calls[-1] != ["r1"]:
+            await asyncio.sleep(0.01)
+        gone = asyncio.ensure_future(anext(channel.stream(_request("gone"))))
+        kept = asyncio.ensure_future(anext(channel.stream(_request("kept"))))
+        await asyncio.sleep(0.05)
+        gone.cancel()
+        worker.answer.set()
+        while worker.calls[-1] != ["kept"]:
+            await asyncio.sleep(0.01)
+        assert "gone" not in worker.submitted
+        in_call.cancel()
+        kept.cancel()
     finally:
         await channel.stop()
