@@ -102,10 +102,10 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, value: Any) -> Any:
-        is_ids = isinstance(value, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in value
-        )
-        if isinstance(value, list) and any(isinstance(p, dict) for p in value):
+        # Element types in one C-level pass: a prompt runs to thousands of ids.
+        types = set(map(type, value)) if isinstance(value, list) else set()
+        is_ids = isinstance(value, list) and types <= {int}
+        if any(issubclass(t, dict) for t in types):
             raise ValueError(_NO_COMPLETION_IMAGES)
         if not isinstance(value, str) and not is_ids:
             raise ValueError(
@@ -118,7 +118,7 @@ class CompletionRequest(SamplingFields):
     def _non_empty_prompt(cls, value: str | list[int]) -> str | list[int]:
         if len(value) == 0:
             raise ValueError("prompt must not be empty")
-        if isinstance(value, list) and any(t < 0 for t in value):
+        if isinstance(value, list) and min(value) < 0:
             raise ValueError("prompt token ids must be non-negative")
         return value
 

@@ -123,6 +123,20 @@ def test_completion_prompt_may_be_token_ids() -> None:
     assert request.max_tokens == 16  # OpenAI's default for completions
 
 
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        ([1, True, 3], "one list of token ids"),
+        ([1, 2.0], "one list of token ids"),
+        ([4, -1, 2], "must be non-negative"),
+        ([], "must not be empty"),
+    ],
+)
+def test_a_token_id_prompt_holds_only_non_negative_ints(prompt: list[Any], message: str) -> None:
+    error = validation_error(_errors(CompletionRequest, {"model": "m", "prompt": prompt}))
+    assert error.param == "prompt" and message in error.message
+
+
 def test_stream_options_need_stream_and_stop_accepts_str_or_list() -> None:
     errors = _errors(
         CompletionRequest,
