@@ -36,7 +36,7 @@ typecheck: install
 	$(VENV)/bin/mypy
 
 test: lint typecheck
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 # A non-editable install (`pip install .`) into a fresh venv, then the demo
 # run from outside the source tree: what a user of the package gets. Slow
