@@ -79,9 +79,25 @@ def _final(request_id: str) -> list[TokenEvent]:
     return [TokenEvent(request_id, [7], finish_reason="length")]
 
 
-async def _submitted(channel: WorkerChannel, request_id: str) -> asyncio.Future[TokenEvent]:
+def _started(channel: WorkerChannel, request_id: str) -> asyncio.Future[TokenEvent]:
     """Start a request on `channel`; the future is its first event."""
-    first = asyncio.ensure_future(anext(channel.stream(_request(request_id))))
+    return asyncio.ensure_future(anext(channel.stream(_request(request_id))))
+
+
+async def _in_call(
+    worker: _Worker, channel: WorkerChannel, request_id: str
+) -> asyncio.Future[TokenEvent]:
+    """`_started`, returning once a submit call carrying that request alone
+    is in flight (with `worker.answer` cleared, it stays so)."""
+    first = _started(channel, request_id)
+    while worker.calls[-1] != [request_id]:
+        await asyncio.sleep(0.01)
+    return first
+
+
+async def _submitted(channel: WorkerChannel, request_id: str) -> asyncio.Future[TokenEvent]:
+    """`_started`, returning once the worker accepted the request."""
+    first = _started(channel, request_id)
     while request_id not in channel._submitted_to:  # the submit came back
         assert not first.done(), first
         await asyncio.sleep(0.01)
@@ -91,7 +107,7 @@ async def _submitted(channel: WorkerChannel, request_id: str) -> asyncio.Future[
 async def _opened(worker: _Worker, channel: WorkerChannel, incarnation: str) -> asyncio.Queue[Any]:
     """Run one request through `channel`, so its stream is open and has said it
     comes from `incarnation`; returns that stream's feed."""
-    first = asyncio.ensure_future(anext(channel.stream(_request("warm"))))
+    first = _started(channel, "warm")
     stream = await worker.streams.get()
     stream.put_nowait(StreamOpened(incarnation))
     stream.put_nowait(_final("warm"))
@@ -135,7 +151,7 @@ async def test_a_request_is_sent_only_once_the_stream_said_its_incarnation() -> 
     worker = _Worker("a")
     channel = WorkerChannel("generation-0", worker)
     try:
-        first = asyncio.ensure_future(anext(channel.stream(_request("r1"))))
+        first = _started(channel, "r1")
         stream = await worker.streams.get()
         await asyncio.sleep(0.05)
         assert worker.submitted == [] and not first.done()
@@ -181,7 +197,7 @@ async def test_a_request_waiting_for_its_stream_outlives_a_break_and_is_sent_on_
     worker = _Worker("a")
     channel = WorkerChannel("generation-0", worker)
     try:
-        first = asyncio.ensure_future(anext(channel.stream(_request("r1"))))
+        first = _started(channel, "r1")
         (await worker.streams.get()).put_nowait(ConnectionError("the actor is restarting"))
         stream = await worker.streams.get()
         assert worker.submitted == [] and not first.done()
@@ -213,10 +229,8 @@ async def test_requests_arriving_during_a_submit_call_go_together_in_the_next() 
         stream = await _opened(worker, channel, "a")
         worker.answer.clear()  # submit calls stay in flight
         ids = [f"r{i}" for i in range(8)]
-        firsts = [asyncio.ensure_future(anext(channel.stream(_request(ids[0]))))]
-        while worker.calls[-1] != ["r0"]:
-            await asyncio.sleep(0.01)
-        firsts += [asyncio.ensure_future(anext(channel.stream(_request(r)))) for r in ids[1:]]
+        firsts = [await _in_call(worker, channel, ids[0])]
+        firsts += [_started(channel, r) for r in ids[1:]]
         await asyncio.sleep(0.05)
         assert worker.calls == [["warm"], ["r0"]]  # the others wait for r0's call
         worker.answer.set()
@@ -237,8 +251,8 @@ async def test_a_refused_request_fails_alone() -> None:
         stream = await _opened(worker, channel, "a")
         worker.refuse.add("dup")
         worker.answer.clear()
-        firsts = {r: asyncio.ensure_future(anext(channel.stream(_request(r)))) for r in "xy"}
-        refused = asyncio.ensure_future(anext(channel.stream(_request("dup"))))
+        firsts = {r: _started(channel, r) for r in "xy"}
+        refused = _started(channel, "dup")
         await asyncio.sleep(0.05)
         worker.answer.set()
         with pytest.raises(RequestFailedError, match="already in flight"):
@@ -256,10 +270,8 @@ async def test_stop_fails_requests_still_waiting_to_be_sent() -> None:
     channel = WorkerChannel("generation-0", worker)
     await _opened(worker, channel, "a")
     worker.answer.clear()
-    in_call = asyncio.ensure_future(anext(channel.stream(_request("r1"))))
-    while worker.calls[-1] != ["r1"]:
-        await asyncio.sleep(0.01)
-    queued = asyncio.ensure_future(anext(channel.stream(_request("r2"))))
+    in_call = await _in_call(worker, channel, "r1")
+    queued = _started(channel, "r2")
     await asyncio.sleep(0.05)
     assert worker.submitted == ["warm", "r1"]  # r2 waits for r1's call
     await channel.stop()
@@ -275,11 +287,9 @@ async def test_a_request_whose_caller_left_before_its_call_is_not_sent() -> None
     try:
         await _opened(worker, channel, "a")
         worker.answer.clear()
-        in_call = asyncio.ensure_future(anext(channel.stream(_request("r1"))))
-        while worker.calls[-1] != ["r1"]:
-            await asyncio.sleep(0.01)
-        gone = asyncio.ensure_future(anext(channel.stream(_request("gone"))))
-        kept = asyncio.ensure_future(anext(channel.stream(_request("kept"))))
+        in_call = await _in_call(worker, channel, "r1")
+        gone = _started(channel, "gone")
+        kept = _started(channel, "kept")
         await asyncio.sleep(0.05)
         gone.cancel()
         worker.answer.set()
