@@ -25,7 +25,12 @@ whole-heads pool). What bounds such a row on NIXL is the count of READ
 descriptors, not bytes: a head slice is one descriptor per block in V2 (all
 layers of a block's heads lie together: 128 KiB here, 512 per 64 MiB) and
 one per (layer, block) in V1 (32 KiB, 2,048 per 64 MiB), against one for
-the raw READ, and UCX spends CPU on each descriptor it posts.
+the raw READ, and UCX spends CPU on each descriptor it posts. So a NIXL
+row of unequal ranks also measures, in each round, the raw READ cut into
+descriptors of a head slice's size (`split_run_bytes`): `floor` is the
+median over rounds of (raw seconds / that READ's seconds), what the
+descriptor count alone leaves of the raw limit, and `ratio_to_floor` the
+transceiver against that READ.
 
 How sure a line is: `ratio` is the median over rounds of (raw seconds /
 transceiver seconds) within a round, with its min-max spread over the rounds
@@ -90,6 +95,11 @@ class Row:
     idle_cpu_puller: float
     ctx_tp: int = 1  # holder ranks
     gen_tp: int = 1  # puller ranks
+    # NIXL rows of unequal ranks: the raw READ in head-slice descriptors.
+    split_run_bytes: int | None = None
+    split_raw_p50_ms: float | None = None
+    floor: float | None = None
+    ratio_to_floor: float | None = None
 
     def as_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -104,12 +114,23 @@ class Rounds:
     cpu: list[float] = field(default_factory=list)
     raw_seconds: list[float] = field(default_factory=list)
     raw_cpu: list[float] = field(default_factory=list)
+    # The raw READ in head-slice descriptors, where the row measures it.
+    split_seconds: list[float] = field(default_factory=list)
 
-    def add(self, seconds: float, cpu: float, raw_seconds: float, raw_cpu: float) -> None:
+    def add(
+        self,
+        seconds: float,
+        cpu: float,
+        raw_seconds: float,
+        raw_cpu: float,
+        split_seconds: float | None = None,
+    ) -> None:
         self.seconds.append(seconds)
         self.cpu.append(cpu)
         self.raw_seconds.append(raw_seconds)
         self.raw_cpu.append(raw_cpu)
+        if split_seconds is not None:
+            self.split_seconds.append(split_seconds)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -232,6 +253,7 @@ def _bench_pair(
     ray.get([holder.start.remote(), puller.start.remote()])
     idle = ray.get([holder.idle_cpu.remote(2.0), puller.idle_cpu.remote(2.0)])
     raw = _raw_prober(kind, holder, puller)
+    run = head_slice_run(manager, ranks) if kind == "nixl" and ranks[0] != ranks[1] else 0
     rows = []
     for size in SIZES:
         reps = _reps(size, reps_override)
@@ -252,17 +274,19 @@ def _bench_pair(
             ray.get([puller.free.remote(name, rid) for name in pullers])
             raw_seconds, raw_cpu = raw(size)
             holder_cpu_raw = ray.get(holder.cpu_seconds.remote())
+            split_seconds = raw(size, run)[0] if run else None
             if rep:
                 rounds.add(
                     result["seconds"],
                     result["cpu_seconds"] + holder_cpu_pulled - holder_cpu,
                     raw_seconds,
                     raw_cpu + holder_cpu_raw - holder_cpu_pulled,
+                    split_seconds,
                 )
         ray.get([holder.free.remote(name, "src") for name in holders])
         mem = ray.get(puller.memcpy.remote("ep", size, min(reps, 8)))
         label = kind if wire == "tcp" else f"{kind}+{wire}"
-        rows.append(_row(label, manager, size, rounds, mem, idle, ranks))
+        rows.append(_row(label, manager, size, rounds, mem, idle, ranks, run or None))
     ray.get([holder.close_raw.remote(), puller.close_raw.remote()])
     ray.get([holder.close.remote(), puller.close.remote()])
     for actor in (holder, puller):
@@ -271,15 +295,34 @@ def _bench_pair(
 
 
 def _raw_prober(kind: str, holder: Any, puller: Any) -> Any:
-    """A function size -> (seconds, puller CPU seconds) of one raw transfer for this kind."""
+    """A function (size, run=0) -> (seconds, puller CPU seconds) of one raw
+    transfer for this kind; for NIXL a `run` cuts the READ into descriptors
+    of that many bytes."""
     import ray
 
     if kind == "python":
         endpoint = ray.get(holder.raw_tcp_listen.remote("ep"))
-        return lambda size: ray.get(puller.raw_tcp_fetch.remote("ep", endpoint, size, 1))[0]
+
+        def fetch(size: int, run: int = 0) -> tuple[float, float]:
+            return ray.get(puller.raw_tcp_fetch.remote("ep", endpoint, size, 1))[0]
+
+        return fetch
     metadata, address = ray.get(holder.raw_nixl_init.remote("ep"))
     ray.get(puller.raw_nixl_init.remote("ep"))
-    return lambda size: ray.get(puller.raw_nixl_read.remote("ep", metadata, address, size, 1))[0]
+
+    def read(size: int, run: int = 0) -> tuple[float, float]:
+        return ray.get(puller.raw_nixl_read.remote("ep", metadata, address, size, 1, run))[0]
+
+    return read
+
+
+def head_slice_run(manager: str, ranks: tuple[int, int]) -> int:
+    """Bytes of one READ descriptor of a head slice between `ranks`
+    (holder:puller) of this benchmark's cache: the heads one side has and
+    the other reads of a V2 block (all layers), or of one layer's V1 block."""
+    heads = BENCH_SPEC.num_kv_heads // max(ranks)
+    piece = BENCH_SPEC.kv_bytes_per_block_per_layer(BLOCK_SIZE) // BENCH_SPEC.num_kv_heads
+    return heads * piece * (BENCH_SPEC.num_attention_layers if manager == "v2" else 1)
 
 
 def _row(
@@ -290,12 +333,22 @@ def _row(
     mem: list[float],
     idle: list[float],
     ranks: tuple[int, int] = (1, 1),
+    split_run: int | None = None,
 ) -> Row:
     p50, raw_p50, mem_p50 = (
         statistics.median(t) for t in (rounds.seconds, rounds.raw_seconds, mem)
     )
     ratios = [raw / own for own, raw in zip(rounds.seconds, rounds.raw_seconds, strict=True)]
     moved = size * len(rounds.seconds)
+    split: dict[str, Any] = {}
+    if rounds.split_seconds:
+        pairs = list(zip(rounds.raw_seconds, rounds.split_seconds, rounds.seconds, strict=True))
+        split = {
+            "split_run_bytes": split_run,
+            "split_raw_p50_ms": round(statistics.median(rounds.split_seconds) * 1e3, 3),
+            "floor": round(statistics.median(raw / cut for raw, cut, _ in pairs), 3),
+            "ratio_to_floor": round(statistics.median(cut / own for _, cut, own in pairs), 3),
+        }
     return Row(
         transceiver=kind,
         manager=manager,
@@ -316,6 +369,7 @@ def _row(
         idle_cpu_puller=round(idle[1], 3),
         ctx_tp=ranks[0],
         gen_tp=ranks[1],
+        **split,
     )
 
 
@@ -338,6 +392,7 @@ def _format(row: Row) -> str:
         f"{row.gb_per_cpu_s:>8.2f} {row.raw_gb_per_cpu_s:>6.2f} {row.cpu_cores:>5.2f} "
         f"{row.raw_cpu_cores:>5.2f} {row.memcpy_gbps:>7.2f} "
         f"{row.idle_cpu_holder:>12.1%} / {row.idle_cpu_puller:.1%}"
+        + (f"  floor {row.floor:.2f}" if row.floor is not None else "")
     )
 
 

@@ -142,13 +142,21 @@ class BenchHost(EndpointHost):
         return self._raw_agent.get_agent_metadata(), {n: t.data_ptr() for n, t in buffers.items()}
 
     def raw_nixl_read(
-        self, name: str, metadata: bytes, remote: dict[str, int], size: int, reps: int
+        self,
+        name: str,
+        metadata: bytes,
+        remote: dict[str, int],
+        size: int,
+        reps: int,
+        run: int = 0,
     ) -> list[tuple[float, float]]:
         """(seconds, this process's CPU seconds) per READ of `size` bytes of KV
         from the peer's pools into this one's.
 
-        One descriptor per pool buffer the bytes span; the destination moves on
-        by one request per READ, across calls (see the module docstring).
+        One descriptor per pool buffer the bytes span, or with `run` one per
+        `run` bytes of it (the READ of a head-slice row's descriptor count);
+        the destination moves on by one request per READ, across calls (see
+        the module docstring).
         """
         agent = self._raw_agent
         # The peer is added once and kept across calls, as the transceiver
@@ -166,12 +174,15 @@ class BenchHost(EndpointHost):
                 room = buffers[buffer].numel() - offset - length
                 shift = self._raw_reads * length % (room + 1) if room > 0 else 0
                 shift -= shift % _PAGE
-                local.append((buffers[buffer].data_ptr() + offset + shift, length, 0))
-                far.append((remote[buffer] + offset, length, 0))
+                step = run or length
+                for at in range(0, length, step):
+                    piece = min(step, length - at)
+                    local.append((buffers[buffer].data_ptr() + offset + shift + at, piece, 0))
+                    far.append((remote[buffer] + offset + at, piece, 0))
+            local_descs = agent.get_xfer_descs(local, "DRAM")
+            far_descs = agent.get_xfer_descs(far, "DRAM")
             start, cpu = time.perf_counter(), time.process_time()
-            xfer = agent.initialize_xfer(
-                "READ", agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(far, "DRAM"), peer
-            )
+            xfer = agent.initialize_xfer("READ", local_descs, far_descs, peer)
             state = agent.transfer(xfer)
             while state == "PROC":
                 state = agent.check_xfer_state(xfer)

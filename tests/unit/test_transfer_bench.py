@@ -7,7 +7,17 @@ import json
 import pytest
 
 from kvcache.pool_layout import layout_for
-from transfer.bench import MIB, SIZES, Rounds, _format, _row, rank_specs
+from transfer.bench import (
+    BENCH_SPEC,
+    BLOCK_BYTES,
+    MIB,
+    SIZES,
+    Rounds,
+    _format,
+    _row,
+    head_slice_run,
+    rank_specs,
+)
 
 
 def _rounds() -> Rounds:
@@ -58,3 +68,30 @@ def test_rank_zero_pool_holds_the_largest_request_for_the_raw_read(
     assert rank0.spec.heads.rank == 0
     # Whole blocks from block 1 (block 0 is the null block).
     assert (rank0.num_blocks - 1) * block_bytes >= SIZES[-1]
+
+
+def test_a_row_with_the_split_read_reports_the_descriptor_floor() -> None:
+    rounds = Rounds()
+    # (own, raw, raw cut into head-slice descriptors) per round.
+    for own, raw, cut in [(0.20, 0.10, 0.125), (0.40, 0.10, 0.20), (0.25, 0.10, 0.125)]:
+        rounds.add(own, 0.1, raw, 0.1, cut)
+    row = _row("nixl", "v2", 64 * MIB, rounds, [0.01], [0.0, 0.0], (2, 1), 128 * 1024)
+
+    # Per round raw/cut: 0.8, 0.5, 0.8; cut/own: 0.625, 0.5, 0.5.
+    assert (row.floor, row.ratio_to_floor, row.split_run_bytes) == (0.8, 0.5, 128 * 1024)
+    assert row.split_raw_p50_ms == 125.0
+    assert json.loads(json.dumps(row.as_json()))["floor"] == 0.8
+    assert _format(row).endswith("floor 0.80")
+    # Rows without the split READ leave the fields empty.
+    plain = _row("nixl", "v2", 64 * MIB, _rounds(), [0.01], [0.0, 0.0])
+    assert (plain.floor, plain.ratio_to_floor, plain.split_run_bytes) == (None, None, None)
+    assert "floor" not in _format(plain)
+
+
+@pytest.mark.parametrize("ranks", [(2, 1), (1, 2)])
+def test_a_head_slice_run_is_half_a_block_in_v2_and_half_a_layer_block_in_v1(
+    ranks: tuple[int, int],
+) -> None:
+    block = BLOCK_BYTES  # every layer's KV of one block, all heads
+    assert head_slice_run("v2", ranks) == block // 2
+    assert head_slice_run("v1", ranks) == block // 2 // BENCH_SPEC.num_attention_layers
