@@ -301,7 +301,7 @@ def _local_ray_alive() -> bool:
 
     A joined cluster's processes are not ours to watch: True.
     """
-    node = getattr(ray._private.worker, "_global_node", None)
+    node = _local_node()
     if node is None:
         return True
     try:
@@ -310,11 +310,17 @@ def _local_ray_alive() -> bool:
         return True
 
 
+def _local_node() -> Any:
+    """The node of the Ray this process started (Ray's private handle), or
+    None when it joined a cluster or runs none."""
+    return getattr(ray._private.worker, "_global_node", None)
+
+
 def _kill_local_ray() -> None:
     """SIGKILL what is left of the Ray this process started. Used once one of
     its processes died: they all had the signal that stopped it, and
     `ray.shutdown()` would give each survivor a second of grace in turn."""
-    node = getattr(ray._private.worker, "_global_node", None)
+    node = _local_node()
     if node is None:
         return
     try:
