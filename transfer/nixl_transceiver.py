@@ -113,9 +113,10 @@ _IDLE_POLL_INTERVAL_S = 0.05
 # is due within milliseconds. The puller's READs are done long before the
 # grant comes for a small request, so this poll sets its pull's time: a
 # one-block bench-transfer pull took 2.4-4.4 ms (p50) polling every 1 ms and
-# 1.3-1.6 ms every 0.25 ms. A claim arrives a few ms after the publish in
-# serving (the generation worker claims ahead), so the holder polls a few
-# dozen times per request, each a hop to the agent thread.
+# 1.3-1.6 ms every 0.25 ms. The holder polls this fast only until the claim
+# comes (in serving the generation worker claims ahead, as soon as the
+# request reaches it): four polls, each a hop to the agent thread, for every
+# millisecond the claim takes.
 _CLAIM_POLL_INTERVAL_S = 0.00025
 # ... and of a puller waiting for a grant: the holder answers within its own
 # poll, so the grant is due within about a millisecond, and the READs wait on
