@@ -37,7 +37,8 @@ import torch
 from cluster.launcher import init_local_ray
 from cluster.metrics import ServingMetrics
 from cluster.policies import WorkerState
-from cluster.router import Router, RoutingSettings, WorkerEndpoint
+from cluster.router import Router, RoutingSettings
+from cluster.worker_poller import WorkerEndpoint
 from decode_worker.worker import GenerationWorker
 from engine.sampling import SamplingParams
 from engine.worker_config import WorkerConfig

@@ -34,8 +34,8 @@ caller stops iterating (client disconnect), the request is aborted on every
 worker it touched, so both sides free its blocks.
 
 Load, KV events and encoder-cache events are polled from every worker in
-the background; the router's own `tokens_in_flight` bookkeeping keeps
-`least_loaded` exact between polls.
+the background (`cluster.worker_poller`); the router's own
+`tokens_in_flight` bookkeeping keeps `least_loaded` exact between polls.
 """
 
 from __future__ import annotations
@@ -52,39 +52,21 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from cluster.continuation import Continuation
 from cluster.metrics import ServingMetrics
-from cluster.policies import RoutingPolicy, WorkerState, make_policy
+from cluster.policies import RoutingPolicy, make_policy
 from cluster.worker_channel import WorkerChannel
+from cluster.worker_poller import WorkerEndpoint, WorkerPoller
 from engine.errors import RequestFailedError
 from engine.messages import (
     ContextRequest,
     ContextResult,
     GenerationRequest,
-    KVEventBatch,
     PrefetchRequest,
     TokenEvent,
-    WorkerLoad,
 )
 from engine.multimodal import ImageInput
 from kvcache.hashing import hash_full_blocks, root_hash
 
 logger = logging.getLogger(__name__)
-
-# Each poll is two Ray calls per worker, on the serving process and on the
-# worker: at 10 Hz they cost each side about 2% of a core, idle or not.
-# `least_loaded` stays exact between polls through `tokens_in_flight`.
-_POLL_INTERVAL_S = 0.25
-# A worker that does not answer a poll within this is unhealthy until it does:
-# a hung node must not stall the polls of every other worker.
-POLL_TIMEOUT_S = 10.0
-
-
-@dataclass
-class WorkerEndpoint:
-    """A worker actor plus the router's view of it."""
-
-    name: str
-    actor: Any  # a Ray ActorHandle of a context or generation worker
-    state: WorkerState
 
 
 @dataclass(frozen=True)
@@ -122,7 +104,7 @@ class Router:
         self._context_policy = make_policy(settings.policy)
         self._generation_policy = make_policy(settings.policy)
         self._root = root_hash(settings.hash_namespace)
-        self._poller: asyncio.Task[None] | None = None
+        self._poller = WorkerPoller(lambda: self.workers, metrics)
         self._channels = {e.name: WorkerChannel(e.name, e.actor) for e in self.generation}
 
     @property
@@ -131,15 +113,10 @@ class Router:
 
     def start(self) -> None:
         """Start polling load and KV events; call from the serving event loop."""
-        if self._poller is None:
-            self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+        self._poller.start()
 
     async def stop(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
-            self._poller = None
+        await self._poller.stop()
         for channel in self._channels.values():
             await channel.stop()
 
@@ -438,54 +415,6 @@ class Router:
             # Fire and forget: the caller is gone, and a dead worker's abort
             # failing must not mask the original error.
             endpoint.actor.abort.remote(request_id)
-
-    async def _poll_forever(self) -> None:
-        while True:
-            await asyncio.gather(*(self._poll(e) for e in self.workers))
-            await asyncio.sleep(_POLL_INTERVAL_S)
-
-    async def _poll(self, endpoint: WorkerEndpoint) -> None:
-        try:
-            load, batch = await asyncio.wait_for(self._load_and_events(endpoint), POLL_TIMEOUT_S)
-        except Exception as exc:
-            if endpoint.state.healthy:
-                reason = (
-                    f"no answer within {POLL_TIMEOUT_S:.0f}s"
-                    if isinstance(exc, TimeoutError)
-                    else exc
-                )
-                logger.warning("worker %s stopped answering: %s", endpoint.name, reason)
-            endpoint.state.healthy = False
-            return
-        state = endpoint.state
-        state.healthy = True
-        state.num_queued = load.num_waiting
-        state.num_free_blocks = load.num_free_blocks
-        state.num_total_blocks = load.num_total_blocks
-        held = load.num_waiting + load.num_running + load.num_transferring
-        self.metrics.worker_requests.labels(endpoint.name).set(held)
-        self.metrics.engine_steps.labels(endpoint.name).set(load.num_steps)
-        self.metrics.engine_busy.labels(endpoint.name).set(load.step_busy_s)
-        if load.encoder_cache_hits or load.encoder_cache_misses:
-            self.metrics.encoder_cache.labels(endpoint.name, "hit").set(load.encoder_cache_hits)
-            self.metrics.encoder_cache.labels(endpoint.name, "miss").set(load.encoder_cache_misses)
-        if load.num_total_blocks:
-            used = 1 - load.num_free_blocks / load.num_total_blocks
-            self.metrics.cache_usage.labels(endpoint.name).set(used)
-        self.metrics.record_rank_caches(endpoint.name, load.ranks)
-        if load.node_ip:
-            self.metrics.place_worker(endpoint.name, load.role, load.node_ip)
-        stored = [e.block_hash for e in batch.events if e.kind == "stored"]
-        removed = [e.block_hash for e in batch.events if e.kind == "removed"]
-        state.apply_kv_event(stored, removed)
-        self.metrics.cached_blocks.labels(endpoint.name).set(len(state.cached_blocks))
-        if batch.encoder_events or state.encoded_images:
-            state.apply_encoder_events(batch.encoder_events)
-            self.metrics.encoded_images.labels(endpoint.name).set(len(state.encoded_images))
-
-    @staticmethod
-    async def _load_and_events(endpoint: WorkerEndpoint) -> tuple[WorkerLoad, KVEventBatch]:
-        return await endpoint.actor.load.remote(), await endpoint.actor.drain_kv_events.remote()
 
 
 class _PullFailed(Exception):

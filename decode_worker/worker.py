@@ -46,13 +46,13 @@ from engine.instance import EngineInstance
 from engine.messages import (
     ContextResult,
     GenerationRequest,
-    KVEventBatch,
     PrefetchRequest,
     SubmitReceipt,
     TokenEvent,
     WorkerHealth,
     WorkerIntegrity,
     WorkerLoad,
+    WorkerReport,
 )
 from engine.request import Request
 from engine.step_timeline import StepRecord
@@ -257,8 +257,9 @@ class GenerationWorker:
             lambda: self.engine.integrity(in_transfer, pinned)
         )
 
-    def drain_kv_events(self) -> KVEventBatch:
-        return self.engine.drain_kv_events()
+    def report(self) -> WorkerReport:
+        """Load and the cache events since the last report (the router's poll)."""
+        return WorkerReport(self.load(), self.engine.drain_kv_events())
 
     @property
     def _num_in_transfer(self) -> int:

@@ -213,6 +213,15 @@ class KVEventBatch:
 
 
 @dataclass(frozen=True)
+class WorkerReport:
+    """What the router polls from a worker, in one call: its load and the
+    cache events since the previous report."""
+
+    load: WorkerLoad
+    kv_events: KVEventBatch
+
+
+@dataclass(frozen=True)
 class WorkerHealth:
     worker_id: str
     role: str

@@ -34,10 +34,10 @@ from engine.messages import (
     BlocksReady,
     ContextRequest,
     ContextResult,
-    KVEventBatch,
     WorkerHealth,
     WorkerIntegrity,
     WorkerLoad,
+    WorkerReport,
 )
 from engine.request import Request
 from engine.tensor_parallel import RankGroup
@@ -236,8 +236,9 @@ class ContextWorker:
             lambda: self.engine.integrity(0, self.transceiver.num_pinned + pinned_by_ranks)
         )
 
-    def drain_kv_events(self) -> KVEventBatch:
-        return self.engine.drain_kv_events()
+    def report(self) -> WorkerReport:
+        """Load and the cache events since the last report (the router's poll)."""
+        return WorkerReport(self.load(), self.engine.drain_kv_events())
 
     def step_stats(self) -> dict[str, float]:
         return self.engine.step_stats()

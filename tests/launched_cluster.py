@@ -22,7 +22,8 @@ from cluster.launcher import RunningCluster, launch
 from cluster.metrics import ServingMetrics
 from cluster.plan import resolve_plan
 from cluster.policies import WorkerState
-from cluster.router import Router, RoutingSettings, WorkerEndpoint
+from cluster.router import Router, RoutingSettings
+from cluster.worker_poller import WorkerEndpoint
 from engine.sampling import SamplingParams
 
 PROMPTS = [[11 + (5 * i + j) % 450 for j in range(9 + 17 * i)] for i in range(3)]

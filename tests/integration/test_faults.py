@@ -30,13 +30,14 @@ from typing import Any
 import pytest
 import ray
 
-from cluster import router as router_module
+from cluster import worker_poller
 from cluster.config import config_from_dict
 from cluster.launcher import RunningCluster, init_local_ray, launch
 from cluster.metrics import ServingMetrics
 from cluster.plan import resolve_plan
 from cluster.policies import WorkerState
-from cluster.router import Router, RoutingSettings, WorkerEndpoint
+from cluster.router import Router, RoutingSettings
+from cluster.worker_poller import WorkerEndpoint
 from engine.messages import TokenEvent, WorkerIntegrity
 from engine.sampling import SamplingParams
 from models.embedded.writer import write_checkpoint
@@ -218,7 +219,7 @@ async def test_a_paused_worker_fails_its_polls_and_the_others_keep_serving(
     """A worker that never answers (a hung node) is marked unhealthy by the
     poll timeout, and the polls of the other workers go on meanwhile."""
     h = harness
-    monkeypatch.setattr(router_module, "POLL_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(worker_poller, "POLL_TIMEOUT_S", 1.0)
     hung = h.router.context[0]
     pid = await pid_of(hung.actor)
     await asyncio.sleep(1)  # polls that started under the old timeout are answered

@@ -13,7 +13,8 @@ from cluster.policies import (
     WorkerState,
     make_policy,
 )
-from cluster.router import Router, RoutingSettings, WorkerEndpoint
+from cluster.router import Router, RoutingSettings
+from cluster.worker_poller import WorkerEndpoint
 from engine.multimodal import EncoderCacheEvent, ImageInput
 
 
