@@ -74,9 +74,10 @@ async def test_moves_hybrid_cache_exactly_and_notification_releases_holder(
         assert dst.segments(rid) == sent
         await wait_for(lambda rid=rid: rid in src.released)
         assert src.released[-1] == rid
-        assert dst.xcvr._local is not None
+        assert dst.xcvr._endpoint.local is not None
         prepared.append(
-            len(dst.xcvr._local._handles) + len(dst.xcvr._remote[src.xcvr.name]._handles)
+            len(dst.xcvr._endpoint.local._handles)
+            + len(dst.xcvr._endpoint.remote[src.xcvr.name]._handles)
         )
     assert src.manager.num_free_blocks == free_before
     # descriptor lists are prepared per pool, not per request
@@ -133,7 +134,7 @@ async def test_a_pull_after_lease_expiry_fails_naming_the_lease_and_frees_its_de
         await dst.pull(handle, BLOCK_SIZE)
     assert dst.manager.num_free_blocks == free_before
     dst.manager.check_integrity()
-    assert not dst.xcvr._early_claims and not dst.xcvr._claims
+    assert not dst.xcvr._puller._early_claims and not dst.xcvr._puller._claims
     settled = b"".join(t.numpy().tobytes() for t in dst.tensors.buffers().values())
     await asyncio.sleep(0.05)
     assert b"".join(t.numpy().tobytes() for t in dst.tensors.buffers().values()) == settled
@@ -149,20 +150,20 @@ async def test_reads_go_out_before_the_claim_is_answered(
     sent = src.fill("r1", 2 * BLOCK_SIZE)
     handle = src.publish("r1")
     answers: list[tuple[Any, ...]] = []
-    monkeypatch.setattr(src.xcvr, "_send_answer", lambda *args: answers.append(args))
+    monkeypatch.setattr(src.xcvr._holder, "_send_answer", lambda *args: answers.append(args))
     posts: list[float] = []
-    real_post = dst.xcvr._post_reads
+    real_post = dst.xcvr._puller._post_reads
 
     def post(*args: Any) -> list[str]:
         posts.append(time.monotonic())
         return real_post(*args)
 
-    monkeypatch.setattr(dst.xcvr, "_post_reads", post)
+    monkeypatch.setattr(dst.xcvr._puller, "_post_reads", post)
     pull = asyncio.ensure_future(dst.pull(handle, 2 * BLOCK_SIZE))
     await wait_for(lambda: posts and answers)
     assert posts and answers and not pull.done()  # READ posted, grant held back
     monkeypatch.undo()
-    src.xcvr._thread.submit(src.xcvr._send_answer, *answers[0])
+    src.xcvr._thread.submit(src.xcvr._holder._send_answer, *answers[0])
     await asyncio.wait_for(pull, 10)
     assert dst.segments("r1") == sent
     await wait_for(lambda: src.released == ["r1"])
@@ -269,7 +270,7 @@ async def test_aborted_pull_returns_only_once_no_byte_can_land(
     handle = src.publish("big")
     assert dst.manager.allocate_for_transfer("big", LARGE_TOKENS)
     posting, posted = threading.Event(), threading.Event()
-    post = dst.xcvr._agent.transfer
+    post = dst.xcvr._endpoint.agent.transfer
 
     def transfer(*args: object) -> object:
         posting.set()
@@ -278,7 +279,7 @@ async def test_aborted_pull_returns_only_once_no_byte_can_land(
         finally:
             posted.set()
 
-    dst.xcvr._agent.transfer = transfer
+    dst.xcvr._endpoint.agent.transfer = transfer
     pull = asyncio.create_task(
         dst.xcvr.pull(handle, dst.manager.regions("big"), dst.manager.layout_signature(), 30)
     )
@@ -317,7 +318,7 @@ async def test_every_agent_call_runs_on_the_agent_thread(workers: dict[str, Endp
 def record_agent_threads(xcvr: NixlTransceiver) -> set[int]:
     """Wrap the agent's calls to collect the ids of the threads that make them."""
     seen: set[int] = set()
-    agent = xcvr._agent
+    agent = xcvr._endpoint.agent
     for name in (
         "make_prepped_xfer",
         "transfer",
@@ -429,7 +430,7 @@ async def test_a_holder_rank_gone_fails_the_pull_and_releases_the_other_ranks() 
             await puller.xcvr.pull_ranks(handles, regions, signature, timeout_s=10)
         await wait_for(lambda: holders[1].released == ["req"])
         assert holders[1].released == ["req"] and holders[1].xcvr.num_pinned == 0
-        assert not puller.xcvr._early_claims and not puller.xcvr._claims
+        assert not puller.xcvr._puller._early_claims and not puller.xcvr._puller._claims
 
 
 async def test_an_aborted_pull_of_several_ranks_returns_once_no_read_can_land() -> None:
@@ -443,7 +444,7 @@ async def test_an_aborted_pull_of_several_ranks_returns_once_no_read_can_land() 
             handles.append(TransferHandle.from_bytes(holder.publish("req").to_bytes()))
         posting, go = threading.Event(), threading.Event()
         posts = {"started": 0, "returned": 0}
-        post = puller.xcvr._agent.transfer
+        post = puller.xcvr._endpoint.agent.transfer
 
         def transfer(*args: object) -> object:
             posts["started"] += 1
@@ -454,7 +455,7 @@ async def test_an_aborted_pull_of_several_ranks_returns_once_no_read_can_land() 
             finally:
                 posts["returned"] += 1
 
-        puller.xcvr._agent.transfer = transfer
+        puller.xcvr._endpoint.agent.transfer = transfer
         assert puller.manager.allocate_for_transfer("req", 2 * BLOCK_SIZE)
         regions, signature = puller.manager.regions("req"), puller.manager.layout_signature()
         pull = asyncio.create_task(puller.xcvr.pull_ranks(handles, regions, signature, 10))
@@ -470,7 +471,7 @@ async def test_an_aborted_pull_of_several_ranks_returns_once_no_read_can_land() 
         await wait_for(lambda: all(h.released == ["req"] for h in holders))
         assert [h.released for h in holders] == [["req"], ["req"]]
         assert all(h.xcvr.num_pinned == 0 for h in holders)
-        assert not puller.xcvr._early_claims and not puller.xcvr._claims
+        assert not puller.xcvr._puller._early_claims and not puller.xcvr._puller._claims
 
 
 async def test_a_claim_sent_ahead_is_granted_before_the_destination_exists(
@@ -491,7 +492,7 @@ async def test_a_claim_sent_ahead_is_granted_before_the_destination_exists(
     assert dst.segments("r1") == sent
     await wait_for(lambda: src.released == ["r1"])
     assert src.released == ["r1"]
-    assert not dst.xcvr._early_claims and not dst.xcvr._claimed_ahead
+    assert not dst.xcvr._puller._early_claims and not dst.xcvr._puller._claimed_ahead
 
 
 async def test_an_abort_before_the_pull_drops_the_claim_and_frees_the_holder(
@@ -503,7 +504,7 @@ async def test_an_abort_before_the_pull_drops_the_claim_and_frees_the_holder(
     dst.xcvr.claim_ahead([handle])
     await wait_for(lambda: src.xcvr._leases.num_unclaimed == 0)
     dst.xcvr.abort("r1")
-    assert not dst.xcvr._early_claims and not dst.xcvr._claimed_ahead
+    assert not dst.xcvr._puller._early_claims and not dst.xcvr._puller._claimed_ahead
     await wait_for(lambda: src.released == ["r1"])  # long before the lease ends
     assert src.released == ["r1"] and src.xcvr.num_pinned == 0
     src.manager.check_integrity()
