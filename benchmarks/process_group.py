@@ -137,6 +137,39 @@ def descendants(root_pid: int) -> list[int]:
     return found
 
 
+def tree_cpu_seconds(root_pids: Iterable[int]) -> dict[tuple[int, str], tuple[str, float]]:
+    """User + system CPU-seconds of every process in the trees under
+    `root_pids` (roots included), keyed by (pid, start time), with each
+    process's name (the kernel's `comm`, e.g. "raylet" or
+    "ray::GenerationW"). Take one before and one after a run and subtract
+    with `cpu_by_name`: processes that exit in between drop out."""
+    tick = os.sysconf("SC_CLK_TCK")
+    found: dict[tuple[int, str], tuple[str, float]] = {}
+    for root in root_pids:
+        for pid in (root, *descendants(root)):
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue  # exited while we looked
+            name = stat.split("(", 1)[1].rsplit(")", 1)[0]
+            fields = stat.rsplit(")", 1)[1].split()
+            # Fields 14 and 15 (utime, stime) are the 12th and 13th after the name.
+            found[(pid, fields[19])] = (name, (int(fields[11]) + int(fields[12])) / tick)
+    return found
+
+
+def cpu_by_name(
+    before: dict[tuple[int, str], tuple[str, float]],
+    after: dict[tuple[int, str], tuple[str, float]],
+) -> dict[str, float]:
+    """CPU-seconds each process name took between two `tree_cpu_seconds`
+    snapshots (a process that started in between counts from zero), most first."""
+    spent: dict[str, float] = {}
+    for key, (name, cpu) in after.items():
+        spent[name] = spent.get(name, 0.0) + cpu - before.get(key, (name, 0.0))[1]
+    return dict(sorted(spent.items(), key=lambda item: -item[1]))
+
+
 def _start_time(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]

@@ -16,7 +16,10 @@ once). Rate i always uses seed `--seed + i`: every server sees the same
 prompts at one rate, and no rate repeats another's prompts. Before the timed
 rates each server serves a warm-up batch on other prompts, not counted.
 Prefix caching (vLLM) and block reuse (ours) are off unless
-`--prefix-caching`; the table says which.
+`--prefix-caching`; the table says which. Each rate's progress line also gives the
+CPU-seconds the server's processes took while the client ran (every process
+under the server, by name) and the client's own, start-up included: where
+client and server share the CPUs, what each side of a served run cost.
 Both 1P1D setups run each instance on a core of its own (vLLM's by
 `taskset`, ours by `cpu_affinity`); `--unpinned` lets ours float over
 `--cpus` instead, to measure what the pinning buys. Our 1P1D's label says
@@ -66,13 +69,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
 
 import httpx
 
-from benchmarks.process_group import PortBusy, check_ports_free
+from benchmarks.process_group import PortBusy, check_ports_free, cpu_by_name, tree_cpu_seconds
 from benchmarks.serve_targets import (
     DEFAULT_VLLM_PYTHON,
     OFFLINE,
@@ -117,6 +120,7 @@ class Measurement:
     itl_p99: float
     completed: int
     failed: int
+    duration_s: float = math.nan  # from the first request sent to the last answer
 
     @classmethod
     def from_result(cls, result: dict[str, float]) -> Measurement:
@@ -128,6 +132,7 @@ class Measurement:
             itl_p99=float(result["p99_itl_ms"]),
             completed=int(result["completed"]),
             failed=int(result["failed"]),
+            duration_s=float(result.get("duration", math.nan)),
         )
 
 
@@ -139,6 +144,8 @@ class Row:
     prefix_cache: bool
     result: Measurement | None  # None: the server or the client failed
     error: str = ""
+    # CPU-seconds the server's processes took while the client ran, by process name.
+    server_cpu: dict[str, float] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------- the table
@@ -204,6 +211,15 @@ def format_ratios(rows: Sequence[Row]) -> str:
 
 
 # ---------------------------------------------------------------- running
+
+
+def format_cpu(by_name: dict[str, float], shown: int = 3) -> str:
+    """ "server 3.42 (ray::GenerationW 2.47, python 0.63, raylet 0.09, 4 more 0.23)"."""
+    named = list(by_name.items())
+    parts = [f"{name} {cpu:.2f}" for name, cpu in named[:shown]]
+    if len(named) > shown:
+        parts.append(f"{len(named) - shown} more {sum(cpu for _, cpu in named[shown:]):.2f}")
+    return f"server {sum(by_name.values()):.2f} ({', '.join(parts)})"
 
 
 def rate_seeds(rates: Sequence[str], base_seed: int) -> list[tuple[str, int]]:
@@ -292,16 +308,19 @@ def serve_and_measure(
         warm = Workload(workload.input_len, workload.output_len, WARMUP_PROMPTS, WARMUP_SEED)
         run_client(setup, warm, "inf", WARMUP_SEED, f"{key}-warmup", args.client_timeout)
         rows = []
+        roots = [proc.process.pid for proc in launch.processes if proc.process is not None]
         for rate, seed in rate_seeds(rates, workload.seed):
-            client_cpu = children_cpu_seconds()
+            client_cpu, server_before = children_cpu_seconds(), tree_cpu_seconds(roots)
             m = run_client(setup, workload, rate, seed, f"{key}-rate{rate}", args.client_timeout)
+            server = cpu_by_name(server_before, tree_cpu_seconds(roots))
             client_cpu = children_cpu_seconds() - client_cpu
             print(
-                f"   rate {rate}: {m.output_tok_s:.0f} out tok/s "
-                f"(the client process: {client_cpu:.2f} CPU-s, start-up included)",
+                f"   rate {rate}: {m.output_tok_s:.0f} out tok/s in {m.duration_s:.2f} s; "
+                f"CPU-s while the client ran (its start-up included): {format_cpu(server)}, "
+                f"the client {client_cpu:.2f}",
                 flush=True,
             )
-            rows.append(Row(key, launch.label, rate, setup.prefix_caching, m))
+            rows.append(Row(key, launch.label, rate, setup.prefix_caching, m, server_cpu=server))
         return rows
     except (RuntimeError, subprocess.TimeoutExpired, OSError, httpx.HTTPError) as exc:
         print(f"   failed: {exc}", flush=True)

@@ -17,14 +17,17 @@ from benchmarks.process_group import (
     GroupProcess,
     PortBusy,
     check_ports_free,
+    cpu_by_name,
     descendants,
     listener_pid,
+    tree_cpu_seconds,
 )
 from benchmarks.serve_compare import (
     Measurement,
     Row,
     bench_command,
     children_cpu_seconds,
+    format_cpu,
     format_ratios,
     format_table,
     parse_args,
@@ -249,3 +252,52 @@ def test_children_cpu_seconds_count_a_finished_client() -> None:
     spin = "import time\nend = time.process_time() + 0.2\nwhile time.process_time() < end: pass"
     subprocess.run([sys.executable, "-c", spin], check=True, timeout=60)
     assert children_cpu_seconds() - before >= 0.2
+
+
+def test_server_cpu_is_split_by_process_name_across_the_tree(tmp_path: Path) -> None:
+    # A leader that idles and a grandchild (its own session, as Ray's helpers)
+    # that burns 0.3 CPU-s once told to: only the grandchild's name gains.
+    burn = (
+        "import os, sys, time\n"
+        "open('/proc/self/comm', 'w').write('burner')\n"
+        "while not os.path.exists(sys.argv[1]): time.sleep(0.01)\n"
+        "end = time.process_time() + 0.3\n"
+        "while time.process_time() < end: pass\n"
+        "time.sleep(300)"
+    )
+    go = tmp_path / "go"
+    script = (
+        "import subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-c', {burn!r}, {str(go)!r}], start_new_session=True); "
+        "time.sleep(300)"
+    )
+    proc = GroupProcess("t", [sys.executable, "-c", script], {}, tmp_path / "t.log")
+    proc.start()
+    assert proc.process is not None
+    try:
+        deadline = time.monotonic() + 10
+        while not descendants(proc.process.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        before = tree_cpu_seconds([proc.process.pid])
+        assert len(before) == 2
+        go.touch()
+        time.sleep(1.0)
+        spent = cpu_by_name(before, tree_cpu_seconds([proc.process.pid]))
+    finally:
+        proc.stop(grace_s=5)
+    assert list(spent) == ["burner", "python"]
+    assert spent["burner"] >= 0.25 and spent["python"] < 0.1
+    assert format_cpu(spent).startswith(f"server {sum(spent.values()):.2f} (")
+
+
+def test_server_cpu_line_names_the_largest_and_sums_the_rest() -> None:
+    spent = {
+        "ray::GenerationW": 2.47,
+        "python": 0.63,
+        "raylet": 0.09,
+        "gcs_server": 0.06,
+        "x": 0.02,
+    }
+    assert format_cpu(spent) == (
+        "server 3.27 (ray::GenerationW 2.47, python 0.63, raylet 0.09, 2 more 0.08)"
+    )
