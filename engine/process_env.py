@@ -12,7 +12,14 @@ other ranks of a tensor-parallel instance, a benchmark's child process):
   and 826-959 passive. A bounded spin is no cure: with `GOMP_SPINCOUNT=100000`
   (about 4 ms here) the aggregated SmolLM2 at one request per second had an
   ITL p50 of 460-910 ms against 40 passive (two cores loaded by other
-  work). Passive waits make each parallel region pay a thread wake, which
+  work). A short spin (`GOMP_SPINCOUNT=1000`, tens of microseconds) makes
+  the engine alone faster (offline, one SmolLM2 request of 256 prompt and
+  32 new tokens took 1.1-1.2 s against 1.7-1.8 s passive) but not the
+  served instance: the anchor Llama at 8 requests per second had an ITL
+  p50 of 6.5-7.9 ms against 4.9-5.3 passive and a TTFT p50 of 44-48
+  against 36-37 ms, and SmolLM2 at one request per second an ITL p50 of
+  44 / 57 against 48 / 49 ms (two alternating rounds each). Passive waits
+  make each parallel region pay a thread wake, which
   `FusedLinear` avoids for decode-sized products over small weights.
 - `MALLOC_ARENA_MAX=1`, `MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`
   (glibc; other C libraries ignore them): a step frees its activations when
