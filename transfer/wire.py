@@ -35,6 +35,7 @@ from transfer.errors import WireError
 from transfer.tcp_wire import FRAME_PREFIX, TcpConnection, tune_socket
 
 __all__ = [
+    "HANDSHAKE_TIMEOUT_S",
     "MAX_HEADER_BYTES",
     "PROTOCOL_VERSION",
     "ConnectionClosed",
@@ -52,6 +53,8 @@ __all__ = [
 # Headers carry region lists; 16 MiB covers ~500k segments, far above any request.
 MAX_HEADER_BYTES = 16 << 20
 _NONCE_BYTES = 32
+# How long either side may take over the handshake once connected.
+HANDSHAKE_TIMEOUT_S = 10.0
 PROTOCOL_VERSION = 1
 
 Link = Connection | socket.socket

@@ -170,7 +170,7 @@ async def test_offered_blocks_move_early_and_the_published_rest_releases(
 
 async def test_many_concurrent_pulls_share_the_byte_budget(pair: tuple[Endpoint, Endpoint]) -> None:
     src, dst = pair
-    src.xcvr._budget.limit = 1024  # far below a request: forces interleaving
+    src.xcvr._holder._budget.limit = 1024  # far below a request: forces interleaving
     sent = {f"r{i}": src.fill(f"r{i}", 2 * BLOCK_SIZE) for i in range(4)}
     handles = [src.publish(rid) for rid in sent]
     await asyncio.gather(*(dst.pull(h, 2 * BLOCK_SIZE) for h in handles))

@@ -136,7 +136,7 @@ async def test_concurrent_pulls_share_the_byte_budget_over_ucx(
     pair: tuple[Endpoint, Endpoint],
 ) -> None:
     src, dst = pair
-    src.xcvr._budget.limit = 1024  # far below a request: the streams interleave
+    src.xcvr._holder._budget.limit = 1024  # far below a request: the streams interleave
     sent = {f"r{i}": src.fill(f"r{i}", 2 * BLOCK_SIZE) for i in range(4)}
     handles = [src.publish(rid) for rid in sent]
     await asyncio.gather(*(dst.pull(h, 2 * BLOCK_SIZE) for h in handles))
@@ -168,10 +168,10 @@ async def test_holder_closed_mid_transfer_gives_peer_gone(pair: tuple[Endpoint, 
     src, dst = pair
     src.fill("r1", 2 * BLOCK_SIZE)
     handle = src.publish("r1")
-    budget = src.xcvr._budget
+    budget = src.xcvr._holder._budget
     await budget.acquire(budget.limit)  # the holder announces the data, then stalls
     pull = asyncio.create_task(dst.pull(handle, 2 * BLOCK_SIZE))
-    while not src.xcvr._serving:
+    while not src.xcvr._holder._serving:
         await asyncio.sleep(0.01)
     await src.xcvr.close()
     with pytest.raises(PeerGone, match="r1"):
