@@ -260,7 +260,7 @@ class Router:
         why = "cache transfer failed: " + "; ".join(errors)
         if not resume.sent:  # held first tokens only: the caller has nothing yet
             raise RequestFailedError(request_id, why)
-        yield _error_event(request_id, why)
+        yield TokenEvent.ended(request_id, "error", why)
 
     def _prefetch_target(
         self, prompt: list[int], hashes: Sequence[bytes], touched: list[WorkerEndpoint]
@@ -355,7 +355,7 @@ class Router:
             except Exception as exc:
                 failure = self._failed(endpoint, exc, "generation")
                 if streamed:
-                    yield _error_event(request.request_id, failure)
+                    yield TokenEvent.ended(request.request_id, "error", failure)
                     return
                 if request.context is not None:
                     raise _PullFailed(failure) from exc
@@ -433,10 +433,6 @@ def _first_event(context: ContextResult) -> TokenEvent:
         num_cached_tokens=context.num_cached_tokens,
         timestamp=context.first_token_time,
     )
-
-
-def _error_event(request_id: str, message: str) -> TokenEvent:
-    return TokenEvent(request_id=request_id, token_ids=[], finish_reason="error", error=message)
 
 
 def _max_tokens(params: Any) -> int:

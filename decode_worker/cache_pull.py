@@ -225,10 +225,5 @@ async def _all_or_none(*pulls: Awaitable[None]) -> None:
 
 def error_event(req: Request, message: str, reason: str = "error") -> TokenEvent:
     """The final event of a request that ends here without its tokens."""
-    return TokenEvent(
-        request_id=req.request_id,
-        token_ids=[],
-        finish_reason=reason,
-        error=f"request {req.request_id!r}: {message}",
-        num_prompt_tokens=req.num_prompt_tokens,
-    )
+    error = f"request {req.request_id!r}: {message}"
+    return TokenEvent.ended(req.request_id, reason, error, req.num_prompt_tokens)

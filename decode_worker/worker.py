@@ -23,7 +23,6 @@ a new incarnation id, which its streams open with and `submit` (or
 from __future__ import annotations
 
 import asyncio
-import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -47,8 +46,6 @@ from engine.request import Request
 from engine.step_timeline import StepRecord
 from engine.threads import configure_torch_threads, run_on_compute_thread
 from engine.worker_config import WorkerConfig
-
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 

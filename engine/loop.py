@@ -193,7 +193,7 @@ class EngineLoop:
         def drop() -> None:
             request = self.core.abort(request_id)
             if request is not None:
-                self._emit([TokenEvent(request_id=request_id, token_ids=[], finish_reason="abort")])
+                self._emit([TokenEvent.ended(request_id, "abort")])
 
         self.call_between_steps(drop)
 
@@ -237,12 +237,7 @@ class EngineLoop:
 
     def _fail_open_streams(self, error: str) -> None:
         """End every stream still open with a final error event."""
-        self._emit(
-            [
-                TokenEvent(request_id=request_id, token_ids=[], finish_reason="error", error=error)
-                for request_id in self._open
-            ]
-        )
+        self._emit([TokenEvent.ended(request_id, "error", error) for request_id in self._open])
 
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []
@@ -274,10 +269,4 @@ def _drop(events: list[TokenEvent]) -> None:
 
 
 def _error_event(request: Request, message: str) -> TokenEvent:
-    return TokenEvent(
-        request_id=request.request_id,
-        token_ids=[],
-        finish_reason="error",
-        error=message,
-        num_prompt_tokens=request.num_prompt_tokens,
-    )
+    return TokenEvent.ended(request.request_id, "error", message, request.num_prompt_tokens)

@@ -159,6 +159,20 @@ class TokenEvent:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @classmethod
+    def ended(
+        cls, request_id: str, reason: str, error: str | None = None, num_prompt_tokens: int = 0
+    ) -> TokenEvent:
+        """The final event of a request that ends without (more) tokens:
+        `reason` "error" (with `error` saying why) or "abort"."""
+        return cls(
+            request_id=request_id,
+            token_ids=[],
+            finish_reason=reason,
+            error=error,
+            num_prompt_tokens=num_prompt_tokens,
+        )
+
     @property
     def handed_back(self) -> bool:
         return self.finish_reason == FinishReason.PREEMPTED.value
