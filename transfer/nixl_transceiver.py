@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 
@@ -68,6 +69,11 @@ _IDLE_POLL_INTERVAL_S = 0.05
 # request reaches it): four polls, each a hop to the agent thread, for every
 # millisecond the claim takes.
 _CLAIM_POLL_INTERVAL_S = 0.00025
+# ... but only this long after the latest publish: a claim that has not come
+# by then is late anyway (its puller is queued, paused or dead), and polling
+# every 0.25 ms for the rest of a 60 s lease kept 13% of a core busy on a
+# holder whose only published request was never claimed.
+_CLAIM_DUE_WINDOW_S = 0.05
 # ... and of a puller waiting for a grant: the holder answers within its own
 # poll, so the grant is due within about a millisecond, and the READs wait on
 # it (a 64 MiB READ takes ~10 ms on CPU). Such a wait is short and rare enough
@@ -101,6 +107,7 @@ class NixlTransceiver(Transceiver):
         super().__init__()
         self.name = name or f"disagg-{uuid.uuid4().hex[:12]}"
         self._poll_interval_s = poll_interval_s
+        self._claim_due_until = 0.0  # monotonic: a claim is due until then (the latest publish)
         self._endpoint = NixlEndpoint(buffers, self.name, progress_delay_us)
         self._thread = self._endpoint.thread
         self._holder = NixlHolder(self._endpoint, self._leases, self._offers, claim_window_s)
@@ -138,6 +145,7 @@ class NixlTransceiver(Transceiver):
         check_bounds(request_id, regions.descriptors, self._endpoint.sizes)
         tid = self._transfer_id_for(request_id)
         self._leases.add(request_id, tid, lease_s, on_release)
+        self._claim_due_until = time.monotonic() + _CLAIM_DUE_WINDOW_S
         return self._handle(request_id, tid, regions, signature)
 
     def _handle(
@@ -239,7 +247,7 @@ class NixlTransceiver(Transceiver):
             interval = _IDLE_POLL_INTERVAL_S
             if self._puller.awaiting_grant:
                 interval = min(_GRANT_POLL_INTERVAL_S, self._poll_interval_s)
-            elif self._leases.num_unclaimed:
+            elif time.monotonic() < self._claim_due_until and self._leases.num_unclaimed:
                 interval = min(_CLAIM_POLL_INTERVAL_S, self._poll_interval_s)
             elif busy:
                 interval = self._poll_interval_s
