@@ -119,15 +119,10 @@ def descendants(root_pid: int) -> list[int]:
     """Every process below `root_pid` (children, grandchildren, ...), from /proc."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue  # exited while we looked
-        # Field 4 (ppid) follows the parenthesised command name, which may hold spaces.
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
+        stat = _stat(int(entry.name)) if entry.name.isdigit() else None
+        if stat is not None:
+            ppid = int(stat[1][1])  # field 4
+            children.setdefault(ppid, []).append(int(entry.name))
     found: list[int] = []
     stack = list(children.get(root_pid, []))
     while stack:
@@ -147,14 +142,11 @@ def tree_cpu_seconds(root_pids: Iterable[int]) -> dict[tuple[int, str], tuple[st
     found: dict[tuple[int, str], tuple[str, float]] = {}
     for root in root_pids:
         for pid in (root, *descendants(root)):
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-            except OSError:
-                continue  # exited while we looked
-            name = stat.split("(", 1)[1].rsplit(")", 1)[0]
-            fields = stat.rsplit(")", 1)[1].split()
-            # Fields 14 and 15 (utime, stime) are the 12th and 13th after the name.
-            found[(pid, fields[19])] = (name, (int(fields[11]) + int(fields[12])) / tick)
+            stat = _stat(pid)
+            if stat is not None:
+                name, fields = stat
+                # fields 14 and 15 (utime, stime) and 22 (start time)
+                found[(pid, fields[19])] = (name, (int(fields[11]) + int(fields[12])) / tick)
     return found
 
 
@@ -171,10 +163,20 @@ def cpu_by_name(
 
 
 def _start_time(pid: int) -> str:
+    stat = _stat(pid)
+    return stat[1][19] if stat is not None and len(stat[1]) > 19 else ""
+
+
+def _stat(pid: int) -> tuple[str, list[str]] | None:
+    """`/proc/<pid>/stat` as the command name (field 2, which may hold spaces
+    and parentheses) and the fields after it (field 3 first); None once the
+    process has gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return ""
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    head, _, rest = stat.rpartition(")")
+    return head.split("(", 1)[1], rest.split()
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
