@@ -7,7 +7,7 @@ import torch
 
 from kvcache.errors import CacheSizingError
 from kvcache.factory import create_manager
-from kvcache.sizing import bytes_per_block, bytes_per_mamba_slot, size_cache
+from kvcache.sizing import bytes_per_block, bytes_per_mamba_slot, size_cache, size_instance_cache
 from kvcache.spec import CacheSpec
 from kvcache.tensors import allocate_cache_tensors
 
@@ -92,6 +92,15 @@ def test_budget_too_small_for_one_sequence_names_numbers_and_settings() -> None:
 def test_max_tokens_below_one_sequence_is_an_error() -> None:
     with pytest.raises(CacheSizingError, match="raise max_tokens to at least 128"):
         size_cache(DENSE, block_size=16, max_model_len=128, max_batch_size=4, max_tokens=100)
+
+
+def test_max_tokens_off_the_block_grid_caps_sequences_at_its_whole_blocks() -> None:
+    sizing = size_instance_cache(
+        DENSE, block_size=16, model_len=8192, max_batch_size=4, max_tokens=2900
+    )
+    assert sizing.num_tokens == 2896  # 181 whole blocks
+    with pytest.raises(CacheSizingError, match="raise max_tokens to at least 16"):
+        size_instance_cache(DENSE, block_size=16, model_len=8192, max_batch_size=4, max_tokens=10)
 
 
 def test_no_sizing_source_is_an_error() -> None:
