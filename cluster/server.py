@@ -2,8 +2,9 @@
 
 Routes: `GET /health`, `GET /metrics` (Prometheus), `GET /v1/models`,
 `POST /v1/completions` and `POST /v1/chat/completions`, each streaming (SSE)
-or not. Requests are validated and tokenized here, once; the router and the
-workers only ever see token ids. A client that disconnects cancels its
+or not. Requests are validated and tokenized here, once (a long prompt off
+the event loop, `cluster.prompt_tokenizer`); the router and the workers only
+ever see token ids. A client that disconnects cancels its
 request: the response task is cancelled, which closes the router stream and
 aborts the request on both workers.
 """
@@ -42,6 +43,7 @@ from cluster.image_prompt import (
 from cluster.media import MediaConfig
 from cluster.metrics import ServingMetrics
 from cluster.policies import NoWorkerError
+from cluster.prompt_tokenizer import PromptTokenizer
 from cluster.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from cluster.router import Router
 from engine.errors import RequestFailedError
@@ -126,6 +128,7 @@ class _OpenAIRoutes:
         self.model = model
         self.metrics = metrics
         self.admission = admission
+        self.prompts = PromptTokenizer(model.tokenizer)
         self.created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -134,6 +137,7 @@ class _OpenAIRoutes:
         try:
             yield
         finally:
+            self.prompts.close()
             await self.router.stop()
 
     async def health(self) -> JSONResponse:
@@ -154,7 +158,7 @@ class _OpenAIRoutes:
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
         self._check_model(body.model)
         if isinstance(body.prompt, str):
-            prompt = list(self.model.tokenizer.encode(body.prompt))
+            prompt = await self.prompts.encode(body.prompt)
         else:
             prompt = list(body.prompt)
         refuse_completion_images(prompt, self.model.images)
@@ -183,7 +187,9 @@ class _OpenAIRoutes:
     async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
         self._check_model(body.model)
         images = await load_chat_images(body, self.model.images, self.model.media)
-        prompt = self._render_chat(body, images.texts)
+        messages = body.template_messages(images.texts)
+        chars = sum(len(message["content"]) for message in messages)
+        prompt = await self.prompts.run(chars, self._render_chat, messages)
         placed: tuple[ImageInput, ...] = ()
         if self.model.images is not None:
             placed = place_images(prompt, images.inputs, self.model.images.vision.image_token_id)
@@ -219,10 +225,11 @@ class _OpenAIRoutes:
                 code="model_not_found",
             )
 
-    def _render_chat(self, body: ChatCompletionRequest, image_texts: list[str]) -> list[int]:
+    def _render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt's token ids (on `self.prompts`' thread when long)."""
         try:
             rendered = self.model.tokenizer.apply_chat_template(
-                body.template_messages(image_texts), add_generation_prompt=True
+                messages, add_generation_prompt=True
             )
         except Exception as exc:  # a template error names the message it disliked
             raise APIError(

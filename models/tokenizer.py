@@ -83,7 +83,10 @@ class Tokenizer:
         return None if token is None else self.backend.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        # The batch call releases the GIL while it tokenizes (`encode` holds it
+        # throughout), so other threads run meanwhile; same ids.
+        batch = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(batch[0].ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))

@@ -158,9 +158,17 @@ def test_the_ignored_tensorrt_llm_keys_are_listed_once_at_startup(server: Server
     assert text.count("  context_servers.urls: this launcher starts its own workers") == 1
 
 
-def test_chat_completions_use_the_checkpoint_template(server: Server, reference: tuple) -> None:
+# The long one is tokenized on the server's tokenizer thread (`cluster.prompt_tokenizer`).
+@pytest.mark.parametrize(
+    "content",
+    ["Tell me about the weather", "Tell me about the weather in the mountains. " * 28],
+    ids=["short", "long"],
+)
+def test_chat_completions_use_the_checkpoint_template(
+    server: Server, reference: tuple, content: str
+) -> None:
     client = _client(server)
-    messages = [{"role": "user", "content": "Tell me about the weather"}]
+    messages = [{"role": "user", "content": content}]
     ids = reference[1].apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
     expected = _greedy(reference, list(ids), MAX_TOKENS)
