@@ -179,6 +179,9 @@ def _report(args: argparse.Namespace, timelines: list[Timeline], metrics: Servin
 
 def _print_percentiles(name: str, seconds: list[float]) -> None:
     values = sorted(seconds)
+    if not values:  # e.g. later gaps of requests of two tokens
+        print(f"{name:<26} {'-':>8} {'-':>8}")
+        return
     p99 = values[min(len(values) - 1, round(0.99 * (len(values) - 1)))]
     print(f"{name:<26} {1e3 * statistics.median(values):>8.1f} {1e3 * p99:>8.1f}")
 
