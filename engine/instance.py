@@ -248,11 +248,7 @@ def _stop_check(request: Request, eos: tuple[int, ...], tokenizer: Tokenizer) ->
         while fed < req.num_output_tokens:
             token = req.output_token_ids[fed]
             fed += 1
-            prev_len = len(detok.text) if detok is not None else 0
-            if detok is not None:
-                detok.push(token)
-            text = detok.text if detok is not None else ""
-            decision = checker.check(token, text, prev_len)
+            decision = checker.check(token, detok.push(token) if detok is not None else "")
             if decision.finished:
                 break
         if decision is None or not decision.finished:

@@ -6,11 +6,14 @@
 Typical use per request, once per sampled token, with the tokenizer's
 streaming decoder (`models.tokenizer.Tokenizer.detokenizer`):
 
-    prev_len = len(detok.text)
-    detok.push(token_id)
-    decision = checker.check(token_id, detok.text, prev_len)
+    new_text = detok.push(token_id)
+    decision = checker.check(token_id, new_text)
     if decision.finished and decision.truncate_to is not None:
-        text = detok.text[: decision.truncate_to]
+        text = text[: decision.truncate_to]  # the caller's text, new_text included
+
+The checker keeps only the text a stop string could still complete (the
+last `max_stop_len - 1` characters), so a token costs the same at the end of
+a long output as at its start.
 
 A streaming caller that must never show a stop string should release text
 only up to `checker.releasable(len(text))` until the request finishes.
@@ -56,29 +59,27 @@ class StopChecker:
         self.stop_token_ids = frozenset(params.stop_token_ids)
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
         self.num_tokens = 0
+        self._text_len = 0  # characters of output text so far
+        self._tail = ""  # their last max_stop_len - 1 characters
 
     def check(
-        self,
-        new_token_id: int,
-        text_so_far: str,
-        prev_text_len: int,
-        num_output_tokens: int | None = None,
+        self, new_token_id: int, new_text: str = "", num_output_tokens: int | None = None
     ) -> StopDecision:
-        """Decide after `new_token_id`; `text_so_far` is the whole output text.
+        """Decide after `new_token_id`, whose text (the detokenizer's delta) is
+        `new_text`; stop strings need it, the other conditions do not.
 
-        `prev_text_len` is the text length before this token: only a stop
-        string ending past it can be new, so each call scans O(new text +
-        longest stop string). The first stop string to end wins.
-        `num_output_tokens` (this token included) is for callers whose
-        request got tokens elsewhere (the context worker's first token); by
-        default the checker counts its own calls.
+        Only a stop string ending in the new text can be new, so each call
+        scans O(new text + longest stop string). The first stop string to
+        end wins. `num_output_tokens` (this token included) is for callers
+        whose request got tokens elsewhere (the context worker's first
+        token); by default the checker counts its own calls.
         """
         self.num_tokens = self.num_tokens + 1 if num_output_tokens is None else num_output_tokens
         if new_token_id in self.eos_token_ids:
             return StopDecision(finished=True, reason=STOP)
         if new_token_id in self.stop_token_ids:
             return StopDecision(finished=True, reason=STOP, stop_reason=new_token_id)
-        matched = self._find_stop_string(text_so_far, prev_text_len)
+        matched = self._find_stop_string(new_text)
         if matched is not None:
             return matched
         if self.num_tokens >= self.params.max_tokens:
@@ -93,19 +94,23 @@ class StopChecker:
         """
         return max(0, text_len - max(0, self.max_stop_len - 1))
 
-    def _find_stop_string(self, text: str, prev_text_len: int) -> StopDecision | None:
+    def _find_stop_string(self, new_text: str) -> StopDecision | None:
         if not self.params.stop:
             return None
-        # A match that ends within the old text was already found (or was not
-        # there); a new one may start up to max_stop_len - 1 characters back.
-        start = max(0, prev_text_len - self.max_stop_len + 1)
+        # A match within the old text was already found (or was not there): the
+        # tail is shorter than the longest stop string, so any match in the
+        # window ends in the new text. The window starts at `offset` of the text.
+        window = self._tail + new_text
+        offset = self._text_len - len(self._tail)
+        self._text_len += len(new_text)
+        self._tail = window[-(self.max_stop_len - 1) :] if self.max_stop_len > 1 else ""
         best: tuple[int, int, str] | None = None  # (match end, match start, stop)
         for stop in self.params.stop:
-            at = text.find(stop, start)
+            at = window.find(stop)
             if at != -1 and (best is None or at + len(stop) < best[0]):
                 best = (at + len(stop), at, stop)
         if best is None:
             return None
         end, at, stop = best
-        keep = end if self.params.include_stop_str_in_output else at
+        keep = offset + (end if self.params.include_stop_str_in_output else at)
         return StopDecision(finished=True, reason=STOP, truncate_to=keep, stop_reason=stop)

@@ -180,16 +180,13 @@ class ByteStreamDetokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._bytes = tokenizer.stream_bytes
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.text = ""
 
     def push(self, token_id: int) -> str:
         delta: str = self._utf8.decode(self._bytes(token_id))
-        self.text += delta
         return delta
 
     def finish(self) -> str:
         delta: str = self._utf8.decode(b"", final=True)
-        self.text += delta
         return delta
 
 
@@ -209,7 +206,6 @@ class IncrementalDetokenizer:
         self._ids = list(prompt_ids[-_DETOKENIZE_CONTEXT:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self.text = ""
 
     def push(self, token_id: int) -> str:
         """Add one generated id; return the newly completed text (maybe empty)."""
@@ -222,7 +218,6 @@ class IncrementalDetokenizer:
         delta = full[len(prefix) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        self.text += delta
         return delta
 
     def finish(self) -> str:
@@ -233,7 +228,6 @@ class IncrementalDetokenizer:
         full = decode(self._ids[self._prefix_offset :], self._skip_special)
         delta = full[len(prefix) :] if len(full) > len(prefix) else ""
         self._prefix_offset = self._read_offset = len(self._ids)
-        self.text += delta
         return delta
 
 

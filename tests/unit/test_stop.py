@@ -29,16 +29,16 @@ def _stream(
     """Feed tokens until the checker stops; return (final text, tokens used, decision)."""
     detok = tokenizer.detokenizer(_ids(tokenizer, prompt))
     checker = StopChecker(params, eos_token_ids=[EOS])
+    text = ""
     for used, token in enumerate(token_ids, start=1):
-        prev = len(detok.text)
-        detok.push(token)
-        decision = checker.check(token, detok.text, prev)
+        new_text = detok.push(token)
+        text += new_text
+        decision = checker.check(token, new_text)
         if decision.finished:
-            text = detok.text
             if decision.truncate_to is not None:
                 text = text[: decision.truncate_to]
             return text, used, decision
-    return detok.text + detok.finish(), len(token_ids), None
+    return text + detok.finish(), len(token_ids), None
 
 
 def test_eos_stops_unless_ignored(tokenizer: Tokenizer) -> None:
@@ -91,5 +91,29 @@ def test_releasable_holds_back_a_possible_stop_prefix() -> None:
 def test_length_counts_tokens_generated_elsewhere() -> None:
     checker = StopChecker(SamplingParams(max_tokens=3), eos_token_ids=[EOS])
     # The first token came from the context worker; this checker sees token 2 and 3.
-    assert not checker.check(10, "a", 0, num_output_tokens=2).finished
-    assert checker.check(11, "ab", 1).reason == "length"
+    assert not checker.check(10, "a", num_output_tokens=2).finished
+    assert checker.check(11, "b").reason == "length"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_deep_into_a_long_output_cuts_at_its_place(include: bool) -> None:
+    """Deltas of one to three characters, the stop string split over three of
+    them after 20,000 characters; a shorter stop string never appears."""
+    params = SamplingParams(
+        max_tokens=1 << 20, stop=("<|end|>", "!!"), include_stop_str_in_output=include
+    )
+    checker = StopChecker(params, eos_token_ids=[EOS])
+    text = "ab" * 10_000 + "c<|e" + "nd" + "|>tail"
+    deltas, at = [], 0
+    while at < len(text):
+        step = 1 + at % 3
+        deltas.append(text[at : at + step])
+        at += step
+    decision = None
+    for token, delta in enumerate(deltas):
+        decision = checker.check(token + 10, delta)
+        if decision.finished:
+            break
+    assert decision is not None and decision.stop_reason == "<|end|>"
+    start = text.index("<|end|>")
+    assert decision.truncate_to == (start + len("<|end|>") if include else start)

@@ -126,7 +126,7 @@ def test_streaming_deltas_reassemble_text(checkpoint: Path) -> None:
     stream = tok.detokenizer(prompt)
     deltas = [stream.push(token) for token in generated]
     assert all("\ufffd" not in delta for delta in deltas)
-    assert "".join(deltas) == stream.text == tok.decode(generated)
+    assert "".join(deltas) == tok.decode(generated)
     # A multi-byte character split over byte tokens is held back, then emitted whole.
     assert "" in deltas[:-1] and any("€" in delta for delta in deltas)
 
@@ -140,7 +140,7 @@ def test_streaming_holds_back_incomplete_utf8(checkpoint: Path) -> None:
     stream = tok.detokenizer(tok.encode("Say:", add_special_tokens=False))
     deltas = [stream.push(token) for token in ids]
     assert all("\ufffd" not in d for d in deltas)
-    assert "".join(deltas) == text == stream.text
+    assert "".join(deltas) == text
     assert "" in deltas  # something really was held back
 
 
@@ -157,8 +157,8 @@ def test_finish_flushes_a_truncated_character(checkpoint: Path) -> None:
     stream = tok.detokenizer()
     streamed = "".join(stream.push(token) for token in ids[:-1])
     assert "\ufffd" not in streamed
-    assert stream.finish().endswith("\ufffd")
-    assert stream.text == tok.decode(ids[:-1])
+    assert streamed + stream.finish() == tok.decode(ids[:-1])
+    assert tok.decode(ids[:-1]).endswith("\ufffd")
 
 
 def test_byte_level_stream_matches_decode_of_any_ids(checkpoint: Path) -> None:
@@ -171,4 +171,4 @@ def test_byte_level_stream_matches_decode_of_any_ids(checkpoint: Path) -> None:
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
         stream = tok.detokenizer(tok.encode("serving"))
         streamed = "".join(stream.push(token) for token in ids) + stream.finish()
-        assert streamed == stream.text == tok.decode(ids)
+        assert streamed == tok.decode(ids)
