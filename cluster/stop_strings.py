@@ -15,11 +15,15 @@ from collections.abc import Sequence
 
 
 class StopStringFilter:
+    """Releases text up to any stop string. Only the text not yet released
+    is kept (at most the longest stop string's length plus the newest delta):
+    released text holds no start of a stop string, since a suffix that could
+    begin one is what gets held back."""
+
     def __init__(self, stop_strings: Sequence[str] = (), include_stop: bool = False) -> None:
         self._stops = [s for s in stop_strings if s]
         self._include_stop = include_stop
-        self._text = ""  # everything received
-        self._emitted = 0  # characters of `_text` already released
+        self._pending = ""  # received, not yet released
         self.stopped = False
 
     def add(self, delta: str) -> str:
@@ -28,41 +32,41 @@ class StopStringFilter:
             return ""
         if not self._stops:  # nothing to hold back
             return delta
-        self._text += delta
+        self._pending += delta
         cut = self._stop_cut()
         if cut is not None:
             self.stopped = True
             return self._release(cut)
-        return self._release(len(self._text) - self._held_back())
+        return self._release(len(self._pending) - self._held_back())
 
     def finish(self) -> str:
         """The held-back text, once the stream ended without a stop string."""
-        return "" if self.stopped else self._release(len(self._text))
+        return "" if self.stopped else self._release(len(self._pending))
 
     def _release(self, end: int) -> str:
-        delta = self._text[self._emitted : end] if end > self._emitted else ""
-        self._emitted = max(self._emitted, end)
-        return delta
+        released, self._pending = self._pending[:end], self._pending[end:]
+        return released
 
     def _stop_cut(self) -> int | None:
-        """Where the output ends if a stop string occurs, else None."""
-        best: int | None = None
-        # A new match must end in the unreleased tail; start early enough to see it.
-        start = max(0, self._emitted - max((len(s) for s in self._stops), default=0))
+        """Where the released text ends if a stop string occurs, else None.
+
+        The stop string that ends first wins (on a tie, the first listed), as
+        on the workers, whatever the deltas' boundaries."""
+        best: tuple[int, int] | None = None  # (match end, match start)
         for stop in self._stops:
-            at = self._text.find(stop, start)
-            if at == -1:
-                continue
-            end = at + len(stop) if self._include_stop else at
-            best = end if best is None else min(best, end)
-        return best
+            at = self._pending.find(stop)
+            if at != -1 and (best is None or at + len(stop) < best[0]):
+                best = (at + len(stop), at)
+        if best is None:
+            return None
+        return best[0] if self._include_stop else best[1]
 
     def _held_back(self) -> int:
         """Characters at the end that may be the beginning of a stop string."""
         held = 0
         for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(self._text)), 0, -1):
-                if self._text.endswith(stop[:k]):
+            for k in range(min(len(stop) - 1, len(self._pending)), 0, -1):
+                if self._pending.endswith(stop[:k]):
                     held = max(held, k)
                     break
         return held

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +220,30 @@ def test_include_stop_str_keeps_the_stop_string_and_earliest_stop_wins() -> None
     stops = StopStringFilter(["world", "lo"], include_stop=True)
     assert stops.add("hello world") == "hello"
     assert stops.stopped
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_filter_output_is_the_whole_text_cut_at_the_first_stop(include: bool) -> None:
+    """Random texts, stop strings and delta boundaries: the client sees the
+    text up to the stop string that ends first (the first listed on a tie),
+    as the workers stop, however the deltas split it."""
+    rng = random.Random(7)
+    for _ in range(500):
+        stops = ["".join(rng.choice("ab#") for _ in range(rng.randint(1, 4))) for _ in range(2)]
+        text = "".join(rng.choice("ab#xy") for _ in range(rng.randint(0, 60)))
+        matches = [(at + len(s), at) for s in stops if (at := text.find(s)) != -1]
+        expected = text
+        if matches:
+            end, start = min(matches, key=lambda match: match[0])  # min keeps the first on ties
+            expected = text[: end if include else start]
+        stop_filter = StopStringFilter(stops, include_stop=include)
+        out, at = [], 0
+        while at < len(text):
+            step = rng.randint(1, 5)
+            out.append(stop_filter.add(text[at : at + step]))
+            at += step
+        out.append(stop_filter.finish())
+        assert "".join(out) == expected, (stops, text)
 
 
 def test_merged_deltas_give_text_usage_and_logprob_offsets() -> None:
