@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 from engine.multimodal import ImageInput
 
@@ -107,6 +108,11 @@ class Request:
             return self.output_token_ids[start - prompt : end - prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt]
 
+    def token_ids_upto(self, end: int) -> TokenIds:
+        """`all_token_ids[:end]` as a view: a step allocating for every running
+        request reads only the blocks it fills, not the whole sequence."""
+        return TokenIds(self, end)
+
     @property
     def can_recompute(self) -> bool:
         """Whether preemption by recompute can rebuild this request's cache: not
@@ -140,3 +146,35 @@ class Request:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.error = error
+
+
+class TokenIds(Sequence[int]):
+    """The first `end` of a request's prompt + output ids, read in place."""
+
+    def __init__(self, request: Request, end: int) -> None:
+        self.request = request
+        self.end = min(end, request.num_tokens)
+
+    def __len__(self) -> int:
+        return self.end
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(self.end)
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            return self.request.token_ids_between(start, max(start, stop))
+        if index < 0:
+            index += self.end
+        if not 0 <= index < self.end:
+            raise IndexError(f"token index {index} outside 0..{self.end - 1}")
+        prompt = self.request.prompt_token_ids
+        return (
+            prompt[index]
+            if index < len(prompt)
+            else self.request.output_token_ids[index - len(prompt)]
+        )

@@ -240,7 +240,7 @@ class Scheduler:
     def _allocate(self, request: Request, num_new: int) -> bool:
         total = request.num_computed_tokens + num_new
         return self.manager.allocate_slots(
-            request.request_id, total, request.all_token_ids[:total], request.images
+            request.request_id, total, request.token_ids_upto(total), request.images
         )
 
     def _victim(self) -> Request:
