@@ -50,6 +50,15 @@ class _RequestState:
     block_hashes: list[bytes] = field(default_factory=list)  # of its leading full blocks
     in_transfer: bool = False
     spans: Sequence[ContentSpan] = ()  # its images, hashed into the blocks they overlap
+    # `blocks`' ids, kept beside them: every step reads each running table.
+    block_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.block_ids = [block.block_id for block in self.blocks]
+
+    def extend(self, blocks: list[KVBlock]) -> None:
+        self.blocks.extend(blocks)
+        self.block_ids.extend(block.block_id for block in blocks)
 
 
 class KVCacheManager:
@@ -280,7 +289,7 @@ class KVCacheManager:
         return request_id in self._requests
 
     def block_table(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self._state(request_id).blocks]
+        return list(self._state(request_id).block_ids)
 
     def mamba_slot(self, request_id: str) -> int | None:
         return self.mamba_pool.slot_of(request_id) if self.mamba_pool is not None else None
@@ -322,7 +331,7 @@ class KVCacheManager:
             self._mamba().allocate(request_id)
         missing = self._blocks_for(num_tokens) - len(state.blocks)
         if missing > 0:
-            state.blocks.extend(self._pool.allocate(missing))
+            state.extend(self._pool.allocate(missing))
         state.num_tokens = max(state.num_tokens, num_tokens)
         return state
 
@@ -362,6 +371,8 @@ class KVCacheManager:
             owners.update(ids)
             if NULL_BLOCK_ID in ids or len(set(ids)) != len(ids):
                 problems.append(f"request {request_id!r} has a bad table {ids}")
+            if ids != state.block_ids:
+                problems.append(f"request {request_id!r} lists ids {state.block_ids} for {ids}")
             if len(ids) != self._blocks_for(state.num_tokens):
                 problems.append(
                     f"request {request_id!r}: {len(ids)} blocks for {state.num_tokens} tokens"

@@ -193,28 +193,31 @@ class ForwardBatch:
             None if mamba_slots is None else tuple(mamba_slots),
         )
         width = table_width if table_width is not None else max(map(len, block_tables), default=0)
-        flat_tables = [b for t in block_tables for b in (*t, *[0] * (width - len(t)))]
         mamba_lists = MambaRows.host_lists(shape) if mamba_slots is not None else ([], [], [])
-        parts: list[list[int]] = [
+        before: list[list[int]] = [
             input_ids,
             positions,
             query_start_loc,
             seq_lens,
             context_lens,
             slot_mapping,
-            flat_tables,
-            mamba_slots or [],
-            logits_indices or [],
-            *mamba_lists,
         ]
-        host = torch.tensor(
-            [v for part in parts for v in part],
-            dtype=torch.int64,
-            pin_memory=device.type == "cuda",
-        )
+        after: list[list[int]] = [mamba_slots or [], logits_indices or [], *mamba_lists]
+        sizes = [*map(len, before), len(block_tables) * width, *map(len, after)]
+        host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
+        # Filled through numpy: a table row is copied from its list in C, not
+        # walked in Python (64 tables of 516 blocks: about 8x faster).
+        filled = host.numpy()
+        head = sum(sizes[: len(before)])
+        filled[:head] = [v for part in before for v in part]
+        grid = filled[head : head + sizes[len(before)]].reshape(len(block_tables), width)
+        grid.fill(0)
+        for row, table in zip(grid, block_tables, strict=True):
+            row[: len(table)] = table
+        filled[head + sizes[len(before)] :] = [v for part in after for v in part]
         ids, pos, starts, lens, ctx, slots, tables, mamba, logits, *rows = host.to(
             device, non_blocking=True
-        ).split([len(p) for p in parts])
+        ).split(sizes)
         return cls(
             input_ids=ids,
             positions=pos,
