@@ -157,6 +157,15 @@ class _OpenAIRoutes:
 
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
         self._check_model(body.model)
+        return await self._serve("completions", lambda: self._completion(body), body, http)
+
+    async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
+        self._check_model(body.model)
+        return await self._serve("chat", lambda: self._chat_completion(body), body, http)
+
+    # --- request preparation -------------------------------------------------
+
+    async def _completion(self, body: CompletionRequest) -> tuple[_Shape, PreparedRequest]:
         if isinstance(body.prompt, str):
             prompt = await self.prompts.encode(body.prompt)
         else:
@@ -181,11 +190,9 @@ class _OpenAIRoutes:
             logprobs = fmt.completion_logprobs(delta, tokenizer, num_top, 0)
             return fmt.completion_body(meta, delta, logprobs)
 
-        shape = _Shape("completions", meta, [], chunk, whole, "text_completion")
-        return await self._respond(shape, prepared, body, http)
+        return _Shape("completions", meta, [], chunk, whole, "text_completion"), prepared
 
-    async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
-        self._check_model(body.model)
+    async def _chat_completion(self, body: ChatCompletionRequest) -> tuple[_Shape, PreparedRequest]:
         images = await load_chat_images(body, self.model.images, self.model.media)
         messages = body.template_messages(images.texts)
         chars = sum(len(message["content"]) for message in messages)
@@ -211,10 +218,7 @@ class _OpenAIRoutes:
         def whole(delta: Delta) -> dict[str, Any]:
             return fmt.chat_body(meta, delta, fmt.chat_logprobs(delta, tokenizer, num_top))
 
-        shape = _Shape("chat", meta, opening, chunk, whole, "chat.completion.chunk")
-        return await self._respond(shape, prepared, body, http)
-
-    # --- request preparation -------------------------------------------------
+        return _Shape("chat", meta, opening, chunk, whole, "chat.completion.chunk"), prepared
 
     def _check_model(self, name: str) -> None:
         if name != self.model.name and name not in self.model.aliases:
@@ -284,15 +288,34 @@ class _OpenAIRoutes:
 
     # --- responding ------------------------------------------------------------
 
-    async def _respond(
-        self, shape: _Shape, prepared: PreparedRequest, body: SamplingFields, http: Request
+    async def _serve(
+        self,
+        endpoint: str,
+        prepare: Callable[[], Awaitable[tuple[_Shape, PreparedRequest]]],
+        body: SamplingFields,
+        http: Request,
     ) -> Response:
-        endpoint = shape.endpoint
+        """Admit the request (429 when the server is full), then prepare it
+        (images, tokenization, checks) and respond: its admission slot is
+        held from arrival until the response ends, preparation included."""
         try:
             self.admission.acquire()
         except APIError:
             self.metrics.requests.labels(endpoint, "429").inc()
             raise
+        try:
+            shape, prepared = await prepare()
+        except BaseException:
+            self.admission.release()
+            raise
+        return await self._respond(shape, prepared, body, http)
+
+    async def _respond(
+        self, shape: _Shape, prepared: PreparedRequest, body: SamplingFields, http: Request
+    ) -> Response:
+        """Stream or collect the request's output; frees its admission slot
+        (taken by `_serve`) when it ends."""
+        endpoint = shape.endpoint
         deltas = stream_completion(self.router, self.model.tokenizer, self.metrics, prepared)
         self.metrics.in_flight.inc()
         try:

@@ -88,3 +88,37 @@ def test_the_refusals_are_counted_and_the_server_recovers(server: ServeProcess) 
             assert time.monotonic() < deadline, "admission slots leaked"
             time.sleep(0.2)
         assert status == 200
+
+
+def test_requests_hold_their_slots_while_their_prompts_are_tokenized(
+    server: ServeProcess,
+) -> None:
+    """A slot is taken on arrival: prompts still being tokenized count (a
+    900,000-character prompt takes about a second on the tokenizer thread,
+    and they queue there), and give it back when refused as too long."""
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog"]
+    huge = " ".join(words[i % len(words)] for i in range(180_000))
+
+    async def run() -> tuple[list[int], int, int]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            model = (await client.get(server.url + "/models")).json()["data"][0]["id"]
+            small = {"model": model, "prompt": "Hello", "max_tokens": 2}
+            big = [
+                asyncio.ensure_future(
+                    client.post(
+                        server.url + "/completions",
+                        json={"model": model, "prompt": huge, "max_tokens": 2},
+                    )
+                )
+                for _ in range(MAX_QUEUED)
+            ]
+            await asyncio.sleep(0.3)
+            during = (await client.post(server.url + "/completions", json=small)).status_code
+            statuses = [response.status_code for response in await asyncio.gather(*big)]
+            after = (await client.post(server.url + "/completions", json=small)).status_code
+            return statuses, during, after
+
+    statuses, during, after = asyncio.run(run())
+    assert statuses == [400] * MAX_QUEUED  # each far past the model's length
+    assert during == 429
+    assert after == 200
