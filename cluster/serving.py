@@ -28,8 +28,9 @@ from cluster.launcher import LaunchError, RunningCluster, connect_ray, launch
 from cluster.metrics import ServingMetrics
 from cluster.plan import ClusterPlan
 from cluster.policies import WorkerState
+from cluster.request_prep import ServedModel
 from cluster.router import Router, RoutingSettings
-from cluster.server import ServedModel, ServerLimits, build_app
+from cluster.server import ServerLimits, build_app
 from cluster.worker_poller import WorkerEndpoint
 from engine.startup_heap import freeze_startup_heap
 
