@@ -182,12 +182,10 @@ class ByteStreamDetokenizer:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
-        delta: str = self._utf8.decode(self._bytes(token_id))
-        return delta
+        return self._utf8.decode(self._bytes(token_id))
 
     def finish(self) -> str:
-        delta: str = self._utf8.decode(b"", final=True)
-        return delta
+        return self._utf8.decode(b"", final=True)
 
 
 class IncrementalDetokenizer:
