@@ -249,15 +249,28 @@ def apply_penalties(
     prompt_token_ids: Sequence[Sequence[int]],
     output_token_ids: Sequence[Sequence[int]],
 ) -> torch.Tensor:
-    """Repetition, presence and frequency penalties as batched ops; returns new logits."""
-    output_counts = _token_counts(output_token_ids, logits)
-    seen = (_token_counts(prompt_token_ids, logits) > 0) | (output_counts > 0)
+    """Repetition, presence and frequency penalties as batched ops; returns new logits.
+
+    Only the columns of tokens a row has seen change, so the work is over
+    those (gathered, penalized, scattered back), not over the vocabulary: a
+    step of 64 rows of SmolLM2's 49,152 logits took 19 ms with full-width
+    masks and selects, against a 7 ms decode step of the anchor Llama.
+    """
+    rows, vocab = logits.shape
+    # One spare column: padding and out-of-range ids land there and are dropped.
+    out = torch.cat([logits, logits.new_zeros(rows, 1)], dim=1)
+    output = _padded_ids(output_token_ids, vocab, logits.device)
+    counts = torch.zeros(rows, vocab + 1, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, output, torch.ones_like(output, dtype=logits.dtype))
+    seen = torch.cat([_padded_ids(prompt_token_ids, vocab, logits.device), output], dim=1)
+    values, times = out.gather(1, seen), counts.gather(1, seen)
     repetition = _row_tensor([p.repetition_penalty for p in params], logits).unsqueeze(1)
-    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(seen, penalized, logits)
+    values = torch.where(values > 0, values / repetition, values * repetition)
     frequency = _row_tensor([p.frequency_penalty for p in params], logits).unsqueeze(1)
     presence = _row_tensor([p.presence_penalty for p in params], logits).unsqueeze(1)
-    return logits - frequency * output_counts - presence * (output_counts > 0).to(logits.dtype)
+    values = values - frequency * times - presence * (times > 0).to(logits.dtype)
+    # A token seen twice gets the same value twice.
+    return out.scatter_(1, seen, values)[:, :vocab]
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -290,21 +303,18 @@ def apply_top_k_top_p(
     return torch.full_like(logits, -math.inf).scatter(-1, order, ordered)
 
 
-def _token_counts(token_ids: Sequence[Sequence[int]], like: torch.Tensor) -> torch.Tensor:
-    """[N, V] float counts of each token id per row (ids >= V are ignored)."""
-    rows, vocab = like.shape
+def _padded_ids(
+    token_ids: Sequence[Sequence[int]], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """[N, longest] int64 ids per row, padded (and out-of-range ids sent) to `vocab`."""
     width = max((len(ids) for ids in token_ids), default=0)
-    counts = torch.zeros(rows, vocab + 1, dtype=like.dtype, device=like.device)
-    if width == 0:
-        return counts[:, :vocab]
-    padded = torch.full((rows, width), vocab, dtype=torch.int64)
-    for row, ids in enumerate(token_ids):
-        if ids:
-            padded[row, : len(ids)] = torch.as_tensor(ids, dtype=torch.int64)
-    # Pad with (and send out-of-range ids to) the spare column `vocab`.
-    padded = padded.masked_fill((padded < 0) | (padded > vocab), vocab).to(like.device)
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=like.dtype))
-    return counts[:, :vocab]
+    padded = torch.full((len(token_ids), width), vocab, dtype=torch.int64)
+    # Rows are copied from their lists through numpy, which converts a list
+    # about 4x faster than torch does.
+    rows = padded.numpy()
+    for row, ids in zip(rows, token_ids, strict=True):
+        row[: len(ids)] = ids
+    return padded.masked_fill_((padded < 0) | (padded > vocab), vocab).to(device)
 
 
 def _row_tensor(values: list[float], like: torch.Tensor) -> torch.Tensor:

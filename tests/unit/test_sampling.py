@@ -114,6 +114,46 @@ def test_penalties_match_hand_computation() -> None:
     torch.testing.assert_close(result, expected)
 
 
+def _penalized_by_hand(
+    logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]
+) -> torch.Tensor:
+    row = logits.clone()
+    vocab = row.shape[0]
+    counts = {t: output.count(t) for t in output if 0 <= t < vocab}
+    for token in {t for t in prompt + output if 0 <= t < vocab}:
+        value = row[token].item()
+        value = (
+            value / params.repetition_penalty if value > 0 else value * params.repetition_penalty
+        )
+        times = counts.get(token, 0)
+        value -= params.frequency_penalty * times + params.presence_penalty * (times > 0)
+        row[token] = value
+    return row
+
+
+def test_penalties_of_a_batch_match_a_token_by_token_loop() -> None:
+    """Rows of different lengths (one empty), repeated and out-of-range ids,
+    -inf logits and a row without penalties, against a plain loop."""
+    rng = torch.Generator().manual_seed(3)
+    vocab = 50
+    logits = torch.randn(5, vocab, generator=rng) * 3
+    logits[1, :5] = -math.inf
+    params = [
+        SamplingParams(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2),
+        SamplingParams(repetition_penalty=0.8),
+        SamplingParams(frequency_penalty=-0.5),
+        SamplingParams(),
+        SamplingParams(repetition_penalty=2.0, presence_penalty=-1.0),
+    ]
+    prompts = [[1, 2, 2, 49], [0, 3, 7], [], [4, 5], [vocab, -1, 6] + list(range(10, 40))]
+    outputs = [[2, 2, 8, 8, 8], [1, 4], [9, 9, vocab + 3], [], [6, 6, 11, 45]]
+    result = apply_penalties(logits, params, prompts, outputs)
+    for row in range(5):
+        expected = _penalized_by_hand(logits[row], params[row], prompts[row], outputs[row])
+        torch.testing.assert_close(result[row], expected)
+    assert result.shape == logits.shape
+
+
 def test_penalties_change_the_greedy_choice_and_logprobs() -> None:
     logits = torch.tensor([[3.0, 2.9, 0.0, -1.0]])
     params = [SamplingParams(temperature=0.0, frequency_penalty=1.0, logprobs=0)]
