@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from models.batch import fill_rows
+
 MAX_LOGPROBS = 20  # OpenAI's limit on top logprobs per token
 
 
@@ -308,12 +310,8 @@ def _padded_ids(
 ) -> torch.Tensor:
     """[N, longest] int64 ids per row, padded (and out-of-range ids sent) to `vocab`."""
     width = max((len(ids) for ids in token_ids), default=0)
-    padded = torch.full((len(token_ids), width), vocab, dtype=torch.int64)
-    # Rows are copied from their lists through numpy, which converts a list
-    # about 4x faster than torch does.
-    rows = padded.numpy()
-    for row, ids in zip(rows, token_ids, strict=True):
-        row[: len(ids)] = ids
+    padded = torch.empty((len(token_ids), width), dtype=torch.int64)
+    fill_rows(padded.numpy(), token_ids, pad=vocab)
     return padded.masked_fill_((padded < 0) | (padded > vocab), vocab).to(device)
 
 

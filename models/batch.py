@@ -24,8 +24,11 @@ stalling the GPU stream and can be captured in a CUDA graph.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 
@@ -205,15 +208,11 @@ class ForwardBatch:
         after: list[list[int]] = [mamba_slots or [], logits_indices or [], *mamba_lists]
         sizes = [*map(len, before), len(block_tables) * width, *map(len, after)]
         host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
-        # Filled through numpy: a table row is copied from its list in C, not
-        # walked in Python (64 tables of 516 blocks: about 8x faster).
         filled = host.numpy()
         head = sum(sizes[: len(before)])
         filled[:head] = [v for part in before for v in part]
         grid = filled[head : head + sizes[len(before)]].reshape(len(block_tables), width)
-        grid.fill(0)
-        for row, table in zip(grid, block_tables, strict=True):
-            row[: len(table)] = table
+        fill_rows(grid, block_tables, pad=0)
         filled[head + sizes[len(before)] :] = [v for part in after for v in part]
         ids, pos, starts, lens, ctx, slots, tables, mamba, logits, *rows = host.to(
             device, non_blocking=True
@@ -329,3 +328,15 @@ class ForwardBatch:
             return None, valid
         rows = torch.where(valid, self.query_start_loc[:-1, None] + cols, 0)
         return rows, valid
+
+
+def fill_rows(grid: npt.NDArray[np.int64], rows: Sequence[Sequence[int]], pad: int) -> None:
+    """`grid[i]` = `rows[i]`, padded with `pad` to the grid's width.
+
+    Through numpy, which copies a list into a row in C: 64 block tables of
+    516 ids about 8x faster than flattening them in Python, and a list of
+    8,192 token ids about 4x faster than `torch.as_tensor`.
+    """
+    grid.fill(pad)
+    for row, values in zip(grid, rows, strict=True):
+        row[: len(values)] = values
