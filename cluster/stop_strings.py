@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from engine.stop import first_stop
+
 
 class StopStringFilter:
     """Releases text up to any stop string. Only the text not yet released
@@ -52,14 +54,11 @@ class StopStringFilter:
 
         The stop string that ends first wins (on a tie, the first listed), as
         on the workers, whatever the deltas' boundaries."""
-        best: tuple[int, int] | None = None  # (match end, match start)
-        for stop in self._stops:
-            at = self._pending.find(stop)
-            if at != -1 and (best is None or at + len(stop) < best[0]):
-                best = (at + len(stop), at)
-        if best is None:
+        match = first_stop(self._pending, self._stops)
+        if match is None:
             return None
-        return best[0] if self._include_stop else best[1]
+        start, end, _ = match
+        return end if self._include_stop else start
 
     def _held_back(self) -> int:
         """Characters at the end that may be the beginning of a stop string."""

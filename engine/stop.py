@@ -104,13 +104,21 @@ class StopChecker:
         offset = self._text_len - len(self._tail)
         self._text_len += len(new_text)
         self._tail = window[-(self.max_stop_len - 1) :] if self.max_stop_len > 1 else ""
-        best: tuple[int, int, str] | None = None  # (match end, match start, stop)
-        for stop in self.params.stop:
-            at = window.find(stop)
-            if at != -1 and (best is None or at + len(stop) < best[0]):
-                best = (at + len(stop), at, stop)
-        if best is None:
+        match = first_stop(window, self.params.stop)
+        if match is None:
             return None
-        end, at, stop = best
-        keep = offset + (end if self.params.include_stop_str_in_output else at)
+        start, end, stop = match
+        keep = offset + (end if self.params.include_stop_str_in_output else start)
         return StopDecision(finished=True, reason=STOP, truncate_to=keep, stop_reason=stop)
+
+
+def first_stop(text: str, stops: Sequence[str]) -> tuple[int, int, str] | None:
+    """(start, end, stop) of the stop string in `text` that ends first (on a
+    tie, the first listed), or None: where a request stops, on the workers
+    and in the server's filter alike."""
+    best: tuple[int, int, str] | None = None
+    for stop in stops:
+        at = text.find(stop)
+        if at != -1 and (best is None or at + len(stop) < best[1]):
+            best = (at, at + len(stop), stop)
+    return best
