@@ -172,9 +172,4 @@ class TokenIds(Sequence[int]):
             index += self.end
         if not 0 <= index < self.end:
             raise IndexError(f"token index {index} outside 0..{self.end - 1}")
-        prompt = self.request.prompt_token_ids
-        return (
-            prompt[index]
-            if index < len(prompt)
-            else self.request.output_token_ids[index - len(prompt)]
-        )
+        return self.request.token_ids_between(index, index + 1)[0]
