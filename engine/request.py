@@ -167,7 +167,7 @@ class TokenIds(Sequence[int]):
             start, stop, step = index.indices(self.end)
             if step != 1:
                 return [self[i] for i in range(start, stop, step)]
-            return self.request.token_ids_between(start, max(start, stop))
+            return self.request.token_ids_between(start, stop)
         if index < 0:
             index += self.end
         if not 0 <= index < self.end:
