@@ -19,6 +19,7 @@ import torch
 from engine.decode_graphs import DecodeGraphs, build_decode_graphs
 from engine.image_encoder import ImageChunk, ImageEncoder
 from engine.scheduler import ScheduledSequence
+from engine.token_history import TokenHistory, history_for
 from kvcache.views import CacheViews
 from models.batch import ForwardBatch
 
@@ -140,6 +141,8 @@ class ModelRunner:
         self.image_encoder = image_encoder
         # Per-request torch.Generator for seeded sampling; created lazily.
         self.generators: dict[str, torch.Generator | None] = {}
+        # Per request with penalties: the tokens it has seen (`engine.token_history`).
+        self.histories: dict[str, TokenHistory] = {}
         # Captured decode steps (CUDA only), set by `prepare`.
         self.graphs: DecodeGraphs | None = None
 
@@ -295,8 +298,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden[batch.logits_indices])
 
     def release(self, request_id: str) -> None:
-        """Forget per-request sampling state (its seeded generator)."""
+        """Forget per-request sampling state (its seeded generator, its token history)."""
         self.generators.pop(request_id, None)
+        self.histories.pop(request_id, None)
 
     def _sample(
         self, logits: torch.Tensor, seqs: Sequence[ScheduledSequence]
@@ -312,13 +316,14 @@ class ModelRunner:
                     make_generator(seed, self.device) if seed is not None else None
                 )
             generators.append(self.generators[req.request_id])
-        out = self.sampler.sample(
-            logits.float(),
-            [r.params for r in reqs],
-            [r.prompt_token_ids for r in reqs],
-            [r.output_token_ids for r in reqs],
-            generators,
-        )
+        vocab = logits.shape[-1]
+        histories = [
+            history_for(self.histories, r.request_id, r.prompt_token_ids, r.output_token_ids, vocab)
+            if r.params.has_penalties
+            else None
+            for r in reqs
+        ]
+        out = self.sampler.sample(logits.float(), [r.params for r in reqs], histories, generators)
         return [
             SampledToken(
                 token_id=int(out.token_ids[i]),

@@ -35,9 +35,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from models.batch import fill_rows
+from engine.token_history import TokenHistory
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top logprobs per token
 
@@ -159,24 +160,24 @@ class Sampler:
         self,
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
-        prompt_token_ids: Sequence[Sequence[int]],
-        output_token_ids: Sequence[Sequence[int]],
+        histories: Sequence[TokenHistory | None],
         generators: Sequence[torch.Generator | None],
     ) -> SamplerOutput:
         """Sample from `logits` [N, V]; row i uses `params[i]` and `generators[i]`.
 
-        `prompt_token_ids[i]` / `output_token_ids[i]` feed the penalties. A
-        row's generator is used only when the row samples (temperature > 0);
-        None means the global torch RNG. `logits` is not modified.
+        `histories[i]` (the row's tokens so far, `engine.token_history`)
+        feeds the penalties; None for a row without any. A row's generator is
+        used only when the row samples (temperature > 0); None means the
+        global torch RNG. `logits` is not modified.
         """
         rows = len(params)
         if logits.dim() != 2 or logits.shape[0] != rows:
             raise ValueError(f"logits must be [{rows}, vocab], got {list(logits.shape)}")
-        if not len(prompt_token_ids) == len(output_token_ids) == len(generators) == rows:
-            raise ValueError("params, token id lists and generators must have one entry per row")
+        if not len(histories) == len(generators) == rows:
+            raise ValueError("params, histories and generators must have one entry per row")
         logits = logits.float()
         if any(p.has_penalties for p in params):
-            logits = apply_penalties(logits, params, prompt_token_ids, output_token_ids)
+            logits = apply_penalties(logits, params, histories)
         if all(p.is_greedy for p in params):
             token_ids = greedy_pick(logits)
         else:
@@ -248,31 +249,37 @@ def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
 def apply_penalties(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
-    prompt_token_ids: Sequence[Sequence[int]],
-    output_token_ids: Sequence[Sequence[int]],
+    histories: Sequence[TokenHistory | None],
 ) -> torch.Tensor:
     """Repetition, presence and frequency penalties as batched ops; returns new logits.
 
     Only the columns of tokens a row has seen change, so the work is over
     those (gathered, penalized, scattered back), not over the vocabulary: a
     step of 64 rows of SmolLM2's 49,152 logits took 19 ms with full-width
-    masks and selects, against a 7 ms decode step of the anchor Llama.
+    masks and selects, against a 7 ms decode step of the anchor Llama. Each
+    row's history lists a token once, with its count in the output.
     """
     rows, vocab = logits.shape
-    # One spare column: padding and out-of-range ids land there and are dropped.
+    # One spare column: the padding of shorter rows lands there and is dropped.
     out = torch.cat([logits, logits.new_zeros(rows, 1)], dim=1)
-    output = _padded_ids(output_token_ids, vocab, logits.device)
-    counts = torch.zeros(rows, vocab + 1, dtype=logits.dtype, device=logits.device)
-    counts.scatter_add_(1, output, torch.ones_like(output, dtype=logits.dtype))
-    seen = torch.cat([_padded_ids(prompt_token_ids, vocab, logits.device), output], dim=1)
-    values, times = out.gather(1, seen), counts.gather(1, seen)
+    width = max((len(h.ids) for h in histories if h is not None), default=0)
+    seen = np.full((rows, width), vocab, dtype=np.int64)
+    times = np.zeros((rows, width), dtype=np.float32)
+    for row, history in enumerate(histories):
+        if history is not None:
+            if history.vocab != vocab:
+                raise ValueError(f"a history of vocabulary {history.vocab} for {vocab} logits")
+            seen[row, : len(history.ids)] = history.ids
+            times[row, : len(history.ids)] = history.counts
+    index = torch.from_numpy(seen).to(logits.device)
+    counts = torch.from_numpy(times).to(device=logits.device, dtype=logits.dtype)
+    values = out.gather(1, index)
     repetition = _row_tensor([p.repetition_penalty for p in params], logits).unsqueeze(1)
     values = torch.where(values > 0, values / repetition, values * repetition)
     frequency = _row_tensor([p.frequency_penalty for p in params], logits).unsqueeze(1)
     presence = _row_tensor([p.presence_penalty for p in params], logits).unsqueeze(1)
-    values = values - frequency * times - presence * (times > 0).to(logits.dtype)
-    # A token seen twice gets the same value twice.
-    return out.scatter_(1, seen, values)[:, :vocab]
+    values = values - frequency * counts - presence * (counts > 0).to(logits.dtype)
+    return out.scatter_(1, index, values)[:, :vocab]
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -303,16 +310,6 @@ def apply_top_k_top_p(
     cut = (mass_before >= top_p.unsqueeze(1)) & (rank > 0) & (top_p < 1).unsqueeze(1)
     ordered = ordered.masked_fill(cut, -math.inf)
     return torch.full_like(logits, -math.inf).scatter(-1, order, ordered)
-
-
-def _padded_ids(
-    token_ids: Sequence[Sequence[int]], vocab: int, device: torch.device
-) -> torch.Tensor:
-    """[N, longest] int64 ids per row, padded (and out-of-range ids sent) to `vocab`."""
-    width = max((len(ids) for ids in token_ids), default=0)
-    padded = torch.empty((len(token_ids), width), dtype=torch.int64)
-    fill_rows(padded.numpy(), token_ids, pad=vocab)
-    return padded.masked_fill_((padded < 0) | (padded > vocab), vocab).to(device)
 
 
 def _row_tensor(values: list[float], like: torch.Tensor) -> torch.Tensor:

@@ -120,3 +120,52 @@ def test_execute_samples_only_finished_chunks_with_logprobs(checkpoint: Path) ->
     assert token.logprob == pytest.approx(float(expected.max()), abs=1e-4)
     assert [t for t, _ in token.top_logprobs] == expected.topk(2).indices.tolist()
     assert out.timings.forward_s > 0 and out.timings.build_s > 0
+
+
+def test_greedy_steps_with_a_repetition_penalty_match_transformers_generate(
+    checkpoint: Path,
+) -> None:
+    """The runner keeps each request's token history from step to step
+    (`engine.token_history`); its greedy tokens under a repetition penalty
+    are transformers' (which penalizes prompt and output tokens alike), and
+    a finished request's history is dropped."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.sampling import Sampler, SamplingParams
+
+    model, config = load_model(checkpoint)
+    manager = create_manager("v1", config.cache_spec(), 32, BLOCK)
+    runner = ModelRunner(model, allocate_cache_tensors(manager).views(), manager, BLOCK, Sampler())
+    new_tokens = 12
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, repetition_penalty=1.8)
+    prompts = [[3, 4, 3, 4, 3, 4, 5], [40, 41, 42]]
+    requests = [Request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    plain = Request("plain", [3, 4, 3, 4, 3, 4, 5], SamplingParams(max_tokens=1, temperature=0.0))
+    for r in [*requests, plain]:
+        assert manager.allocate_slots(r.request_id, r.num_tokens)
+    out = runner.execute([ScheduledSequence.of(r, r.num_tokens) for r in [*requests, plain]])
+    for r, token in zip([*requests, plain], out.sampled, strict=True):
+        assert token is not None
+        r.num_computed_tokens = r.num_tokens
+        r.append_output(token.token_id)
+    assert set(runner.histories) == {"r0", "r1"}  # none for a request without penalties
+    for _ in range(new_tokens - 1):
+        for r in requests:
+            assert manager.allocate_slots(r.request_id, r.num_tokens)
+        out = runner.execute([ScheduledSequence.of(r, 1) for r in requests])
+        for r, token in zip(requests, out.sampled, strict=True):
+            assert token is not None
+            r.num_computed_tokens = r.num_tokens
+            r.append_output(token.token_id)
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    for r in requests:
+        expected = reference.generate(
+            torch.tensor([r.prompt_token_ids]),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            repetition_penalty=1.8,
+            pad_token_id=0,
+        )[0, len(r.prompt_token_ids) :]
+        assert r.output_token_ids == expected.tolist()
+    runner.release("r0")
+    assert set(runner.histories) == {"r1"}

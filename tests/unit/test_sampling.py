@@ -17,6 +17,7 @@ from engine.sampling import (
     greedy_pick,
     make_generator,
 )
+from engine.token_history import TokenHistory
 
 VOCAB = 32
 
@@ -29,14 +30,21 @@ def _sample(
     outputs: list[list[int]] | None = None,
 ) -> list[int]:
     n = len(params)
-    out = Sampler().sample(
-        logits,
-        params,
-        prompts or [[1]] * n,
-        outputs or [[]] * n,
-        generators or [None] * n,
-    )
+    histories = _histories(prompts or [[1]] * n, outputs or [[]] * n, logits.shape[1])
+    out = Sampler().sample(logits, params, histories, generators or [None] * n)
     return out.token_ids
+
+
+def _histories(
+    prompts: list[list[int]], outputs: list[list[int]], vocab: int
+) -> list[TokenHistory | None]:
+    histories: list[TokenHistory | None] = []
+    for prompt, output in zip(prompts, outputs, strict=True):
+        history = TokenHistory(prompt, vocab)
+        for end in range(len(output) + 1):  # one token a step, as a request grows
+            history.sync(output[:end])
+        histories.append(history)
+    return histories
 
 
 def _logits_of(probs: list[float]) -> torch.Tensor:
@@ -108,7 +116,7 @@ def test_sampled_tokens_stay_inside_the_filters() -> None:
 def test_penalties_match_hand_computation() -> None:
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
     params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
-    result = apply_penalties(logits, [params], [[0]], [[1, 3, 3]])
+    result = apply_penalties(logits, [params], _histories([[0]], [[1, 3, 3]], 5))
     # token 0: prompt only -> 2/2; token 1: -1*2 - 0.25*1 - 0.5; token 3: 3/2 - 0.25*2 - 0.5
     expected = torch.tensor([[1.0, -2.75, 0.5, 0.5, -2.0]])
     torch.testing.assert_close(result, expected)
@@ -147,7 +155,9 @@ def test_penalties_of_a_batch_match_a_token_by_token_loop() -> None:
     ]
     prompts = [[1, 2, 2, 49], [0, 3, 7], [], [4, 5], [vocab, -1, 6] + list(range(10, 40))]
     outputs = [[2, 2, 8, 8, 8], [1, 4], [9, 9, vocab + 3], [], [6, 6, 11, 45]]
-    result = apply_penalties(logits, params, prompts, outputs)
+    histories = _histories(prompts, outputs, vocab)
+    histories[3] = None  # a row without penalties keeps no history
+    result = apply_penalties(logits, params, histories)
     for row in range(5):
         expected = _penalized_by_hand(logits[row], params[row], prompts[row], outputs[row])
         torch.testing.assert_close(result[row], expected)
@@ -157,7 +167,7 @@ def test_penalties_of_a_batch_match_a_token_by_token_loop() -> None:
 def test_penalties_change_the_greedy_choice_and_logprobs() -> None:
     logits = torch.tensor([[3.0, 2.9, 0.0, -1.0]])
     params = [SamplingParams(temperature=0.0, frequency_penalty=1.0, logprobs=0)]
-    out = Sampler().sample(logits, params, [[2]], [[0]], [None])
+    out = Sampler().sample(logits, params, _histories([[2]], [[0]], 4), [None])
     assert out.token_ids == [1]
     penalized = torch.tensor([2.0, 2.9, 0.0, -1.0])
     assert out.logprobs[0] == pytest.approx(penalized.log_softmax(-1)[1].item(), abs=1e-6)
@@ -224,7 +234,7 @@ def test_temperature_sharpens_the_distribution() -> None:
 def test_no_logprobs_are_computed_when_no_row_asks() -> None:
     logits = torch.tensor([[3.0, 2.9, 0.0], [0.0, 1.0, 2.0]])
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0)]
-    out = Sampler().sample(logits, params, [[], []], [[], []], [None, None])
+    out = Sampler().sample(logits, params, [None, None], [None, None])
     assert out.token_ids == [0, 2]
     assert out.logprobs == [None, None] and out.top_logprobs == [None, None]
 
@@ -236,7 +246,7 @@ def test_logprobs_and_top_logprobs() -> None:
         SamplingParams(temperature=0.0, logprobs=0),
         SamplingParams(temperature=0.0),
     ]
-    out = Sampler().sample(logits, params, [[1]] * 3, [[]] * 3, [None] * 3)
+    out = Sampler().sample(logits, params, [None] * 3, [None] * 3)
     reference = logits.log_softmax(-1)
     for row, token in enumerate(out.token_ids):
         assert out.logprobs[row] == pytest.approx(reference[row, token].item(), abs=1e-6)
@@ -271,7 +281,7 @@ def test_params_normalize_lists_and_top_k_off() -> None:
 
 def test_mismatched_batch_is_rejected() -> None:
     with pytest.raises(ValueError, match="logits"):
-        Sampler().sample(torch.zeros(2, VOCAB), [SamplingParams()], [[1]], [[]], [None])
+        Sampler().sample(torch.zeros(2, VOCAB), [SamplingParams()], [None], [None])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
