@@ -2,7 +2,9 @@
 
 A worker registers a few named raw buffers (the pool tensors) with its
 transceiver. A `Region` is a byte range of one such buffer; `RequestRegions`
-lists them for one request at two granularities:
+says where one request's cache lies (its block table and, per layer, a
+`Strided` rule from block id to region) and lists its regions at two
+granularities, built on first use:
 
 - segments: one per (attention ordinal, logical block) and per (Mamba ordinal,
   "conv"|"ssm"). A KV segment is `kv_heads` *pieces*, one per head, each
@@ -20,6 +22,7 @@ before any byte moves.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, NamedTuple
 
@@ -81,31 +84,81 @@ class TensorPlacement:
         return Region(self.buffer, self.offset + index * self.stride, self.item_bytes)
 
 
+class Strided(NamedTuple):
+    """One region per block of a request: block id `b`'s is
+    `Region(buffer, offset + b * stride, length)`."""
+
+    buffer: str
+    offset: int
+    stride: int
+    length: int
+
+    def region(self, block_id: int) -> Region:
+        return Region(self.buffer, self.offset + block_id * self.stride, self.length)
+
+
 @dataclass(frozen=True)
 class RequestRegions:
-    """The cache regions of one request.
+    """The cache regions of one request, as a few numbers per layer.
 
     block_ids: the request's block table, logical block `j` -> physical id.
     mamba_slot: the request's Mamba slot, None for dense models.
-    kv_segments: (attention ordinal, logical block index) -> the span of its
-        KV segment: its pieces, `kv_head_bytes` each, start `kv_head_stride`
-        bytes apart from the span's first byte (`kv_pieces`). In V2 a span
-        also covers other layers' pieces of the same block.
+    kv_layers: per attention ordinal `k`, where its KV segments lie: the
+        segment of logical block `j` is `kv_layers[k].region(block_ids[j])`.
+        A segment's pieces (one per head), `kv_head_bytes` each, start
+        `kv_head_stride` bytes apart from its first byte (`kv_pieces`). In V2
+        a segment also spans other layers' pieces of the same block.
     mamba_segments: (Mamba ordinal, "conv" | "ssm") -> that state of its slot.
-    descriptors: coarse contiguous regions covering exactly the same bytes.
+    block_descriptors, slot_descriptors: the coarse contiguous regions that
+        cover exactly the same bytes (`descriptors`): for each entry of
+        `block_descriptors` in turn, one region per block, then the slot's.
+
+    The per-segment views (`kv_segments`, `descriptors`) are built on first
+    use and never pickled: a long prompt's request spans tens of thousands of
+    segments (a 32,768-token prompt of a 32-layer model, 65,536), which as
+    objects took hundreds of milliseconds to build, pickle and unpickle on
+    every hop of a transfer handle, while this form is its block table and a
+    few numbers per layer. Planners read it as arrays (`transfer.plan`).
     """
 
     block_ids: tuple[int, ...]
     mamba_slot: int | None
-    kv_segments: dict[tuple[int, int], Region]
+    kv_layers: tuple[Strided, ...]
     mamba_segments: dict[tuple[int, str], Region]
-    descriptors: tuple[Region, ...]
+    block_descriptors: tuple[Strided, ...]
+    slot_descriptors: tuple[Region, ...]
     kv_head_bytes: int
     kv_head_stride: int
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # no cached views
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    @functools.cached_property
+    def kv_segments(self) -> dict[tuple[int, int], Region]:
+        """(attention ordinal, logical block index) -> the span of its KV segment."""
+        return {
+            (k, j): layer.region(block_id)
+            for k, layer in enumerate(self.kv_layers)
+            for j, block_id in enumerate(self.block_ids)
+        }
+
+    @functools.cached_property
+    def descriptors(self) -> tuple[Region, ...]:
+        """The coarse contiguous regions, in order (see the class docstring)."""
+        per_block = [d.region(b) for d in self.block_descriptors for b in self.block_ids]
+        return (*per_block, *self.slot_descriptors)
+
+    @property
+    def num_kv_segments(self) -> int:
+        return len(self.kv_layers) * len(self.block_ids)
+
     @property
     def num_bytes(self) -> int:
-        return sum(region.length for region in self.descriptors)
+        per_block = sum(d.length for d in self.block_descriptors)
+        return len(self.block_ids) * per_block + sum(r.length for r in self.slot_descriptors)
 
     def kv_pieces(self, span: Region) -> list[Region]:
         """The contiguous per-head pieces of the KV segment `span`, heads in order."""

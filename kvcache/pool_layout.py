@@ -43,6 +43,7 @@ from kvcache.layout import (
     LayoutSignature,
     Region,
     RequestRegions,
+    Strided,
     TensorPlacement,
 )
 from kvcache.mamba_pool import SSM_DTYPE, mamba_state_shape
@@ -102,8 +103,16 @@ class CacheLayout(ABC):
         """Where Mamba layer `ordinal`'s `kind` ("conv"|"ssm") state per slot sits."""
 
     @abstractmethod
+    def block_descriptors(self) -> tuple[Strided, ...]:
+        """The coarse contiguous regions of a block: for each entry, one per block."""
+
+    @abstractmethod
+    def slot_descriptors(self, slot: int) -> tuple[Region, ...]:
+        """The coarse contiguous regions of Mamba slot `slot` (none for dense models)."""
+
     def descriptors(self, block_ids: Sequence[int], slot: int | None) -> tuple[Region, ...]:
         """Coarse contiguous regions covering these blocks and this slot."""
+        return self.request_regions(block_ids, slot).descriptors
 
     def mamba_state(self, kind: str) -> tuple[str, tuple[int, ...], int]:
         """(dtype, shape, bytes) of one Mamba layer's `kind` state in one slot."""
@@ -130,11 +139,6 @@ class CacheLayout(ABC):
 
     def request_regions(self, block_ids: Sequence[int], slot: int | None) -> RequestRegions:
         attention = [self.attention_placement(k) for k in range(self.spec.num_attention_layers)]
-        kv_segments = {
-            (k, j): placement.region(block_id)
-            for k, placement in enumerate(attention)
-            for j, block_id in enumerate(block_ids)
-        }
         mamba_segments: dict[tuple[int, str], Region] = {}
         if slot is not None:
             for m in range(len(self.spec.mamba_layers)):
@@ -143,12 +147,17 @@ class CacheLayout(ABC):
         return RequestRegions(
             block_ids=tuple(block_ids),
             mamba_slot=slot,
-            kv_segments=kv_segments,
+            kv_layers=tuple(_strided(p) for p in attention),
             mamba_segments=mamba_segments,
-            descriptors=self.descriptors(block_ids, slot),
+            block_descriptors=self.block_descriptors(),
+            slot_descriptors=self.slot_descriptors(slot) if slot is not None else (),
             kv_head_bytes=self.kv_head_bytes,
             kv_head_stride=self.kv_head_stride,
         )
+
+
+def _strided(placement: TensorPlacement) -> Strided:
+    return Strided(placement.buffer, placement.offset, placement.stride, placement.item_bytes)
 
 
 class LayerMajorLayout(CacheLayout):
@@ -177,19 +186,18 @@ class LayerMajorLayout(CacheLayout):
         dtype, shape, nbytes = self.mamba_state(kind)
         return TensorPlacement(f"{kind}.{ordinal}", 0, nbytes, dtype, shape, nbytes)
 
-    def descriptors(self, block_ids: Sequence[int], slot: int | None) -> tuple[Region, ...]:
-        regions = [
-            self.attention_placement(k).region(block_id)
-            for k in range(self.spec.num_attention_layers)
-            for block_id in block_ids
-        ]
-        if slot is not None:
-            regions += [
-                self.mamba_placement(m, kind).region(slot)
-                for m in range(len(self.spec.mamba_layers))
-                for kind in MAMBA_KINDS
-            ]
-        return tuple(regions)
+    def block_descriptors(self) -> tuple[Strided, ...]:
+        """A block's segment of each layer (layer-major: every block of layer 0 first)."""
+        return tuple(
+            _strided(self.attention_placement(k)) for k in range(self.spec.num_attention_layers)
+        )
+
+    def slot_descriptors(self, slot: int) -> tuple[Region, ...]:
+        return tuple(
+            self.mamba_placement(m, kind).region(slot)
+            for m in range(len(self.spec.mamba_layers))
+            for kind in MAMBA_KINDS
+        )
 
 
 class BlockMajorLayout(CacheLayout):
@@ -220,11 +228,14 @@ class BlockMajorLayout(CacheLayout):
         offset = self._slot_offsets[(ordinal, kind)]
         return TensorPlacement("mamba", offset, self.slot_bytes, dtype, shape, nbytes)
 
-    def descriptors(self, block_ids: Sequence[int], slot: int | None) -> tuple[Region, ...]:
-        regions = [Region("kv", b * self.block_bytes, self.block_bytes) for b in block_ids]
-        if slot is not None and self.spec.is_hybrid:
-            regions.append(Region("mamba", slot * self.slot_bytes, self.slot_bytes))
-        return tuple(regions)
+    def block_descriptors(self) -> tuple[Strided, ...]:
+        """A whole block, every layer."""
+        return (Strided("kv", 0, self.block_bytes, self.block_bytes),)
+
+    def slot_descriptors(self, slot: int) -> tuple[Region, ...]:
+        if not self.spec.is_hybrid:
+            return ()
+        return (Region("mamba", slot * self.slot_bytes, self.slot_bytes),)
 
 
 def block_major_slot_layout(spec: CacheSpec) -> tuple[int, dict[tuple[int, str], int]]:

@@ -35,24 +35,26 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from kvcache.layout import LayoutSignature, Region, RequestRegions
+from kvcache.layout import LayoutSignature, Region, RequestRegions, Strided
 from transfer.errors import LayoutMismatch, TransferAborted, TransferTimeout, UnknownRequest
 from transfer.leases import LeaseTable
 from transfer.offers import Offer
-from transfer.plan import segment_regions
+from transfer.plan import segment_arrays
 
 
 def regions_to_dict(regions: RequestRegions) -> dict[str, Any]:
-    """`RequestRegions` as plain msgpack-safe values (regions as [buffer, offset,
-    length], the KV pieces' geometry as [bytes, stride])."""
+    """`RequestRegions` as plain msgpack-safe values: its block table, a few
+    numbers per layer ([buffer, offset, stride, length] each) and the Mamba
+    slot's regions ([buffer, offset, length]); never a region per segment."""
     return {
         "block_ids": list(regions.block_ids),
         "mamba_slot": regions.mamba_slot,
-        "kv": [[o, b, r.buffer, r.offset, r.length] for (o, b), r in regions.kv_segments.items()],
+        "kv_layers": [list(layer) for layer in regions.kv_layers],
         "mamba": [
             [o, k, r.buffer, r.offset, r.length] for (o, k), r in regions.mamba_segments.items()
         ],
-        "descriptors": [[r.buffer, r.offset, r.length] for r in regions.descriptors],
+        "block_descriptors": [list(d) for d in regions.block_descriptors],
+        "slot_descriptors": [list(r) for r in regions.slot_descriptors],
         "kv_head": [regions.kv_head_bytes, regions.kv_head_stride],
     }
 
@@ -61,9 +63,10 @@ def regions_from_dict(data: dict[str, Any]) -> RequestRegions:
     return RequestRegions(
         block_ids=tuple(data["block_ids"]),
         mamba_slot=data["mamba_slot"],
-        kv_segments={(o, b): Region(buf, off, n) for o, b, buf, off, n in data["kv"]},
+        kv_layers=tuple(Strided(*layer) for layer in data["kv_layers"]),
         mamba_segments={(o, k): Region(buf, off, n) for o, k, buf, off, n in data["mamba"]},
-        descriptors=tuple(Region(buf, off, n) for buf, off, n in data["descriptors"]),
+        block_descriptors=tuple(Strided(*d) for d in data["block_descriptors"]),
+        slot_descriptors=tuple(Region(*r) for r in data["slot_descriptors"]),
         kv_head_bytes=data["kv_head"][0],
         kv_head_stride=data["kv_head"][1],
     )
@@ -224,7 +227,7 @@ class Transceiver(ABC):
         offer = self._offers.get(request_id)
         if offer is None:
             offer = self._offers[request_id] = Offer(request_id, self.new_transfer_id())
-        offer.extend(segment_regions(regions))
+        offer.extend(segment_arrays(regions))
         return self._handle(request_id, offer.transfer_id, regions, signature)
 
     def withdraw(self, request_id: str, on_quiet: Callable[[], None]) -> None:

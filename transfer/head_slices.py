@@ -35,7 +35,7 @@ from kvcache.layout import SSM, LayoutSignature, Region, RequestRegions
 from kvcache.spec import HeadShard, Span, head_shard
 from transfer.base import check_signature, parse_signature
 from transfer.errors import LayoutMismatch
-from transfer.plan import PiecePair, kv_piece_pairs, plan_ranges
+from transfer.plan import PiecePair, check_same_kv_keys, kv_piece_pairs, plan_ranges
 
 
 class SlicePair(NamedTuple):
@@ -194,17 +194,15 @@ def _intersect(a: Span, b: Span) -> Span | None:
 
 
 def _check_keys(request_id: str, src: RequestRegions, dst: RequestRegions) -> None:
-    for name, s, d in (
-        ("kv_segments", src.kv_segments, dst.kv_segments),
-        ("mamba_segments", src.mamba_segments, dst.mamba_segments),
-    ):
-        if s.keys() != d.keys():
-            raise LayoutMismatch(
-                request_id,
-                [name],
-                f"the destination has {len(d)} segments where the source has {len(s)}; "
-                "allocate as many blocks (and a Mamba slot) as the source holds",
-            )
+    check_same_kv_keys(request_id, src, dst)
+    if src.mamba_segments.keys() != dst.mamba_segments.keys():
+        raise LayoutMismatch(
+            request_id,
+            ["mamba_segments"],
+            f"the destination has {len(dst.mamba_segments)} segments where the source has "
+            f"{len(src.mamba_segments)}; allocate as many blocks (and a Mamba slot) as the "
+            "source holds",
+        )
 
 
 def _kv_pairs(

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
+
 from kvcache.layout import LayoutSignature, RequestRegions
 from transfer.base import TransferHandle, check_signature, parse_signature
 from transfer.errors import LayoutMismatch
 from transfer.head_slices import check_shards, plan_head_slices, same_heads
-from transfer.nixl_descriptors import PairGroups, group_pairs, group_slice_pairs
-from transfer.plan import check_bounds
+from transfer.nixl_descriptors import PairGroups, group_arrays, group_slice_pairs
+from transfer.plan import check_bounds, descriptor_arrays
 
 
 def check_layout(handle: TransferHandle, dest: LayoutSignature) -> LayoutSignature:
@@ -58,8 +60,8 @@ def plan_reads(
         pairs = plan_head_slices(rid, source, handle.regions, dest, dest_regions)
         check_bounds(rid, [p.dest_span() for p in pairs], sizes)
         return group_slice_pairs(pairs)
-    src_desc, dst_desc = handle.regions.descriptors, dest_regions.descriptors
-    if [r.length for r in src_desc] != [r.length for r in dst_desc]:
+    src_desc, dst_desc = descriptor_arrays(handle.regions), descriptor_arrays(dest_regions)
+    if not np.array_equal(src_desc.lengths, dst_desc.lengths):
         raise LayoutMismatch(
             rid,
             ["descriptors"],
@@ -67,4 +69,4 @@ def plan_reads(
             f"allocate as many blocks (and a Mamba slot) as the source holds",
         )
     check_bounds(rid, dst_desc, sizes)
-    return group_pairs(src_desc, dst_desc)
+    return group_arrays(src_desc, dst_desc)

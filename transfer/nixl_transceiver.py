@@ -51,7 +51,7 @@ from transfer.nixl_endpoint import NixlEndpoint
 from transfer.nixl_holder import NixlHolder
 from transfer.nixl_notifications import CLAIM, DONE, EXPIRED, GRANT, RELEASE
 from transfer.nixl_puller import NixlPuller
-from transfer.plan import check_bounds
+from transfer.plan import check_bounds, descriptor_arrays
 
 __all__ = ["DEFAULT_PROGRESS_DELAY_US", "NixlTransceiver", "create_agent", "nixl_available"]
 
@@ -142,7 +142,7 @@ class NixlTransceiver(Transceiver):
     ) -> TransferHandle:
         if self._endpoint.agent is None:
             raise RuntimeError("NixlTransceiver.start() has not run")
-        check_bounds(request_id, regions.descriptors, self._endpoint.sizes)
+        check_bounds(request_id, descriptor_arrays(regions), self._endpoint.sizes)
         tid = self._transfer_id_for(request_id)
         self._leases.add(request_id, tid, lease_s, on_release)
         self._claim_due_until = time.monotonic() + _CLAIM_DUE_WINDOW_S

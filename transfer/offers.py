@@ -20,11 +20,10 @@ window) has ended by then.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvcache.layout import Region
-from transfer.plan import Coverage
+from transfer.plan import Coverage, RegionArrays
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +32,14 @@ logger = logging.getLogger(__name__)
 class Offer:
     request_id: str
     transfer_id: str
-    regions: list[Region] = field(default_factory=list)
+    parts: list[RegionArrays] = field(default_factory=list)  # each offer's segments
     coverage: Coverage = field(default_factory=lambda: Coverage(()))
     readers: int = 0  # reads in flight: Python streams, NIXL claim windows
     on_quiet: Callable[[], None] | None = None  # set once withdrawn
 
-    def extend(self, regions: Iterable[Region]) -> None:
-        self.regions.extend(regions)
-        self.coverage = Coverage(self.regions)
+    def extend(self, segments: RegionArrays) -> None:
+        self.parts.append(segments)
+        self.coverage = Coverage(RegionArrays.concat(self.parts))
 
     def begin_read(self) -> None:
         self.readers += 1

@@ -19,12 +19,13 @@ The plan is pure Python over `Region`s.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kvcache.layout import Region, RequestRegions
+from kvcache.layout import Region, RequestRegions, Strided
 from transfer.errors import LayoutMismatch
 
 RegionPair = tuple[Region, Region]
@@ -69,18 +70,17 @@ def kv_piece_pairs(
     array operations: no object per piece.
     """
     _check_kv(request_id, src, dst, counts)
-    if not src.kv_segments or heads[0] >= heads[1]:
+    if not src.num_kv_segments or heads[0] >= heads[1]:
         return []
-    src_spans = list(src.kv_segments.values())
-    dst_spans = list(map(dst.kv_segments.__getitem__, src.kv_segments))
-    src_buffers, src_offsets = _columns(src_spans)
-    dst_buffers, dst_offsets = _columns(dst_spans)
+    src_buffers, src_offsets = kv_offsets(src)
+    dst_buffers, dst_offsets = kv_offsets(dst)
     names = sorted({*src_buffers, *dst_buffers})
+    blocks = len(src.block_ids)
     step = np.arange(heads[0], heads[1], dtype=np.int64)
-    src_at = (src_offsets[:, None] + (step - firsts[0]) * src.kv_head_stride).ravel()
-    dst_at = (dst_offsets[:, None] + (step - firsts[1]) * dst.kv_head_stride).ravel()
-    src_buf = np.repeat(_codes(src_buffers, names), step.size)
-    dst_buf = np.repeat(_codes(dst_buffers, names), step.size)
+    src_at = (src_offsets.reshape(-1, 1) + (step - firsts[0]) * src.kv_head_stride).ravel()
+    dst_at = (dst_offsets.reshape(-1, 1) + (step - firsts[1]) * dst.kv_head_stride).ravel()
+    src_buf = np.repeat(_codes(src_buffers, names), blocks * step.size)
+    dst_buf = np.repeat(_codes(dst_buffers, names), blocks * step.size)
     order = np.lexsort((src_at, src_buf))
     src_at, dst_at, src_buf, dst_buf = src_at[order], dst_at[order], src_buf[order], dst_buf[order]
     piece = src.kv_head_bytes
@@ -105,10 +105,87 @@ def kv_piece_pairs(
     ]
 
 
-def _columns(spans: list[Region]) -> tuple[list[str], np.ndarray]:
-    """Buffer names and offsets of `spans`, as a list of (interned) str and an
-    int array: no object the garbage collector tracks per span."""
-    return [r.buffer for r in spans], np.array([r.offset for r in spans], dtype=np.int64)
+def kv_offsets(regions: RequestRegions) -> tuple[list[str], np.ndarray]:
+    """Each attention ordinal's buffer, and every KV segment's first byte as
+    `[ordinals, blocks]` (block `j` of the request's table in column `j`):
+    arrays from the per-layer form, no object per segment."""
+    ids = np.asarray(regions.block_ids, dtype=np.int64)
+    layers = regions.kv_layers
+    base = np.array([layer.offset for layer in layers], dtype=np.int64).reshape(-1, 1)
+    stride = np.array([layer.stride for layer in layers], dtype=np.int64).reshape(-1, 1)
+    return [layer.buffer for layer in layers], base + stride * ids
+
+
+@dataclass(frozen=True)
+class RegionArrays:
+    """Regions as columns: region `i` is `length[i]` bytes at `offsets[i]` of
+    buffer `names[codes[i]]`."""
+
+    names: list[str]
+    codes: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+
+    @classmethod
+    def of(cls, regions: Iterable[Region]) -> RegionArrays:
+        listed = list(regions)
+        names = sorted({r.buffer for r in listed})
+        code = {name: i for i, name in enumerate(names)}
+        return cls(
+            names,
+            np.array([code[r.buffer] for r in listed], dtype=np.int64),
+            np.array([r.offset for r in listed], dtype=np.int64),
+            np.array([r.length for r in listed], dtype=np.int64),
+        )
+
+    @classmethod
+    def concat(cls, parts: Sequence[RegionArrays]) -> RegionArrays:
+        names = sorted({name for part in parts for name in part.names})
+        code = {name: i for i, name in enumerate(names)}
+        recode = [np.array([code[n] for n in p.names], dtype=np.int64) for p in parts]
+        return cls(
+            names,
+            np.concatenate([r[p.codes] for r, p in zip(recode, parts, strict=True)] or [_EMPTY]),
+            np.concatenate([p.offsets for p in parts] or [_EMPTY]),
+            np.concatenate([p.lengths for p in parts] or [_EMPTY]),
+        )
+
+    def __len__(self) -> int:
+        return int(self.offsets.size)
+
+    def region(self, i: int) -> Region:
+        return Region(self.names[self.codes[i]], int(self.offsets[i]), int(self.lengths[i]))
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def _strided_arrays(
+    strided: Sequence[Strided], block_ids: Sequence[int], fixed: Iterable[Region]
+) -> RegionArrays:
+    """Each of `strided` at every block id (all blocks of the first, then of
+    the next), then the `fixed` regions."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    layers = RegionArrays(
+        [s.buffer for s in strided],
+        np.repeat(np.arange(len(strided), dtype=np.int64), ids.size),
+        (
+            np.array([s.offset for s in strided], dtype=np.int64).reshape(-1, 1)
+            + np.array([s.stride for s in strided], dtype=np.int64).reshape(-1, 1) * ids
+        ).ravel(),
+        np.repeat(np.array([s.length for s in strided], dtype=np.int64), ids.size),
+    )
+    return RegionArrays.concat([layers, RegionArrays.of(fixed)])
+
+
+def segment_arrays(regions: RequestRegions) -> RegionArrays:
+    """Every KV segment (ordinal-major) and Mamba segment of a request, as arrays."""
+    return _strided_arrays(regions.kv_layers, regions.block_ids, regions.mamba_segments.values())
+
+
+def descriptor_arrays(regions: RequestRegions) -> RegionArrays:
+    """`regions.descriptors` as arrays, in the same order."""
+    return _strided_arrays(regions.block_descriptors, regions.block_ids, regions.slot_descriptors)
 
 
 def _codes(buffers: list[str], names: list[str]) -> np.ndarray:
@@ -120,17 +197,17 @@ def _codes(buffers: list[str], names: list[str]) -> np.ndarray:
 
 def _kv_heads(request_id: str, regions: RequestRegions) -> int:
     """Heads per KV segment, as the spans say."""
-    if not regions.kv_segments:
+    if not regions.num_kv_segments:
         return 0
-    span = next(iter(regions.kv_segments.values()))
-    return (span.length - regions.kv_head_bytes) // max(regions.kv_head_stride, 1) + 1
+    span = regions.kv_layers[0].length
+    return (span - regions.kv_head_bytes) // max(regions.kv_head_stride, 1) + 1
 
 
 def _check_kv(
     request_id: str, src: RequestRegions, dst: RequestRegions, counts: tuple[int, int]
 ) -> None:
-    _check_same_keys(request_id, "kv_segments", src.kv_segments, dst.kv_segments)
-    if src.kv_segments and src.kv_head_bytes != dst.kv_head_bytes:
+    check_same_kv_keys(request_id, src, dst)
+    if src.num_kv_segments and src.kv_head_bytes != dst.kv_head_bytes:
         raise LayoutMismatch(
             request_id,
             ["kv_segments"],
@@ -139,16 +216,30 @@ def _check_kv(
         )
     for side, regions, count in (("source", src, counts[0]), ("destination", dst, counts[1])):
         span = (count - 1) * regions.kv_head_stride + regions.kv_head_bytes
-        lengths = np.array([r.length for r in regions.kv_segments.values()], dtype=np.int64)
-        wrong = np.flatnonzero(lengths != span)
-        if wrong.size:
-            key, region = list(regions.kv_segments.items())[wrong[0]]
-            raise LayoutMismatch(
-                request_id,
-                ["kv_segments"],
-                f"segment {key} on the {side} spans {region.length} "
-                f"bytes where {count} heads span {span}",
-            )
+        for k, layer in enumerate(regions.kv_layers):
+            if regions.block_ids and layer.length != span:
+                raise LayoutMismatch(
+                    request_id,
+                    ["kv_segments"],
+                    f"segment {(k, 0)} on the {side} spans {layer.length} "
+                    f"bytes where {count} heads span {span}",
+                )
+
+
+def check_same_kv_keys(request_id: str, src: RequestRegions, dst: RequestRegions) -> None:
+    """`LayoutMismatch` unless both sides list the same (ordinal, block) KV
+    segments: as many attention ordinals and as many blocks."""
+    shapes = [(len(r.kv_layers), len(r.block_ids)) for r in (src, dst)]
+    if shapes[0] != shapes[1]:
+        common = min(shapes[0][0], shapes[1][0]) * min(shapes[0][1], shapes[1][1])
+        missing = shapes[0][0] * shapes[0][1] - common
+        extra = shapes[1][0] * shapes[1][1] - common
+        raise LayoutMismatch(
+            request_id,
+            ["kv_segments"],
+            f"the destination lacks {missing} and has {extra} extra segments; "
+            f"allocate as many blocks (and a Mamba slot) as the source holds",
+        )
 
 
 def _check_same_keys(
@@ -207,16 +298,20 @@ def _range_pair(
 class Coverage:
     """The byte ranges a holder published for one request, for bounds checks."""
 
-    def __init__(self, regions: Iterable[Region]) -> None:
-        spans: dict[str, list[tuple[int, int]]] = {}
-        for r in sorted(regions, key=lambda r: (r.buffer, r.offset)):
-            runs = spans.setdefault(r.buffer, [])
-            if runs and runs[-1][1] >= r.offset:
-                runs[-1] = (runs[-1][0], max(runs[-1][1], r.offset + r.length))
-            else:
-                runs.append((r.offset, r.offset + r.length))
-        self._starts = {b: [s for s, _ in runs] for b, runs in spans.items()}
-        self._runs = spans
+    def __init__(self, regions: RegionArrays | Iterable[Region]) -> None:
+        arrays = regions if isinstance(regions, RegionArrays) else RegionArrays.of(regions)
+        self._starts: dict[str, list[int]] = {}
+        self._ends: dict[str, list[int]] = {}
+        for code, name in enumerate(arrays.names):
+            mine = arrays.codes == code
+            offsets, ends = arrays.offsets[mine], arrays.offsets[mine] + arrays.lengths[mine]
+            order = np.argsort(offsets, kind="stable")
+            offsets, ends = offsets[order], np.maximum.accumulate(ends[order])
+            # A run starts where a region begins past every earlier one's end.
+            first = np.concatenate(([True], offsets[1:] > ends[:-1]))
+            last = np.concatenate((first[1:], [True]))
+            self._starts[name] = offsets[first].tolist()
+            self._ends[name] = ends[last].tolist()
 
     def covers(self, buffer: str, offset: int, length: int) -> bool:
         """True if `[offset, offset + length)` of `buffer` lies inside one published run."""
@@ -226,23 +321,23 @@ class Coverage:
         i = bisect.bisect_right(starts, offset) - 1
         if i < 0:
             return False
-        start, end = self._runs[buffer][i]
-        return start <= offset and offset + length <= end
+        return starts[i] <= offset and offset + length <= self._ends[buffer][i]
 
 
-def segment_regions(regions: RequestRegions) -> list[Region]:
-    """Every KV and Mamba segment of a request."""
-    return [*regions.kv_segments.values(), *regions.mamba_segments.values()]
-
-
-def check_bounds(request_id: str, regions: Iterable[Region], sizes: Mapping[str, int]) -> None:
+def check_bounds(
+    request_id: str, regions: RegionArrays | Iterable[Region], sizes: Mapping[str, int]
+) -> None:
     """Raise `LayoutMismatch` if a region names an unknown buffer or runs past its end."""
-    for r in regions:
-        size = sizes.get(r.buffer)
-        if size is None or r.offset < 0 or r.offset + r.length > size:
-            raise LayoutMismatch(
-                request_id,
-                ["buffers"],
-                f"region {r.buffer}[{r.offset}:{r.offset + r.length}] is outside the "
-                f"registered buffers {dict(sizes)}",
-            )
+    arrays = regions if isinstance(regions, RegionArrays) else RegionArrays.of(regions)
+    limit = np.array([sizes.get(name, -1) for name in arrays.names], dtype=np.int64)
+    ends = arrays.offsets + arrays.lengths
+    outside = (arrays.offsets < 0) | (ends > limit[arrays.codes])
+    wrong = np.flatnonzero(outside)
+    if wrong.size:
+        r = arrays.region(int(wrong[0]))
+        raise LayoutMismatch(
+            request_id,
+            ["buffers"],
+            f"region {r.buffer}[{r.offset}:{r.offset + r.length}] is outside the "
+            f"registered buffers {dict(sizes)}",
+        )

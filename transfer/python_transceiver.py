@@ -38,7 +38,7 @@ from kvcache.layout import LayoutSignature, RequestRegions
 from transfer.base import Transceiver, TransferHandle
 from transfer.connection import TCP, WIRES, Wire
 from transfer.factory import create_wire
-from transfer.plan import Coverage, check_bounds, segment_regions
+from transfer.plan import Coverage, check_bounds, segment_arrays
 from transfer.python_holder import PythonHolder
 from transfer.python_puller import CONNECT_TIMEOUT_S, PythonPuller
 from transfer.socket_buffers import SocketBuffers
@@ -130,9 +130,10 @@ class PythonTransceiver(Transceiver):
         lease_s: float,
         on_release: Callable[[str], None],
     ) -> TransferHandle:
-        check_bounds(request_id, segment_regions(regions), self._buffers.sizes)
+        segments = segment_arrays(regions)
+        check_bounds(request_id, segments, self._buffers.sizes)
         tid = self._transfer_id_for(request_id)
-        self._leases.add(request_id, tid, lease_s, on_release, Coverage(segment_regions(regions)))
+        self._leases.add(request_id, tid, lease_s, on_release, Coverage(segments))
         return self._handle(request_id, tid, regions, signature)
 
     def _handle(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from kvcache.manager import KVCacheManager
 from kvcache.pool_layout import BlockMajorLayout
 from kvcache.spec import CacheSpec
 from kvcache.tensors import CacheTensors, allocate_cache_tensors
+from transfer.base import regions_from_dict, regions_to_dict
 
 BLOCK_SIZE = 4
 # bf16 KV and conv state (conv: 36 bytes, not 16-aligned), float32 SSM state.
@@ -181,3 +184,23 @@ def test_region_outside_a_buffer_is_rejected() -> None:
         tensors.read_region(Region("kv", size - 4, 8))
     with pytest.raises(ValueError, match="do not fit"):
         tensors.write_region(Region("kv", 0, 8), b"\x00" * 4)
+
+
+@pytest.mark.parametrize("name", ["v1", "v2"])
+def test_a_long_request_travels_as_its_block_table_not_a_region_per_segment(name: str) -> None:
+    """32 layers x 2,048 blocks are 65,536 KV segments; what a handle carries
+    (pickled, or as the wire's dict) is the block table and a few numbers per
+    layer, and the per-segment views come back the same on the other side."""
+    spec = CacheSpec(num_kv_heads=2, head_dim=8, attention_layers=tuple(range(32)))
+    manager = create_manager(name, spec, 2100, BLOCK_SIZE, 1)
+    assert manager.allocate_slots("r", 2048 * BLOCK_SIZE)
+    regions = manager.regions("r")
+    size = len(pickle.dumps(regions))
+    segments, descriptors = dict(regions.kv_segments), regions.descriptors  # built and cached
+    assert len(segments) == 32 * 2048
+    assert len(descriptors) == (32 * 2048 if name == "v1" else 2048)
+    assert len(pickle.dumps(regions)) == size < 8 * 2048  # the block ids, not the views
+    for back in (pickle.loads(pickle.dumps(regions)), regions_from_dict(regions_to_dict(regions))):
+        assert back == regions
+        assert back.kv_segments == segments and back.descriptors == descriptors
+    assert regions.num_bytes == sum(r.length for r in descriptors)

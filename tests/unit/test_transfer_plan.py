@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import random
 
 import pytest
 
@@ -11,7 +12,7 @@ from kvcache.layout import Region, RequestRegions
 from kvcache.manager import KVCacheManager
 from tests.transfer_harness import BLOCK_SIZE, HYBRID
 from transfer.errors import LayoutMismatch
-from transfer.plan import plan_ranges
+from transfer.plan import Coverage, RegionArrays, check_bounds, plan_ranges
 
 
 def _request(manager: KVCacheManager, request_id: str, num_blocks: int) -> RequestRegions:
@@ -123,3 +124,39 @@ def test_a_large_plan_makes_no_tracked_object_per_segment() -> None:
     assert num_segments == 4004
     # A few lists per source buffer and two Regions per merged range.
     assert allocated < 4 * len(pairs) + 40, (allocated, len(pairs))
+
+
+def test_coverage_joins_overlapping_and_adjacent_regions_per_buffer() -> None:
+    coverage = Coverage(
+        [Region("a", 100, 50), Region("a", 0, 40), Region("a", 40, 10), Region("a", 120, 100)]
+        + [Region("b", 10, 5)]
+    )
+    # runs: a [0, 50) and [100, 220); b [10, 15)
+    assert coverage.covers("a", 0, 50) and coverage.covers("a", 100, 120)
+    assert coverage.covers("a", 140, 80) and coverage.covers("b", 10, 5)
+    assert not coverage.covers("a", 45, 10)  # across the gap
+    assert not coverage.covers("a", 50, 1) and not coverage.covers("a", 219, 2)
+    assert not coverage.covers("b", 9, 2) and not coverage.covers("c", 0, 1)
+    assert not coverage.covers("a", 0, 0) and not coverage.covers("a", -1, 2)
+
+
+def test_coverage_agrees_with_a_byte_map_on_random_regions() -> None:
+    rng = random.Random(5)
+    regions = [
+        Region(rng.choice("xy"), rng.randrange(0, 400), rng.randrange(1, 40)) for _ in range(60)
+    ]
+    covered = {(r.buffer, b) for r in regions for b in range(r.offset, r.end)}
+    coverage = Coverage(RegionArrays.of(regions))
+    for _ in range(2000):
+        buffer, offset, length = rng.choice("xyz"), rng.randrange(-5, 450), rng.randrange(1, 60)
+        inside = all((buffer, b) in covered for b in range(offset, offset + length))
+        # One published run must hold the whole range; runs that merely touch are one run.
+        assert coverage.covers(buffer, offset, length) == (inside and offset >= 0)
+
+
+def test_check_bounds_names_the_first_region_outside_the_buffers() -> None:
+    sizes = {"kv": 100, "mamba": 10}
+    check_bounds("r", [Region("kv", 0, 100), Region("mamba", 2, 8)], sizes)
+    for bad in (Region("kv", 90, 11), Region("kv", -1, 2), Region("other", 0, 1)):
+        with pytest.raises(LayoutMismatch, match=rf"region {bad.buffer}\[{bad.offset}:"):
+            check_bounds("r", [Region("kv", 0, 10), bad, Region("kv", 95, 20)], sizes)
