@@ -16,7 +16,7 @@ from engine.request import FinishReason
 
 if TYPE_CHECKING:
     from engine.sampling import SamplingParams
-    from transfer.base import TransferHandle
+    from transfer.handle import TransferHandle
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ import torch
 
 from engine.worker_config import WorkerConfig
 from kvcache.layout import LayoutSignature, RequestRegions
-from transfer.base import Transceiver, TransferHandle
+from transfer.base import Transceiver
+from transfer.handle import TransferHandle
 
 T = TypeVar("T")
 

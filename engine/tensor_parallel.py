@@ -64,7 +64,7 @@ from kvcache.sizing import CacheSizing
 from kvcache.tensors import CacheTensors
 from models.config import TensorParallelShard
 from models.loader import load_model
-from transfer.base import TransferHandle
+from transfer.handle import TransferHandle
 
 logger = logging.getLogger(__name__)
 

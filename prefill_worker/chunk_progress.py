@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from engine.request import Request
 from kvcache.manager import KVCacheManager
-from transfer.base import TransferHandle
+from transfer.handle import TransferHandle
 
 
 @dataclass

@@ -19,7 +19,8 @@ from kvcache.factory import create_manager
 from kvcache.manager import KVCacheManager
 from kvcache.spec import CacheSpec
 from kvcache.tensors import CacheTensors, allocate_cache_tensors
-from transfer.base import Transceiver, TransferHandle
+from transfer.base import Transceiver
+from transfer.handle import TransferHandle
 
 HYBRID = CacheSpec(
     num_kv_heads=2,

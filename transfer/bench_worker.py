@@ -21,9 +21,10 @@ from kvcache.factory import create_manager
 from kvcache.layout import LayoutSignature, Region, RequestRegions
 from kvcache.spec import CacheSpec
 from kvcache.tensors import allocate_cache_tensors
-from transfer.base import Transceiver, TransferHandle
+from transfer.base import Transceiver
 from transfer.errors import TransferError
 from transfer.factory import create_transceiver
+from transfer.handle import TransferHandle
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,8 @@ from typing import Any, NamedTuple
 from kvcache.dtypes import DTYPE_BYTES
 from kvcache.layout import SSM, LayoutSignature, Region, RequestRegions
 from kvcache.spec import HeadShard, Span, head_shard
-from transfer.base import check_signature, parse_signature
 from transfer.errors import LayoutMismatch
+from transfer.handle import check_signature, parse_signature
 from transfer.plan import PiecePair, check_same_kv_keys, kv_piece_pairs, plan_ranges
 
 

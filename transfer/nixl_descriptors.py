@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from kvcache.layout import Region
-from transfer.base import BufferInfo
+from transfer.handle import BufferInfo
 from transfer.head_slices import SlicePair
 from transfer.plan import RegionArrays
 

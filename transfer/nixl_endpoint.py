@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from transfer.base import BufferInfo, TransferHandle
 from transfer.errors import PeerGone
+from transfer.handle import BufferInfo, TransferHandle
 from transfer.nixl_agent import AgentThread, create_agent
 from transfer.nixl_descriptors import PreparedTables
 

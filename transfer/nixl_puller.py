@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvcache.layout import LayoutSignature, RequestRegions
-from transfer.base import TransferHandle
 from transfer.errors import PeerGone, TransferError, UnknownRequest
+from transfer.handle import TransferHandle
 from transfer.nixl_descriptors import PairGroups
 from transfer.nixl_endpoint import NixlEndpoint
 from transfer.nixl_notifications import CLAIM, DONE, GRANT, RELEASE

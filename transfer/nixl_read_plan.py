@@ -18,8 +18,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from kvcache.layout import LayoutSignature, RequestRegions
-from transfer.base import TransferHandle, check_signature, parse_signature
 from transfer.errors import LayoutMismatch
+from transfer.handle import TransferHandle, check_signature, parse_signature
 from transfer.head_slices import check_shards, plan_head_slices, same_heads
 from transfer.nixl_descriptors import PairGroups, group_arrays, group_slice_pairs
 from transfer.plan import check_bounds, descriptor_arrays

@@ -45,7 +45,8 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from kvcache.layout import LayoutSignature, RequestRegions
-from transfer.base import Transceiver, TransferHandle
+from transfer.base import Transceiver
+from transfer.handle import TransferHandle
 from transfer.nixl_agent import DEFAULT_PROGRESS_DELAY_US, create_agent, nixl_available
 from transfer.nixl_endpoint import NixlEndpoint
 from transfer.nixl_holder import NixlHolder

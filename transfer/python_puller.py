@@ -20,10 +20,10 @@ import contextlib
 from collections.abc import Callable
 
 from kvcache.layout import LayoutSignature, RequestRegions
-from transfer.base import TransferHandle
 from transfer.connection import Connection, ConnectionClosed, Wire
 from transfer.errors import LayoutMismatch, PeerGone, UnknownRequest, WireError
 from transfer.factory import wire_unusable_reason
+from transfer.handle import TransferHandle
 from transfer.head_slices import SlicePair, plan_pull
 from transfer.plan import check_bounds
 from transfer.socket_buffers import SocketBuffers

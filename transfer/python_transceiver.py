@@ -35,9 +35,10 @@ from collections.abc import Callable, Mapping
 import torch
 
 from kvcache.layout import LayoutSignature, RequestRegions
-from transfer.base import Transceiver, TransferHandle
+from transfer.base import Transceiver
 from transfer.connection import TCP, WIRES, Wire
 from transfer.factory import create_wire
+from transfer.handle import TransferHandle
 from transfer.plan import Coverage, check_bounds, segment_arrays
 from transfer.python_holder import PythonHolder
 from transfer.python_puller import CONNECT_TIMEOUT_S, PythonPuller

@@ -24,8 +24,8 @@ from kvcache.layout import Region
 from kvcache.manager import KVCacheManager
 from kvcache.spec import CacheSpec
 from kvcache.tensors import CacheTensors, allocate_cache_tensors
-from transfer.base import TransferHandle
 from transfer.factory import create_transceiver
+from transfer.handle import TransferHandle
 
 BLOCK_SIZE = 16
 # 512 KiB of bf16 K/V per block (8 layers) plus two Mamba layers' state.

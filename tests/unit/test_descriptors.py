@@ -13,7 +13,7 @@ from kvcache.manager import KVCacheManager
 from kvcache.pool_layout import BlockMajorLayout
 from kvcache.spec import CacheSpec
 from kvcache.tensors import CacheTensors, allocate_cache_tensors
-from transfer.base import regions_from_dict, regions_to_dict
+from transfer.handle import regions_from_dict, regions_to_dict
 
 BLOCK_SIZE = 4
 # bf16 KV and conv state (conv: 36 bytes, not 16-aligned), float32 SSM state.

@@ -20,8 +20,8 @@ from tests.transfer_harness import (
     check_offered_blocks_then_the_rest,
     check_skewed_wall_clocks,
 )
-from transfer.base import TransferHandle
 from transfer.errors import LayoutMismatch, TransferAborted, UnknownRequest
+from transfer.handle import TransferHandle
 from transfer.nixl_transceiver import NixlTransceiver, nixl_available
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl is not importable")

@@ -21,7 +21,6 @@ from tests.transfer_harness import (
     check_offered_blocks_then_the_rest,
     check_skewed_wall_clocks,
 )
-from transfer.base import TransferHandle
 from transfer.errors import (
     LayoutMismatch,
     PeerGone,
@@ -31,6 +30,7 @@ from transfer.errors import (
     WireError,
 )
 from transfer.factory import create_transceiver
+from transfer.handle import TransferHandle
 from transfer.python_transceiver import PythonTransceiver
 
 SECRET = b"cluster-secret"

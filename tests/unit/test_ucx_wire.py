@@ -28,9 +28,9 @@ from engine.worker_config import WorkerConfig, WorkerConfigError
 from kvcache.spec import CacheSpec
 from models.embedded.configs import checkpoint_config
 from tests.transfer_harness import BLOCK_SIZE, HYBRID, Endpoint
-from transfer.base import TransferHandle
 from transfer.errors import LayoutMismatch, PeerGone, WireError
 from transfer.factory import WireUnavailable, create_transceiver, resolve_wire
+from transfer.handle import TransferHandle
 from transfer.python_transceiver import PythonTransceiver
 from transfer.ucx_wire import SMALL_FRAME_BYTES, UcxWire, ucx_importable
 from transfer.wire import MAX_HEADER_BYTES, recv_header, send_header

@@ -13,8 +13,8 @@ import pytest
 from kvcache.factory import create_manager
 from kvcache.spec import CacheSpec
 from kvcache.tensors import allocate_cache_tensors
-from transfer.base import TransferHandle
 from transfer.errors import WireError
+from transfer.handle import TransferHandle
 from transfer.python_transceiver import PythonTransceiver
 from transfer.wire import (
     ConnectionClosed,
