@@ -42,6 +42,9 @@ from kvcache.hashing import ContentSpan
 class BlockManager(Protocol):
     """What the scheduler needs from a KV cache manager (V1 or V2)."""
 
+    # Whether allocation publishes filled blocks for reuse (it then needs their tokens).
+    enable_block_reuse: bool
+
     @property
     def block_size(self) -> int: ...
 
@@ -239,9 +242,9 @@ class Scheduler:
 
     def _allocate(self, request: Request, num_new: int) -> bool:
         total = request.num_computed_tokens + num_new
-        return self.manager.allocate_slots(
-            request.request_id, total, request.token_ids_upto(total), request.images
-        )
+        # The tokens only name the blocks they fill, for reuse.
+        tokens = request.token_ids_upto(total) if self.manager.enable_block_reuse else None
+        return self.manager.allocate_slots(request.request_id, total, tokens, request.images)
 
     def _victim(self) -> Request:
         """The running request to preempt: the newest one this worker can

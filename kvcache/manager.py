@@ -169,9 +169,13 @@ class KVCacheManager:
             raise RequestStateError(
                 f"request {request_id!r} is receiving its cache; call finish_transfer first"
             )
-        if not self.can_allocate(request_id, num_tokens):
+        if state is not None and self._has_room(state, request_id, num_tokens):
+            # Most calls: a decode step inside the request's last block.
+            state.num_tokens = max(state.num_tokens, num_tokens)
+        elif not self.can_allocate(request_id, num_tokens):
             return False
-        state = self._grow(request_id, num_tokens)
+        else:
+            state = self._grow(request_id, num_tokens)
         if token_ids is not None:
             state.spans = spans
             self._publish(state, token_ids)
@@ -325,8 +329,16 @@ class KVCacheManager:
             raise RequestStateError(f"unknown request {request_id!r}: it holds no cache")
         return state
 
+    def _has_room(self, state: _RequestState, request_id: str, num_tokens: int) -> bool:
+        """Whether the request already has the blocks (and slot) for `num_tokens`."""
+        return self._blocks_for(num_tokens) <= len(state.blocks) and not self._needs_slot(
+            request_id
+        )
+
     def _grow(self, request_id: str, num_tokens: int) -> _RequestState:
-        state = self._requests.setdefault(request_id, _RequestState())
+        state = self._requests.get(request_id)
+        if state is None:
+            state = self._requests[request_id] = _RequestState()
         if self._needs_slot(request_id):
             self._mamba().allocate(request_id)
         missing = self._blocks_for(num_tokens) - len(state.blocks)
