@@ -41,11 +41,58 @@ def plan_ranges(request_id: str, src: RequestRegions, dst: RequestRegions) -> li
     on block size, heads, head dim, dtype or Mamba shapes).
     """
     heads = _kv_heads(request_id, src)
-    kv = [
-        _range_pair(*piece)
-        for piece in kv_piece_pairs(request_id, src, dst, (0, heads), (0, 0), (heads, heads))
-    ]
+    if _same_kv_layout(src, dst):
+        _check_kv(request_id, src, dst, (heads, heads))
+        kv = _block_ranges(src, dst)
+    else:
+        kv = [
+            _range_pair(*piece)
+            for piece in kv_piece_pairs(request_id, src, dst, (0, heads), (0, 0), (heads, heads))
+        ]
     return sorted([*kv, *_mamba_ranges(request_id, src, dst)], key=lambda p: _by_address(p[0]))
+
+
+def _same_kv_layout(src: RequestRegions, dst: RequestRegions) -> bool:
+    """Whether both sides lay out a block's KV alike (same manager, model and
+    block size): their block descriptors then pair by position, byte for
+    byte, and no per-head piece need be listed."""
+    return (
+        src.kv_layers == dst.kv_layers
+        and src.block_descriptors == dst.block_descriptors
+        and (src.kv_head_bytes, src.kv_head_stride) == (dst.kv_head_bytes, dst.kv_head_stride)
+    )
+
+
+def _block_ranges(src: RequestRegions, dst: RequestRegions) -> list[RegionPair]:
+    """The KV block descriptors of equal layouts paired by position, merged
+    where contiguous on both sides (one range per run of blocks adjacent on
+    both), with array operations."""
+    a = _strided_arrays(src.block_descriptors, src.block_ids, ())
+    b = _strided_arrays(dst.block_descriptors, dst.block_ids, ())
+    if not len(a):
+        return []
+    order = np.lexsort((a.offsets, a.codes))
+    src_code, src_at, length = a.codes[order], a.offsets[order], a.lengths[order]
+    dst_code, dst_at = b.codes[order], b.offsets[order]
+    continues = (
+        (src_code[1:] == src_code[:-1])
+        & (dst_code[1:] == dst_code[:-1])
+        & (src_at[1:] == src_at[:-1] + length[:-1])
+        & (dst_at[1:] == dst_at[:-1] + length[:-1])
+    )
+    starts = np.concatenate(([0], np.flatnonzero(~continues) + 1))
+    sizes = np.add.reduceat(length, starts)
+    return [
+        _range_pair(a.names[sc], so, b.names[dc], do, n)
+        for sc, so, dc, do, n in zip(
+            src_code[starts].tolist(),
+            src_at[starts].tolist(),
+            dst_code[starts].tolist(),
+            dst_at[starts].tolist(),
+            sizes.tolist(),
+            strict=True,
+        )
+    ]
 
 
 PiecePair = tuple[str, int, str, int, int]  # src buffer, src offset, dst buffer, dst offset, length

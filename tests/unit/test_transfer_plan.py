@@ -10,6 +10,7 @@ import pytest
 from kvcache.factory import create_manager
 from kvcache.layout import Region, RequestRegions
 from kvcache.manager import KVCacheManager
+from kvcache.spec import CacheSpec
 from tests.transfer_harness import BLOCK_SIZE, HYBRID
 from transfer.errors import LayoutMismatch
 from transfer.plan import Coverage, RegionArrays, check_bounds, plan_ranges
@@ -20,15 +21,42 @@ def _request(manager: KVCacheManager, request_id: str, num_blocks: int) -> Reque
     return manager.regions(request_id)
 
 
-@pytest.mark.parametrize("src_kind, dst_kind", [("v1", "v1"), ("v1", "v2"), ("v2", "v1")])
+@pytest.mark.parametrize(
+    "src_kind, dst_kind", [("v1", "v1"), ("v1", "v2"), ("v2", "v1"), ("v2", "v2")]
+)
 def test_every_segment_lands_on_its_counterpart(src_kind: str, dst_kind: str) -> None:
     src_manager = create_manager(src_kind, HYBRID, 16, BLOCK_SIZE, 2)
     dst_manager = create_manager(dst_kind, HYBRID, 16, BLOCK_SIZE, 2)
     _request(dst_manager, "other", 3)  # the destination's blocks start elsewhere
     src, dst = _request(src_manager, "r", 5), _request(dst_manager, "r", 5)
 
-    pairs = plan_ranges("r", src, dst)
+    _assert_every_segment_lands(src, dst, plan_ranges("r", src, dst))
 
+
+@pytest.mark.parametrize("kind", ["v1", "v2"])
+def test_blocks_out_of_order_land_on_their_counterparts(kind: str) -> None:
+    """Tables whose ids descend on one side and interleave on the other pair
+    up one for one (block j with block j)."""
+    src = _scattered(kind, free_order=["e", "c", "a"])  # r gets blocks 5, 3, 1
+    dst = _scattered(kind, free_order=["b", "e", "d"])  # r gets blocks 2, 5, 4
+    assert src.block_ids == (5, 3, 1) and dst.block_ids == (2, 5, 4)
+    _assert_every_segment_lands(src, dst, plan_ranges("r", src, dst))
+
+
+def _scattered(kind: str, free_order: list[str]) -> RequestRegions:
+    dense = CacheSpec(num_kv_heads=2, head_dim=4, attention_layers=(0, 2, 3))
+    manager = create_manager(kind, dense, 6, BLOCK_SIZE, 0)  # blocks 1..5
+    for name in "abcde":
+        assert manager.allocate_slots(name, BLOCK_SIZE)
+    for size, name in enumerate(free_order, start=1):  # r grows into each freed block
+        manager.free(name)
+        assert manager.allocate_slots("r", size * BLOCK_SIZE)
+    return manager.regions("r")
+
+
+def _assert_every_segment_lands(
+    src: RequestRegions, dst: RequestRegions, pairs: list[tuple[Region, Region]]
+) -> None:
     segments = src.contiguous_segments().items()
     destinations = dst.contiguous_segments()
     for key, s in segments:
