@@ -69,30 +69,10 @@ def _block_ranges(src: RequestRegions, dst: RequestRegions) -> list[RegionPair]:
     both), with array operations."""
     a = _strided_arrays(src.block_descriptors, src.block_ids, ())
     b = _strided_arrays(dst.block_descriptors, dst.block_ids, ())
-    if not len(a):
-        return []
-    order = np.lexsort((a.offsets, a.codes))
-    src_code, src_at, length = a.codes[order], a.offsets[order], a.lengths[order]
-    dst_code, dst_at = b.codes[order], b.offsets[order]
-    continues = (
-        (src_code[1:] == src_code[:-1])
-        & (dst_code[1:] == dst_code[:-1])
-        & (src_at[1:] == src_at[:-1] + length[:-1])
-        & (dst_at[1:] == dst_at[:-1] + length[:-1])
+    runs = _merge_runs(
+        a.names + b.names, a.codes, a.offsets, b.codes + len(a.names), b.offsets, a.lengths
     )
-    starts = np.concatenate(([0], np.flatnonzero(~continues) + 1))
-    sizes = np.add.reduceat(length, starts)
-    return [
-        _range_pair(a.names[sc], so, b.names[dc], do, n)
-        for sc, so, dc, do, n in zip(
-            src_code[starts].tolist(),
-            src_at[starts].tolist(),
-            dst_code[starts].tolist(),
-            dst_at[starts].tolist(),
-            sizes.tolist(),
-            strict=True,
-        )
-    ]
+    return [_range_pair(*run) for run in runs]
 
 
 PiecePair = tuple[str, int, str, int, int]  # src buffer, src offset, dst buffer, dst offset, length
@@ -128,25 +108,46 @@ def kv_piece_pairs(
     dst_at = (dst_offsets.reshape(-1, 1) + (step - firsts[1]) * dst.kv_head_stride).ravel()
     src_buf = np.repeat(_codes(src_buffers, names), blocks * step.size)
     dst_buf = np.repeat(_codes(dst_buffers, names), blocks * step.size)
-    order = np.lexsort((src_at, src_buf))
-    src_at, dst_at, src_buf, dst_buf = src_at[order], dst_at[order], src_buf[order], dst_buf[order]
-    piece = src.kv_head_bytes
+    lengths = np.full(src_at.size, src.kv_head_bytes, dtype=np.int64)
+    return _merge_runs(names, src_buf, src_at, dst_buf, dst_at, lengths)
+
+
+def _merge_runs(
+    names: Sequence[str],
+    src_code: np.ndarray,
+    src_at: np.ndarray,
+    dst_code: np.ndarray,
+    dst_at: np.ndarray,
+    length: np.ndarray,
+) -> list[PiecePair]:
+    """Pieces `src -> dst` of `length` bytes (buffers `names[..._code]`) by
+    source address, pieces that continue each other on both sides merged
+    into one run."""
+    if not src_at.size:
+        return []
+    order = np.lexsort((src_at, src_code))
+    src_code, src_at, dst_code, dst_at = (
+        src_code[order],
+        src_at[order],
+        dst_code[order],
+        dst_at[order],
+    )
+    length = length[order]
     continues = (
-        (src_buf[1:] == src_buf[:-1])
-        & (dst_buf[1:] == dst_buf[:-1])
-        & (src_at[1:] == src_at[:-1] + piece)
-        & (dst_at[1:] == dst_at[:-1] + piece)
+        (src_code[1:] == src_code[:-1])
+        & (dst_code[1:] == dst_code[:-1])
+        & (src_at[1:] == src_at[:-1] + length[:-1])
+        & (dst_at[1:] == dst_at[:-1] + length[:-1])
     )
     starts = np.concatenate(([0], np.flatnonzero(~continues) + 1))
-    lengths = np.diff(np.concatenate((starts, [src_at.size]))) * piece
     return [
-        (names[sb], so, names[db], do, n)
-        for sb, so, db, do, n in zip(
-            src_buf[starts].tolist(),
+        (names[sc], so, names[dc], do, n)
+        for sc, so, dc, do, n in zip(
+            src_code[starts].tolist(),
             src_at[starts].tolist(),
-            dst_buf[starts].tolist(),
+            dst_code[starts].tolist(),
             dst_at[starts].tolist(),
-            lengths.tolist(),
+            np.add.reduceat(length, starts).tolist(),
             strict=True,
         )
     ]
