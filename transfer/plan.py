@@ -94,22 +94,48 @@ def kv_piece_pairs(
     pieces of a head range of a block lie next to each other through all
     layers, so a block's share is one pair (and so is a run of blocks that
     are consecutive on both sides). The pieces are expanded and merged with
-    array operations: no object per piece.
+    array operations: no object per piece. Where a dimension is contiguous
+    on both sides it is not expanded: a segment's heads side by side (V1)
+    are one piece, a head's layers side by side (V2) are one piece per
+    block (a 32,768-token prompt of a 32-layer model: 65,536 or 8,192
+    pieces where there were 262,144).
     """
     _check_kv(request_id, src, dst, counts)
     if not src.num_kv_segments or heads[0] >= heads[1]:
         return []
     src_buffers, src_offsets = kv_offsets(src)
     dst_buffers, dst_offsets = kv_offsets(dst)
-    names = sorted({*src_buffers, *dst_buffers})
-    blocks = len(src.block_ids)
+    piece = src.kv_head_bytes
+    if _layers_adjacent(src) and _layers_adjacent(dst):
+        # Layer k's piece of a head follows layer k - 1's: one piece spans them all.
+        src_buffers, src_offsets = src_buffers[:1], src_offsets[:1]
+        dst_buffers, dst_offsets = dst_buffers[:1], dst_offsets[:1]
+        piece *= len(src.kv_layers)
     step = np.arange(heads[0], heads[1], dtype=np.int64)
+    if src.kv_head_stride == dst.kv_head_stride == src.kv_head_bytes:
+        # Head h's piece follows head h - 1's: the heads taken are one piece.
+        piece *= step.size
+        step = step[:1]
+    names = sorted({*src_buffers, *dst_buffers})
+    per_row = src_offsets.shape[1] * step.size
     src_at = (src_offsets.reshape(-1, 1) + (step - firsts[0]) * src.kv_head_stride).ravel()
     dst_at = (dst_offsets.reshape(-1, 1) + (step - firsts[1]) * dst.kv_head_stride).ravel()
-    src_buf = np.repeat(_codes(src_buffers, names), blocks * step.size)
-    dst_buf = np.repeat(_codes(dst_buffers, names), blocks * step.size)
-    lengths = np.full(src_at.size, src.kv_head_bytes, dtype=np.int64)
+    src_buf = np.repeat(_codes(src_buffers, names), per_row)
+    dst_buf = np.repeat(_codes(dst_buffers, names), per_row)
+    lengths = np.full(src_at.size, piece, dtype=np.int64)
     return _merge_runs(names, src_buf, src_at, dst_buf, dst_at, lengths)
+
+
+def _layers_adjacent(regions: RequestRegions) -> bool:
+    """Whether every attention layer's piece of a head sits right after the
+    previous layer's, in one buffer at one stride (V2's block-major layout)."""
+    layers = regions.kv_layers
+    first = layers[0]
+    return all(
+        (layer.buffer, layer.stride, layer.offset)
+        == (first.buffer, first.stride, first.offset + k * regions.kv_head_bytes)
+        for k, layer in enumerate(layers)
+    )
 
 
 def _merge_runs(

@@ -84,7 +84,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("managers", [("v2", "v2"), ("v1", "v2"), ("v2", "v1")])
+@pytest.mark.parametrize("managers", [("v2", "v2"), ("v1", "v1"), ("v1", "v2"), ("v2", "v1")])
 @pytest.mark.parametrize("whole,ctx_size,gen_size", CASES)
 def test_every_puller_rank_gets_its_heads_once(
     whole: CacheSpec, ctx_size: int, gen_size: int, managers: tuple[str, str]
