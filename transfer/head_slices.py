@@ -30,12 +30,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from kvcache.dtypes import DTYPE_BYTES
 from kvcache.layout import SSM, LayoutSignature, Region, RequestRegions
 from kvcache.spec import HeadShard, Span, head_shard
 from transfer.errors import LayoutMismatch
 from transfer.handle import check_signature, parse_signature
-from transfer.plan import PiecePair, check_same_kv_keys, kv_piece_pairs, plan_ranges
+from transfer.plan import Runs, check_same_kv_keys, kv_piece_runs, plan_ranges
 
 
 class SlicePair(NamedTuple):
@@ -215,37 +217,49 @@ def _kv_pairs(
 ) -> list[SlicePair]:
     firsts = (source.kv_heads[0], dest.kv_heads[0])
     counts = (source.num_kv_heads, dest.num_kv_heads)
-    return _progressions(kv_piece_pairs(request_id, src, dst, heads, firsts, counts))
+    return _progressions(kv_piece_runs(request_id, src, dst, heads, firsts, counts))
 
 
-def _progressions(runs: list[PiecePair]) -> list[SlicePair]:
+def _progressions(runs: Runs) -> list[SlicePair]:
     """Runs as strided pairs: equal runs at equal steps on both sides (a head
-    range of consecutive blocks) become one pair. Plain ints per run, no
-    object: a large request is thousands of runs."""
+    range of consecutive blocks) become one pair, taken greedily from the
+    first run: a run and the next set the steps, and the pair extends while
+    the runs after keep them.
+
+    A large request is tens of thousands of runs but a few pairs, so the
+    steps are compared with array operations and the loop visits one pair
+    at a time, never one run."""
+    sb, so, db, do, ln = runs.src_code, runs.src_at, runs.dst_code, runs.dst_at, runs.length
+    n = int(so.size)
+    src_step, dst_step = np.diff(so), np.diff(do)
+    # Run i + 1 may follow run i in a pair: same buffers and length, steps of at least a run.
+    linked = (
+        (sb[1:] == sb[:-1])
+        & (db[1:] == db[:-1])
+        & (ln[1:] == ln[:-1])
+        & (src_step >= ln[:-1])
+        & (dst_step >= ln[:-1])
+    )
+    # The pair that took runs i and i + 1 also takes run i + 2.
+    keeps = linked[1:] & (src_step[1:] == src_step[:-1]) & (dst_step[1:] == dst_step[:-1])
+    breaks = np.flatnonzero(~keeps)
+    names = runs.names
     pairs = []
-    i, n = 0, len(runs)
+    i = 0
     while i < n:
-        src_buffer, src_at, dst_buffer, dst_at, length = runs[i]
-        count, src_step, dst_step = 1, length, length
-        if i + 1 < n:
-            nsb, nso, ndb, ndo, nlen = runs[i + 1]
-            if (nsb, ndb, nlen) == (src_buffer, dst_buffer, length):
-                src_step, dst_step = nso - src_at, ndo - dst_at
-        if src_step >= length and dst_step >= length:
-            while i + count < n and runs[i + count] == (
-                src_buffer,
-                src_at + count * src_step,
-                dst_buffer,
-                dst_at + count * dst_step,
-                length,
-            ):
-                count += 1
-        if count == 1:
-            src_step = dst_step = length
+        length = int(ln[i])
+        if i + 1 < n and linked[i]:
+            b = int(np.searchsorted(breaks, i))
+            last = int(breaks[b]) + 1 if b < breaks.size else n - 1
+            steps = (int(src_step[i]), int(dst_step[i]))
+        else:
+            last, steps = i, (length, length)
         pairs.append(
-            SlicePair(src_buffer, src_at, dst_buffer, dst_at, length, count, src_step, dst_step)
+            SlicePair(
+                names[sb[i]], int(so[i]), names[db[i]], int(do[i]), length, last - i + 1, *steps
+            )
         )
-        i += count
+        i = last + 1
     return pairs
 
 

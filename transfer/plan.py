@@ -72,7 +72,7 @@ def _block_ranges(src: RequestRegions, dst: RequestRegions) -> list[RegionPair]:
     runs = _merge_runs(
         a.names + b.names, a.codes, a.offsets, b.codes + len(a.names), b.offsets, a.lengths
     )
-    return [_range_pair(*run) for run in runs]
+    return [_range_pair(*run) for run in runs.pairs()]
 
 
 PiecePair = tuple[str, int, str, int, int]  # src buffer, src offset, dst buffer, dst offset, length
@@ -86,6 +86,18 @@ def kv_piece_pairs(
     firsts: tuple[int, int],
     counts: tuple[int, int],
 ) -> list[PiecePair]:
+    """`kv_piece_runs` as tuples."""
+    return kv_piece_runs(request_id, src, dst, heads, firsts, counts).pairs()
+
+
+def kv_piece_runs(
+    request_id: str,
+    src: RequestRegions,
+    dst: RequestRegions,
+    heads: tuple[int, int],
+    firsts: tuple[int, int],
+    counts: tuple[int, int],
+) -> Runs:
     """The pieces of heads `[heads[0], heads[1])` of every KV segment, source
     to destination, merged where contiguous on both sides, by source address.
 
@@ -102,7 +114,7 @@ def kv_piece_pairs(
     """
     _check_kv(request_id, src, dst, counts)
     if not src.num_kv_segments or heads[0] >= heads[1]:
-        return []
+        return _merge_runs([], _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
     src_buffers, src_offsets = kv_offsets(src)
     dst_buffers, dst_offsets = kv_offsets(dst)
     piece = src.kv_head_bytes
@@ -138,6 +150,33 @@ def _layers_adjacent(regions: RequestRegions) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class Runs:
+    """Runs `src -> dst` as columns, by source address: run `i` is
+    `length[i]` bytes from `src_at[i]` of buffer `names[src_code[i]]` to
+    `dst_at[i]` of `names[dst_code[i]]`."""
+
+    names: Sequence[str]
+    src_code: np.ndarray
+    src_at: np.ndarray
+    dst_code: np.ndarray
+    dst_at: np.ndarray
+    length: np.ndarray
+
+    def pairs(self) -> list[PiecePair]:
+        return [
+            (self.names[sc], so, self.names[dc], do, n)
+            for sc, so, dc, do, n in zip(
+                self.src_code.tolist(),
+                self.src_at.tolist(),
+                self.dst_code.tolist(),
+                self.dst_at.tolist(),
+                self.length.tolist(),
+                strict=True,
+            )
+        ]
+
+
 def _merge_runs(
     names: Sequence[str],
     src_code: np.ndarray,
@@ -145,12 +184,12 @@ def _merge_runs(
     dst_code: np.ndarray,
     dst_at: np.ndarray,
     length: np.ndarray,
-) -> list[PiecePair]:
+) -> Runs:
     """Pieces `src -> dst` of `length` bytes (buffers `names[..._code]`) by
     source address, pieces that continue each other on both sides merged
     into one run."""
     if not src_at.size:
-        return []
+        return Runs(names, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
     order = np.lexsort((src_at, src_code))
     src_code, src_at, dst_code, dst_at = (
         src_code[order],
@@ -166,17 +205,14 @@ def _merge_runs(
         & (dst_at[1:] == dst_at[:-1] + length[:-1])
     )
     starts = np.concatenate(([0], np.flatnonzero(~continues) + 1))
-    return [
-        (names[sc], so, names[dc], do, n)
-        for sc, so, dc, do, n in zip(
-            src_code[starts].tolist(),
-            src_at[starts].tolist(),
-            dst_code[starts].tolist(),
-            dst_at[starts].tolist(),
-            np.add.reduceat(length, starts).tolist(),
-            strict=True,
-        )
-    ]
+    return Runs(
+        names,
+        src_code[starts],
+        src_at[starts],
+        dst_code[starts],
+        dst_at[starts],
+        np.add.reduceat(length, starts),
+    )
 
 
 def kv_offsets(regions: RequestRegions) -> tuple[list[str], np.ndarray]:

@@ -3,8 +3,10 @@ needs arrives once, from the holder rank that owns it, in either manager."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,7 +18,8 @@ from models.config import MambaConfig, ModelConfig
 from models.sharding import shard_config
 from tests.head_shards import HYBRID_WHOLE, WholeCache, assert_equal, read, write
 from transfer.errors import LayoutMismatch
-from transfer.head_slices import SlicePair, plan_pull
+from transfer.head_slices import SlicePair, _progressions, plan_pull
+from transfer.plan import Runs
 
 BLOCK_SIZE = 4
 NUM_TOKENS = 3 * BLOCK_SIZE - 1  # three blocks, the last one partly filled
@@ -224,3 +227,57 @@ def test_a_whole_spec_knows_its_heads() -> None:
     heads = HYBRID_WHOLE.heads
     assert (heads.kv_heads, heads.mamba_heads, heads.mamba_groups) == ((0, 4), (0, 4), (0, 2))
     assert torch.Size(HYBRID_WHOLE.for_rank(1, 2).conv_state_shape) == (2 * 4 + 2 * 8, 3)
+
+
+def _greedy_progressions(runs: list[tuple[str, int, str, int, int]]) -> list[SlicePair]:
+    """The definition, one run at a time: a run and the next set the steps
+    (each at least a run), and the pair extends while later runs keep them."""
+    pairs, i = [], 0
+    while i < len(runs):
+        sb, so, db, do, n = runs[i]
+        count, steps = 1, (n, n)
+        if i + 1 < len(runs) and runs[i + 1][0::2] == (sb, db, n):
+            step = (runs[i + 1][1] - so, runs[i + 1][3] - do)
+            if min(step) >= n:
+                steps = step
+                while i + count < len(runs) and runs[i + count] == (
+                    sb,
+                    so + count * step[0],
+                    db,
+                    do + count * step[1],
+                    n,
+                ):
+                    count += 1
+        pairs.append(SlicePair(sb, so, db, do, n, count, *(steps if count > 1 else (n, n))))
+        i += count
+    return pairs
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_runs_become_the_same_strided_pairs_as_taken_one_by_one(seed: int) -> None:
+    """Random runs with stretches of equal steps, breaks, buffer changes,
+    overlapping and shrinking steps, against the one-run-at-a-time definition."""
+    rng = random.Random(seed)
+    runs: list[tuple[str, int, str, int, int]] = []
+    so, do = 0, 0
+    for _ in range(rng.randrange(0, 60)):
+        if rng.random() < 0.3 or not runs:
+            step = (rng.choice([4, 8, 12, 3]), rng.choice([4, 8, 16, 2]))
+        so, do = so + step[0], do + step[1]
+        runs.append((rng.choice("aab"), so, rng.choice("ccd"), do, rng.choice([4, 4, 4, 8])))
+    names = sorted({r[0] for r in runs} | {r[2] for r in runs})
+    code = {name: i for i, name in enumerate(names)}
+    arrays = Runs(
+        names,
+        *(
+            np.array(column, dtype=np.int64)
+            for column in (
+                [code[r[0]] for r in runs],
+                [r[1] for r in runs],
+                [code[r[2]] for r in runs],
+                [r[3] for r in runs],
+                [r[4] for r in runs],
+            )
+        ),
+    )
+    assert _progressions(arrays) == _greedy_progressions(runs)
