@@ -47,7 +47,9 @@ def plan_ranges(request_id: str, src: RequestRegions, dst: RequestRegions) -> li
     else:
         kv = [
             _range_pair(*piece)
-            for piece in kv_piece_pairs(request_id, src, dst, (0, heads), (0, 0), (heads, heads))
+            for piece in kv_piece_runs(
+                request_id, src, dst, (0, heads), (0, 0), (heads, heads)
+            ).pairs()
         ]
     return sorted([*kv, *_mamba_ranges(request_id, src, dst)], key=lambda p: _by_address(p[0]))
 
@@ -76,18 +78,6 @@ def _block_ranges(src: RequestRegions, dst: RequestRegions) -> list[RegionPair]:
 
 
 PiecePair = tuple[str, int, str, int, int]  # src buffer, src offset, dst buffer, dst offset, length
-
-
-def kv_piece_pairs(
-    request_id: str,
-    src: RequestRegions,
-    dst: RequestRegions,
-    heads: tuple[int, int],
-    firsts: tuple[int, int],
-    counts: tuple[int, int],
-) -> list[PiecePair]:
-    """`kv_piece_runs` as tuples."""
-    return kv_piece_runs(request_id, src, dst, heads, firsts, counts).pairs()
 
 
 def kv_piece_runs(
