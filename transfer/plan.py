@@ -13,7 +13,10 @@ of adjacent blocks):
     dst  |B7: h0L0 h0L1 h1L0 h1L1|B8: ...|   -> one range
     dst  |L0: B7h0 B7h1 B8h0 ...|L1: ...|    (V1) -> a range per piece
 
-The plan is pure Python over `Region`s.
+Between two alike layouts (same manager, model and block size) the block
+descriptors themselves pair up by position. Plans work on arrays of offsets,
+never on an object per segment or piece: a long prompt of a deep model has
+tens of thousands of segments.
 """
 
 from __future__ import annotations
