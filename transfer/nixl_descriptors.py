@@ -20,7 +20,6 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from kvcache.layout import Region
 from transfer.handle import BufferInfo
 from transfer.head_slices import SlicePair
 from transfer.plan import RegionArrays
@@ -70,11 +69,6 @@ class PreparedTables:
         self._handles.clear()
 
 
-def group_pairs(src: Sequence[Region], dst: Sequence[Region]) -> PairGroups:
-    """`group_arrays` of two lists of regions paired by position."""
-    return group_arrays(RegionArrays.of(src), RegionArrays.of(dst))
-
-
 def group_arrays(src: RegionArrays, dst: RegionArrays) -> PairGroups:
     """Pair descriptors by position and group them by (local, remote) table.
 
@@ -96,7 +90,7 @@ def group_arrays(src: RegionArrays, dst: RegionArrays) -> PairGroups:
 
 
 def group_slice_pairs(pairs: Sequence[SlicePair]) -> PairGroups:
-    """`group_pairs` of every run of every pair, without a `Region` per run.
+    """`group_arrays` of every run of every pair, without a `Region` per run.
 
     A head-slice pull is hundreds to thousands of runs (64 MiB of a bench
     cache split in two is 256 runs of 128 KiB under V2, one per block, and

@@ -107,7 +107,7 @@ def kv_piece_runs(
     """
     _check_kv(request_id, src, dst, counts)
     if not src.num_kv_segments or heads[0] >= heads[1]:
-        return _merge_runs([], _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
+        return Runs([], _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
     src_buffers, src_offsets = kv_offsets(src)
     dst_buffers, dst_offsets = kv_offsets(dst)
     piece = src.kv_head_bytes
@@ -212,11 +212,16 @@ def kv_offsets(regions: RequestRegions) -> tuple[list[str], np.ndarray]:
     """Each attention ordinal's buffer, and every KV segment's first byte as
     `[ordinals, blocks]` (block `j` of the request's table in column `j`):
     arrays from the per-layer form, no object per segment."""
-    ids = np.asarray(regions.block_ids, dtype=np.int64)
     layers = regions.kv_layers
-    base = np.array([layer.offset for layer in layers], dtype=np.int64).reshape(-1, 1)
-    stride = np.array([layer.stride for layer in layers], dtype=np.int64).reshape(-1, 1)
-    return [layer.buffer for layer in layers], base + stride * ids
+    return [layer.buffer for layer in layers], _strided_offsets(layers, regions.block_ids)
+
+
+def _strided_offsets(strided: Sequence[Strided], block_ids: Sequence[int]) -> np.ndarray:
+    """`[len(strided), len(block_ids)]`: where rule `k` puts block `j`."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    base = np.array([s.offset for s in strided], dtype=np.int64).reshape(-1, 1)
+    stride = np.array([s.stride for s in strided], dtype=np.int64).reshape(-1, 1)
+    return base + stride * ids
 
 
 @dataclass(frozen=True)
@@ -268,15 +273,11 @@ def _strided_arrays(
 ) -> RegionArrays:
     """Each of `strided` at every block id (all blocks of the first, then of
     the next), then the `fixed` regions."""
-    ids = np.asarray(block_ids, dtype=np.int64)
     layers = RegionArrays(
         [s.buffer for s in strided],
-        np.repeat(np.arange(len(strided), dtype=np.int64), ids.size),
-        (
-            np.array([s.offset for s in strided], dtype=np.int64).reshape(-1, 1)
-            + np.array([s.stride for s in strided], dtype=np.int64).reshape(-1, 1) * ids
-        ).ravel(),
-        np.repeat(np.array([s.length for s in strided], dtype=np.int64), ids.size),
+        np.repeat(np.arange(len(strided), dtype=np.int64), len(block_ids)),
+        _strided_offsets(strided, block_ids).ravel(),
+        np.repeat(np.array([s.length for s in strided], dtype=np.int64), len(block_ids)),
     )
     return RegionArrays.concat([layers, RegionArrays.of(fixed)])
 

@@ -6,7 +6,8 @@ import numpy as np
 
 from kvcache.layout import Region
 from transfer.head_slices import SlicePair
-from transfer.nixl_descriptors import PairGroups, group_pairs, group_slice_pairs
+from transfer.nixl_descriptors import PairGroups, group_arrays, group_slice_pairs
+from transfer.plan import RegionArrays
 
 
 def as_lists(groups: PairGroups) -> dict[object, tuple[list[int], list[int]]]:
@@ -16,7 +17,7 @@ def as_lists(groups: PairGroups) -> dict[object, tuple[list[int], list[int]]]:
 def per_run(pairs: list[SlicePair]) -> PairGroups:
     src = tuple(Region(p.src_buffer, o, n) for p in pairs for o, n in p.source_runs())
     dst = tuple(Region(p.dst_buffer, o, n) for p in pairs for o, n in p.dest_runs())
-    return group_pairs(src, dst)
+    return group_arrays(RegionArrays.of(src), RegionArrays.of(dst))
 
 
 def test_head_slice_runs_group_as_one_region_per_run_would() -> None:
