@@ -16,6 +16,7 @@ import contextlib
 import logging
 import signal
 import socket
+import sys
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -50,13 +51,17 @@ class ServingCluster:
         self._server: uvicorn.Server | None = None
         self._server_task: asyncio.Task[None] | None = None
         self._socket: socket.socket | None = None
+        self._address: tuple[str, int] | None = None  # where the socket was bound
         self._stop = asyncio.Event()
 
     @property
     def url(self) -> str:
-        """Base URL of the OpenAI API, e.g. `http://127.0.0.1:8000/v1`."""
-        assert self._socket is not None, "the server is not started"
-        host, port = self._socket.getsockname()[:2]
+        """Base URL of the OpenAI API, e.g. `http://127.0.0.1:8000/v1`.
+
+        The address is read when the port is bound: the HTTP server closes its
+        socket when it exits, and the URL stays what it was."""
+        assert self._address is not None, "the server is not started"
+        host, port = self._address
         return f"http://{host}:{port}/v1"
 
     def stop(self) -> None:
@@ -66,6 +71,7 @@ class ServingCluster:
         # Take the port before starting any worker, so a busy port fails fast.
         listener = _bind(self.config.hostname, self.config.port)
         self._socket = listener
+        self._address = listener.getsockname()[:2]
         try:
             self.cluster = await self._launch()
         except BaseException:
@@ -111,6 +117,9 @@ class ServingCluster:
         stopping = asyncio.ensure_future(self._stop.wait())
         await asyncio.wait([self._server_task, stopping], return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
+        if self._server_task.done() and not self._stop.is_set():
+            self._server_task.result()  # raises what ended the HTTP server
+            logger.warning("the HTTP server exited without a stop request")
 
     def _catch_signals(self) -> None:
         # While uvicorn runs it takes SIGINT/SIGTERM itself and re-raises them
@@ -118,7 +127,13 @@ class ServingCluster:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.add_signal_handler(sig, self._stop.set)
+                loop.add_signal_handler(sig, self._signalled, sig)
+
+    def _signalled(self, sig: signal.Signals) -> None:
+        # Said on stderr whatever the log level: a server that stops says why.
+        if not self._stop.is_set():
+            print(f"received {sig.name}, stopping", file=sys.stderr, flush=True)
+        self._stop.set()
 
     async def _start_http(self, listener: socket.socket) -> None:
         assert self.cluster is not None

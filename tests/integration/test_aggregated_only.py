@@ -7,6 +7,7 @@ section's `num_cpus` asks for.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -46,3 +47,11 @@ async def test_an_aggregated_only_cluster_serves_whole_requests_on_its_cpu_grant
             "disagg_routed_requests_total", {"worker": instance.plan.name, "phase": "whole"}
         )
         assert routed == 1
+        # The HTTP server exits on its own (as uvicorn does on a signal it
+        # caught): waiting for the stop returns, and the URL is still the one
+        # bound, though the server closed its socket.
+        url = serving.url
+        assert serving._server is not None
+        serving._server.should_exit = True
+        await asyncio.wait_for(serving.wait_stopped(), 30)
+        assert serving.url == url

@@ -346,6 +346,7 @@ def test_sigterm_stops_the_server_cleanly(server: Server) -> None:
     assert server.process.wait(60) == 0
     time.sleep(0.2)
     assert any(line.startswith("stopped") for line in server.output), server.output[-10:]
+    assert any("received SIGTERM, stopping" in line for line in server.output), server.output[-10:]
 
 
 def test_a_busy_port_fails_before_any_worker_starts(checkpoint: Path) -> None:
