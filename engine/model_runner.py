@@ -22,6 +22,7 @@ from engine.scheduler import ScheduledSequence
 from engine.token_history import TokenHistory, history_for
 from kvcache.views import CacheViews
 from models.batch import ForwardBatch
+from models.host_batch import HostBatch
 
 # Image placeholder rows of a step and their embeddings (`ImageEncoder.rows`).
 Images = tuple[torch.Tensor, torch.Tensor]
@@ -52,41 +53,20 @@ class StepFollowers(Protocol):
 
 @dataclass(frozen=True)
 class StepInput:
-    """One step's batch as host lists (see `ForwardBatch.from_host`).
+    """One step's batch, packed on the host (`models.host_batch.HostBatch`).
 
     What rank 0 of a tensor-parallel instance sends the other ranks each
     step: every rank builds the same `ForwardBatch` from it over its own
     cache, whose block ids and Mamba slots are rank 0's.
     """
 
-    input_ids: list[int]
-    positions: list[int]
-    query_start_loc: list[int]
-    seq_lens: list[int]
-    context_lens: list[int]
-    block_tables: list[list[int]]
-    slot_mapping: list[int]
-    block_size: int
-    mamba_slots: list[int] | None
-    logits_indices: list[int]
+    host: HostBatch
     # Rows that take image embeddings (VL models): rank 0 runs the image path
     # and the model shares the embeddings with the other ranks.
     image_rows: list[int] = field(default_factory=list)
 
     def to_batch(self, device: torch.device) -> ForwardBatch:
-        batch = ForwardBatch.from_host(
-            input_ids=self.input_ids,
-            positions=self.positions,
-            query_start_loc=self.query_start_loc,
-            seq_lens=self.seq_lens,
-            context_lens=self.context_lens,
-            block_tables=self.block_tables,
-            slot_mapping=self.slot_mapping,
-            block_size=self.block_size,
-            device=device,
-            mamba_slots=self.mamba_slots,
-            logits_indices=self.logits_indices,
-        )
+        batch = self.host.to_device(device)
         if self.image_rows:
             batch.image_rows = torch.tensor(self.image_rows, dtype=torch.int64, device=device)
         return batch
@@ -171,16 +151,18 @@ class ModelRunner:
     def _warm_up_step(self, width: int) -> StepInput:
         """One decode token at position 1 of a sequence held in the null block."""
         return StepInput(
-            input_ids=[0],
-            positions=[1],
-            query_start_loc=[0, 1],
-            seq_lens=[2],
-            context_lens=[1],
-            block_tables=[[0] * width],
-            slot_mapping=[1],
-            block_size=self.block_size,
-            mamba_slots=[0] if self.is_hybrid else None,
-            logits_indices=[0],
+            HostBatch.pack(
+                input_ids=[0],
+                positions=[1],
+                query_start_loc=[0, 1],
+                seq_lens=[2],
+                context_lens=[1],
+                block_tables=[[0] * width],
+                slot_mapping=[1],
+                block_size=self.block_size,
+                mamba_slots=[0] if self.is_hybrid else None,
+                logits_indices=[0],
+            )
         )
 
     def build_batch(self, seqs: Sequence[ScheduledSequence]) -> ForwardBatch:
@@ -189,7 +171,7 @@ class ModelRunner:
         return self._batch(*self.describe(seqs))
 
     def describe(self, seqs: Sequence[ScheduledSequence]) -> tuple[StepInput, list[ImageChunk]]:
-        """The step's chunks flattened into host lists, and where its images go."""
+        """The step's chunks flattened and packed on the host, and where its images go."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -219,16 +201,18 @@ class ModelRunner:
             if seq.samples:
                 logits_indices.append(len(input_ids) - 1)
         step = StepInput(
-            input_ids=input_ids,
-            positions=positions,
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            context_lens=context_lens,
-            block_tables=tables,
-            slot_mapping=slot_mapping,
-            block_size=bs,
-            mamba_slots=mamba_slots if self.is_hybrid else None,
-            logits_indices=logits_indices,
+            HostBatch.pack(
+                input_ids=input_ids,
+                positions=positions,
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens,
+                context_lens=context_lens,
+                block_tables=tables,
+                slot_mapping=slot_mapping,
+                block_size=bs,
+                mamba_slots=mamba_slots if self.is_hybrid else None,
+                logits_indices=logits_indices,
+            )
         )
         return step, image_chunks
 
@@ -292,7 +276,7 @@ class ModelRunner:
         hidden = self.graphs.run(batch) if self.graphs is not None else None
         if hidden is None:
             hidden = self.model.forward(batch, self.caches)
-        if not step.logits_indices:
+        if not step.host.num_logits:
             return None
         assert batch.logits_indices is not None
         return self.model.compute_logits(hidden[batch.logits_indices])

@@ -14,9 +14,10 @@ on every rank.
     logits (all-gather) <===============>   logits (dropped)
     sample
 
-Each step's `StepInput` (host lists) goes to the other ranks by one Ray
-actor call per rank, sent before rank 0's own forward; a rank actor runs its
-calls one at a time, in order. A call rather than a broadcast collective:
+Each step's `StepInput` (its index lists packed in one array, which
+pickles as one buffer) goes to the other ranks by one Ray actor call per
+rank, sent before rank 0's own forward; a rank actor runs its calls one at
+a time, in order. A call rather than a broadcast collective:
 an idle instance then waits inside no collective, which would time out.
 The collectives inside the model tie the ranks' steps together. A rank that
 dies makes the next collective fail on the others, so rank 0's step fails;

@@ -14,9 +14,9 @@ Paged KV addressing (block_size = 4 in the sketch):
 
 Physical block 0 is the permanent null block; tables are padded with it.
 
-The runner builds the batch from host lists (`ForwardBatch.from_host`): all
-index lists go to the device in one copy, and the per-sequence counts stay
-on the host as `batch.shape` (`StepShape`). Layers choose their code path
+The runner packs the step's host lists into one array
+(`models.host_batch.HostBatch`), which goes to the device in one copy; the
+per-sequence counts stay on the host as `batch.shape` (`StepShape`). Layers choose their code path
 from `shape` and never read a device tensor back, so a step runs without
 stalling the GPU stream and can be captured in a CUDA graph.
 """
@@ -24,11 +24,8 @@ stalling the GPU stream and can be captured in a CUDA graph.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-import numpy.typing as npt
 import torch
 
 
@@ -166,72 +163,6 @@ class ForwardBatch:
                 )
             )
 
-    @classmethod
-    def from_host(
-        cls,
-        *,
-        input_ids: list[int],
-        positions: list[int],
-        query_start_loc: list[int],
-        seq_lens: list[int],
-        context_lens: list[int],
-        block_tables: list[list[int]],
-        slot_mapping: list[int],
-        block_size: int,
-        device: torch.device,
-        mamba_slots: list[int] | None = None,
-        logits_indices: list[int] | None = None,
-        table_width: int | None = None,
-    ) -> ForwardBatch:
-        """A batch from host lists, moved to `device` in one copy.
-
-        Every index list is packed into one host tensor (pinned for CUDA),
-        copied once, and the fields are views of that copy. Block tables are
-        padded with the null block to `table_width` (default: the longest).
-        """
-        shape = StepShape(
-            tuple(query_start_loc),
-            tuple(context_lens),
-            tuple(seq_lens),
-            None if mamba_slots is None else tuple(mamba_slots),
-        )
-        width = table_width if table_width is not None else max(map(len, block_tables), default=0)
-        mamba_lists = MambaRows.host_lists(shape) if mamba_slots is not None else ([], [], [])
-        before: list[list[int]] = [
-            input_ids,
-            positions,
-            query_start_loc,
-            seq_lens,
-            context_lens,
-            slot_mapping,
-        ]
-        after: list[list[int]] = [mamba_slots or [], logits_indices or [], *mamba_lists]
-        sizes = [*map(len, before), len(block_tables) * width, *map(len, after)]
-        host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
-        filled = host.numpy()
-        head = sum(sizes[: len(before)])
-        filled[:head] = [v for part in before for v in part]
-        grid = filled[head : head + sizes[len(before)]].reshape(len(block_tables), width)
-        fill_rows(grid, block_tables, pad=0)
-        filled[head + sizes[len(before)] :] = [v for part in after for v in part]
-        ids, pos, starts, lens, ctx, slots, tables, mamba, logits, *rows = host.to(
-            device, non_blocking=True
-        ).split(sizes)
-        return cls(
-            input_ids=ids,
-            positions=pos,
-            query_start_loc=starts,
-            seq_lens=lens,
-            context_lens=ctx,
-            block_tables=tables.view(len(block_tables), width),
-            slot_mapping=slots,
-            block_size=block_size,
-            mamba_slots=mamba if mamba_slots is not None else None,
-            logits_indices=logits if logits_indices is not None else None,
-            shape=shape,
-            mamba_rows=MambaRows(*rows) if mamba_slots is not None else None,
-        )
-
     def input_embeddings(self, embedding: torch.nn.Module) -> torch.Tensor:
         """`[T, hidden]` token embeddings (`embedding` maps ids to rows: a plain or a
         vocab-parallel table), image rows replaced by their embeddings."""
@@ -328,15 +259,3 @@ class ForwardBatch:
             return None, valid
         rows = torch.where(valid, self.query_start_loc[:-1, None] + cols, 0)
         return rows, valid
-
-
-def fill_rows(grid: npt.NDArray[np.int64], rows: Sequence[Sequence[int]], pad: int) -> None:
-    """`grid[i]` = `rows[i]`, padded with `pad` to the grid's width.
-
-    Through numpy, which copies a list into a row in C: 64 block tables of
-    516 ids about 8x faster than flattening them in Python, and a list of
-    8,192 token ids about 4x faster than `torch.as_tensor`.
-    """
-    grid.fill(pad)
-    for row, values in zip(grid, rows, strict=True):
-        row[: len(values)] = values
