@@ -31,7 +31,7 @@ Images = tuple[torch.Tensor, torch.Tensor]
 class CacheAddressing(Protocol):
     """Where a request's cache lives (the KV cache manager's view)."""
 
-    def block_table(self, request_id: str) -> list[int]: ...
+    def block_table(self, request_id: str) -> Sequence[int]: ...
 
     def mamba_slot(self, request_id: str) -> int | None: ...
 
@@ -178,7 +178,7 @@ class ModelRunner:
         query_start_loc = [0]
         seq_lens: list[int] = []
         context_lens: list[int] = []
-        tables: list[list[int]] = []
+        tables: list[Sequence[int]] = []
         mamba_slots: list[int] = []
         logits_indices: list[int] = []
         image_chunks: list[ImageChunk] = []
@@ -189,9 +189,14 @@ class ModelRunner:
             if req.images:
                 image_chunks.append(ImageChunk(req.images, start, end, len(input_ids)))
             table = self.addressing.block_table(req.request_id)
-            input_ids.extend(req.token_ids_between(start, end))
-            positions.extend(range(start, end))
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if end - start == 1:  # a decode token: most rows of most steps
+                input_ids.append(req.token_at(start))
+                positions.append(start)
+                slot_mapping.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(req.token_ids_between(start, end))
+                positions.extend(range(start, end))
+                slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             query_start_loc.append(len(input_ids))
             seq_lens.append(end)
             context_lens.append(start)

@@ -108,6 +108,13 @@ class Request:
             return self.output_token_ids[start - prompt : end - prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt]
 
+    def token_at(self, position: int) -> int:
+        """`all_token_ids[position]`, for a non-negative position."""
+        prompt = len(self.prompt_token_ids)
+        if position < prompt:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - prompt]
+
     def token_ids_upto(self, end: int) -> TokenIds:
         """`all_token_ids[:end]` as a view: a step allocating for every running
         request reads only the blocks it fills, not the whole sequence."""

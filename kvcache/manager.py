@@ -292,8 +292,11 @@ class KVCacheManager:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
-    def block_table(self, request_id: str) -> list[int]:
-        return list(self._state(request_id).block_ids)
+    def block_table(self, request_id: str) -> Sequence[int]:
+        """The request's block ids in order: the manager's own list, not a copy
+        (every step reads every running table), so read-only to the caller and
+        current only until the table next changes; copy it to keep it."""
+        return self._state(request_id).block_ids
 
     def mamba_slot(self, request_id: str) -> int | None:
         return self.mamba_pool.slot_of(request_id) if self.mamba_pool is not None else None

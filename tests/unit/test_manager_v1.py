@@ -135,3 +135,13 @@ def test_hybrid_request_gets_blocks_and_one_slot_together() -> None:
 def test_hybrid_manager_needs_slots() -> None:
     with pytest.raises(ValueError, match="num_mamba_slots"):
         KVCacheManagerV1(HYBRID, 11, 4)
+
+
+def test_regions_keep_the_table_they_were_taken_from(manager: KVCacheManagerV1) -> None:
+    # `block_table` is the manager's own list; the regions a transfer holds
+    # must not follow the table as it grows.
+    assert manager.allocate_slots("a", 4)
+    regions = manager.regions("a")
+    assert manager.allocate_slots("a", 9)
+    assert manager.block_table("a") == [1, 2, 3]
+    assert list(regions.block_ids) == [1]

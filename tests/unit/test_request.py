@@ -44,3 +44,11 @@ def test_token_ids_upto_reads_prompt_and_output_as_one_list() -> None:
             assert view[index] == expected[index]
         with pytest.raises(IndexError):
             view[len(expected)]
+
+
+def test_token_at_reads_across_the_prompt_and_the_output() -> None:
+    request = Request("r", [1, 2, 3], SamplingParams())
+    request.output_token_ids.extend([4, 5])
+    assert [request.token_at(p) for p in range(5)] == request.all_token_ids
+    with pytest.raises(IndexError):
+        request.token_at(5)
