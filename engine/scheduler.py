@@ -180,21 +180,32 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_tokens
-        decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
-        prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
-        for request in decodes + prefills:
+        # Each running request with its uncomputed tokens, decodes first.
+        decodes: list[tuple[Request, int]] = []
+        prefills: list[tuple[Request, int]] = []
+        for r in self.running:
+            uncomputed = r.num_uncomputed_tokens
+            if uncomputed == 1:
+                decodes.append((r, 1))
+            elif uncomputed > 1:
+                prefills.append((r, uncomputed))
+        max_batch = self.config.max_batch_size
+        for request, uncomputed in decodes + prefills:
             if request.status is not RequestStatus.RUNNING or budget == 0:
                 continue  # preempted earlier in this step
-            if len(out.sequences) >= self.config.max_batch_size:
+            if len(out.sequences) >= max_batch:
                 break
-            budget -= self._schedule_running(request, budget, out)
+            budget -= self._schedule_running(request, uncomputed, budget, out)
         self._admit_waiting(budget, out)
         return out
 
-    def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
-        """Schedule a running request, preempting newer ones for blocks.
-        Returns the budget spent (refunds for preempted victims included)."""
-        num_new = min(request.num_uncomputed_tokens, budget)
+    def _schedule_running(
+        self, request: Request, uncomputed: int, budget: int, out: SchedulerOutput
+    ) -> int:
+        """Schedule a running request with `uncomputed` tokens to compute,
+        preempting newer ones for blocks. Returns the budget spent (refunds
+        for preempted victims included)."""
+        num_new = min(uncomputed, budget)
         if not self._fits_ever(request, num_new):
             self.running.remove(request)
             self._fail(request, out)
@@ -205,7 +216,8 @@ class Scheduler:
             spent -= self._preempt(victim, out)
             if victim is request:
                 return spent
-        out.sequences.append(ScheduledSequence.of(request, num_new))
+        start = request.num_computed_tokens
+        out.sequences.append(ScheduledSequence(request, num_new, start, num_new == uncomputed))
         return spent + num_new
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
