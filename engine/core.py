@@ -157,41 +157,46 @@ class EngineCore:
         sampled: Sequence[SampledToken | None],
         result: StepResult,
     ) -> None:
+        now = time.time()  # the step's tokens were sampled together
+        events = result.events
+        stop_checks = self._stop_checks
         for seq, token in zip(sched.sequences, sampled, strict=True):
             if token is None:
                 continue
             request = seq.request
-            want_logprobs = _wants_logprobs(request.params)
-            request.append_output(
-                token.token_id,
-                token.logprob if want_logprobs else None,
-                token.top_logprobs if want_logprobs else None,
-            )
-            reason = self._stop_checks[request.request_id](request)
+            want = _wants_logprobs(request.params)
+            if want:
+                request.append_output(token.token_id, token.logprob, token.top_logprobs)
+            else:
+                request.append_output(token.token_id)
+            reason = stop_checks[request.request_id](request)
             if reason is None and self.context_only:
                 reason = FinishReason.HANDOFF
             if reason is None:
-                result.events.append(self._token_event(request, None))
+                events.append(self._token_event(request, None, want, now))
                 continue
             request.finish(reason)
             keep = reason is FinishReason.HANDOFF
             self.scheduler.remove(request, free_blocks=not keep)
             (result.handoffs if keep else result.finished).append(request)
-            result.events.append(self._token_event(request, reason))
+            events.append(self._token_event(request, reason, want, now))
             self._forget(request.request_id)
 
-    def _token_event(self, request: Request, reason: FinishReason | None) -> TokenEvent:
-        want = _wants_logprobs(request.params)
+    @staticmethod
+    def _token_event(
+        request: Request, reason: FinishReason | None, want_logprobs: bool, sampled_at: float
+    ) -> TokenEvent:
+        """The event of `request`'s newest token (and its logprobs when it asked for them)."""
+        logprobs, top = request.output_logprobs, request.output_top_logprobs
         return TokenEvent(
             request_id=request.request_id,
             token_ids=[request.output_token_ids[-1]],
-            logprobs=[request.output_logprobs[-1]] if want and request.output_logprobs else None,
-            top_logprobs=(
-                [request.output_top_logprobs[-1]] if want and request.output_top_logprobs else None
-            ),
+            logprobs=[logprobs[-1]] if want_logprobs and logprobs else None,
+            top_logprobs=[top[-1]] if want_logprobs and top else None,
             finish_reason=reason.value if reason is not None else None,
-            num_prompt_tokens=request.num_prompt_tokens,
+            num_prompt_tokens=len(request.prompt_token_ids),
             num_cached_tokens=request.num_cached_tokens,
+            timestamp=sampled_at,
         )
 
     def _final_event(self, request: Request, token_ids: list[int]) -> TokenEvent:

@@ -244,16 +244,14 @@ def _stop_check(request: Request, eos: tuple[int, ...], tokenizer: Tokenizer) ->
 
     def check(req: Request) -> FinishReason | None:
         nonlocal fed
-        decision = None
-        while fed < req.num_output_tokens:
-            token = req.output_token_ids[fed]
+        outputs = req.output_token_ids
+        while fed < len(outputs):
+            token = outputs[fed]
             fed += 1
             decision = checker.check(token, detok.push(token) if detok is not None else "")
             if decision.finished:
-                break
-        if decision is None or not decision.finished:
-            return None
-        return FinishReason.LENGTH if decision.reason == "length" else FinishReason.STOP
+                return FinishReason.LENGTH if decision.reason == "length" else FinishReason.STOP
+        return None
 
     return check
 
