@@ -48,13 +48,11 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ray.exceptions import RayActorError, RayTaskError
-
 from cluster.continuation import Continuation
 from cluster.metrics import ServingMetrics
-from cluster.policies import RoutingPolicy, make_policy
 from cluster.worker_channel import WorkerChannel
 from cluster.worker_poller import WorkerEndpoint, WorkerPoller
+from cluster.worker_pool import WorkerPool, abort_everywhere, dispatch_failed
 from engine.errors import RequestFailedError
 from engine.messages import (
     ContextRequest,
@@ -97,12 +95,12 @@ class Router:
     ) -> None:
         if not generation:
             raise ValueError("the router needs at least one generation worker")
-        self.context = list(context)
-        self.generation = list(generation)
+        self._context = WorkerPool(context, settings.policy, metrics)
+        self._generation = WorkerPool(generation, settings.policy, metrics)
+        self.context = self._context.endpoints
+        self.generation = self._generation.endpoints
         self.settings = settings
         self.metrics = metrics
-        self._context_policy = make_policy(settings.policy)
-        self._generation_policy = make_policy(settings.policy)
         self._root = root_hash(settings.hash_namespace)
         self._poller = WorkerPoller(lambda: self.workers, metrics)
         self._channels = {e.name: WorkerChannel(e.name, e.actor) for e in self.generation}
@@ -179,7 +177,7 @@ class Router:
                     yield event
         finally:
             if not finished:
-                self._abort_everywhere(request_id, touched)
+                abort_everywhere(request_id, touched)
 
     async def _disaggregated(
         self,
@@ -214,7 +212,7 @@ class Router:
                 errors.append(str(exc))
                 break
             holder = touched[-1]
-            first = resume.event(_first_event(context))
+            first = resume.event(TokenEvent.first_of(context))
             if first.finished:
                 yield first
                 if target is not None:  # nothing to pull: end the prefetch
@@ -251,7 +249,7 @@ class Router:
             except _PullFailed as failure:
                 errors.append(str(failure))
                 # The holder may still pin the cache (the puller died): free it.
-                self._abort_everywhere(request_id, [holder])
+                abort_everywhere(request_id, [holder])
             finally:
                 submitted.cancel()  # the caller left before the first event came
                 await asyncio.gather(submitted, return_exceptions=True)
@@ -270,7 +268,7 @@ class Router:
         limit = self.settings.pipeline_above_tokens
         if limit is None or len(prompt) <= limit:
             return None
-        target = self._pick(self.generation, self._generation_policy, hashes, touched)
+        target = self._generation.pick(hashes, touched)
         touched.append(target)
         self.metrics.routed.labels(target.name, "prefetch").inc()
         return target
@@ -288,11 +286,8 @@ class Router:
         images = [image.content_hash for image in request.images]
         errors: list[str] = []
         for _ in range(self.settings.max_attempts):
-            endpoint = self._pick(self.context, self._context_policy, hashes, touched, images)
-            touched.append(endpoint)
+            endpoint = self._context.dispatch("context", hashes, touched, images)
             endpoint.state.tokens_in_flight += cost
-            self.metrics.routed.labels(endpoint.name, "context").inc()
-            self._count_cache_hits(endpoint, "context", hashes, images)
             if prefetch_to is not None and not errors:
                 prefetch = PrefetchRequest(
                     request.request_id,
@@ -305,7 +300,7 @@ class Router:
                 result: ContextResult = await endpoint.actor.prefill.remote(request)
                 return result
             except Exception as exc:  # a dead actor or a failed prefill: try another
-                errors.append(self._failed(endpoint, exc, "context"))
+                errors.append(dispatch_failed(endpoint, exc, "context", self.metrics))
             finally:
                 endpoint.state.tokens_in_flight -= cost
         raise RequestFailedError(request.request_id, "context phase failed: " + "; ".join(errors))
@@ -330,13 +325,8 @@ class Router:
         images = [i.content_hash for i in request.images] if request.context is None else []
         errors: list[str] = []
         for _ in range(attempts):
-            endpoint = target or self._pick(
-                self.generation, self._generation_policy, hashes, touched, images
-            )
-            touched.append(endpoint)
+            endpoint = self._generation.dispatch(phase, hashes, touched, images, to=target)
             endpoint.state.tokens_in_flight += cost
-            self.metrics.routed.labels(endpoint.name, phase).inc()
-            self._count_cache_hits(endpoint, phase, hashes, images)
             streamed = False
             started = time.perf_counter()
             try:
@@ -353,7 +343,7 @@ class Router:
                             return
                 raise RequestFailedError(request.request_id, "the stream ended unfinished")
             except Exception as exc:
-                failure = self._failed(endpoint, exc, "generation")
+                failure = dispatch_failed(endpoint, exc, "generation", self.metrics)
                 if streamed:
                     yield TokenEvent.ended(request.request_id, "error", failure)
                     return
@@ -366,73 +356,16 @@ class Router:
             request.request_id, "generation phase failed: " + "; ".join(errors)
         )
 
-    def _pick(
-        self,
-        pool: list[WorkerEndpoint],
-        policy: RoutingPolicy,
-        hashes: Sequence[bytes],
-        tried: Sequence[WorkerEndpoint],
-        images: Sequence[bytes] = (),
-    ) -> WorkerEndpoint:
-        """The policy's choice among the pool, skipping workers this request
-        already tried while others remain."""
-        candidates = [e for e in pool if e not in tried and e.state.healthy] or pool
-        state = policy.choose([e.state for e in candidates], hashes, images)
-        return next(e for e in candidates if e.state is state)
-
-    def _count_cache_hits(
-        self, endpoint: WorkerEndpoint, phase: str, hashes: Sequence[bytes], images: Sequence[bytes]
-    ) -> None:
-        """Count a dispatch to a worker known to hold a leading block of the
-        prompt (`kv`) or the embeddings of one of its images (`encoder`)."""
-        hits = self.metrics.routed_cache_hits
-        if endpoint.state.prefix_match(hashes):
-            hits.labels(endpoint.name, phase, "kv").inc()
-        if endpoint.state.image_match(images):
-            hits.labels(endpoint.name, phase, "encoder").inc()
-
     def _record_transfer(self, context: ContextResult, started: float) -> None:
         """The pull ends before the generation worker's first token: time it,
         and count the bytes the handles addressed, every context rank's."""
         self.metrics.transfer_seconds.observe(time.perf_counter() - started)
         self.metrics.transfer_bytes.inc(sum(h.regions.num_bytes for h in context.all_handles))
 
-    def _failed(self, endpoint: WorkerEndpoint, exc: BaseException, phase: str) -> str:
-        """Record a failed dispatch; returns the reason for the client.
-
-        A dead actor is routed around until it answers a poll again; a request
-        the worker refused (`RequestFailedError`) leaves the worker healthy.
-        """
-        if isinstance(exc, RayActorError):
-            logger.warning("worker %s is unreachable (%s); routing around it", endpoint.name, exc)
-            endpoint.state.healthy = False
-        self.metrics.dispatch_failures.labels(phase).inc()
-        cause = exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
-        return f"{endpoint.name}: {cause}"
-
-    def _abort_everywhere(self, request_id: str, touched: list[WorkerEndpoint]) -> None:
-        for endpoint in {id(e): e for e in touched}.values():
-            # Fire and forget: the caller is gone, and a dead worker's abort
-            # failing must not mask the original error.
-            endpoint.actor.abort.remote(request_id)
-
 
 class _PullFailed(Exception):
     """A disaggregated request failed before its cache arrived on the
     generation side; its prefill may run again."""
-
-
-def _first_event(context: ContextResult) -> TokenEvent:
-    return TokenEvent(
-        request_id=context.request_id,
-        token_ids=[context.first_token_id],
-        logprobs=None if context.first_logprob is None else [context.first_logprob],
-        top_logprobs=None if context.first_top_logprobs is None else [context.first_top_logprobs],
-        finish_reason=context.finish_reason,
-        num_prompt_tokens=context.num_prompt_tokens,
-        num_cached_tokens=context.num_cached_tokens,
-        timestamp=context.first_token_time,
-    )
 
 
 def _max_tokens(params: Any) -> int:

@@ -160,6 +160,22 @@ class TokenEvent:
         return self.finish_reason is not None
 
     @classmethod
+    def first_of(cls, context: ContextResult) -> TokenEvent:
+        """The event of the first token, which the context worker sampled."""
+        return cls(
+            request_id=context.request_id,
+            token_ids=[context.first_token_id],
+            logprobs=None if context.first_logprob is None else [context.first_logprob],
+            top_logprobs=(
+                None if context.first_top_logprobs is None else [context.first_top_logprobs]
+            ),
+            finish_reason=context.finish_reason,
+            num_prompt_tokens=context.num_prompt_tokens,
+            num_cached_tokens=context.num_cached_tokens,
+            timestamp=context.first_token_time,
+        )
+
+    @classmethod
     def ended(
         cls, request_id: str, reason: str, error: str | None = None, num_prompt_tokens: int = 0
     ) -> TokenEvent:
