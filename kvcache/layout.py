@@ -118,7 +118,7 @@ class RequestRegions:
     segments (a 32,768-token prompt of a 32-layer model, 65,536), which as
     objects took hundreds of milliseconds to build, pickle and unpickle on
     every hop of a transfer handle, while this form is its block table and a
-    few numbers per layer. Planners read it as arrays (`transfer.plan`).
+    few numbers per layer. Planners read it as arrays (`transfer.region_arrays`).
     """
 
     block_ids: tuple[int, ...]

@@ -37,7 +37,7 @@ from transfer.errors import LayoutMismatch, TransferAborted, TransferTimeout, Un
 from transfer.handle import TransferHandle
 from transfer.leases import LeaseTable
 from transfer.offers import Offer
-from transfer.plan import segment_arrays
+from transfer.region_arrays import segment_arrays
 
 
 class Transceiver(ABC):

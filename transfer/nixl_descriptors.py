@@ -22,7 +22,7 @@ import numpy as np
 
 from transfer.handle import BufferInfo
 from transfer.head_slices import SlicePair
-from transfer.plan import RegionArrays
+from transfer.region_arrays import RegionArrays
 
 TableKey = tuple[str, int, int]  # (buffer, item length, offset % length)
 # {(local key, remote key): (local indices, remote indices)}, indices as int32.

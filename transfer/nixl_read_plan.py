@@ -22,7 +22,8 @@ from transfer.errors import LayoutMismatch
 from transfer.handle import TransferHandle, check_signature, parse_signature
 from transfer.head_slices import check_shards, plan_head_slices, same_heads
 from transfer.nixl_descriptors import PairGroups, group_arrays, group_slice_pairs
-from transfer.plan import check_bounds, descriptor_arrays
+from transfer.plan import check_bounds
+from transfer.region_arrays import descriptor_arrays
 
 
 def check_layout(handle: TransferHandle, dest: LayoutSignature) -> LayoutSignature:

@@ -52,7 +52,8 @@ from transfer.nixl_endpoint import NixlEndpoint
 from transfer.nixl_holder import NixlHolder
 from transfer.nixl_notifications import CLAIM, DONE, EXPIRED, GRANT, RELEASE
 from transfer.nixl_puller import NixlPuller
-from transfer.plan import check_bounds, descriptor_arrays
+from transfer.plan import check_bounds
+from transfer.region_arrays import descriptor_arrays
 
 __all__ = ["DEFAULT_PROGRESS_DELAY_US", "NixlTransceiver", "create_agent", "nixl_available"]
 

@@ -23,7 +23,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from transfer.plan import Coverage, RegionArrays
+from transfer.plan import Coverage
+from transfer.region_arrays import RegionArrays
 
 logger = logging.getLogger(__name__)
 

@@ -39,9 +39,10 @@ from transfer.base import Transceiver
 from transfer.connection import TCP, WIRES, Wire
 from transfer.factory import create_wire
 from transfer.handle import TransferHandle
-from transfer.plan import Coverage, check_bounds, segment_arrays
+from transfer.plan import Coverage, check_bounds
 from transfer.python_holder import PythonHolder
 from transfer.python_puller import CONNECT_TIMEOUT_S, PythonPuller
+from transfer.region_arrays import segment_arrays
 from transfer.socket_buffers import SocketBuffers
 from transfer.wire import MAX_HEADER_BYTES
 

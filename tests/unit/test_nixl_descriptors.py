@@ -7,7 +7,7 @@ import numpy as np
 from kvcache.layout import Region
 from transfer.head_slices import SlicePair
 from transfer.nixl_descriptors import PairGroups, group_arrays, group_slice_pairs
-from transfer.plan import RegionArrays
+from transfer.region_arrays import RegionArrays
 
 
 def as_lists(groups: PairGroups) -> dict[object, tuple[list[int], list[int]]]:

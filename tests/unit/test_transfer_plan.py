@@ -13,7 +13,8 @@ from kvcache.manager import KVCacheManager
 from kvcache.spec import CacheSpec
 from tests.transfer_harness import BLOCK_SIZE, HYBRID
 from transfer.errors import LayoutMismatch
-from transfer.plan import Coverage, RegionArrays, check_bounds, plan_ranges
+from transfer.plan import Coverage, check_bounds, plan_ranges
+from transfer.region_arrays import RegionArrays
 
 
 def _request(manager: KVCacheManager, request_id: str, num_blocks: int) -> RequestRegions:
