@@ -30,11 +30,9 @@ import numpy as np
 
 from kvcache.layout import Region, RequestRegions
 from transfer.errors import LayoutMismatch
-from transfer.region_arrays import RegionArrays, kv_offsets, strided_arrays
+from transfer.region_arrays import EMPTY, RegionArrays, kv_offsets, strided_arrays
 
 RegionPair = tuple[Region, Region]
-
-_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 def plan_ranges(request_id: str, src: RequestRegions, dst: RequestRegions) -> list[RegionPair]:
@@ -110,7 +108,7 @@ def kv_piece_runs(
     """
     _check_kv(request_id, src, dst, counts)
     if not src.num_kv_segments or heads[0] >= heads[1]:
-        return Runs([], _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
+        return Runs([], EMPTY, EMPTY, EMPTY, EMPTY, EMPTY)
     src_buffers, src_offsets = kv_offsets(src)
     dst_buffers, dst_offsets = kv_offsets(dst)
     piece = src.kv_head_bytes
@@ -185,7 +183,7 @@ def _merge_runs(
     source address, pieces that continue each other on both sides merged
     into one run."""
     if not src_at.size:
-        return Runs(names, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
+        return Runs(names, EMPTY, EMPTY, EMPTY, EMPTY, EMPTY)
     order = np.lexsort((src_at, src_code))
     src_code, src_at, dst_code, dst_at = (
         src_code[order],

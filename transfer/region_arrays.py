@@ -57,9 +57,9 @@ class RegionArrays:
         recode = [np.array([code[n] for n in p.names], dtype=np.int64) for p in parts]
         return cls(
             names,
-            np.concatenate([r[p.codes] for r, p in zip(recode, parts, strict=True)] or [_EMPTY]),
-            np.concatenate([p.offsets for p in parts] or [_EMPTY]),
-            np.concatenate([p.lengths for p in parts] or [_EMPTY]),
+            np.concatenate([r[p.codes] for r, p in zip(recode, parts, strict=True)] or [EMPTY]),
+            np.concatenate([p.offsets for p in parts] or [EMPTY]),
+            np.concatenate([p.lengths for p in parts] or [EMPTY]),
         )
 
     def __len__(self) -> int:
@@ -69,7 +69,7 @@ class RegionArrays:
         return Region(self.names[self.codes[i]], int(self.offsets[i]), int(self.lengths[i]))
 
 
-_EMPTY = np.zeros(0, dtype=np.int64)
+EMPTY = np.zeros(0, dtype=np.int64)  # an empty column
 
 
 def strided_arrays(
