@@ -30,10 +30,13 @@ incarnation answers it): by then that stream reads the worker's events, and
 an earlier call the router gave up on (still running on a live worker)
 cannot take any of the request's events. A stream that closes while a
 request waits for the next call sends it back to waiting for the next
-stream. A request waiting to be sent is not failed by a break (none of its
-events can be lost: a restarting worker answers the reopened stream); it
-fails if no stream opens within `_OPEN_WAIT_S`, and the router then tries
-another worker; `stop()` fails it at once. A caller that leaves before its
+stream. A request waiting to be sent lost none of its events when a stream
+breaks, so a break alone does not fail it: it waits for the reopened stream,
+at most `_OPEN_WAIT_S`. A break that says the worker died (`RayActorError`)
+fails it at once with that error, so the router routes it around the worker
+instead of waiting for Ray to restart it (seconds: a process, a model, a
+transfer agent); a request that arrives while the worker restarts waits for
+the reopened stream. `stop()` fails it at once. A caller that leaves before its
 request went is taken out of the next call.
 """
 
@@ -44,6 +47,8 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator
 from typing import Any
+
+from ray.exceptions import RayActorError
 
 from engine.errors import RequestFailedError
 from engine.event_stream import EventDemux, StreamOpened, read_stream
@@ -187,16 +192,18 @@ class WorkerChannel:
 
     def _closed(self, error: BaseException | None = None) -> None:
         """The current stream is gone: later requests wait for the next one.
-        With `error` (the router stopped reading), requests waiting to be
-        sent get it instead."""
-        if self._opened is None:
-            return
-        if self._opened.done():
+        With `error` (the worker died, or the router stopped reading), the
+        requests waiting to be sent get it instead."""
+        opened = self._opened
+        if error is not None:
+            _fail(list(self._outgoing.values()), error)
+            self._outgoing.clear()
+            if opened is not None and not opened.done():
+                opened.set_exception(error)
+                opened.exception()  # waiters raise it; none is fine too
             self._opened = None
-        elif error is not None:
-            self._opened.set_exception(error)
-            self._opened.exception()  # waiters raise it; none is fine too
-            self._opened = None
+        elif opened is not None and opened.done():
+            self._opened = None  # else its waiters keep it for the next stream
 
     async def stop(self) -> None:
         """Stop reading and sending; requests still open here, sent or not,
@@ -208,8 +215,6 @@ class WorkerChannel:
                     await task
         self._reader = self._sender = None
         stopped = self._stopped()
-        _fail(list(self._outgoing.values()), stopped)
-        self._outgoing.clear()
         self._closed(stopped)
         self._demux.fail_all(stopped)
 
@@ -239,7 +244,7 @@ class WorkerChannel:
                 raise
             except Exception as exc:
                 error = exc
-            self._closed()
+            self._closed(error if isinstance(error, RayActorError) else None)
             if len(self._demux):
                 logger.warning("event stream of %s broke: %s", self.name, error)
             self._broke(opened, error)

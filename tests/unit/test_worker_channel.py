@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
+from ray.exceptions import ActorDiedError
 
 from cluster.worker_channel import StreamBrokenError, WorkerChannel
 from engine.errors import RequestFailedError
@@ -203,6 +204,49 @@ async def test_a_request_waiting_for_its_stream_outlives_a_break_and_is_sent_on_
         assert worker.submitted == [] and not first.done()
         await _sent_once_open(worker, stream, first)
     finally:
+        await channel.stop()
+
+
+async def test_a_worker_that_died_fails_the_requests_waiting_to_be_sent_at_once() -> None:
+    """A break saying the worker died fails a request not sent yet with that
+    error, so the router can route it to another worker instead of waiting
+    for the restart; a request arriving after the break waits for the
+    reopened stream."""
+    worker = _Worker("a")
+    channel = WorkerChannel("generation-0", worker)
+    try:
+        first = _started(channel, "r1")
+        (await worker.streams.get()).put_nowait(ActorDiedError())
+        with pytest.raises(ActorDiedError):
+            await asyncio.wait_for(first, 5)
+        assert worker.submitted == []
+        later = _started(channel, "r1")
+        stream = await worker.streams.get()
+        await asyncio.sleep(0.05)
+        assert not later.done()
+        await _sent_once_open(worker, stream, later)
+    finally:
+        await channel.stop()
+
+
+async def test_a_worker_that_died_fails_the_requests_queued_for_its_next_call() -> None:
+    """Requests queued behind a submit call when the open stream breaks with
+    the worker's death fail with it, not wait for the restarted worker."""
+    worker = _Worker("a")
+    channel = WorkerChannel("generation-0", worker)
+    try:
+        stream = await _opened(worker, channel, "a")
+        worker.answer.clear()  # submit calls stay in flight
+        await _in_call(worker, channel, "r0")
+        queued = _started(channel, "r1")
+        while "r1" not in channel._outgoing:
+            await asyncio.sleep(0.01)
+        stream.put_nowait(ActorDiedError())
+        with pytest.raises(ActorDiedError):
+            await asyncio.wait_for(queued, 5)
+        assert worker.calls == [["warm"], ["r0"]]
+    finally:
+        worker.answer.set()
         await channel.stop()
 
 
