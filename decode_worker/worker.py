@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from decode_worker.cache_pull import CachePulls, error_event
@@ -33,6 +33,7 @@ from engine.errors import RequestFailedError
 from engine.event_stream import EventDemux, EventOutbox, StreamOpened, read_stream
 from engine.instance import EngineInstance
 from engine.messages import (
+    EventItem,
     GenerationRequest,
     PrefetchRequest,
     SubmitReceipt,
@@ -149,7 +150,7 @@ class GenerationWorker:
             return
         self._pulls.prefetches.start(request)
 
-    async def events(self) -> AsyncIterator[StreamOpened | list[TokenEvent]]:
+    async def events(self) -> AsyncIterator[StreamOpened | list[EventItem]]:
         """This incarnation's id, then every request's events, one list per
         engine step (or per wake-up, when the reader lags): the router's
         single stream from this worker.
@@ -257,10 +258,10 @@ class GenerationWorker:
             await self.transceiver.close()
         self.engine.close()
 
-    def _post(self, events: list[TokenEvent]) -> None:
+    def _post(self, events: Sequence[EventItem]) -> None:
         """Send events to the reader; a final one ends its request here."""
         for event in events:
-            if event.finish_reason is not None:
+            if isinstance(event, TokenEvent) and event.finish_reason is not None:
                 self._active.discard(event.request_id)
         self._outbox.post(events)
 

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.messages import TokenEvent
+from engine.messages import EventItem, StepTokens, TokenEvent
 from engine.model_runner import ModelRunner, RunnerOutput, SampledToken, StepTimings
 from engine.request import FinishReason, Request
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -45,6 +45,7 @@ class StepPlan:
 @dataclass
 class StepResult:
     events: list[TokenEvent] = field(default_factory=list)
+    tokens: StepTokens | None = None  # the plain new tokens, as columns
     finished: list[Request] = field(default_factory=list)
     # Context role: requests whose cache now waits for a pull (still allocated).
     handoffs: list[Request] = field(default_factory=list)
@@ -58,6 +59,13 @@ class StepResult:
     num_handed_back: int = 0  # preempted, and ended here to resume elsewhere
     schedule_s: float = 0.0
     timings: StepTimings = field(default_factory=StepTimings)
+
+    def outgoing(self) -> list[EventItem]:
+        """What the step sends its requests' streams, in order (a request
+        has one token at most in a step, so the plain ones go first)."""
+        if not self.tokens:
+            return list(self.events)
+        return [self.tokens, *self.events]
 
 
 class EngineCore:
@@ -157,7 +165,9 @@ class EngineCore:
         sampled: Sequence[SampledToken | None],
         result: StepResult,
     ) -> None:
-        now = time.time()  # the step's tokens were sampled together
+        plain = StepTokens(time.time())  # the step's tokens were sampled together
+        ids, token_ids = plain.request_ids, plain.token_ids
+        prompt_lens, cached = plain.num_prompt_tokens, plain.num_cached_tokens
         events = result.events
         stop_checks = self._stop_checks
         for seq, token in zip(sched.sequences, sampled, strict=True):
@@ -172,15 +182,23 @@ class EngineCore:
             reason = stop_checks[request.request_id](request)
             if reason is None and self.context_only:
                 reason = FinishReason.HANDOFF
+            if reason is None and not want:
+                ids.append(request.request_id)
+                token_ids.append(token.token_id)
+                prompt_lens.append(len(request.prompt_token_ids))
+                cached.append(request.num_cached_tokens)
+                continue
             if reason is None:
-                events.append(self._token_event(request, None, want, now))
+                events.append(self._token_event(request, None, want, plain.timestamp))
                 continue
             request.finish(reason)
             keep = reason is FinishReason.HANDOFF
             self.scheduler.remove(request, free_blocks=not keep)
             (result.handoffs if keep else result.finished).append(request)
-            events.append(self._token_event(request, reason, want, now))
+            events.append(self._token_event(request, reason, want, plain.timestamp))
             self._forget(request.request_id)
+        if plain:
+            result.tokens = plain
 
     @staticmethod
     def _token_event(

@@ -1,9 +1,10 @@
 """Token events in batches: one message per engine step, not one per token.
 
 A worker's engine produces the new tokens of all its running requests at
-each step. They leave the worker together, as one `list[TokenEvent]`, over
-one long-lived stream per worker; the reader splits them back into
-per-request streams:
+each step. They leave the worker together, as one list (a `StepTokens` of
+the step's plain tokens as columns, and a `TokenEvent` for each other event),
+over one long-lived stream per worker; the reader splits them back into
+per-request streams of `TokenEvent`s:
 
     engine step ──► EventOutbox.post(events) ──► batches() ──► (one Ray stream)
                                                                    │
@@ -27,7 +28,7 @@ import asyncio
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
-from engine.messages import TokenEvent
+from engine.messages import EventItem, StepTokens, TokenEvent
 
 # What a request's queue yields: its events, or the exception that broke the
 # stream they came on (the worker died); nothing follows either a final event
@@ -52,16 +53,16 @@ class EventOutbox:
     """
 
     def __init__(self) -> None:
-        self._events: list[TokenEvent] = []
+        self._events: list[EventItem] = []
         self._ready = asyncio.Event()
         self._reader = 0
 
-    def post(self, events: Iterable[TokenEvent]) -> None:
+    def post(self, events: Iterable[EventItem]) -> None:
         self._events.extend(events)
         if self._events:
             self._ready.set()
 
-    def batches(self) -> AsyncIterator[list[TokenEvent]]:
+    def batches(self) -> AsyncIterator[list[EventItem]]:
         """Every event posted from now on (and any still waiting), in order.
 
         The takeover happens in this call, not at the first `anext`: an event
@@ -70,7 +71,7 @@ class EventOutbox:
         self._ready.set()  # a previous reader wakes up and sees it is replaced
         return self._batches(self._reader)
 
-    async def _batches(self, me: int) -> AsyncIterator[list[TokenEvent]]:
+    async def _batches(self, me: int) -> AsyncIterator[list[EventItem]]:
         while True:
             await self._ready.wait()
             if self._reader != me:
@@ -106,9 +107,15 @@ class EventDemux:
     def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
-    def deliver(self, batch: Iterable[TokenEvent]) -> None:
+    def deliver(self, batch: Iterable[EventItem]) -> None:
         queues = self._queues
         for event in batch:
+            if isinstance(event, StepTokens):
+                for row, request_id in enumerate(event.request_ids):
+                    queue = queues.get(request_id)
+                    if queue is not None:  # none of these is a final event
+                        queue.put_nowait(event.event(row))
+                continue
             queue = queues.get(event.request_id)
             if queue is None:
                 continue

@@ -14,7 +14,8 @@ flight reads only its scheduled requests.
     compute:                              |--- the model --|
 
 Token events leave through one callback per step (`on_events`) with every
-request's new tokens of that step, never one call per token.
+request's new tokens of that step (the plain ones as one `StepTokens`),
+never one call per token.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from functools import partial
 from typing import TypeVar
 
 from engine.core import EngineCore, StepResult
-from engine.messages import TokenEvent
+from engine.messages import EventItem, TokenEvent
 from engine.request import Request
 from engine.startup_heap import freeze_startup_heap
 from engine.step_timeline import StepTimeline, timed_call
@@ -78,7 +79,7 @@ class EngineLoop:
         # Sees every step's result before its handoffs (between steps).
         self.on_step: Callable[[StepResult], None] | None = None
         # Receives each step's events in one list; set before `start`.
-        self.on_events: Callable[[list[TokenEvent]], None] = _drop
+        self.on_events: Callable[[list[EventItem]], None] = _drop
         self._open: set[str] = set()  # submitted, final event not yet sent
         self._pending: list[Callable[[], None]] = []
         self._wake = asyncio.Event()
@@ -211,7 +212,7 @@ class EngineLoop:
                 result = await self._step()
                 self.stats.add(result)
                 self._dispatch(result)
-                if result.num_tokens == 0 and not result.events:
+                if result.num_tokens == 0 and not (result.events or result.tokens):
                     await asyncio.sleep(_BLOCKED_RETRY_S)
         except asyncio.CancelledError:
             raise
@@ -253,18 +254,18 @@ class EngineLoop:
         for request in result.handoffs:
             if self.on_handoff is not None:
                 self.on_handoff(request)
-        if result.events:
-            self._emit(result.events)
+        if result.events or result.tokens:
+            self._emit(result.outgoing())
 
-    def _emit(self, events: list[TokenEvent]) -> None:
+    def _emit(self, events: list[EventItem]) -> None:
         for event in events:
-            if event.finish_reason is not None:
+            if isinstance(event, TokenEvent) and event.finish_reason is not None:
                 self._open.discard(event.request_id)
         if events:
             self.on_events(events)
 
 
-def _drop(events: list[TokenEvent]) -> None:
+def _drop(events: list[EventItem]) -> None:
     """The default `on_events` of a loop nobody reads."""
 
 
