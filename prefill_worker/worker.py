@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from functools import partial
 from typing import Any
 
 from engine.aborts import AbortedIds
@@ -185,11 +186,15 @@ class ContextWorker:
         An abort that arrives before its `prefill` call (Ray does not order
         calls to an async actor) makes that call fail at once instead of
         prefilling a prompt nobody reads and pinning its cache until the lease.
+        One that arrives while the step finishing the prompt computes cannot
+        stop that step's hand-off: the cache it publishes is released once
+        the step is over.
         """
         if request_id not in self._active and not self.transceiver.is_pinned(request_id):
             self._aborted.add(request_id)
         self.engine.loop.abort(request_id)
         self.transceiver.abort(request_id)
+        self.engine.loop.call_between_steps(partial(self.transceiver.abort, request_id))
         if self.engine.ranks is not None:
             self._abort_ranks(request_id, self.engine.ranks)
 

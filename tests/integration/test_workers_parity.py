@@ -11,7 +11,9 @@ whatever their timing).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -344,6 +346,42 @@ async def test_a_prefill_that_arrives_after_its_abort_is_refused_and_pins_nothin
         _assert_unpinned(ctx)
         assert len(ctx._aborted) == 0
     finally:
+        await ctx.shutdown()
+
+
+async def test_an_abort_during_the_step_that_finishes_the_prompt_unpins_it(
+    checkpoints: dict[str, Path], prompts: list[list[int]]
+) -> None:
+    """The abort lands while the model computes the prompt's last chunk: the
+    step still hands the prompt off and publishes its cache after the abort
+    ran, and that publish is released too, not kept until its lease."""
+    config = _llama_config(checkpoints, max_tokens=CTX_MAX_TOKENS)
+    ctx = ContextWorker(config, "abort-in-step")
+    await ctx.start()
+    computing, proceed = threading.Event(), threading.Event()
+    execute = ctx.engine.core.execute
+
+    def held_execute(plan: Any) -> Any:
+        computing.set()
+        proceed.wait(10)
+        return execute(plan)
+
+    ctx.engine.core.execute = held_execute  # type: ignore[method-assign]
+    try:
+        prefill = asyncio.ensure_future(ctx.prefill(ContextRequest("mid", prompts[3], _params())))
+        while not computing.is_set():
+            await asyncio.sleep(0.005)
+        ctx.abort("mid")  # the router gave up on it
+        proceed.set()
+        with contextlib.suppress(RequestFailedError):
+            await asyncio.wait_for(prefill, 10)
+        for _ in range(100):
+            if ctx.load().num_transferring == 0:
+                break
+            await asyncio.sleep(0.01)
+        _assert_unpinned(ctx)
+    finally:
+        proceed.set()
         await ctx.shutdown()
 
 
