@@ -53,6 +53,13 @@ class RouterConfig(_Strict):
     # once the generation worker has the cache and admits the request (the
     # transfer is part of TTFT and every later gap is one decode step).
     first_token_at: Literal["prefill", "admission"] = "admission"
+    # A worker that answers no poll for this many seconds (a stopped process,
+    # a blocked event loop, a node cut off that Ray has not declared dead)
+    # has its requests moved: a prefill runs on another context worker, a
+    # generation request that streamed nothing runs again elsewhere, one that
+    # streamed ends with an error naming the worker. It gets requests again
+    # once it answers a poll.
+    stall_timeout_s: float = Field(default=30.0, gt=0)
 
 
 class ConditionalDisaggConfig(_Strict):

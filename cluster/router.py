@@ -51,7 +51,7 @@ from typing import Any
 from cluster.continuation import Continuation
 from cluster.metrics import ServingMetrics
 from cluster.worker_channel import WorkerChannel
-from cluster.worker_poller import WorkerEndpoint, WorkerPoller
+from cluster.worker_poller import UnresponsiveWorkerError, WorkerEndpoint, WorkerPoller
 from cluster.worker_pool import WorkerPool, abort_everywhere, dispatch_failed
 from engine.errors import RequestFailedError
 from engine.messages import (
@@ -83,6 +83,8 @@ class RoutingSettings:
     # token waits for `cache_ready`; False sends it as the context worker
     # returns it.
     hold_first_token: bool = False
+    # A worker that answers no poll for this long has its requests moved.
+    stall_timeout_s: float = 30.0
 
 
 class Router:
@@ -102,7 +104,7 @@ class Router:
         self.settings = settings
         self.metrics = metrics
         self._root = root_hash(settings.hash_namespace)
-        self._poller = WorkerPoller(lambda: self.workers, metrics)
+        self._poller = WorkerPoller(lambda: self.workers, metrics, self._silent)
         self._channels = {e.name: WorkerChannel(e.name, e.actor) for e in self.generation}
 
     @property
@@ -117,6 +119,19 @@ class Router:
         await self._poller.stop()
         for channel in self._channels.values():
             await channel.stop()
+
+    def _silent(self, endpoint: WorkerEndpoint, silent_s: float) -> None:
+        """A worker missed a poll: once it has been silent for
+        `stall_timeout_s`, the requests it holds move on (a prefill runs on
+        another context worker; a generation request that streamed nothing
+        runs again, one that did ends with an error naming the worker)."""
+        if silent_s < self.settings.stall_timeout_s:
+            return
+        error = UnresponsiveWorkerError(f"{endpoint.name} answered nothing for {silent_s:.0f} s")
+        if endpoint.name in self._channels:
+            self._channels[endpoint.name].fail_sent(error)
+        else:
+            self._context.give_up(endpoint, error)
 
     def block_hashes(
         self, prompt: Sequence[int], block_size: int, images: Sequence[ImageInput] = ()
@@ -297,10 +312,13 @@ class Router:
                 )
                 prefetch_to.actor.prefetch.remote(prefetch)
             try:
-                result: ContextResult = await endpoint.actor.prefill.remote(request)
+                call = endpoint.actor.prefill.remote(request)
+                result: ContextResult = await self._context.answer(endpoint, call)
                 return result
-            except Exception as exc:  # a dead actor or a failed prefill: try another
+            except Exception as exc:  # a dead or silent actor, a failed prefill: try another
                 errors.append(dispatch_failed(endpoint, exc, "context", self.metrics))
+                if isinstance(exc, UnresponsiveWorkerError):
+                    endpoint.actor.abort.remote(request.request_id)  # for when it is back
             finally:
                 endpoint.state.tokens_in_flight -= cost
         raise RequestFailedError(request.request_id, "context phase failed: " + "; ".join(errors))

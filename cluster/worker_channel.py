@@ -38,6 +38,13 @@ instead of waiting for Ray to restart it (seconds: a process, a model, a
 transfer agent); a request that arrives while the worker restarts waits for
 the reopened stream. `stop()` fails it at once. A caller that leaves before its
 request went is taken out of the next call.
+
+A worker that is alive but answers nothing (a stopped process, a blocked
+event loop) breaks no stream. When the router gives up on it
+(`fail_sent`), the requests it accepted or that are in a submit call to it
+fail; they are aborted there, so a worker that comes back frees them (one
+still in the call is aborted before it can start). Requests waiting to be
+sent are left to the stream-open wait.
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ class WorkerChannel:
         # incarnation that accepted it, or None (the stream closed first).
         self._outgoing: dict[str, tuple[GenerationRequest, asyncio.Future[str | None]]] = {}
         self._sender: asyncio.Task[None] | None = None  # the submit calls' loop
+        self._in_call: list[tuple[GenerationRequest, asyncio.Future[str | None]]] = []
 
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         """Send `request` and yield its events up to the final one. Raises what
@@ -164,6 +172,7 @@ class WorkerChannel:
         self, burst: list[tuple[GenerationRequest, asyncio.Future[str | None]]]
     ) -> None:
         """One submit call for `burst`; settles each request's future."""
+        self._in_call = burst
         try:
             receipt: SubmitReceipt = await self.actor.submit_many.remote([r for r, _ in burst])
         except Exception as exc:
@@ -172,6 +181,8 @@ class WorkerChannel:
         except asyncio.CancelledError:  # stop()
             _fail(burst, self._stopped())
             raise
+        finally:
+            self._in_call = []
         for request, sent in burst:
             rid = request.request_id
             if sent.done():  # the caller left; the router aborts the request
@@ -182,6 +193,17 @@ class WorkerChannel:
                 # Recorded at once: the reader may run before the caller resumes.
                 self._submitted_to[rid] = receipt.incarnation
                 sent.set_result(receipt.incarnation)
+
+    def fail_sent(self, error: BaseException) -> None:
+        """Fail every request the worker accepted or that is in a submit call
+        to it, with `error` (the worker stopped answering), and abort them
+        there; requests still waiting to be sent are not touched."""
+        for request, sent in self._in_call:
+            if not sent.done():
+                sent.set_exception(error)
+                # Remembered: the call may reach the worker after the abort.
+                self.actor.abort.remote(request.request_id, remember=True)
+        self._demux.fail(list(self._submitted_to), error)
 
     def _opening(self) -> asyncio.Future[None]:
         """Done once the current stream said its incarnation; fails only when

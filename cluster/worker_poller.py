@@ -6,7 +6,9 @@ call) and applies it to that worker's `WorkerState` (what the routing
 policies read) and to the serving metrics. A worker that does not answer
 within `POLL_TIMEOUT_S`, or whose call fails, is unhealthy until a later
 poll is answered (e.g. after Ray restarted it); one slow worker never holds
-up the others' polls beyond that timeout.
+up the others' polls beyond that timeout. Each unanswered poll is also
+reported with how long the worker has been silent (`on_silent`): the router
+moves a silent worker's requests elsewhere after `router.stall_timeout_s`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,12 +45,24 @@ class WorkerEndpoint:
     state: WorkerState
 
 
+class UnresponsiveWorkerError(ConnectionError):
+    """A worker answered no poll for longer than the router waits for one
+    (a stopped process, a blocked event loop, a node cut off)."""
+
+
 class WorkerPoller:
     def __init__(
-        self, workers: Callable[[], Sequence[WorkerEndpoint]], metrics: ServingMetrics
+        self,
+        workers: Callable[[], Sequence[WorkerEndpoint]],
+        metrics: ServingMetrics,
+        on_silent: Callable[[WorkerEndpoint, float], None] | None = None,
     ) -> None:
         self._workers = workers
         self.metrics = metrics
+        # Called after each unanswered poll with the seconds since the
+        # worker's last answer (or since polling began).
+        self._on_silent = on_silent
+        self._answered: dict[str, float] = {}  # worker name -> monotonic time
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -68,18 +83,22 @@ class WorkerPoller:
             await asyncio.sleep(POLL_INTERVAL_S)
 
     async def _poll(self, endpoint: WorkerEndpoint) -> None:
+        self._answered.setdefault(endpoint.name, time.monotonic())
         try:
             report = await asyncio.wait_for(endpoint.actor.report.remote(), POLL_TIMEOUT_S)
         except Exception as exc:
             if endpoint.state.healthy:
                 reason = (
-                    f"no answer within {POLL_TIMEOUT_S:.0f}s"
+                    f"no answer within {POLL_TIMEOUT_S:g} s"
                     if isinstance(exc, TimeoutError)
                     else exc
                 )
                 logger.warning("worker %s stopped answering: %s", endpoint.name, reason)
             endpoint.state.healthy = False
+            if self._on_silent is not None:
+                self._on_silent(endpoint, time.monotonic() - self._answered[endpoint.name])
             return
+        self._answered[endpoint.name] = time.monotonic()
         self._apply(endpoint, report)
 
     def _apply(self, endpoint: WorkerEndpoint, report: WorkerReport) -> None:

@@ -5,13 +5,17 @@ A pool picks by its routing policy (`cluster.policies`) among the healthy
 workers the request has not tried yet (all of them when none is left), and
 counts every dispatch per worker and phase, with a cache hit when the worker
 is known to hold a leading block of the prompt (`kv`) or the embeddings of
-one of its images (`encoder`).
+one of its images (`encoder`). A call awaited through `answer` ends with the
+pool's `give_up` error when the router gives up on a silent worker, instead
+of waiting for a worker that may never answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
+from typing import TypeVar
 
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -21,6 +25,8 @@ from cluster.worker_poller import WorkerEndpoint
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 
 class WorkerPool:
     def __init__(
@@ -29,6 +35,8 @@ class WorkerPool:
         self.endpoints = list(endpoints)
         self._policy = make_policy(policy)
         self._metrics = metrics
+        # Per worker: failed by `give_up`, then replaced by the next `answer`.
+        self._silences: dict[str, asyncio.Future[None]] = {}
 
     def pick(
         self, hashes: Sequence[bytes], tried: Sequence[WorkerEndpoint], images: Sequence[bytes] = ()
@@ -58,6 +66,32 @@ class WorkerPool:
         if endpoint.state.image_match(images):
             hits.labels(endpoint.name, phase, "encoder").inc()
         return endpoint
+
+    async def answer(self, endpoint: WorkerEndpoint, call: Awaitable[T]) -> T:
+        """What `call` (a Ray call to `endpoint`) returns, or raises; the
+        error of `give_up(endpoint)` if that comes first."""
+        silence = self._silences.get(endpoint.name)
+        if silence is None:
+            silence = asyncio.get_running_loop().create_future()
+            self._silences[endpoint.name] = silence
+        answered = asyncio.ensure_future(call)
+        try:
+            await asyncio.wait((answered, silence), return_when=asyncio.FIRST_COMPLETED)
+            if answered.done():
+                return answered.result()
+            error = silence.exception()
+            assert error is not None
+            raise error
+        finally:
+            if not answered.done():
+                answered.cancel()
+
+    def give_up(self, endpoint: WorkerEndpoint, error: BaseException) -> None:
+        """Calls to `endpoint` awaited through `answer` raise `error` now."""
+        silence = self._silences.pop(endpoint.name, None)
+        if silence is not None and not silence.done():
+            silence.set_exception(error)
+            silence.exception()  # retrieved: nobody may be waiting
 
 
 def dispatch_failed(

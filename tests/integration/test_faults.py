@@ -396,6 +396,76 @@ async def test_killed_generation_worker_fails_its_streams_others_complete_and_it
     assert h.routed(victim.name, "generation") > before
 
 
+async def _silence_after(h: Harness, monkeypatch: pytest.MonkeyPatch, stall_s: float) -> None:
+    """Polls time out after 0.5 s, and the router moves a silent worker's
+    requests after `stall_s`."""
+    monkeypatch.setattr(worker_poller, "POLL_TIMEOUT_S", 0.5)
+    h.router.settings = dataclasses.replace(h.router.settings, stall_timeout_s=stall_s)
+    await asyncio.sleep(1)  # polls that started under the old timeout are answered
+
+
+async def test_a_silent_generation_worker_s_streams_end_and_it_frees_them_when_back(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A generation worker stopped mid-stream is alive, so no stream breaks:
+    after the stall timeout its streams end with an error naming it, the
+    other worker's complete, and once resumed it frees everything."""
+    h = harness
+    expected = await _expected(h, LONG_TOKENS)
+    await _silence_after(h, monkeypatch, 1.5)
+    victim = h.router.generation[0]
+    pid = await pid_of(victim.actor)
+    streams = [h.router.generate(f"silent-{i}", p, _long()) for i, p in enumerate(PROMPTS)]
+    heads = await asyncio.gather(*(_take(s, 2) for s in streams))  # all decoding
+    h.paused.add(pid)
+    os.kill(pid, signal.SIGSTOP)
+    started = time.monotonic()
+    results = await asyncio.wait_for(asyncio.gather(*(_drain(s) for s in streams)), 20)
+    failed = 0
+    for head, rest, want in zip(heads, results, expected, strict=True):
+        got = tokens([*head, *rest])
+        if rest[-1].finish_reason == "error":
+            failed += 1
+            assert f"{victim.name} answered nothing" in (rest[-1].error or ""), rest[-1]
+            assert got == want[: len(got)]
+        else:
+            assert rest[-1].finish_reason == "length" and got == want
+    assert 0 < failed < len(PROMPTS)
+    # Not before the stall timeout, which counts from the last poll answered
+    # (one interval at most before the stop).
+    assert time.monotonic() - started >= 1.5 - 2 * worker_poller.POLL_INTERVAL_S
+    os.kill(pid, signal.SIGCONT)
+    h.paused.discard(pid)
+    await h.all_idle()  # the aborts reached it once it was back
+
+
+async def test_a_prefill_on_a_silent_context_worker_runs_on_the_other_one(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A context worker stopped before it answered a prefill: the prefill
+    runs again on the other context worker after the stall timeout, the
+    caller gets the fault-free tokens, and the stopped worker, once back,
+    drops the abandoned prompt (the router aborted it there)."""
+    h = harness
+    expected = await _expected(h, 8)
+    await _silence_after(h, monkeypatch, 1.5)
+    victim = h.router.context[0]
+    pid = await pid_of(victim.actor)
+    h.paused.add(pid)
+    os.kill(pid, signal.SIGSTOP)
+    before = h.routed(victim.name, "context")
+    # Round robin: while the victim still counts as healthy, one of these
+    # two goes to it.
+    runs = [h.run(f"stalled-prefill-{i}", PROMPTS[i], 8) for i in range(2)]
+    results = await asyncio.wait_for(asyncio.gather(*runs), 20)
+    assert h.routed(victim.name, "context") > before
+    for events, want in zip(results, expected[:2], strict=True):
+        assert tokens(events) == want and events[-1].finish_reason == "length"
+    os.kill(pid, signal.SIGCONT)
+    h.paused.discard(pid)
+    await h.all_idle()
+
+
 async def test_client_disconnect_mid_stream_frees_both_sides(harness: Harness) -> None:
     h = harness
     stream = h.router.generate("goes-away", PROMPTS[0], _long())

@@ -16,6 +16,7 @@ import pytest
 from ray.exceptions import ActorDiedError
 
 from cluster.worker_channel import StreamBrokenError, WorkerChannel
+from cluster.worker_poller import UnresponsiveWorkerError
 from engine.errors import RequestFailedError
 from engine.event_stream import StreamOpened
 from engine.messages import GenerationRequest, SubmitReceipt, TokenEvent
@@ -245,6 +246,36 @@ async def test_a_worker_that_died_fails_the_requests_queued_for_its_next_call() 
         with pytest.raises(ActorDiedError):
             await asyncio.wait_for(queued, 5)
         assert worker.calls == [["warm"], ["r0"]]
+    finally:
+        worker.answer.set()
+        await channel.stop()
+
+
+async def test_giving_up_on_a_silent_worker_fails_what_it_accepted_or_is_being_sent() -> None:
+    """`fail_sent`: the accepted request and the one in the submit call fail
+    and are aborted on the worker (the one in the call remembered there, as
+    the call may reach it later); a request queued for the next call waits."""
+    worker = _Worker("a")
+    channel = WorkerChannel("generation-0", worker)
+    try:
+        stream = await _opened(worker, channel, "a")
+        accepted = await _submitted(channel, "r0")
+        worker.answer.clear()  # submit calls stay in flight
+        in_call = await _in_call(worker, channel, "r1")
+        queued = _started(channel, "r2")
+        while "r2" not in channel._outgoing:
+            await asyncio.sleep(0.01)
+        channel.fail_sent(UnresponsiveWorkerError("generation-0 answered nothing for 30 s"))
+        for first in (accepted, in_call):
+            with pytest.raises(UnresponsiveWorkerError, match="answered nothing"):
+                await asyncio.wait_for(first, 5)
+        assert sorted(worker.aborts) == [("r0", False), ("r1", True)]
+        assert not queued.done()
+        worker.answer.set()  # the worker is back: r2 goes in the next call
+        while "r2" not in worker.submitted:
+            await asyncio.sleep(0.01)
+        stream.put_nowait(_final("r2"))
+        assert (await asyncio.wait_for(queued, 5)).token_ids == [7]
     finally:
         worker.answer.set()
         await channel.stop()

@@ -3,11 +3,14 @@ and a failed dispatch leave in the metrics (pure Python)."""
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
 from ray.exceptions import RayActorError
 
 from cluster.metrics import ServingMetrics
 from cluster.policies import WorkerState
-from cluster.worker_poller import WorkerEndpoint
+from cluster.worker_poller import UnresponsiveWorkerError, WorkerEndpoint
 from cluster.worker_pool import WorkerPool, dispatch_failed
 from engine.errors import RequestFailedError
 
@@ -72,3 +75,33 @@ def test_a_dead_worker_is_routed_around_and_a_refusal_is_not() -> None:
         "disagg_dispatch_failures_total", {"phase": "generation"}
     )
     assert failures == 2
+
+
+async def test_an_answer_awaited_from_a_worker_given_up_on_raises_the_give_up_error() -> None:
+    endpoints = _endpoints(2)
+    pool = WorkerPool(endpoints, "round_robin", ServingMetrics())
+    loop = asyncio.get_running_loop()
+    never: asyncio.Future[str] = loop.create_future()
+    waiting = asyncio.ensure_future(pool.answer(endpoints[0], never))
+    other: asyncio.Future[str] = loop.create_future()
+    elsewhere = asyncio.ensure_future(pool.answer(endpoints[1], other))
+    await asyncio.sleep(0.01)
+    pool.give_up(endpoints[0], UnresponsiveWorkerError("w0 answered nothing for 30 s"))
+    with pytest.raises(UnresponsiveWorkerError, match="w0 answered nothing"):
+        await waiting
+    assert never.cancelled()  # the call is no longer awaited
+    other.set_result("prefilled")
+    assert await elsewhere == "prefilled"  # another worker's call is untouched
+    # Later calls to the worker wait for their own answer again.
+    assert await pool.answer(endpoints[0], asyncio.sleep(0, "back")) == "back"
+
+
+async def test_an_answer_raises_what_the_call_raised() -> None:
+    endpoints = _endpoints(1)
+    pool = WorkerPool(endpoints, "round_robin", ServingMetrics())
+
+    async def fails() -> str:
+        raise RequestFailedError("r", "prompt too long")
+
+    with pytest.raises(RequestFailedError, match="prompt too long"):
+        await pool.answer(endpoints[0], fails())
