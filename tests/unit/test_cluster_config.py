@@ -92,6 +92,13 @@ def test_bad_enum_value_names_the_key() -> None:
         config_from_dict({"model": "m", "router": {"first_token_at": "decode"}})
 
 
+def test_the_stall_timeout_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="router.stall_timeout_s"):
+        config_from_dict({"model": "m", "router": {"stall_timeout_s": 0}})
+    config = config_from_dict({"model": "m", "router": {"stall_timeout_s": 5}})
+    assert config.router.stall_timeout_s == 5.0
+
+
 def test_missing_file_and_non_mapping_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "absent.yaml")
