@@ -43,8 +43,9 @@ A worker that is alive but answers nothing (a stopped process, a blocked
 event loop) breaks no stream. When the router gives up on it
 (`fail_sent`), the requests it accepted or that are in a submit call to it
 fail; they are aborted there, so a worker that comes back frees them (one
-still in the call is aborted before it can start). Requests waiting to be
-sent are left to the stream-open wait.
+still in the call is aborted before it can start). Requests queued for the
+next call fail too (they would wait for the hung one); requests waiting for
+a stream to open keep their own wait.
 """
 
 from __future__ import annotations
@@ -195,14 +196,16 @@ class WorkerChannel:
                 sent.set_result(receipt.incarnation)
 
     def fail_sent(self, error: BaseException) -> None:
-        """Fail every request the worker accepted or that is in a submit call
-        to it, with `error` (the worker stopped answering), and abort them
-        there; requests still waiting to be sent are not touched."""
+        """Fail, with `error` (the worker stopped answering), every request
+        the worker accepted, those in a submit call to it (both aborted
+        there) and those queued behind that call, which would wait for it."""
         for request, sent in self._in_call:
             if not sent.done():
                 sent.set_exception(error)
                 # Remembered: the call may reach the worker after the abort.
                 self.actor.abort.remote(request.request_id, remember=True)
+        _fail(list(self._outgoing.values()), error)
+        self._outgoing.clear()
         self._demux.fail(list(self._submitted_to), error)
 
     def _opening(self) -> asyncio.Future[None]:

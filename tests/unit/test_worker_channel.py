@@ -254,7 +254,8 @@ async def test_a_worker_that_died_fails_the_requests_queued_for_its_next_call() 
 async def test_giving_up_on_a_silent_worker_fails_what_it_accepted_or_is_being_sent() -> None:
     """`fail_sent`: the accepted request and the one in the submit call fail
     and are aborted on the worker (the one in the call remembered there, as
-    the call may reach it later); a request queued for the next call waits."""
+    the call may reach it later); a request queued behind that call fails
+    without an abort (it never went); a later request goes in the next call."""
     worker = _Worker("a")
     channel = WorkerChannel("generation-0", worker)
     try:
@@ -266,16 +267,17 @@ async def test_giving_up_on_a_silent_worker_fails_what_it_accepted_or_is_being_s
         while "r2" not in channel._outgoing:
             await asyncio.sleep(0.01)
         channel.fail_sent(UnresponsiveWorkerError("generation-0 answered nothing for 30 s"))
-        for first in (accepted, in_call):
+        for first in (accepted, in_call, queued):
             with pytest.raises(UnresponsiveWorkerError, match="answered nothing"):
                 await asyncio.wait_for(first, 5)
         assert sorted(worker.aborts) == [("r0", False), ("r1", True)]
-        assert not queued.done()
-        worker.answer.set()  # the worker is back: r2 goes in the next call
-        while "r2" not in worker.submitted:
+        worker.answer.set()  # the worker is back: a new request goes in the next call
+        later = _started(channel, "r3")
+        while "r3" not in worker.submitted:
             await asyncio.sleep(0.01)
-        stream.put_nowait(_final("r2"))
-        assert (await asyncio.wait_for(queued, 5)).token_ids == [7]
+        stream.put_nowait(_final("r3"))
+        assert (await asyncio.wait_for(later, 5)).token_ids == [7]
+        assert "r2" not in worker.submitted
     finally:
         worker.answer.set()
         await channel.stop()
