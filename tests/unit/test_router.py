@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from cluster.metrics import ServingMetrics
@@ -14,7 +16,7 @@ from cluster.policies import (
     make_policy,
 )
 from cluster.router import Router, RoutingSettings
-from cluster.worker_poller import WorkerEndpoint
+from cluster.worker_poller import UnresponsiveWorkerError, WorkerEndpoint
 from engine.multimodal import EncoderCacheEvent, ImageInput
 
 
@@ -185,3 +187,23 @@ def test_encoder_events_apply_in_order() -> None:
     assert worker.image_match([cat]) == 0
     worker.apply_encoder_events([EncoderCacheEvent(False, cat), EncoderCacheEvent(True, cat)])
     assert worker.image_match([cat, cat, b"d" * 32]) == 2
+
+
+async def test_a_worker_silent_past_the_stall_timeout_has_its_requests_moved() -> None:
+    router = _router(max_local=0)
+    context, generation = router.context[0], router.generation[0]
+    never: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    prefill = asyncio.ensure_future(router._context.answer(context, never))
+    queue = router._channels[generation.name]._demux.open("streaming")
+    router._channels[generation.name]._submitted_to["streaming"] = "incarnation-1"
+    await asyncio.sleep(0.01)
+    router._silent(context, 29.0)  # under the default 30 s: still waiting
+    router._silent(generation, 29.0)
+    await asyncio.sleep(0.01)
+    assert not prefill.done() and queue.empty()
+    router._silent(context, 31.0)
+    router._silent(generation, 31.0)
+    with pytest.raises(UnresponsiveWorkerError, match="context-0 answered nothing for 31 s"):
+        await prefill
+    failure = queue.get_nowait()
+    assert isinstance(failure, UnresponsiveWorkerError) and "generation-0" in str(failure)
