@@ -204,9 +204,13 @@ class WorkerChannel:
                 sent.set_exception(error)
                 # Remembered: the call may reach the worker after the abort.
                 self.actor.abort.remote(request.request_id, remember=True)
+        self._fail_outgoing(error)
+        self._demux.fail(list(self._submitted_to), error)
+
+    def _fail_outgoing(self, error: BaseException) -> None:
+        """The requests queued for the next submit call get `error`."""
         _fail(list(self._outgoing.values()), error)
         self._outgoing.clear()
-        self._demux.fail(list(self._submitted_to), error)
 
     def _opening(self) -> asyncio.Future[None]:
         """Done once the current stream said its incarnation; fails only when
@@ -221,8 +225,7 @@ class WorkerChannel:
         requests waiting to be sent get it instead."""
         opened = self._opened
         if error is not None:
-            _fail(list(self._outgoing.values()), error)
-            self._outgoing.clear()
+            self._fail_outgoing(error)
             if opened is not None and not opened.done():
                 opened.set_exception(error)
                 opened.exception()  # waiters raise it; none is fine too

@@ -204,6 +204,6 @@ async def test_a_worker_silent_past_the_stall_timeout_has_its_requests_moved() -
     router._silent(context, 31.0)
     router._silent(generation, 31.0)
     with pytest.raises(UnresponsiveWorkerError, match="context-0 answered nothing for 31 s"):
-        await prefill
+        await asyncio.wait_for(prefill, 5)
     failure = queue.get_nowait()
     assert isinstance(failure, UnresponsiveWorkerError) and "generation-0" in str(failure)

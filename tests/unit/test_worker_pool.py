@@ -88,7 +88,7 @@ async def test_an_answer_awaited_from_a_worker_given_up_on_raises_the_give_up_er
     await asyncio.sleep(0.01)
     pool.give_up(endpoints[0], UnresponsiveWorkerError("w0 answered nothing for 30 s"))
     with pytest.raises(UnresponsiveWorkerError, match="w0 answered nothing"):
-        await waiting
+        await asyncio.wait_for(waiting, 5)
     assert never.cancelled()  # the call is no longer awaited
     other.set_result("prefilled")
     assert await elsewhere == "prefilled"  # another worker's call is untouched
