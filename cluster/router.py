@@ -104,7 +104,7 @@ class Router:
         self.settings = settings
         self.metrics = metrics
         self._root = root_hash(settings.hash_namespace)
-        self._poller = WorkerPoller(lambda: self.workers, metrics, self._silent)
+        self._poller = WorkerPoller(lambda: self.workers, metrics, self._stalled)
         self._channels = {e.name: WorkerChannel(e.name, e.actor) for e in self.generation}
 
     @property
@@ -120,14 +120,15 @@ class Router:
         for channel in self._channels.values():
             await channel.stop()
 
-    def _silent(self, endpoint: WorkerEndpoint, silent_s: float) -> None:
-        """A worker missed a poll: once it has been silent for
-        `stall_timeout_s`, the requests it holds move on (a prefill runs on
-        another context worker; a generation request that streamed nothing
-        runs again, one that did ends with an error naming the worker)."""
-        if silent_s < self.settings.stall_timeout_s:
+    def _stalled(self, endpoint: WorkerEndpoint, stalled_s: float, how: str) -> None:
+        """A worker missed a poll or is inside a step (`how`, the poller's
+        words): once it has made no progress for `stall_timeout_s`, the
+        requests it holds move on (a prefill runs on another context worker;
+        a generation request that streamed nothing runs again, one that did
+        ends with an error naming the worker)."""
+        if stalled_s < self.settings.stall_timeout_s:
             return
-        error = UnresponsiveWorkerError(f"{endpoint.name} answered nothing for {silent_s:.0f} s")
+        error = UnresponsiveWorkerError(f"{endpoint.name} {how} for {stalled_s:.0f} s")
         if endpoint.name in self._channels:
             self._channels[endpoint.name].fail_sent(error)
         else:

@@ -6,9 +6,13 @@ call) and applies it to that worker's `WorkerState` (what the routing
 policies read) and to the serving metrics. A worker that does not answer
 within `POLL_TIMEOUT_S`, or whose call fails, is unhealthy until a later
 poll is answered (e.g. after Ray restarted it); one slow worker never holds
-up the others' polls beyond that timeout. Each unanswered poll is also
-reported with how long the worker has been silent (`on_silent`): the router
-moves a silent worker's requests elsewhere after `router.stall_timeout_s`.
+up the others' polls beyond that timeout. A worker that answers while one
+engine step has computed for `POLL_TIMEOUT_S` (a compute thread that hangs in
+a collective or on a wedged device) is unhealthy too, until the step ends.
+
+Both kinds of stall are reported at every poll with how long the worker has
+made no progress (`on_stalled`): the router moves a stalled worker's
+requests elsewhere after `router.stall_timeout_s`.
 """
 
 from __future__ import annotations
@@ -46,8 +50,14 @@ class WorkerEndpoint:
 
 
 class UnresponsiveWorkerError(ConnectionError):
-    """A worker answered no poll for longer than the router waits for one
-    (a stopped process, a blocked event loop, a node cut off)."""
+    """A worker made no progress for longer than the router waits: it
+    answered no poll (a stopped process, a blocked event loop, a node cut
+    off), or its engine step never ended (a hung compute thread)."""
+
+
+# How a stalled worker is described to `on_stalled`, by the kind of stall.
+SILENT = "answered nothing"
+STEP_HUNG = "has computed one engine step"
 
 
 class WorkerPoller:
@@ -55,13 +65,15 @@ class WorkerPoller:
         self,
         workers: Callable[[], Sequence[WorkerEndpoint]],
         metrics: ServingMetrics,
-        on_silent: Callable[[WorkerEndpoint, float], None] | None = None,
+        on_stalled: Callable[[WorkerEndpoint, float, str], None] | None = None,
     ) -> None:
         self._workers = workers
         self.metrics = metrics
         # Called after each unanswered poll with the seconds since the
-        # worker's last answer (or since polling began).
-        self._on_silent = on_silent
+        # worker's last answer (or since polling began) and `SILENT`, and
+        # after each answer during a step with the step's seconds so far and
+        # `STEP_HUNG`.
+        self._on_stalled = on_stalled
         self._answered: dict[str, float] = {}  # worker name -> monotonic time
         self._task: asyncio.Task[None] | None = None
 
@@ -95,15 +107,23 @@ class WorkerPoller:
                 )
                 logger.warning("worker %s stopped answering: %s", endpoint.name, reason)
             endpoint.state.healthy = False
-            if self._on_silent is not None:
-                self._on_silent(endpoint, time.monotonic() - self._answered[endpoint.name])
+            silent_s = time.monotonic() - self._answered[endpoint.name]
+            if self._on_stalled is not None:
+                self._on_stalled(endpoint, silent_s, SILENT)
             return
         self._answered[endpoint.name] = time.monotonic()
+        step_s = report.load.step_in_flight_s
+        if step_s >= POLL_TIMEOUT_S and endpoint.state.healthy:
+            logger.warning(
+                "worker %s answers, but one engine step has run for %.0f s", endpoint.name, step_s
+            )
         self._apply(endpoint, report)
+        if step_s and self._on_stalled is not None:
+            self._on_stalled(endpoint, step_s, STEP_HUNG)
 
     def _apply(self, endpoint: WorkerEndpoint, report: WorkerReport) -> None:
         load, batch, state = report.load, report.kv_events, endpoint.state
-        state.healthy = True
+        state.healthy = load.step_in_flight_s < POLL_TIMEOUT_S
         state.num_queued = load.num_waiting
         state.num_free_blocks = load.num_free_blocks
         state.num_total_blocks = load.num_total_blocks

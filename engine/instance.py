@@ -149,6 +149,7 @@ class EngineInstance:
             ranks=self.rank_cache_usage(),
             num_steps=self.loop.stats.steps,
             step_busy_s=self.loop.stats.busy_s,
+            step_in_flight_s=self.loop.step_in_flight_s,
             node_ip=self.node_ip,
         )
 

@@ -86,6 +86,7 @@ class EngineLoop:
         self._task: asyncio.Task[None] | None = None
         self._error: BaseException | None = None
         self._stopping = False
+        self._computing_since: float | None = None  # monotonic start of the model in flight
 
     def start(self) -> None:
         if self._task is None:
@@ -105,6 +106,16 @@ class EngineLoop:
         self._task = None
         self._apply_pending()
         self._fail_open_streams("the worker is shutting down; retry on another worker")
+
+    @property
+    def step_in_flight_s(self) -> float:
+        """How long the model has computed the step in flight (0 between steps).
+
+        Load reports carry it, so the router tells a compute thread that hangs
+        (a collective that never returns, a wedged device) from a busy one.
+        """
+        since = self._computing_since
+        return 0.0 if since is None else time.monotonic() - since
 
     @property
     def healthy(self) -> bool:
@@ -228,9 +239,13 @@ class EngineLoop:
         plan = self.core.schedule()
         if plan.is_empty:
             return plan.result
-        out, timing = await asyncio.get_running_loop().run_in_executor(
-            compute_executor(), timed_call, partial(self.core.execute, plan)
-        )
+        self._computing_since = time.monotonic()
+        try:
+            out, timing = await asyncio.get_running_loop().run_in_executor(
+                compute_executor(), timed_call, partial(self.core.execute, plan)
+            )
+        finally:
+            self._computing_since = None
         result = self.core.update(plan, out)
         self.stats.busy_s += time.perf_counter() - started
         self.timeline.stepped(started, timing, result.num_seqs, result.num_tokens)

@@ -263,6 +263,8 @@ class WorkerLoad:
     # of the worker's time its engine idled or waited for the event loop).
     num_steps: int = 0
     step_busy_s: float = 0.0
+    # How long the step on the compute thread has run (0 between steps).
+    step_in_flight_s: float = 0.0
     node_ip: str = ""  # the Ray node this worker runs on ("" outside Ray)
 
 

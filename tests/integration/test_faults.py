@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -40,6 +41,7 @@ from cluster.router import Router, RoutingSettings
 from cluster.worker_poller import WorkerEndpoint
 from engine.messages import TokenEvent, WorkerIntegrity
 from engine.sampling import SamplingParams
+from engine.threads import compute_executor
 from models.embedded.writer import write_checkpoint
 
 KINDS = ("python", "nixl")
@@ -437,6 +439,50 @@ async def test_a_silent_generation_worker_s_streams_end_and_it_frees_them_when_b
     os.kill(pid, signal.SIGCONT)
     h.paused.discard(pid)
     await h.all_idle()  # the aborts reached it once it was back
+
+
+@pytest.mark.parametrize("harness", ["python"], indirect=True)
+async def test_a_generation_worker_whose_step_hangs_has_its_streams_ended(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A generation worker's compute thread hangs mid-stream while its event
+    loop still answers polls: after the stall timeout its streams end with an
+    error naming the hung step, the other worker's complete, and once the
+    step returns it frees them. The transceiver plays no part (one kind)."""
+
+    def hang_compute(worker: Any) -> None:  # as a collective that never returns
+        worker.test_compute_gate = threading.Event()
+        compute_executor().submit(worker.test_compute_gate.wait)  # the next step waits
+
+    def release_compute(worker: Any) -> None:
+        worker.test_compute_gate.set()
+
+    h = harness
+    expected = await _expected(h, LONG_TOKENS)
+    await _silence_after(h, monkeypatch, 1.5)
+    victim = h.router.generation[0]
+    streams = [h.router.generate(f"hung-{i}", p, _long()) for i, p in enumerate(PROMPTS)]
+    heads = await asyncio.gather(*(_take(s, 2) for s in streams))  # all decoding
+    await victim.actor.__ray_call__.remote(hang_compute)
+    try:
+        started = time.monotonic()
+        results = await asyncio.wait_for(asyncio.gather(*(_drain(s) for s in streams)), 20)
+        assert time.monotonic() - started >= 1.5 - 2 * worker_poller.POLL_INTERVAL_S
+        assert not victim.state.healthy  # answering, but no new request goes to it
+        failed = 0
+        for head, rest, want in zip(heads, results, expected, strict=True):
+            got = tokens([*head, *rest])
+            if rest[-1].finish_reason == "error":
+                failed += 1
+                assert f"{victim.name} has computed one engine step" in (rest[-1].error or "")
+                assert got == want[: len(got)]
+            else:
+                assert rest[-1].finish_reason == "length" and got == want
+        assert 0 < failed < len(PROMPTS)
+    finally:
+        await victim.actor.__ray_call__.remote(release_compute)
+    await h.all_idle()  # the step returned and the aborts freed its requests
+    await _until(lambda: victim.state.healthy, 5, "the victim is healthy again")
 
 
 async def test_a_prefill_on_a_silent_context_worker_runs_on_the_other_one(

@@ -16,7 +16,7 @@ from cluster.policies import (
     make_policy,
 )
 from cluster.router import Router, RoutingSettings
-from cluster.worker_poller import UnresponsiveWorkerError, WorkerEndpoint
+from cluster.worker_poller import SILENT, STEP_HUNG, UnresponsiveWorkerError, WorkerEndpoint
 from engine.multimodal import EncoderCacheEvent, ImageInput
 
 
@@ -189,7 +189,7 @@ def test_encoder_events_apply_in_order() -> None:
     assert worker.image_match([cat, cat, b"d" * 32]) == 2
 
 
-async def test_a_worker_silent_past_the_stall_timeout_has_its_requests_moved() -> None:
+async def test_a_worker_stalled_past_the_stall_timeout_has_its_requests_moved() -> None:
     router = _router(max_local=0)
     context, generation = router.context[0], router.generation[0]
     never: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -197,13 +197,14 @@ async def test_a_worker_silent_past_the_stall_timeout_has_its_requests_moved() -
     queue = router._channels[generation.name]._demux.open("streaming")
     router._channels[generation.name]._submitted_to["streaming"] = "incarnation-1"
     await asyncio.sleep(0.01)
-    router._silent(context, 29.0)  # under the default 30 s: still waiting
-    router._silent(generation, 29.0)
+    router._stalled(context, 29.0, SILENT)  # under the default 30 s: still waiting
+    router._stalled(generation, 29.0, STEP_HUNG)
     await asyncio.sleep(0.01)
     assert not prefill.done() and queue.empty()
-    router._silent(context, 31.0)
-    router._silent(generation, 31.0)
+    router._stalled(context, 31.0, SILENT)
+    router._stalled(generation, 31.0, STEP_HUNG)
     with pytest.raises(UnresponsiveWorkerError, match="context-0 answered nothing for 31 s"):
         await asyncio.wait_for(prefill, 5)
     failure = queue.get_nowait()
-    assert isinstance(failure, UnresponsiveWorkerError) and "generation-0" in str(failure)
+    assert isinstance(failure, UnresponsiveWorkerError)
+    assert "generation-0 has computed one engine step for 31 s" in str(failure)

@@ -1,6 +1,7 @@
-"""The poller's view of a worker that stops answering: unhealthy at the first
-unanswered poll, reported silent for as long as it stays so, and back once it
-answers (pure Python, a scripted actor)."""
+"""The poller's view of a worker that stops answering or whose engine step
+hangs: unhealthy at the first unanswered poll (or once the step has run for
+a poll timeout), reported stalled for as long as it stays so, and back once
+it answers (or the step ends). Pure Python, a scripted actor."""
 
 from __future__ import annotations
 
@@ -11,22 +12,26 @@ import pytest
 from cluster import worker_poller
 from cluster.metrics import ServingMetrics
 from cluster.policies import WorkerState
-from cluster.worker_poller import WorkerEndpoint, WorkerPoller
+from cluster.worker_poller import SILENT, STEP_HUNG, WorkerEndpoint, WorkerPoller
 from engine.messages import KVEventBatch, WorkerLoad, WorkerReport
 
 
 class _Actor:
-    """`report.remote()` answers while `answering` is set, else never."""
+    """`report.remote()` answers while `answering` is set, else never; its
+    report says a step has computed for `step_s`."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.answering = True
+        self.step_s = 0.0
         self.report = self
 
     def remote(self) -> asyncio.Future[WorkerReport]:
         answer: asyncio.Future[WorkerReport] = asyncio.get_running_loop().create_future()
         if self.answering:
-            load = WorkerLoad(self.name, "generation", 0, 0, 0, 10, 10, 0, 0)
+            load = WorkerLoad(
+                self.name, "generation", 0, 1, 0, 10, 10, 0, 0, step_in_flight_s=self.step_s
+            )
             answer.set_result(WorkerReport(load, KVEventBatch(self.name, [])))
         return answer
 
@@ -40,10 +45,11 @@ async def test_a_silent_worker_is_reported_with_how_long_it_has_been_silent(
     endpoints = [WorkerEndpoint(a.name, a, WorkerState(a.name)) for a in actors]
     silent: list[tuple[str, float]] = []
 
-    def on_silent(endpoint: WorkerEndpoint, silent_s: float) -> None:
+    def on_stalled(endpoint: WorkerEndpoint, silent_s: float, how: str) -> None:
+        assert how == SILENT
         silent.append((endpoint.name, silent_s))
 
-    poller = WorkerPoller(lambda: endpoints, ServingMetrics(), on_silent)
+    poller = WorkerPoller(lambda: endpoints, ServingMetrics(), on_stalled)
     poller.start()
     try:
         await asyncio.sleep(0.1)
@@ -62,5 +68,32 @@ async def test_a_silent_worker_is_reported_with_how_long_it_has_been_silent(
         await asyncio.sleep(0.1)
         # Counted from its last answer, not from the first silence (0.6 s ago).
         assert silent and all(s < 0.5 for _, s in silent)
+    finally:
+        await poller.stop()
+
+
+async def test_a_worker_whose_step_hangs_is_unhealthy_and_reported_while_it_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(worker_poller, "POLL_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(worker_poller, "POLL_INTERVAL_S", 0.01)
+    actor = _Actor("w0")
+    endpoint = WorkerEndpoint(actor.name, actor, WorkerState(actor.name))
+    stalled: list[tuple[float, str]] = []
+    poller = WorkerPoller(
+        lambda: [endpoint], ServingMetrics(), lambda _e, s, how: stalled.append((s, how))
+    )
+    poller.start()
+    try:
+        actor.step_s = 0.01  # a step in flight, shorter than a poll timeout: busy, not hung
+        await asyncio.sleep(0.05)
+        assert endpoint.state.healthy and stalled and set(stalled) == {(0.01, STEP_HUNG)}
+        actor.step_s = 0.2
+        await asyncio.sleep(0.05)
+        assert not endpoint.state.healthy and (0.2, STEP_HUNG) in stalled
+        stalled.clear()
+        actor.step_s = 0.0  # the step returned
+        await asyncio.sleep(0.05)
+        assert endpoint.state.healthy and stalled == []
     finally:
         await poller.stop()
