@@ -27,7 +27,10 @@ other ranks of a tensor-parallel instance, a benchmark's child process):
   mmap threshold are unmapped on free; freed memory at the top of a heap is
   trimmed; a thread's own arena drops a heap once it is all free), so the
   next step touches fresh pages that the kernel zero-fills one fault at a
-  time. One arena and thresholds raised to glibc's largest mmap threshold
+  time. glibc raises its mmap threshold as it sees large blocks freed, so
+  how often that happens depends on the step sizes and the glibc build
+  (Debian's 2.36 stops re-faulting a repeated step after about five). One
+  arena and thresholds raised to glibc's largest mmap threshold
   (32 MiB) and a 1 GiB trim keep freed blocks for reuse, as a caching
   allocator would: on the anchor Llama (hidden 256, fp32, one thread) a
   2,048-token prefill step took about 24,000 page faults and 150 ms of CPU,
