@@ -22,9 +22,11 @@ import os
 import re
 import shutil
 import signal
+import site
 import subprocess
 import threading
 import time
+import venv
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -248,6 +250,15 @@ def test_a_gguf_model_reaches_a_node_without_it_and_is_converted_there(
         stop_group(server.process)
 
 
+def _seeded_venv(target: Path) -> None:
+    """A venv whose path ends with this process's site-packages. Plain path
+    lines: the editable install of this checkout (a .pth file there) stays
+    out of it, and pip leaves what it finds there alone."""
+    venv.EnvBuilder(with_pip=True).create(target)
+    (seed,) = (target / "lib").glob("python*/site-packages")
+    (seed / "node-image.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+
+
 def _file_mounts(target: Path) -> None:
     """What `ray up` syncs to `~/disagg` on each node: the project as git lists
     it (tracked and new files; .venv, caches and checkpoints are ignored, as
@@ -269,9 +280,16 @@ def test_ray_up_setup_then_the_readme_command_serves_on_the_cluster(
     ray_cluster: RayCluster, tmp_path: Path
 ) -> None:
     """The on-premise YAML's setup on a scratch home, then its README command
-    (on loopback) joins the module's cluster with `address: auto`."""
+    (on loopback) joins the module's cluster with `address: auto`.
+
+    The node's venv starts out seeing this process's packages (a node image
+    with the dependencies in place), so the setup runs every command, installs
+    the project, the default model and the checkpoint, and leaves the
+    dependencies as they are: installing them from nothing takes minutes, and
+    `make install` on a clean clone does that on every CI run."""
     home = tmp_path / "home"
     _file_mounts(home / "disagg")
+    _seeded_venv(home / "disagg" / ".venv")
     real_home = Path.home()
     env = {
         **os.environ,
