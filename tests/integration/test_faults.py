@@ -62,6 +62,12 @@ def clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run
     running = dict(zip(KINDS, asyncio.run(start()), strict=True))
     try:
         yield running
+
+        async def restarted() -> None:  # the last killed worker came back clean
+            actors = [i.actor for c in running.values() for i in c.instances]
+            await asyncio.gather(*(wait_idle(actor, 30.0) for actor in actors))
+
+        asyncio.run(restarted())
     finally:
 
         async def stop() -> None:
@@ -127,9 +133,13 @@ class Harness:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         return [event async for event in self.router.generate(rid, prompt, params)]
 
-    async def all_idle(self, timeout_s: float = 30.0) -> None:
-        """Every worker (restarted ones included) answers integrity() idle."""
-        await asyncio.gather(*(wait_idle(e.actor, timeout_s) for e in self.router.workers))
+    async def all_idle(self, timeout_s: float = 30.0, killed: str = "") -> None:
+        """Every worker (restarted ones included) answers integrity() idle;
+        but for `killed`, whose restart the next test's harness (or the
+        module's teardown) awaits while the tests go on."""
+        await asyncio.gather(
+            *(wait_idle(e.actor, timeout_s) for e in self.router.workers if e.name != killed)
+        )
 
 
 async def wait_idle(actor: Any, timeout_s: float) -> WorkerIntegrity:
@@ -315,7 +325,7 @@ async def test_killed_context_holder_is_retried_on_the_other_context_worker(
     assert h.metrics.registry.get_sample_value(
         "disagg_dispatch_failures_total", {"phase": "generation"}
     )
-    await h.all_idle()  # the killed holder came back (restarted) with nothing pinned
+    await h.all_idle(killed=holder)
 
 
 @pytest.mark.parametrize("held", [False, True], ids=["at-prefill", "held"])
@@ -333,7 +343,7 @@ async def test_killed_puller_releases_the_holder_and_the_request_reruns(
     # The holder of the first attempt was released by the router's abort,
     # long before its 60 s lease.
     await wait_idle(h.endpoint(holder).actor, 5.0)
-    await h.all_idle()
+    await h.all_idle(killed=puller)
 
 
 async def test_stalled_holder_times_out_then_the_request_reruns_and_both_sides_free(
@@ -589,7 +599,7 @@ async def test_a_side_killed_mid_transfer_reruns_the_request_and_frees_the_other
     assert tokens(events) == expected and events[-1].finish_reason == "length"
     survivor = puller if victim == "holder" else holder
     await wait_idle(h.endpoint(survivor).actor, 5.0)
-    await h.all_idle()
+    await h.all_idle(killed=holder if victim == "holder" else puller)
 
 
 PIPELINED_PROMPT = [10 + (3 * j) % 400 for j in range(300)]  # five 64-token prefill chunks
@@ -624,4 +634,4 @@ async def test_a_side_killed_mid_prompt_of_a_pipelined_pull_reruns_and_frees_the
         assert got == expected[: len(got)] and got
     else:
         assert got == expected and events[-1].finish_reason == "length"
-    await h.all_idle()
+    await h.all_idle(killed=holder if victim == "holder" else puller)
