@@ -1,16 +1,16 @@
-"""`disagg serve` on a Ray cluster of three nodes, one machine: context on one
-node, generation on another, placed by the sections' `resources:`.
+"""`disagg serve` on a Ray cluster of several nodes, one machine: context on
+one node, generation on others, placed by the sections' `resources:`.
 
 The cluster (one per module) is a head at 127.0.0.2 with no CPUs, a node at
-127.0.0.3 offering the custom resource `prefill` and one at 127.0.0.4
+127.0.0.3 offering the custom resource `prefill` and two (127.0.0.4 and .5)
 offering `decode`, each started with `ray start` (tests/ray_nodes.py). Greedy
 outputs must equal transformers' `generate` on the same checkpoint while every
-cache moves between the two node addresses.
+cache moves between node addresses.
 
-A fifth node (127.0.0.6, resource `fresh`, started only by the tests that
-need it) runs under `unshare` with an empty tmpfs over the checkpoints'
-folder: its instances must get the checkpoint copied from the serving node.
-The restart test adds two more, the second of them hidden the same way.
+A node at 127.0.0.6 (resource `fresh`, started only by the GGUF test) runs
+under `unshare` with an empty tmpfs over the checkpoints' folder: its
+instance must get the model copied from the serving node. The restart test
+adds two more, the second of them hidden the same way.
 The `ray up` test runs the on-premise YAML's setup commands in a scratch home
 and then the README's serve command against this cluster.
 """
@@ -174,62 +174,39 @@ def _listening_addresses(cluster: RayCluster, marker: str) -> set[str]:
     return addresses
 
 
-# Each transceiver and each model family across nodes once. Crossing a node
-# changes addresses, not what a model moves: Llama on NIXL and Nemotron-H on
-# the Python transceiver run on one node in test_workers_parity.py.
-@pytest.mark.parametrize("arch,backend", [("llama", "python"), ("nemotron_h", "nixl")])
-def test_context_and_generation_on_two_nodes_match_transformers(
-    ray_cluster: RayCluster,
-    checkpoints: dict[str, Path],
-    tmp_path: Path,
-    arch: str,
-    backend: str,
+def _check_placed_and_serving(server: ServeProcess, checkpoint: Path) -> None:
+    """Context on the prefill node, each generation instance on a decode
+    node (as the plan printed and /metrics say), completions equal to
+    transformers' while every cache crosses between node addresses."""
+    output = "".join(server.output)
+    assert f"context-0 on {PREFILL_NODE}" in output, output
+    generation = dict(re.findall(r"(generation-\d+) on ([\d.]+)", output))
+    assert generation and set(generation.values()) <= set(DECODE_NODES), output
+    assert len(set(generation.values())) == len(generation), output  # one per node
+    metrics = httpx.get(server.base + "/metrics").text
+    nodes = dict(re.findall(r'disagg_worker_node\{node="([\d.]+)",role="(\w+)"', metrics))
+    expected = {PREFILL_NODE: "context"} | dict.fromkeys(generation.values(), "generation")
+    assert nodes == expected, metrics
+    _check_greedy_completions(server, checkpoint)
+    routed = re.findall(
+        r'disagg_routed_requests_total\{phase="(\w+)"', httpx.get(server.base + "/metrics").text
+    )
+    assert "context" in routed and "generation" in routed
+
+
+# Each transceiver and each model family across nodes once: Nemotron-H on
+# NIXL here, Llama on the Python transceiver in the lost-node test below.
+# Crossing a node changes addresses, not what a model moves: Llama on NIXL
+# and Nemotron-H on the Python transceiver run on one node in
+# test_workers_parity.py.
+def test_nemotron_h_on_nixl_across_two_nodes_matches_transformers(
+    ray_cluster: RayCluster, checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
-    checkpoint = checkpoints[arch]
-    config = _config(tmp_path, ray_cluster, backend)
+    checkpoint = checkpoints["nemotron_h"]
+    config = _config(tmp_path, ray_cluster, "nixl")
     server: ServeProcess = start_serve(config, checkpoint, env=ray_cluster.env)
     try:
-        output = "".join(server.output)
-        assert f"context-0 on {PREFILL_NODE}" in output, output
-        decode_node = re.search(r"generation-0 on ([\d.]+)", output)
-        assert decode_node and decode_node.group(1) in DECODE_NODES, output
-        metrics = httpx.get(server.base + "/metrics").text
-        nodes = dict(re.findall(r'disagg_worker_node\{node="([\d.]+)",role="(\w+)"', metrics))
-        assert nodes == {PREFILL_NODE: "context", decode_node.group(1): "generation"}, metrics
-        _check_greedy_completions(server, checkpoint)
-        routed = re.findall(
-            r'disagg_routed_requests_total\{phase="(\w+)"', httpx.get(server.base + "/metrics").text
-        )
-        assert "context" in routed and "generation" in routed
-        if backend == "python":  # the cache listeners bind to their node, not 0.0.0.0
-            assert _listening_addresses(ray_cluster, "ContextWorker") == {PREFILL_NODE}
-    finally:
-        stop_group(server.process)
-
-
-def test_a_node_without_the_checkpoint_gets_a_checked_copy_once(
-    ray_cluster: RayCluster, checkpoints: dict[str, Path], fresh_node: Path, tmp_path: Path
-) -> None:
-    checkpoint = checkpoints["llama"]
-    config = _config(tmp_path, ray_cluster, "python", generation_resource="fresh")
-    copy = fresh_node / "checkpoints" / manifest_of(checkpoint).digest / checkpoint.name
-    server = start_serve(config, checkpoint, ray_cluster.env)
-    try:
-        output = "".join(server.output)
-        assert f"generation-0 on {FRESH_NODE}" in output, output
-        assert "generation-0: copying llama" in output, output
-        assert "generation-0: copied llama, every file's size and sha256 checked" in output
-        _check_greedy_completions(server, checkpoint)
-    finally:
-        stop_group(server.process)
-    assert manifest_of(copy) == manifest_of(checkpoint)
-    # The next start loads the node's copy as it is.
-    server = start_serve(config, checkpoint, ray_cluster.env)
-    try:
-        output = "".join(server.output)
-        assert f"generation-0: using this node's copy of llama at {copy}" in output, output
-        assert "copying" not in output
-        _check_greedy_completions(server, checkpoint)
+        _check_placed_and_serving(server, checkpoint)
     finally:
         stop_group(server.process)
 
@@ -316,33 +293,51 @@ def test_ray_up_setup_then_the_readme_command_serves_on_the_cluster(
         stop_group(server.process)
 
 
-def test_an_instance_whose_node_dies_restarts_on_a_node_without_the_files(
+def test_an_instance_whose_node_dies_restarts_from_a_checked_copy_that_the_next_start_reuses(
     ray_cluster: RayCluster,
     checkpoints: dict[str, Path],
     tmp_path: Path,
 ) -> None:
+    """Ray restarts the instance of a dead node on a node without the
+    checkpoint's folder: it copies the files there (each file's size and
+    sha256 checked) and serves the same tokens; the next `disagg serve`
+    loads that node's copy as it is."""
     checkpoint = checkpoints["llama"]
     first = start_node(ray_cluster, MOVING_NODES[0], 1, {"moving": 1})
     config = _config(tmp_path, ray_cluster, "python", generation_resource="moving")
+    copy = tmp_path / "second-node-checkpoints"
+    copied = copy / manifest_of(checkpoint).digest / checkpoint.name
     server = start_serve(config, checkpoint, ray_cluster.env)
     try:
         output = "".join(server.output)
         assert f"generation-0 on {MOVING_NODES[0]}" in output, output
         _check_greedy_completions(server, checkpoint)
-        cache = tmp_path / "second-node-checkpoints"
         hidden = checkpoint.parent
-        start_node(ray_cluster, MOVING_NODES[1], 1, {"moving": 1}, hidden, {CACHE_ENV: str(cache)})
+        start_node(ray_cluster, MOVING_NODES[1], 1, {"moving": 1}, hidden, {CACHE_ENV: str(copy)})
         first.stop(signal.SIGKILL)
         deadline = time.monotonic() + 240
-        while not (cache / manifest_of(checkpoint).digest / checkpoint.name).is_dir():
+        while not copied.is_dir():  # the restarted worker's copy is in place
             assert time.monotonic() < deadline, "".join(server.output)
             time.sleep(1)
         while _health(server)["healthy_workers"] != {"context": 1, "generation": 1}:
             assert time.monotonic() < deadline, _health(server)
             time.sleep(1)
         _check_greedy_completions(server, checkpoint)
+        output = "".join(server.output)
+        assert "generation-0: copying llama" in output, output
+        assert "generation-0: copied llama, every file's size and sha256 checked" in output
         # The restarted worker listens on its new node's address.
         assert _listening_addresses(ray_cluster, "GenerationWorker") == {MOVING_NODES[1]}
+    finally:
+        stop_group(server.process)
+    assert manifest_of(copied) == manifest_of(checkpoint)
+    server = start_serve(config, checkpoint, ray_cluster.env)
+    try:
+        output = "".join(server.output)
+        assert f"generation-0 on {MOVING_NODES[1]}" in output, output
+        assert f"generation-0: using this node's copy of llama at {copied}" in output, output
+        assert "copying" not in output
+        _check_greedy_completions(server, checkpoint)
     finally:
         stop_group(server.process)
 
@@ -378,14 +373,21 @@ def _stream(server: ServeProcess, model: str, prompt: str, started: threading.Ev
     return "error: the stream ended without [DONE]"
 
 
-def test_a_lost_generation_node_fails_its_streams_and_the_rest_keep_serving(
+def test_llama_on_python_across_nodes_then_a_lost_generation_node_fails_only_its_streams(
     ray_cluster: RayCluster, checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Runs last: it kills one of the module cluster's nodes."""
+    """Two generation instances on two nodes serve transformers' tokens, the
+    cache listeners bound to their node's address; then one node is killed
+    mid-stream: its streams end with an error naming it, the others finish,
+    and the survivors serve on. Runs last: it kills one of the module
+    cluster's nodes."""
     checkpoint = checkpoints["llama"]
     config = _config(tmp_path, ray_cluster, "python", num_generation=2, cache_tokens=4096)
     server = start_serve(config, checkpoint, ray_cluster.env)
     try:
+        _check_placed_and_serving(server, checkpoint)
+        # The cache listeners bind to their node, not 0.0.0.0.
+        assert _listening_addresses(ray_cluster, "ContextWorker") == {PREFILL_NODE}
         output = "".join(server.output)
         victim_ip = re.search(r"generation-1 on ([\d.]+)", output)
         assert victim_ip, output
