@@ -20,7 +20,9 @@ Five parts, each a list of rows with an `ok` field:
 Writes one JSON report (`--out`) and prints a short table; exits 1 if any
 row failed. Under `--device cpu` the Triton kernels run in the interpreter
 and are forced for CPU tensors, so the layers take the code paths CUDA
-tensors take; sizes and batch lists shrink to keep it a smoke test.
+tensors take; sizes and batch lists shrink to keep it a smoke test, the
+kernels run in fp32 only (their bf16 cases are in tests/unit) and the
+engine's CUDA-graph row, eager on CPU, is left out.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def _prepare_environment(device: str) -> None:
 def _run_parts(args: argparse.Namespace, device: str, root: Path) -> dict[str, Any]:
     from benchmarks.gpu_check.engine_run import check_engine
     from benchmarks.gpu_check.engine_setup import checkpoint
+    from benchmarks.gpu_check.kernels import DTYPES as KERNEL_DTYPES
     from benchmarks.gpu_check.kernels import check_kernels
     from benchmarks.gpu_check.parity import check_models
     from benchmarks.gpu_check.throughput import check_throughput
@@ -85,7 +88,9 @@ def _run_parts(args: argparse.Namespace, device: str, root: Path) -> dict[str, A
     plan = {
         "models": lambda: check_models(root, device, steps=16 if on_gpu else 3),
         "engine": lambda: check_engine(root, device, new_tokens=12 if on_gpu else 3),
-        "kernels": lambda: check_kernels(device, scale=8 if on_gpu else 1),
+        "kernels": lambda: check_kernels(
+            device, scale=8 if on_gpu else 1, dtypes=KERNEL_DTYPES if on_gpu else ("float32",)
+        ),
         "transfer": lambda: [check_transfer(device, num_blocks=128 if on_gpu else 8)],
         "throughput": lambda: check_throughput(
             checkpoint(root, "llama", "small" if on_gpu else "tiny"),

@@ -9,7 +9,7 @@ is reported.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -106,11 +106,11 @@ def _block_copies(device: str, dtype: str, num_blocks: int) -> list[dict[str, An
     return rows
 
 
-def check_kernels(device: str, scale: int) -> list[dict[str, Any]]:
+def check_kernels(device: str, scale: int, dtypes: Iterable[str] = DTYPES) -> list[dict[str, Any]]:
     """`scale` 1 for the CPU interpreter; larger multiplies lengths and batches."""
     torch.manual_seed(0)
     rows: list[dict[str, Any]] = []
-    for dtype in DTYPES:
+    for dtype in dtypes:
         rows.append(_attention(device, dtype, [37 * scale, 1, 16 * scale]))
         # Few sequences, long context: the keys split over programs.
         rows.append(_attention(device, dtype, [600 * scale]))

@@ -10,8 +10,10 @@ GPUs (one per rank), and the same code over gloo on CPU.
 
 Greedy tokens must equal transformers' (fp32) on the same checkpoint. The
 NCCL cases need two CUDA devices and cover Llama (GQA, KV heads split) and
-Nemotron-H (Mamba2, attention, MLP, MoE); the gloo case runs everywhere,
-on Nemotron-H, so the GPU cases' path is exercised on every `make test`.
+Nemotron-H (Mamba2, attention, MLP, MoE); the gloo case (context TP 2 ->
+generation TP 1 on Nemotron-H) runs everywhere, so the helpers the GPU
+cases use run on every `make test`. Aggregated TP 2 over gloo is served
+through `disagg serve` in tests/integration/test_tensor_parallel_serve.py.
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ from cluster.launcher import init_local_ray
 from models.embedded.writer import ensure_checkpoint
 from tests.launched_cluster import context_parallel_refusal, serve_greedy, transformers_greedy
 
-CASES = [
+NCCL = [
     pytest.param("llama", 1, id="llama-nccl", marks=pytest.mark.gpu(2)),
     pytest.param("nemotron_h", 1, id="nemotron_h-nccl", marks=pytest.mark.gpu(2)),
-    pytest.param("nemotron_h", 0, id="nemotron_h-gloo"),
 ]
+CASES = [*NCCL, pytest.param("nemotron_h", 0, id="nemotron_h-gloo")]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("tp-cluster")
 
 
-@pytest.mark.parametrize(("arch", "num_gpus"), CASES)
+@pytest.mark.parametrize(("arch", "num_gpus"), NCCL)
 async def test_aggregated_tp2_equals_transformers(
     ray_session: None, root: Path, arch: str, num_gpus: int
 ) -> None:
