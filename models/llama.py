@@ -212,6 +212,8 @@ class LlamaForCausalLM(CausalLM):
         """Load by checkpoint name, then fuse Q/K/V and gate/up and prepack the
         other projections and the head (see `FusedLinear`)."""
         super().load_weights(weights)
+        if self.lm_head.weight.is_meta:  # a shape-only load (the checkpoint check):
+            return  # nothing to fuse, and concatenating meta tensors imports torch._dynamo
         self.logits_head = FusedLinear([self.lm_head])
         for module in self.modules():
             if isinstance(module, LlamaAttention | SwiGLUMLP):

@@ -30,7 +30,11 @@ def rotary_dim(head_dim: int, rope: RopeConfig) -> int:
 
 
 def default_inv_freq(theta: float, dim: int) -> torch.Tensor:
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    # On the CPU whatever the default device (`cos_sin` moves it to the
+    # step's): under the meta device of the serve command's checkpoint check,
+    # these ops would run torch._refs code, whose first call imports
+    # torch._dynamo (seconds of every start).
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim
     return 1.0 / (theta**exponents)
 
 

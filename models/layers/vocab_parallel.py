@@ -22,8 +22,9 @@ class VocabParallelEmbedding(torch.nn.Module):
         self.tp = tp
         self.num_rows = vocab_rows_per_rank(vocab_size, tp.size)
         self.first_row = tp.rank * self.num_rows
+        # Not initialized: `load_weights` fills it or names it missing (and an
+        # init on the meta device would import torch._dynamo, as in rotary.py).
         self.weight = torch.nn.Parameter(torch.empty(self.num_rows, hidden_size))
-        torch.nn.init.normal_(self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

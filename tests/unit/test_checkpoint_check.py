@@ -1,0 +1,62 @@
+"""The serve command's checkpoint check builds each model on the meta device
+and loads the safetensors headers' shapes into it. It must stay cheap: no op
+on the way may run torch._refs code, whose first call imports torch._dynamo
+(1.5-3 s of every `disagg serve` start on a 2-core machine)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster.checkpoint_check import check_checkpoint
+from cluster.config import ConfigError
+from models.embedded.writer import ensure_checkpoint
+
+ARCHS = ("llama", "nemotron_h", "nemotron_vl")
+CHECK = """
+import json, sys
+from cluster.checkpoint_check import check_checkpoint
+for path in sys.argv[1:]:
+    check_checkpoint(path)
+print(json.dumps(sorted(name for name in sys.modules if name.startswith("torch._dynamo"))))
+"""
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    root = tmp_path_factory.mktemp("checked")
+    return [ensure_checkpoint(root / arch, arch, "tiny") for arch in ARCHS]
+
+
+def test_the_check_of_every_model_family_imports_no_dynamo(checkpoints: list[Path]) -> None:
+    # A fresh process: this one imported dynamo long ago (transformers does).
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK, *map(str, checkpoints)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == []
+
+
+def test_a_mis_shaped_tensor_is_still_refused(checkpoints: list[Path], tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    llama = checkpoints[0]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for item in llama.iterdir():
+        if item.suffix != ".safetensors":
+            (broken / item.name).write_bytes(item.read_bytes())
+    tensors = load_file(llama / "model.safetensors")
+    name = next(n for n in tensors if n.endswith("self_attn.k_proj.weight"))
+    tensors[name] = tensors[name][:-1].contiguous()
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=f"{name}: expected shape"):
+        check_checkpoint(broken)
