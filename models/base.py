@@ -88,6 +88,12 @@ class CausalLM(torch.nn.Module):
         if missing or unexpected or mismatched:
             raise CheckpointError(self._describe_mismatch(missing, unexpected, mismatched))
 
+    def process_weights_after_loading(self) -> None:
+        """Rearrange loaded weights for inference (fusions, prepacking); the
+        loader calls it once after `load_weights`. The default does nothing.
+        A shape-only load (the checkpoint check, on the meta device) does not
+        call it: there is nothing to rearrange."""
+
     def _describe_mismatch(
         self, missing: list[str], unexpected: list[str], mismatched: list[str]
     ) -> str:

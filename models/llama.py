@@ -13,7 +13,6 @@ mlp.{gate,up,down}_proj, input_layernorm, post_attention_layernorm}`,
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
@@ -208,12 +207,9 @@ class LlamaForCausalLM(CausalLM):
             logits = self.lm_head(hidden)
         return gather_vocab(logits, self.config.tp, self.config.vocab_size)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load by checkpoint name, then fuse Q/K/V and gate/up and prepack the
-        other projections and the head (see `FusedLinear`)."""
-        super().load_weights(weights)
-        if self.lm_head.weight.is_meta:  # a shape-only load (the checkpoint check):
-            return  # nothing to fuse, and concatenating meta tensors imports torch._dynamo
+    def process_weights_after_loading(self) -> None:
+        """Fuse Q/K/V and gate/up and prepack the other projections and the
+        head (see `FusedLinear`)."""
         self.logits_head = FusedLinear([self.lm_head])
         for module in self.modules():
             if isinstance(module, LlamaAttention | SwiGLUMLP):

@@ -62,6 +62,7 @@ def load_model(
     model.load_weights(
         iter_checkpoint_tensors(checkpoint_dir, lambda name: weight_cut(name, full, tp))
     )
+    model.process_weights_after_loading()
     model.eval()
     return model, config
 

@@ -162,6 +162,9 @@ class NemotronVLForCausalLM(CausalLM):
         if problems:
             raise CheckpointError(f"{type(self).__name__}: " + "; ".join(problems))
 
+    def process_weights_after_loading(self) -> None:
+        self.language_model.process_weights_after_loading()
+
     @staticmethod
     def _language_model_weights(
         weights: Iterable[tuple[str, torch.Tensor]],

@@ -65,6 +65,11 @@ def test_single_file_loads_every_tensor(
     model, config = load_model(checkpoint)
     assert config.dtype == "float32" and not model.training
     assert_same_weights(model, reference)
+    # The loader ran the model's post-load step: Llama's fused projections
+    # and prepacked head are built from (and current with) the loaded weights.
+    assert model.logits_head is not None and model.logits_head.is_current()
+    attention = model.model.layers[0].self_attn
+    assert attention.qkv is not None and attention.qkv.is_current()
 
 
 def test_wrong_shape_names_tensor_and_shapes(checkpoint: Path) -> None:
