@@ -143,10 +143,12 @@ def parse_signature(request_id: str, source: dict[str, Any]) -> LayoutSignature:
 
 
 def check_signature(
-    request_id: str, source: dict[str, Any], dest: dict[str, Any], ignore: tuple[str, ...] = ()
+    request_id: str,
+    source: LayoutSignature,
+    dest: LayoutSignature,
+    ignore: tuple[str, ...] = (),
 ) -> None:
     """Raise `LayoutMismatch` naming every differing field (except `ignore`)."""
-    theirs = parse_signature(request_id, source)
-    differing = theirs.diff(LayoutSignature.from_dict(dest), ignore)
+    differing = source.diff(dest, ignore)
     if differing:
         raise LayoutMismatch(request_id, differing)

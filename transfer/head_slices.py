@@ -112,9 +112,7 @@ def plan_pull(
     if same_heads(holder, dest):
         # V1 <-> V2 is bridged segment by segment, and the same heads may sit
         # on ranks of different position (a replicated KV head); the rest agrees.
-        check_signature(
-            request_id, source, dest.to_dict(), ignore=("manager", "tp_size", "tp_rank")
-        )
+        check_signature(request_id, holder, dest, ignore=("manager", "tp_size", "tp_rank"))
         return [
             SlicePair(s.buffer, s.offset, d.buffer, d.offset, s.length, 1, s.length, d.length)
             for s, d in plan_ranges(request_id, src, dst)

@@ -37,7 +37,7 @@ def check_layout(handle: TransferHandle, dest: LayoutSignature) -> LayoutSignatu
     check_shards(rid, source, dest)
     if same_heads(source, dest):
         # A replicated head may sit on a rank of another position.
-        check_signature(rid, handle.signature, dest.to_dict(), ignore=("tp_size", "tp_rank"))
+        check_signature(rid, source, dest, ignore=("tp_size", "tp_rank"))
     return source
 
 
