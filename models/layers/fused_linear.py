@@ -22,19 +22,23 @@ weights in host memory. In fp32 oneDNN accumulates in another order than
 `F.linear`: outputs differ in the last bits (about 3e-6 relative), well inside
 the parity tests' tolerance against `transformers`.
 
-A decode-sized matmul over a small weight runs on the calling thread alone
-(`single_threaded`). With passive OpenMP waits (`engine.process_env`) every
-parallel region wakes the team's sleeping threads and joins them again; in a
-VM a wake takes tens of microseconds, as long as the whole product of a few
-rows with a weight of a few MiB, which one core streams at memory speed. A
-larger weight (the MLP's gate/up, the logits head) or a prefill still uses
-every thread. SmolLM2-135M in fp32 on 2 threads of a 2-vCPU KVM guest: Q/K/V,
-o_proj and down_proj (1.3-3.5 MB) on one thread, a decode step's threads
-sleep 64 times instead of 244, and the step takes 2-3% less time and 3-5%
-less CPU (the same process alternating both, step by step). A whole decode
-step on one thread goes too far: alone it takes as long as on two (23.7 vs
-24.0 ms at batch 1, `benchmarks.thread_counts`), but the served aggregated
-instance then had a 5-10% higher ITL p50 (three A/B pairs against this rule).
+In fp32 a product of at most `ROW_MAJOR_MAX_ROWS` rows (a decode step of one
+or two sequences) runs on the row-major weight through `F.linear` instead:
+there oneDNN's blocked product is the slower of the two. SmolLM2-135M's
+products (30 layers, weights streamed from memory, 2 threads,
+`python -m benchmarks.linear_paths --model smollm2`): 1 row row-major
+29.4 ms against blocked 38.0, 2 rows 30.5 against 40.4, but 4 rows 48.5
+against 39.3 and 8 rows 51.1 against 36.6; in bf16 the blocked product is
+the faster at every row count (1 row 22.8 against 30.6). A SmolLM2 decode
+step at batch 1 took 44-49 ms against 65-75 ms before (alternating runs).
+
+Every product uses all of torch's threads. Running the products of up to 8
+rows over a weight under 4 MiB on the calling thread alone (so that passive
+OpenMP waits need not wake the team) saved 2-3% of a decode step on a host
+where one thread streamed memory at about 30 GB/s, but on one where one
+thread streams 8.7 GB/s and two 14.9 it made those products 30% slower
+(blocked, 1 to 16 rows: 48-63 ms against 37-48 ms on both threads), so
+that rule is gone: a memory-bound product wants every core's bandwidth.
 
 Anything that gives a layer a new tensor (`model.to(...)` across dtypes or
 devices, assigning a parameter) or writes into a weight after packing makes
@@ -44,7 +48,7 @@ one by one, which is always correct.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -53,10 +57,9 @@ import torch.nn.functional as F
 _PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The step size the blocked layout is tuned for; any row count still works.
 _PACK_BATCH_HINT = 32
-# A product of at most this many rows with a weight of fewer bytes runs on
-# one thread: memory-bound, and shorter than waking and joining a second.
-SINGLE_THREAD_MAX_ROWS = 8
-SINGLE_THREAD_MAX_WEIGHT_BYTES = 4 << 20
+# An fp32 product of at most this many rows runs on the row-major weight
+# (`F.linear`), where it is faster than the blocked copy's.
+ROW_MAJOR_MAX_ROWS = 2
 
 
 class FusedLinear:
@@ -95,9 +98,7 @@ class FusedLinear:
                 self._point_layers_at_fused_storage()
             self.packed = _pack_for_cpu(self.weight)
         self._expected = self._stamps()  # what `is_current` compares against
-        self._small = self.weight.numel() * self.weight.element_size() < (
-            SINGLE_THREAD_MAX_WEIGHT_BYTES
-        )
+        self._row_major_rows = self.weight.dtype == torch.float32
 
     def _point_layers_at_fused_storage(self) -> None:
         start = 0
@@ -127,31 +128,20 @@ class FusedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`[..., sum(out_features)]`: the layers' outputs side by side, in order."""
-        if self.packed is not None and x.dtype == self.weight.dtype and x.device.type == "cpu":
-            if self.single_threaded(x):
-                return _on_one_thread(self._packed_matmul, x)
-            return self._packed_matmul(x)
-        return F.linear(x, self.weight, self.bias)
+        if self.packed is None or x.dtype != self.weight.dtype or x.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        if self.row_major(x):
+            return F.linear(x, self.weight, self.bias)
+        return self._packed_matmul(x)
 
-    def single_threaded(self, x: torch.Tensor) -> bool:
-        """Whether `self(x)` runs on the calling thread alone (see the module docstring)."""
-        rows = x.numel() // max(x.shape[-1], 1)
-        return self._small and rows <= SINGLE_THREAD_MAX_ROWS
+    def row_major(self, x: torch.Tensor) -> bool:
+        """Whether a packed fusion multiplies `x` on the row-major weight
+        (fp32, at most `ROW_MAJOR_MAX_ROWS` rows; see the module docstring)."""
+        return self._row_major_rows and x.numel() <= ROW_MAJOR_MAX_ROWS * x.shape[-1]
 
     def _packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
         assert self.packed is not None
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-def _on_one_thread(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    threads = torch.get_num_threads()
-    if threads == 1:
-        return fn(x)
-    torch.set_num_threads(1)
-    try:
-        return fn(x)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _pack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:

@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
-from models.layers.fused_linear import (
-    SINGLE_THREAD_MAX_ROWS,
-    SINGLE_THREAD_MAX_WEIGHT_BYTES,
-    FusedLinear,
-)
+from models.layers.fused_linear import ROW_MAJOR_MAX_ROWS, FusedLinear
 from models.layers.linear_mlp import SwiGLUMLP
 
 
@@ -91,48 +85,44 @@ def test_cpu_layers_are_prepacked_and_a_later_write_falls_back(dtype: torch.dtyp
     assert not fused.is_current()
 
 
-@pytest.fixture
-def two_threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
-def _threads_inside(fused: FusedLinear, rows: int, monkeypatch: pytest.MonkeyPatch) -> int:
-    """torch's thread count while `fused` multiplies `rows` rows."""
-    seen: list[int] = []
+def _packed_products(
+    fused: FusedLinear, rows: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> int:
+    """How many blocked products `fused` runs to multiply `rows` rows (the
+    result checked against the layer's own)."""
+    calls: list[int] = []
     matmul = FusedLinear._packed_matmul
 
     def recording(self: FusedLinear, x: torch.Tensor) -> torch.Tensor:
-        seen.append(torch.get_num_threads())
+        calls.append(x.shape[0])
         return matmul(self, x)
 
     monkeypatch.setattr(FusedLinear, "_packed_matmul", recording)
     layer = fused.linears[0]
-    x = torch.randn(rows, layer.in_features)
-    torch.testing.assert_close(fused(x), layer(x), rtol=1e-5, atol=1e-5)
-    assert len(seen) == 1
-    return seen[0]
+    x = torch.randn(rows, layer.in_features, dtype=dtype)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fused(x), layer(x), rtol=tolerance, atol=tolerance)
+    return len(calls)
 
 
-@pytest.mark.usefixtures("two_threads")
-def test_a_few_rows_over_a_small_weight_run_on_the_calling_thread_alone(
+def test_fp32_products_of_one_or_two_rows_use_the_row_major_weight(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     torch.manual_seed(0)
-    fused = FusedLinear([torch.nn.Linear(64, 256, bias=False)])
-    assert _threads_inside(fused, SINGLE_THREAD_MAX_ROWS, monkeypatch) == 1
-    assert torch.get_num_threads() == 2
-    # A prefill-sized product is compute-bound: every thread.
-    assert _threads_inside(fused, SINGLE_THREAD_MAX_ROWS + 1, monkeypatch) == 2
+    fused = FusedLinear([torch.nn.Linear(64, 256, bias=True)])
+    assert fused.packed is not None
+    for rows in range(1, ROW_MAJOR_MAX_ROWS + 1):
+        assert _packed_products(fused, rows, torch.float32, monkeypatch) == 0
+    assert _packed_products(fused, ROW_MAJOR_MAX_ROWS + 1, torch.float32, monkeypatch) == 1
 
 
-@pytest.mark.usefixtures("two_threads")
-def test_a_weight_of_the_limit_or_more_keeps_every_thread(
+@pytest.mark.skipif(
+    not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 on this CPU"
+)
+def test_bf16_products_use_the_blocked_copy_at_every_row_count(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     torch.manual_seed(0)
-    rows = SINGLE_THREAD_MAX_WEIGHT_BYTES // (64 * 4)  # fp32 [rows, 64]: the limit exactly
-    fused = FusedLinear([torch.nn.Linear(64, rows, bias=False)])
-    assert _threads_inside(fused, 1, monkeypatch) == 2
+    fused = FusedLinear([torch.nn.Linear(64, 256, bias=False).to(torch.bfloat16)])
+    assert fused.packed is not None
+    assert _packed_products(fused, 1, torch.bfloat16, monkeypatch) == 1

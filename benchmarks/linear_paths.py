@@ -1,0 +1,120 @@
+"""A model's linear products on each CPU path, at decode-sized row counts.
+
+Loads a checkpoint as a worker does (fused and prepacked, `FusedLinear`),
+then for each row count times one pass over every fused product of the
+model in layer order, as a decode step reads them (weights streamed from
+memory, not from cache, for any model larger than the cache), on two paths:
+oneDNN's blocked copy of the weights, and the row-major weight through
+`F.linear`. Passes alternate between the paths, so load from other processes
+hits both alike; the median pass is printed, with the path `FusedLinear`
+takes at that row count. It runs in the environment served CPU workers start
+with (`engine.process_env`), re-executing itself if needed. What it is for:
+checking `FusedLinear`'s choice of path on another CPU.
+
+    python -m benchmarks.linear_paths --model smollm2 --rows 1 2 4 8 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.process_env import cpu_engine_env
+from models.layers.fused_linear import FusedLinear
+from models.loader import load_model
+
+PATHS = ("blocked", "row-major")
+
+
+@dataclass
+class RowResult:
+    rows: int
+    chosen: str  # the path FusedLinear takes at this row count
+    seconds: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PATHS})
+
+    def line(self) -> str:
+        times = "  ".join(
+            f"{path} {statistics.median(self.seconds[path]) * 1e3:8.2f} ms" for path in PATHS
+        )
+        return f"{self.rows:5d} rows: {times}   (FusedLinear: {self.chosen})"
+
+
+def fusions(model: torch.nn.Module) -> list[FusedLinear]:
+    """The model's fused products in the order a step runs them (layer by
+    layer, the logits head last), each once."""
+    found: dict[int, FusedLinear] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, FusedLinear) and value.packed is not None:
+                found.setdefault(id(value), value)
+    ordered = list(found.values())
+    head = [f for f in ordered if f is getattr(model, "logits_head", None)]
+    return [f for f in ordered if f not in head] + head
+
+
+def _pass(products: list[FusedLinear], inputs: dict[int, torch.Tensor], path: str) -> float:
+    start = time.perf_counter()
+    for fused in products:
+        x = inputs[fused.weight.shape[1]]
+        if path == "blocked":
+            fused._packed_matmul(x)
+        else:
+            F.linear(x, fused.weight, fused.bias)
+    return time.perf_counter() - start
+
+
+def measure(checkpoint: Path, dtype: str, rows: list[int], reps: int) -> list[RowResult]:
+    """Median pass per path and row count, the first (warm-up) pass of each left out."""
+    model, _ = load_model(checkpoint, dtype=dtype)
+    products = fusions(model)
+    if not products:
+        raise SystemExit(f"{checkpoint}: no prepacked products (dtype {dtype} on this CPU?)")
+    widths = {f.weight.shape[1] for f in products}
+    results = []
+    for count in rows:
+        inputs = {w: torch.randn(count, w, dtype=products[0].weight.dtype) for w in widths}
+        x = inputs[products[0].weight.shape[1]]
+        result = RowResult(count, "row-major" if products[0].row_major(x) else "blocked")
+        with torch.inference_mode():
+            for rep in range(reps + 1):
+                for path in PATHS:
+                    seconds = _pass(products, inputs, path)
+                    if rep:
+                        result.seconds[path].append(seconds)
+        results.append(result)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a local HF folder, or 'smollm2' (default: the anchor)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
+    parser.add_argument("--reps", type=int, default=7, help="timed passes per path and row count")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    env = {**os.environ, **cpu_engine_env()}
+    if any(os.environ.get(name) != value for name, value in env.items()):
+        # The C runtime reads these at start: run again in the served workers' environment.
+        arguments = sys.argv[1:] if argv is None else argv
+        os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *arguments], env)
+    from benchmarks.serve_compare import resolve_model
+
+    torch.set_num_threads(args.threads)
+    checkpoint = resolve_model(args.model)
+    print(f"{checkpoint.name}, {args.dtype}, {args.threads} threads, one pass over every product")
+    for result in measure(checkpoint, args.dtype, args.rows, args.reps):
+        print("  " + result.line())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
