@@ -19,8 +19,9 @@ other ranks of a tensor-parallel instance, a benchmark's child process):
   p50 of 6.5-7.9 ms against 4.9-5.3 passive and a TTFT p50 of 44-48
   against 36-37 ms, and SmolLM2 at one request per second an ITL p50 of
   44 / 57 against 48 / 49 ms (two alternating rounds each). Passive waits
-  make each parallel region pay a thread wake, which
-  `FusedLinear` avoids for decode-sized products over small weights.
+  make each parallel region pay a thread wake; running decode-sized
+  products on one thread to skip it was tried and dropped (see
+  `FusedLinear`): where one thread cannot saturate memory it costs more.
 - `MALLOC_ARENA_MAX=1`, `MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`
   (glibc; other C libraries ignore them): a step frees its activations when
   it ends, and by default glibc returns them to the kernel (blocks above its
