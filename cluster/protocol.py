@@ -14,8 +14,24 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.sampling import MAX_SEED, MIN_SEED
+
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+
+
+def _unicode_text(value: str) -> str:
+    """`value`, unless it holds an unpaired UTF-16 surrogate: JSON lets a
+    string carry one as an escape ("\\ud800"), and it decodes to a code
+    point that is not text, which no tokenizer encodes. Applied to every
+    string that reaches the tokenizer or the stop-string matcher."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"character {exc.start} is an unpaired surrogate escape; send valid Unicode text"
+        ) from None
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -36,7 +52,7 @@ class SamplingFields(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
@@ -61,6 +77,8 @@ class SamplingFields(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
+        for stop in stops:
+            _unicode_text(stop)
         return value
 
     @model_validator(mode="after")
@@ -120,6 +138,8 @@ class CompletionRequest(SamplingFields):
             raise ValueError("prompt must not be empty")
         if isinstance(value, list) and min(value) < 0:
             raise ValueError("prompt token ids must be non-negative")
+        if isinstance(value, str):
+            _unicode_text(value)
         return value
 
     @field_validator("multi_modal_data")
@@ -191,6 +211,21 @@ class ChatMessage(BaseModel):
                     "this server takes 'text' and 'image_url' parts"
                 )
         return value
+
+    @field_validator("content")
+    @classmethod
+    def _text_content(
+        cls, value: str | list[TextPart | ImagePart] | None
+    ) -> str | list[TextPart | ImagePart] | None:
+        for part in value if isinstance(value, list) else [value]:
+            if isinstance(part, str | TextPart):
+                _unicode_text(part if isinstance(part, str) else part.text)
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _text_name(cls, value: str | None) -> str | None:
+        return value if value is None else _unicode_text(value)
 
     def parts(self) -> list[TextPart | ImagePart]:
         if self.content is None:

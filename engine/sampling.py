@@ -43,6 +43,12 @@ from engine.token_history import TokenHistory
 MAX_LOGPROBS = 20  # OpenAI's limit on top logprobs per token
 
 
+# A request's seed is a 64-bit signed int (as vLLM's): torch's generators
+# take [-2**63, 2**64) and raise on anything else, which would fail a whole
+# engine step rather than the one request.
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops.
@@ -83,7 +89,11 @@ class SamplingParams:
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an int >= 0 (0 or -1: off)")
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]")
-        _check(self.seed is None or _is_int(self.seed), "seed", "an int or None")
+        _check(
+            self.seed is None or (_is_int(self.seed) and MIN_SEED <= self.seed <= MAX_SEED),
+            "seed",
+            "a 64-bit signed int or None",
+        )
         _check(
             _finite(self.repetition_penalty) and self.repetition_penalty > 0,
             "repetition_penalty",

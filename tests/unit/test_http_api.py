@@ -90,6 +90,33 @@ def test_more_than_one_choice_and_broken_json_have_clear_messages() -> None:
     assert "not valid JSON" in response.json()["error"]["message"]
 
 
+def test_a_seed_must_fit_64_bits() -> None:
+    for seed in (2**63, -(2**63) - 1, 2**80):
+        body = {"model": "m", "prompt": "x", "seed": seed}
+        assert validation_error(_errors(CompletionRequest, body)).param == "seed"
+    for seed in (-(2**63), 2**63 - 1):
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "seed": seed})
+
+
+def test_text_with_an_unpaired_surrogate_escape_is_refused_naming_the_field() -> None:
+    lone = json.loads('"ab\\ud800"')  # what a JSON body's "ab\ud800" decodes to
+    pair = json.loads('"\\ud83d\\ude00"')  # a surrogate pair is one character: fine
+    completions = [({"prompt": lone}, "prompt"), ({"prompt": "x", "stop": [lone]}, "stop")]
+    for fields, param in completions:
+        error = validation_error(_errors(CompletionRequest, {"model": "m", **fields}))
+        assert error.param == param and "unpaired surrogate" in error.message
+    CompletionRequest.model_validate({"model": "m", "prompt": pair, "stop": pair})
+    messages = [
+        ({"role": "user", "content": lone}, "messages.0.content"),
+        ({"role": "user", "content": [{"type": "text", "text": lone}]}, "messages.0.content"),
+        ({"role": "user", "content": "x", "name": lone}, "messages.0.name"),
+    ]
+    for message, param in messages:
+        body = {"model": "m", "messages": [message]}
+        error = validation_error(_errors(ChatCompletionRequest, body))
+        assert error.param.startswith(param) and "unpaired surrogate" in error.message
+
+
 def test_missing_prompt_and_empty_prompt_are_rejected() -> None:
     missing = validation_error(_errors(CompletionRequest, {"model": "m"}))
     assert (missing.param, missing.code) == ("prompt", "missing")

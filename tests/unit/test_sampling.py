@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from engine.sampling import (
+    MAX_SEED,
+    MIN_SEED,
     Sampler,
     SamplingParams,
     _inverse_cdf,
@@ -267,9 +269,17 @@ def test_params_validation_names_the_field() -> None:
         ("logprobs", 21),
         ("stop", ("",)),
         ("temperature", math.nan),
+        ("seed", 2**63),
+        ("seed", -(2**63) - 1),
     ]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+def test_every_64_bit_seed_seeds_a_generator() -> None:
+    for seed in (MIN_SEED, -1, 0, MAX_SEED):
+        SamplingParams(seed=seed)
+        torch.rand(1, generator=make_generator(seed))
 
 
 def test_params_normalize_lists_and_top_k_off() -> None:
