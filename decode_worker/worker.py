@@ -32,6 +32,7 @@ from engine.aborts import AbortedIds
 from engine.errors import RequestFailedError
 from engine.event_stream import EventDemux, EventOutbox, StreamOpened, read_stream
 from engine.instance import EngineInstance
+from engine.loop import exit_for_restart
 from engine.messages import (
     EventItem,
     GenerationRequest,
@@ -85,6 +86,7 @@ class GenerationWorker:
     async def _start(self) -> None:
         if self.transceiver is not None:
             await self.transceiver.start()
+        self.engine.loop.on_death = exit_for_restart
         self.engine.loop.start()
 
     async def submit(self, request: GenerationRequest) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +44,10 @@ T = TypeVar("T")
 # When work is queued but nothing could be scheduled (all blocks pinned by
 # handoffs or pulls), retry after this long instead of spinning.
 _BLOCKED_RETRY_S = 0.005
+# A worker whose engine loop died lives this long before it exits for a
+# restart (`exit_for_restart`), with this status.
+EXIT_GRACE_S = 1.0
+EXIT_CODE_ENGINE_DIED = 70
 
 
 @dataclass
@@ -80,6 +85,10 @@ class EngineLoop:
         self.on_step: Callable[[StepResult], None] | None = None
         # Receives each step's events in one list; set before `start`.
         self.on_events: Callable[[list[EventItem]], None] = _drop
+        # Called once the loop has died (its open streams already failed); a
+        # worker process sets `exit_for_restart`, as a dead loop never steps
+        # again and would leave every later request waiting.
+        self.on_death: Callable[[BaseException], None] = _ignore
         self._open: set[str] = set()  # submitted, final event not yet sent
         self._pending: list[Callable[[], None]] = []
         self._wake = asyncio.Event()
@@ -231,6 +240,7 @@ class EngineLoop:
             self._error = exc
             logger.exception("engine loop died; failing every request in flight")
             self._fail_open_streams(f"engine failed: {exc!r}")
+            self.on_death(exc)
             raise
 
     async def _step(self) -> StepResult:
@@ -282,6 +292,23 @@ class EngineLoop:
 
 def _drop(events: list[EventItem]) -> None:
     """The default `on_events` of a loop nobody reads."""
+
+
+def _ignore(exc: BaseException) -> None:
+    """The default `on_death`: the owner reads `healthy`."""
+
+
+def exit_for_restart(exc: BaseException) -> None:
+    """`EngineLoop.on_death` of a worker process: exit once the failed
+    streams' error events have had `EXIT_GRACE_S` to leave, so Ray restarts
+    the worker (`cluster.launcher.MAX_RESTARTS`) and the router routes around
+    it meanwhile, as for a worker that crashed."""
+    logger.error(
+        "the engine loop died (%r); this worker exits in %.1f s so that Ray restarts it",
+        exc,
+        EXIT_GRACE_S,
+    )
+    asyncio.get_running_loop().call_later(EXIT_GRACE_S, os._exit, EXIT_CODE_ENGINE_DIED)
 
 
 def _error_event(request: Request, message: str) -> TokenEvent:

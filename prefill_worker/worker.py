@@ -31,6 +31,7 @@ from engine.core import StepResult
 from engine.errors import RequestFailedError
 from engine.event_stream import EventDemux, read_stream
 from engine.instance import EngineInstance
+from engine.loop import exit_for_restart
 from engine.messages import (
     BlocksReady,
     ContextRequest,
@@ -83,6 +84,7 @@ class ContextWorker:
     async def _start(self) -> None:
         await self.transceiver.start()
         self.engine.loop.on_handoff = self._publish
+        self.engine.loop.on_death = exit_for_restart
         self.engine.loop.start()
 
     async def prefill(self, request: ContextRequest) -> ContextResult:

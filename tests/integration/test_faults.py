@@ -495,6 +495,47 @@ async def test_a_generation_worker_whose_step_hangs_has_its_streams_ended(
     await _until(lambda: victim.state.healthy, 5, "the victim is healthy again")
 
 
+async def test_a_generation_worker_whose_engine_loop_dies_exits_and_ray_restarts_it(
+    harness: Harness,
+) -> None:
+    """A step that raises kills a generation worker's engine loop (a bug, a
+    device error): its streams end with the error, and instead of staying up
+    with a loop that never steps again (every later request would wait
+    forever) the worker exits, Ray restarts it, and it serves again."""
+
+    def break_next_step(worker: Any) -> int:
+        def schedule() -> Any:
+            raise RuntimeError("injected step failure")
+
+        worker.engine.core.schedule = schedule
+        return os.getpid()
+
+    h = harness
+    expected = await _expected(h, LONG_TOKENS)
+    victim = h.router.generation[0]
+    streams = [h.router.generate(f"died-{i}", p, _long()) for i, p in enumerate(PROMPTS)]
+    heads = await asyncio.gather(*(_take(s, 2) for s in streams))  # all decoding
+    pid = await victim.actor.__ray_call__.remote(break_next_step)
+    results = await asyncio.wait_for(asyncio.gather(*(_drain(s) for s in streams)), 20)
+    failed = 0
+    for head, rest, want in zip(heads, results, expected, strict=True):
+        got = tokens([*head, *rest])
+        if rest[-1].finish_reason == "error":
+            failed += 1
+            assert "injected step failure" in (rest[-1].error or ""), rest[-1]
+            assert got == want[: len(got)]
+        else:
+            assert rest[-1].finish_reason == "length" and got == want
+    assert 0 < failed < len(PROMPTS)
+    await h.all_idle()  # a new process answers, with nothing of the old one left
+    assert await pid_of(victim.actor) != pid
+    await _until(lambda: victim.state.healthy, 10, "the restarted worker is healthy again")
+    before = h.routed(victim.name, "generation")
+    again = await asyncio.gather(*(h.run(f"after-{i}", p, 8) for i, p in enumerate(PROMPTS)))
+    assert all(r[-1].finish_reason == "length" for r in again)
+    assert h.routed(victim.name, "generation") > before
+
+
 async def test_a_prefill_on_a_silent_context_worker_runs_on_the_other_one(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
