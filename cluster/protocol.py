@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.sampling import MAX_SEED, MIN_SEED
+from engine.sampling import MAX_SEED, MAX_TOP_K, MIN_SEED
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
@@ -50,7 +50,7 @@ class SamplingFields(BaseModel):
     n: int = 1
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
+    top_k: int = Field(default=0, ge=-1, le=MAX_TOP_K)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)

@@ -47,6 +47,9 @@ MAX_LOGPROBS = 20  # OpenAI's limit on top logprobs per token
 # take [-2**63, 2**64) and raise on anything else, which would fail a whole
 # engine step rather than the one request.
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+# The largest top_k: the step puts every row's top_k in one int64 tensor, and
+# any value at or above the vocabulary size keeps every token anyway.
+MAX_TOP_K = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,11 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an int >= 1")
         _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "a float >= 0")
-        _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an int >= 0 (0 or -1: off)")
+        _check(
+            _is_int(self.top_k) and 0 <= self.top_k <= MAX_TOP_K,
+            "top_k",
+            f"an int in [0, {MAX_TOP_K}] (0 or -1: off)",
+        )
         _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
         _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]")
         _check(
@@ -211,9 +218,15 @@ class Sampler:
             scaled = apply_top_k_top_p(
                 scaled, top_k, _row_tensor([p.top_p for p in params], logits)
             )
-        probs = scaled.softmax(dim=-1)
+        # Penalties can push a logit to +inf (a repetition penalty near 0) and a
+        # broken model can give NaN: +inf tokens share a row's mass evenly,
+        # NaN ones get none, and a row with no mass left at all (every logit
+        # NaN or -inf) takes its argmax: never an id outside the vocabulary.
+        top = torch.finfo(scaled.dtype).max
+        probs = torch.nan_to_num(scaled, nan=-math.inf, posinf=top).softmax(dim=-1)
         sampled = _inverse_cdf(probs, _uniform_draws(params, generators, probs.device))
-        return torch.where(greedy, greedy_pick(logits), sampled)
+        no_mass = probs[:, 0].isnan()  # softmax of a row with no finite logit
+        return torch.where(greedy | no_mass, greedy_pick(logits), sampled)
 
 
 # Width of the slices `greedy_pick` reduces first; 256 was fastest on

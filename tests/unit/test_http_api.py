@@ -71,6 +71,7 @@ def test_out_of_range_values_name_the_field() -> None:
         ({"max_tokens": 0}, "max_tokens"),
         ({"n": 2}, "n"),
         ({"logprobs": 99}, "logprobs"),
+        ({"top_k": 2**70}, "top_k"),
     ]
     for extra, field in cases:
         body = {"model": "m", "prompt": "x", **extra}

@@ -271,6 +271,7 @@ def test_params_validation_names_the_field() -> None:
         ("temperature", math.nan),
         ("seed", 2**63),
         ("seed", -(2**63) - 1),
+        ("top_k", 2**70),
     ]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**{field: value})  # type: ignore[arg-type]
@@ -280,6 +281,25 @@ def test_every_64_bit_seed_seeds_a_generator() -> None:
     for seed in (MIN_SEED, -1, 0, MAX_SEED):
         SamplingParams(seed=seed)
         torch.rand(1, generator=make_generator(seed))
+
+
+def test_infinite_and_nan_logits_never_give_an_id_outside_the_vocabulary() -> None:
+    vocab = 8
+    inf, nan = math.inf, math.nan
+    logits = torch.zeros(4, vocab)
+    logits[0, [2, 5]] = inf  # two +inf tokens (a repetition penalty near 0) share the mass
+    logits[1, 3] = nan  # one NaN token gets none
+    logits[2] = nan  # no mass left: the row's argmax
+    logits[3] = -inf
+    params = [SamplingParams(temperature=1.0, seed=row) for row in range(4)]
+    seen: set[int] = set()
+    for draw in range(40):
+        generators = [make_generator(1000 * row + draw) for row in range(4)]
+        tokens = _sample(logits, params, generators)
+        assert all(0 <= t < vocab for t in tokens)
+        assert tokens[0] in (2, 5) and tokens[1] != 3
+        seen.add(tokens[0])
+    assert seen == {2, 5}
 
 
 def test_params_normalize_lists_and_top_k_off() -> None:
