@@ -50,6 +50,9 @@ MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 # The largest top_k: the step puts every row's top_k in one int64 tensor, and
 # any value at or above the vocabulary size keeps every token anyway.
 MAX_TOP_K = 2**31 - 1
+# Logprobs are finite (JSON has no -inf): a token with no probability at all
+# reports this, as vLLM does.
+MIN_LOGPROB = -9999.0
 
 
 @dataclass(frozen=True)
@@ -222,8 +225,7 @@ class Sampler:
         # broken model can give NaN: +inf tokens share a row's mass evenly,
         # NaN ones get none, and a row with no mass left at all (every logit
         # NaN or -inf) takes its argmax: never an id outside the vocabulary.
-        top = torch.finfo(scaled.dtype).max
-        probs = torch.nan_to_num(scaled, nan=-math.inf, posinf=top).softmax(dim=-1)
+        probs = _finite_logits(scaled).softmax(dim=-1)
         sampled = _inverse_cdf(probs, _uniform_draws(params, generators, probs.device))
         no_mass = probs[:, 0].isnan()  # softmax of a row with no finite logit
         return torch.where(greedy | no_mass, greedy_pick(logits), sampled)
@@ -358,6 +360,12 @@ def _uniform_draws(
     return draws.to(device)
 
 
+def _finite_logits(logits: torch.Tensor) -> torch.Tensor:
+    """+inf as the dtype's largest value (such tokens share the mass), -inf as
+    its lowest (no mass, unless the whole row is), NaN as -inf (no mass)."""
+    return torch.nan_to_num(logits, nan=-math.inf, posinf=torch.finfo(logits.dtype).max)
+
+
 def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Row i's token: the first index whose cumulative mass exceeds `uniform[i]` of the row's total."""
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
@@ -382,7 +390,8 @@ def _with_logprobs(
         return SamplerOutput(
             token_ids=ids, logprobs=[None] * len(ids), top_logprobs=[None] * len(ids)
         )
-    logprobs = logits.log_softmax(dim=-1)
+    logprobs = _finite_logits(logits).log_softmax(dim=-1)
+    logprobs = torch.nan_to_num(logprobs, nan=MIN_LOGPROB).clamp_(min=MIN_LOGPROB)
     sampled = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
     top: list[list[tuple[int, float]] | None] = [None] * len(params)
     most = max((p.logprobs or 0 for p in params), default=0)

@@ -9,6 +9,7 @@ import torch
 
 from engine.sampling import (
     MAX_SEED,
+    MIN_LOGPROB,
     MIN_SEED,
     Sampler,
     SamplingParams,
@@ -300,6 +301,12 @@ def test_infinite_and_nan_logits_never_give_an_id_outside_the_vocabulary() -> No
         assert tokens[0] in (2, 5) and tokens[1] != 3
         seen.add(tokens[0])
     assert seen == {2, 5}
+    # Their logprobs are finite numbers (JSON has no NaN or -inf).
+    with_logprobs = [SamplingParams(temperature=1.0, seed=row, logprobs=3) for row in range(4)]
+    out = Sampler().sample(logits, with_logprobs, [None] * 4, [None] * 4)
+    values = out.logprobs + [v for row in out.top_logprobs for _, v in row or []]
+    assert all(math.isfinite(v) and v >= MIN_LOGPROB for v in values)
+    assert out.logprobs[0] == pytest.approx(math.log(0.5))
 
 
 def test_params_normalize_lists_and_top_k_off() -> None:
