@@ -223,11 +223,11 @@ class Sampler:
             )
         # Penalties can push a logit to +inf (a repetition penalty near 0) and a
         # broken model can give NaN: +inf tokens share a row's mass evenly,
-        # NaN ones get none, and a row with no mass left at all (every logit
-        # NaN or -inf) takes its argmax: never an id outside the vocabulary.
+        # NaN ones get none, and a row of NaN alone takes its argmax: never
+        # an id outside the vocabulary.
         probs = _finite_logits(scaled).softmax(dim=-1)
         sampled = _inverse_cdf(probs, _uniform_draws(params, generators, probs.device))
-        no_mass = probs[:, 0].isnan()  # softmax of a row with no finite logit
+        no_mass = probs[:, 0].isnan()  # softmax of a row of NaN logits
         return torch.where(greedy | no_mass, greedy_pick(logits), sampled)
 
 
@@ -362,7 +362,8 @@ def _uniform_draws(
 
 def _finite_logits(logits: torch.Tensor) -> torch.Tensor:
     """+inf as the dtype's largest value (such tokens share the mass), -inf as
-    its lowest (no mass, unless the whole row is), NaN as -inf (no mass)."""
+    its lowest (no mass, unless the whole row is -inf: then even shares), and
+    NaN as -inf (no mass; a row of NaN has none at all)."""
     return torch.nan_to_num(logits, nan=-math.inf, posinf=torch.finfo(logits.dtype).max)
 
 
