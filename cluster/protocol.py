@@ -81,6 +81,13 @@ class SamplingFields(BaseModel):
             _unicode_text(stop)
         return value
 
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids(cls, value: list[int]) -> list[int]:
+        if value and min(value) < 0:
+            raise ValueError("stop token ids must be non-negative")
+        return value
+
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:

@@ -72,6 +72,7 @@ def test_out_of_range_values_name_the_field() -> None:
         ({"n": 2}, "n"),
         ({"logprobs": 99}, "logprobs"),
         ({"top_k": 2**70}, "top_k"),
+        ({"stop_token_ids": [7, -1]}, "stop_token_ids"),
     ]
     for extra, field in cases:
         body = {"model": "m", "prompt": "x", **extra}
