@@ -24,13 +24,14 @@ the parity tests' tolerance against `transformers`.
 
 In fp32 a product of at most `ROW_MAJOR_MAX_ROWS` rows (a decode step of one
 or two sequences) runs on the row-major weight through `F.linear` instead:
-there oneDNN's blocked product is the slower of the two. SmolLM2-135M's
-products (30 layers, weights streamed from memory, 2 threads,
+there oneDNN's blocked product is the slower of the two. One pass over
+SmolLM2-135M's 121 products (weights streamed from memory, 2 threads,
 `python -m benchmarks.linear_paths --model smollm2`): 1 row row-major
-29.4 ms against blocked 38.0, 2 rows 30.5 against 40.4, but 4 rows 48.5
-against 39.3 and 8 rows 51.1 against 36.6; in bf16 the blocked product is
-the faster at every row count (1 row 22.8 against 30.6). A SmolLM2 decode
-step at batch 1 took 44-49 ms against 65-75 ms before (alternating runs).
+38.2 ms against blocked 45.9, 2 rows 39.0 against 48.9, but 4 rows 61.1
+against 47.0 and 8 rows 67.6 against 44.9; in bf16 the blocked product is
+the faster at 1 and 2 rows too (86.1 and 78.6 against 61.0 and 61.7, on a
+busier machine). A SmolLM2 decode step at batch 1 took 44-49 ms against
+65-75 ms before (alternating runs).
 
 Every product uses all of torch's threads. Running the products of up to 8
 rows over a weight under 4 MiB on the calling thread alone (so that passive
