@@ -17,7 +17,6 @@ checking `FusedLinear`'s choice of path on another CPU.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from engine.process_env import cpu_engine_env
+from engine.process_env import run_in_cpu_engine_env
 from models.layers.fused_linear import FusedLinear
 from models.loader import load_model
 
@@ -101,11 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=7, help="timed passes per path and row count")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    env = {**os.environ, **cpu_engine_env()}
-    if any(os.environ.get(name) != value for name, value in env.items()):
-        # The C runtime reads these at start: run again in the served workers' environment.
-        arguments = sys.argv[1:] if argv is None else argv
-        os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *arguments], env)
+    run_in_cpu_engine_env(__spec__.name, argv)
     from benchmarks.serve_compare import resolve_model
 
     torch.set_num_threads(args.threads)

@@ -32,7 +32,7 @@ import torch
 from benchmarks.vllm_compare import make_prompts
 from engine.core import EngineCore
 from engine.instance import EngineInstance
-from engine.process_env import cpu_engine_env
+from engine.process_env import run_in_cpu_engine_env
 from engine.request import Request
 from engine.sampling import SamplingParams
 from engine.threads import run_on_compute_thread
@@ -152,12 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40, help="timed decode steps per count")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args(argv)
-    env = {**os.environ, **cpu_engine_env()}
-    if any(os.environ.get(name) != value for name, value in env.items()):
-        # The C runtime reads these at start: run again in the environment
-        # the served workers start with (`cluster.launcher.worker_env`).
-        arguments = sys.argv[1:] if argv is None else argv
-        os.execve(sys.executable, [sys.executable, "-m", __spec__.name, *arguments], env)
+    run_in_cpu_engine_env(__spec__.name, argv)
     from benchmarks.serve_compare import resolve_model
 
     checkpoint = resolve_model(args.model)

@@ -45,6 +45,8 @@ worker is kept.
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Sequence
 
 CPU_ENGINE_ENV: dict[str, str] = {
     "OMP_WAIT_POLICY": "PASSIVE",
@@ -57,3 +59,14 @@ CPU_ENGINE_ENV: dict[str, str] = {
 def cpu_engine_env() -> dict[str, str]:
     """`CPU_ENGINE_ENV`, each value overridden by this process's environment."""
     return {name: os.environ.get(name, value) for name, value in CPU_ENGINE_ENV.items()}
+
+
+def run_in_cpu_engine_env(module: str, argv: Sequence[str] | None) -> None:
+    """Re-execute `python -m module argv` in the environment served CPU
+    workers start with, unless this process already runs in it (the C
+    runtime reads these variables at start); for benchmarks that time the
+    engine in-process. `argv` None means this process's own arguments."""
+    env = {**os.environ, **cpu_engine_env()}
+    if any(os.environ.get(name) != value for name, value in env.items()):
+        arguments = sys.argv[1:] if argv is None else list(argv)
+        os.execve(sys.executable, [sys.executable, "-m", module, *arguments], env)
