@@ -16,11 +16,13 @@ worker's CPU use while idle.
 Tensor parallelism (`--tensor-parallel CTX:GEN`, both transceivers): a
 "2->1" row has two holder ranks, each holding half of every block's KV heads,
 and one puller rank that pulls its heads from both; "1->2" one holder and two
-puller ranks that each pull their half from it, at once. Each side's ranks
-are endpoints in that side's one process, so a row still comes from two
-processes, and its size is the whole request's (all heads): the same bytes
-the raw limit moves, which is measured as for equal ranks (one TCP stream,
-or one NIXL READ between the rank 0 pools, each as large in bytes as a
+puller ranks that each pull their half from it, at once. Each rank is a
+process of its own (an actor), as a tensor-parallel instance's ranks are, so
+a 1->2 row comes from three processes; its time runs from the first puller
+rank's start to the last one's end, on the machine's one monotonic clock.
+Its size is the whole request's (all heads): the same bytes the raw limit
+moves, which is measured as for equal ranks (one TCP stream, or one NIXL
+READ between the rank 0 processes' pools, each as large in bytes as a
 whole-heads pool). What bounds such a row on NIXL is the count of READ
 descriptors, not bytes: a head slice is one descriptor per block in V2 (all
 layers of a block's heads lie together: 128 KiB here, 512 per 64 MiB) and
@@ -246,11 +248,20 @@ def _bench_pair(
 
     from transfer.bench_raw import BenchHost
 
-    holders, pullers = _rank_names(ranks[0]), _rank_names(ranks[1])
     actor_class: Any = ray.remote(num_cpus=0)(BenchHost)
-    holder: Any = actor_class.remote(rank_specs(kind, wire, manager, ranks[0]))
-    puller: Any = actor_class.remote(rank_specs(kind, wire, manager, ranks[1]))
-    ray.get([holder.start.remote(), puller.start.remote()])
+    # One process per rank, as a tensor-parallel instance runs its ranks;
+    # each side's rank 0 last (the order of handles a pull takes).
+    holders: list[Any] = [
+        actor_class.remote({"ep": spec})
+        for spec in rank_specs(kind, wire, manager, ranks[0]).values()
+    ]
+    pullers: list[Any] = [
+        actor_class.remote({"ep": spec})
+        for spec in rank_specs(kind, wire, manager, ranks[1]).values()
+    ]
+    everyone = holders + pullers
+    ray.get([actor.start.remote() for actor in everyone])
+    holder, puller = holders[-1], pullers[-1]  # rank 0 of each side
     idle = ray.get([holder.idle_cpu.remote(2.0), puller.idle_cpu.remote(2.0)])
     raw = _raw_prober(kind, holder, puller)
     run = head_slice_run(manager, ranks) if kind == "nixl" and ranks[0] != ranks[1] else 0
@@ -258,40 +269,50 @@ def _bench_pair(
     for size in SIZES:
         reps = _reps(size, reps_override)
         tokens = size // BLOCK_BYTES * BLOCK_SIZE
-        ray.get([holder.fill.remote(name, "src", tokens) for name in holders])
+        ray.get([h.fill.remote("ep", "src", tokens) for h in holders])
         # Transceiver pulls and raw transfers alternate, one each per round,
         # so load from other processes falls on both alike; round 0 warms
         # connections and tables and is not counted.
         rounds = Rounds()
         for rep in range(reps + 1):
             rid = f"src-{size}-{rep}"
-            handles = ray.get([holder.publish.remote(n, "src", 60.0, rid) for n in holders])
-            holder_cpu = ray.get(holder.cpu_seconds.remote())
-            result = ray.get(puller.pull_ranks.remote(pullers, handles, tokens, 60.0))
-            if not result["ok"]:
-                raise RuntimeError(result["message"])
-            holder_cpu_pulled = ray.get(holder.cpu_seconds.remote())
-            ray.get([puller.free.remote(name, rid) for name in pullers])
+            handles = ray.get([h.publish.remote("ep", "src", 60.0, rid) for h in holders])
+            holder_cpu = _cpu_seconds(holders)
+            results = ray.get([p.pull_ranks.remote(["ep"], handles, tokens, 60.0) for p in pullers])
+            for result in results:
+                if not result["ok"]:
+                    raise RuntimeError(result["message"])
+            holder_cpu_pulled = _cpu_seconds(holders)
+            ray.get([p.free.remote("ep", rid) for p in pullers])
             raw_seconds, raw_cpu = raw(size)
-            holder_cpu_raw = ray.get(holder.cpu_seconds.remote())
+            holder_cpu_raw = _cpu_seconds(holders)
             split_seconds = raw(size, run)[0] if run else None
             if rep:
+                # The puller ranks' processes share this machine's monotonic clock.
+                seconds = max(r["ended"] for r in results) - min(r["started"] for r in results)
                 rounds.add(
-                    result["seconds"],
-                    result["cpu_seconds"] + holder_cpu_pulled - holder_cpu,
+                    seconds,
+                    sum(r["cpu_seconds"] for r in results) + holder_cpu_pulled - holder_cpu,
                     raw_seconds,
                     raw_cpu + holder_cpu_raw - holder_cpu_pulled,
                     split_seconds,
                 )
-        ray.get([holder.free.remote(name, "src") for name in holders])
+        ray.get([h.free.remote("ep", "src") for h in holders])
         mem = ray.get(puller.memcpy.remote("ep", size, min(reps, 8)))
         label = kind if wire == "tcp" else f"{kind}+{wire}"
         rows.append(_row(label, manager, size, rounds, mem, idle, ranks, run or None))
     ray.get([holder.close_raw.remote(), puller.close_raw.remote()])
-    ray.get([holder.close.remote(), puller.close.remote()])
-    for actor in (holder, puller):
+    ray.get([actor.close.remote() for actor in everyone])
+    for actor in everyone:
         ray.kill(actor)
     return rows
+
+
+def _cpu_seconds(hosts: list[Any]) -> float:
+    """CPU seconds the hosts' processes have used so far, together."""
+    import ray
+
+    return sum(ray.get([host.cpu_seconds.remote() for host in hosts]))
 
 
 def _raw_prober(kind: str, holder: Any, puller: Any) -> Any:

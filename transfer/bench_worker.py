@@ -122,27 +122,10 @@ class CacheEndpoint:
             await self.xcvr.pull_ranks(handles, regions, signature, timeout_s)
         except TransferError as exc:
             self.manager.free(rid)
-            end = time.perf_counter()
-            return {
-                "ok": False,
-                "seconds": end - start,
-                "cpu_seconds": time.process_time() - cpu,
-                "started": start,
-                "ended": end,
-                "error": type(exc).__name__,
-                "message": str(exc),
-            }
+            return _outcome(start, time.perf_counter(), time.process_time() - cpu, exc)
         end, used = time.perf_counter(), time.process_time() - cpu
         self.manager.finish_transfer(rid)
-        return {
-            "ok": True,
-            "seconds": end - start,
-            "cpu_seconds": used,
-            "started": start,
-            "ended": end,
-            "error": None,
-            "message": "",
-        }
+        return _outcome(start, end, used)
 
     def state(self) -> dict[str, Any]:
         """Free blocks, pinned requests and releases so far; raises if the pool is inconsistent."""
@@ -200,7 +183,9 @@ class EndpointHost:
         its heads from every handle, all at once; the first failure, or wall
         seconds from the first rank's transceiver start to the last one's end
         (each rank's destination allocation and bookkeeping are the manager's,
-        outside, as for one rank) and this process's CPU seconds over the whole."""
+        outside, as for one rank) and this process's CPU seconds over the whole;
+        "started" and "ended" (perf_counter, one clock for every process on
+        this machine) bound them, for a caller timing ranks of several hosts."""
         import asyncio
 
         handles = [TransferHandle.from_bytes(h) for h in handles_bytes]
@@ -219,9 +204,8 @@ class EndpointHost:
         failed = [r for r in results if not r["ok"]]
         if failed:
             return failed[0]
-        seconds = max(r["ended"] for r in results) - min(r["started"] for r in results)
-        used = time.process_time() - cpu
-        return {"ok": True, "seconds": seconds, "cpu_seconds": used, "error": None, "message": ""}
+        started, ended = min(r["started"] for r in results), max(r["ended"] for r in results)
+        return _outcome(started, ended, time.process_time() - cpu)
 
     def free(self, name: str, request_id: str) -> None:
         self.endpoints[name].manager.free(request_id)
@@ -249,6 +233,21 @@ class EndpointHost:
         cpu, wall = time.process_time(), time.perf_counter()
         await asyncio.sleep(seconds)
         return (time.process_time() - cpu) / (time.perf_counter() - wall)
+
+
+def _outcome(
+    started: float, ended: float, cpu_seconds: float, error: TransferError | None = None
+) -> dict[str, Any]:
+    """A pull's result as the benchmark and tests read it."""
+    return {
+        "ok": error is None,
+        "seconds": ended - started,
+        "cpu_seconds": cpu_seconds,
+        "started": started,
+        "ended": ended,
+        "error": None if error is None else type(error).__name__,
+        "message": "" if error is None else str(error),
+    }
 
 
 def _make_transceiver(cfg: EndpointSpec, buffers: dict[str, torch.Tensor]) -> Transceiver:
