@@ -6,18 +6,26 @@ running decode batch for the whole copy; NIXL releases the GIL inside its
 calls, so posting from a thread keeps the loop turning while bytes move.
 
 One thread, not a pool: the agent is built with NIXL_THREAD_SYNC_NONE (no
-locking of its own), so it must never be entered by two threads at once, and
-a single-thread executor runs jobs in submission order, so a clean-up
-submitted after a post always runs after that post has returned.
+locking of its own), so it must never be entered by two threads at once. The
+thread runs jobs in submission order, so a clean-up submitted after a post
+always runs after that post has returned, and polls the agent's
+notifications between jobs, at a pace the event loop sets.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
-from collections.abc import Callable
+import math
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
@@ -35,6 +43,19 @@ T = TypeVar("T")
 # latencies stay within their run-to-run spread (small READs 0.3-1.3 ms).
 DEFAULT_PROGRESS_DELAY_US = 10_000
 
+# UCX guards a worker that several threads use (the agent thread posting
+# READs, the progress thread polling) with a spinlock unless told to use a
+# mutex. Over CPU memory a READ copies inside its post, under that lock, and
+# the progress thread spun on it for the whole copy: 0.3-0.6 of a core per
+# pulling agent on 2 cores, taken from the copy itself, the holders and the
+# model. With a mutex it sleeps: in `disagg bench-transfer` the raw 64 MiB
+# READ's CPU fell from 1.6-1.9 to 1.05-1.2 cores and tensor-parallel pulls
+# into two puller ranks at once stopped contending (1->2 at 64 MiB went from
+# 0.59-0.68x to 0.92-1.05x of the raw READ). An uncontended mutex costs what
+# a spinlock does, so GPU pools keep the same setting. A value already in the
+# environment wins.
+UCX_WORKER_LOCK = ("UCX_USE_MT_MUTEX", "y")
+
 
 def create_agent(name: str, progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US) -> Any:
     """A `nixl_agent` with a UCX backend whose progress thread waits at most `progress_delay_us`.
@@ -42,7 +63,8 @@ def create_agent(name: str, progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US) 
     `nixl_agent()` hard-codes the progress-thread delay to 0, so the agent is
     built without backends, its core agent is replaced by one made from a
     config with the delay, and UCX is created on that one. The progress thread
-    stays on: without it a READ from an idle peer never completes.
+    stays on: without it a READ from an idle peer never completes. UCX locks
+    its worker with a mutex (`UCX_WORKER_LOCK`), not a spinning lock.
     """
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t, nixlBind
 
@@ -54,8 +76,23 @@ def create_agent(name: str, progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US) 
     config.pthrDelay = progress_delay_us
     config.lthrDelay = 100000
     agent.agent = nixlBind.nixlAgent(name, config)
-    agent.create_backend("UCX", {})
+    with _environment(*UCX_WORKER_LOCK):  # read once, as UCX creates its context
+        agent.create_backend("UCX", {})
     return agent
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    """`name=value` in this process's environment unless it is set already,
+    then as it was: children and other UCX users never see it."""
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
 
 
 @functools.cache
@@ -74,35 +111,125 @@ def nixl_available() -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class PollPlan:
+    """How often an `AgentThread` polls: every `interval_s` until `until`
+    (monotonic seconds), every `then_s` after; `math.inf` never."""
+
+    interval_s: float
+    until: float = math.inf
+    then_s: float = math.inf
+
+    def interval_at(self, now: float) -> float:
+        return self.interval_s if now < self.until else self.then_s
+
+
+NO_POLLS = PollPlan(math.inf)
+
+
 class AgentThread:
-    """Runs callables on one dedicated thread, in submission order.
+    """Runs callables on one dedicated thread, in submission order, and between
+    them a poll (`poll_with`) at the pace the loop sets (`pace`).
 
     `run` awaits a job's result; `submit` queues a job nobody waits for (its
     exception is logged). Both are called from the event loop. After
     `shutdown`, `submit` drops jobs (the agent they would touch is gone) and
     `run` raises RuntimeError.
+
+    The poll runs here, not as a job the loop sends on each tick: an empty
+    notification poll costs the thread about 40 us of CPU, where the loop's
+    round trip (a job there and back, a timer and a task on the loop) cost
+    500 us and, meant to come every 0.25 ms, came every 1.7 ms on 2 cores.
     """
 
     def __init__(self, name: str) -> None:
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._closed = False
+        self._poll: Callable[[], None] | None = None
+        self._plan = NO_POLLS
+        self._poll_now = False
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
 
     async def run(self, job: Callable[..., T], *args: Any) -> T:
         """`job(*args)` on the thread. Cancelling the caller does not stop a started job."""
         if self._closed:
             raise RuntimeError("the NIXL agent thread is shut down")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, job, *args)
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._jobs.put(_Job(future, job, args))
+        return await asyncio.wrap_future(future)
 
     def submit(self, job: Callable[..., object], *args: Any) -> None:
         """Queue `job(*args)` behind every job submitted so far; do not wait for it."""
         if self._closed:
             return
-        self._executor.submit(job, *args).add_done_callback(_log_failure)
+        future: concurrent.futures.Future[object] = concurrent.futures.Future()
+        future.add_done_callback(_log_failure)
+        self._jobs.put(_Job(future, job, args))
+
+    def poll_with(self, poll: Callable[[], None] | None) -> None:
+        """Call `poll` on the thread at the pace `pace` sets; None stops polling
+        (a poll under way finishes first, before any job queued after this)."""
+        self._poll = poll
+
+    def pace(self, plan: PollPlan, now: bool = False) -> None:
+        """Poll at `plan`'s pace from here on, and with `now` once at once."""
+        self._plan = plan
+        self._poll_now = self._poll_now or now
+        self._jobs.put(_WAKE)
 
     def shutdown(self) -> None:
-        """Stop taking jobs; queued ones still run, on the thread, before it exits."""
+        """Stop taking jobs and polling; queued jobs still run, on the thread, before it exits."""
         self._closed = True
-        self._executor.shutdown(wait=False)
+        self._poll = None
+        self._jobs.put(None)
+
+    def _main(self) -> None:
+        next_poll = math.inf
+        while True:
+            wait = None
+            if self._poll is not None and next_poll < math.inf:
+                wait = max(0.0, next_poll - time.monotonic())
+            try:
+                item = self._jobs.get(timeout=wait)
+            except queue.Empty:
+                item = _WAKE
+            if item is None:
+                return
+            if item is not _WAKE:
+                item.execute()
+            poll, now = self._poll, time.monotonic()
+            if poll is not None and (now >= next_poll or self._poll_now):
+                self._poll_now = False
+                try:
+                    poll()
+                except Exception as exc:
+                    logger.warning("NIXL notification poll failed: %s: %s", type(exc).__name__, exc)
+                next_poll = now + self._plan.interval_at(now)
+            elif item is _WAKE:  # a new pace: the next poll comes no later than it says
+                next_poll = min(next_poll, now + self._plan.interval_at(now))
+
+
+class _Job:
+    __slots__ = ("args", "future", "job")
+
+    def __init__(
+        self, future: concurrent.futures.Future[Any], job: Callable[..., Any], args: tuple[Any, ...]
+    ) -> None:
+        self.future, self.job, self.args = future, job, args
+
+    def execute(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return  # cancelled before it started
+        try:
+            result = self.job(*self.args)
+        except BaseException as exc:
+            self.future.set_exception(exc)
+        else:
+            self.future.set_result(result)
+
+
+_WAKE: Any = object()  # a queue item that only makes the thread re-read its pace
 
 
 def _log_failure(future: concurrent.futures.Future[object]) -> None:

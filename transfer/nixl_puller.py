@@ -44,8 +44,8 @@ class NixlPuller:
     agent is reached only through jobs on the endpoint's thread.
 
     kind: the handle kind this side pulls ("nixl").
-    wake_poller: cuts the notification poller's wait short, as a claim's
-        grant comes within a poll interval or two.
+    wake_poller: polls notifications now and paces the polls for the grant,
+        which comes within a poll interval or two.
     """
 
     def __init__(self, endpoint: NixlEndpoint, kind: str, wake_poller: Callable[[], None]) -> None:
@@ -62,8 +62,9 @@ class NixlPuller:
 
     @property
     def awaiting_grant(self) -> bool:
-        """Whether a claim of ours awaits its holder's answer."""
-        return bool(self._claims)
+        """Whether a claim of ours awaits its holder's answer (an answered one
+        is forgotten only once its pull resumes)."""
+        return any(not answer.done() for answer in self._claims.values())
 
     def on_answer(self, holder: str, kind: bytes, parts: Sequence[bytes]) -> None:
         """A holder's "grant <rid> <tid> <W>" or "expired <rid> <tid>"."""

@@ -36,7 +36,6 @@ the loop; the agent, its prepared tables and the peer maps stay on the thread.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -47,7 +46,12 @@ import torch
 from kvcache.layout import LayoutSignature, RequestRegions
 from transfer.base import Transceiver
 from transfer.handle import TransferHandle
-from transfer.nixl_agent import DEFAULT_PROGRESS_DELAY_US, create_agent, nixl_available
+from transfer.nixl_agent import (
+    DEFAULT_PROGRESS_DELAY_US,
+    PollPlan,
+    create_agent,
+    nixl_available,
+)
 from transfer.nixl_endpoint import NixlEndpoint
 from transfer.nixl_holder import NixlHolder
 from transfer.nixl_notifications import CLAIM, DONE, EXPIRED, GRANT, RELEASE
@@ -68,7 +72,7 @@ _IDLE_POLL_INTERVAL_S = 0.05
 # one-block bench-transfer pull took 2.4-4.4 ms (p50) polling every 1 ms and
 # 1.3-1.6 ms every 0.25 ms. The holder polls this fast only until the claim
 # comes (in serving the generation worker claims ahead, as soon as the
-# request reaches it): four polls, each a hop to the agent thread, for every
+# request reaches it): four polls on the agent thread (~40 us of CPU each) for every
 # millisecond the claim takes.
 _CLAIM_POLL_INTERVAL_S = 0.00025
 # ... but only this long after the latest publish: a claim that has not come
@@ -114,14 +118,21 @@ class NixlTransceiver(Transceiver):
         self._thread = self._endpoint.thread
         self._holder = NixlHolder(self._endpoint, self._leases, self._offers, claim_window_s)
         self._puller = NixlPuller(self._endpoint, self.kind, self._ensure_poller)
-        self._poller: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()  # set: poll now, without finishing the wait
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Re-paces the agent thread's polls now and then (leases expire quietly).
+        self._pacer: asyncio.TimerHandle | None = None
+        self._closed = False
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         await self._thread.run(self._endpoint.start)
 
     async def close(self) -> None:
-        tasks = [t for t in [self._poller, *self._pulls.values()] if t is not None]
+        self._closed = True
+        self._thread.poll_with(None)  # before the agent closes, on the same thread
+        if self._pacer is not None:
+            self._pacer.cancel()
+        tasks = list(self._pulls.values())
         for task in tasks:
             task.cancel()
         # A cancelled pull returns once its READs are released, before the agent closes.
@@ -227,34 +238,53 @@ class NixlTransceiver(Transceiver):
     # ---------------------------------------------------------- notifications
 
     def _ensure_poller(self) -> None:
-        """Start the poller, or cut its current wait short: a publish, an offer
-        or a claim expects notifications soon, and an idle wait is long."""
-        if self._poller is None or self._poller.done():
-            self._poller = asyncio.create_task(self._poll_notifications())
-        self._wake.set()
+        """Poll now, and at the pace what this side awaits sets: a publish, an
+        offer or a claim expects notifications soon, and an idle pace is slow.
 
-    async def _poll_notifications(self) -> None:
-        """Apply notifications from the first publish or claim until `close`.
-
-        Slowly while nothing is pinned or claimed: a late claim of an expired
-        lease must still get its answer.
+        The agent thread polls (`AgentThread.poll_with`): slowly while nothing
+        is pinned or claimed, since a late claim of an expired lease must still
+        get its answer. The loop re-paces it as notifications come and every
+        `_IDLE_POLL_INTERVAL_S`.
         """
-        while True:
-            self._wake.clear()
-            notifications = await self._thread.run(self._endpoint.agent.get_new_notifs)
-            for sender, messages in notifications.items():
-                for message in messages:
-                    self._apply_notification(sender, message)
-            busy = len(self._leases) or self._offers
-            interval = _IDLE_POLL_INTERVAL_S
-            if self._puller.awaiting_grant:
-                interval = min(_GRANT_POLL_INTERVAL_S, self._poll_interval_s)
-            elif time.monotonic() < self._claim_due_until and self._leases.num_unclaimed:
-                interval = min(_CLAIM_POLL_INTERVAL_S, self._poll_interval_s)
-            elif busy:
-                interval = self._poll_interval_s
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), interval)
+        if self._closed:
+            return
+        if self._pacer is None:
+            self._thread.poll_with(self._poll)
+            self._pacer = asyncio.get_running_loop().call_later(_IDLE_POLL_INTERVAL_S, self._repace)
+        self._pace(now=True)
+
+    def _pace(self, now: bool = False) -> None:
+        busy = len(self._leases) or self._offers
+        slow = self._poll_interval_s if busy else _IDLE_POLL_INTERVAL_S
+        if self._puller.awaiting_grant:
+            plan = PollPlan(min(_GRANT_POLL_INTERVAL_S, self._poll_interval_s))
+        elif self._leases.num_unclaimed and time.monotonic() < self._claim_due_until:
+            fast = min(_CLAIM_POLL_INTERVAL_S, self._poll_interval_s)
+            plan = PollPlan(fast, until=self._claim_due_until, then_s=slow)
+        else:
+            plan = PollPlan(slow)
+        self._thread.pace(plan, now)
+
+    def _repace(self) -> None:
+        if self._closed:
+            return
+        self._pace()
+        self._pacer = asyncio.get_running_loop().call_later(_IDLE_POLL_INTERVAL_S, self._repace)
+
+    def _poll(self) -> None:
+        """Agent thread: hand new notifications, if any, to the loop."""
+        notifications = self._endpoint.agent.get_new_notifs()
+        if notifications:
+            assert self._loop is not None  # set by start, before any poll
+            self._loop.call_soon_threadsafe(self._apply_notifications, notifications)
+
+    def _apply_notifications(self, notifications: Mapping[str, Sequence[bytes]]) -> None:
+        if self._closed:
+            return  # every lease and window is released already
+        for sender, messages in notifications.items():
+            for message in messages:
+                self._apply_notification(sender, message)
+        self._pace()
 
     def _apply_notification(self, sender: str, message: bytes) -> None:
         kind, _, rest = message.partition(b" ")
