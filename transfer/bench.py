@@ -155,7 +155,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tensor-parallel",
         nargs="+",
-        default=["1:1", "2:1", "1:2"],
+        default=[(1, 1), (2, 1), (1, 2)],  # argparse applies `type` to string defaults only
         type=_tp_pair,
         metavar="CTX:GEN",
         help="holder:puller ranks per row group",

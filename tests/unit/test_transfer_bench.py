@@ -95,3 +95,16 @@ def test_a_head_slice_run_is_half_a_block_in_v2_and_half_a_layer_block_in_v1(
     block = BLOCK_BYTES  # every layer's KV of one block, all heads
     assert head_slice_run("v2", ranks) == block // 2
     assert head_slice_run("v1", ranks) == block // 2 // BENCH_SPEC.num_attention_layers
+
+
+def test_the_default_tensor_parallel_rows_are_rank_pairs_as_parsed_ones_are() -> None:
+    """argparse applies `type` to a string default only: the default rows
+    must already be (holder, puller) pairs."""
+    import argparse
+
+    from transfer.bench import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).tensor_parallel == [(1, 1), (2, 1), (1, 2)]
+    assert parser.parse_args(["--tensor-parallel", "2:1"]).tensor_parallel == [(2, 1)]
