@@ -16,6 +16,7 @@ locally and per remote agent.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -53,13 +54,17 @@ class PreparedTables:
         self._buffers = dict(buffers)
         self._prepare = prepare
         self._handles: dict[TableKey, object] = {}
+        self._lock = threading.Lock()
 
     def handle(self, key: TableKey) -> object:
-        handle = self._handles.get(key)
-        if handle is None:
-            handle = self._prepare(table_entries(self._buffers[key[0]], key))
-            self._handles[key] = handle
-        return handle
+        """The prepared list of `key`, prepared now if it is new; safe from
+        several posting threads."""
+        with self._lock:
+            handle = self._handles.get(key)
+            if handle is None:
+                handle = self._prepare(table_entries(self._buffers[key[0]], key))
+                self._handles[key] = handle
+            return handle
 
     def release(self) -> None:
         for handle in self._handles.values():

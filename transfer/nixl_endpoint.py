@@ -1,9 +1,10 @@
 """This worker's end of NIXL: its agent, registered pool and the remote agents it loaded.
 
 Both sides of `NixlTransceiver` share one `NixlEndpoint`. Every call on the
-agent runs on the endpoint's `AgentThread`, never on the event loop (see
-`transfer.nixl_agent`): the agent, its prepared tables and the peer maps are
-owned by that thread from `start` to `close`. A peer is loaded once, as a
+agent runs on the endpoint's `AgentThread`s, never on the event loop (see
+`transfer.nixl_agent`): `thread` owns the agent from `start` to `close`, and
+the `post_threads` after it only post READs and release them; the peer maps
+and prepared tables they share are locked. A peer is loaded once, as a
 holder this worker READs from (with descriptor tables prepared once per
 buffer) or as a puller whose claims it answers, and loaded again when it
 comes back with new metadata (it was restarted).
@@ -12,6 +13,7 @@ comes back with new metadata (it was restarted).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,7 +22,7 @@ import torch
 
 from transfer.errors import PeerGone
 from transfer.handle import BufferInfo, TransferHandle
-from transfer.nixl_agent import AgentThread, create_agent
+from transfer.nixl_agent import POST_LANES, AgentThread, create_agent
 from transfer.nixl_descriptors import PreparedTables
 
 _LOCAL_AGENT = "NIXL_INIT_AGENT"
@@ -29,13 +31,21 @@ _LOCAL_AGENT = "NIXL_INIT_AGENT"
 class NixlEndpoint:
     """The agent of one worker over its pool buffers (flat uint8 tensors,
     registered once as DRAM or VRAM). `agent` is None until `start` and after
-    `close`; every method but the constructor runs on `thread`."""
+    `close`; every method but the constructor runs on `thread`, and
+    `remote_tables` also on a post thread."""
 
     def __init__(
         self, buffers: Mapping[str, torch.Tensor], name: str, progress_delay_us: int
     ) -> None:
         self.name = name
         self.thread = AgentThread(f"nixl-{name}")
+        # Threads that post READs: `thread` first, then ones that only post
+        # (and release what they posted); see `transfer.nixl_agent`.
+        self.post_threads = [self.thread] + [
+            AgentThread(f"nixl-{name}-post{i}") for i in range(1, POST_LANES)
+        ]
+        # Guards the peer maps, which a post on another thread also reads.
+        self._peers_lock = threading.RLock()
         self._tensors = dict(buffers)
         self._progress_delay_us = progress_delay_us
         self.buffers = {n: _buffer_info(t) for n, t in self._tensors.items()}
@@ -73,6 +83,10 @@ class NixlEndpoint:
 
     def remote_tables(self, handle: TransferHandle) -> PreparedTables:
         """The holder's prepared tables, loading it first (again, if it restarted)."""
+        with self._peers_lock:
+            return self._remote_tables(handle)
+
+    def _remote_tables(self, handle: TransferHandle) -> PreparedTables:
         peer, metadata = handle.agent_name, handle.agent_metadata
         assert peer is not None and metadata is not None  # checked by check_layout
         tables = self.remote.get(peer)
@@ -92,8 +106,9 @@ class NixlEndpoint:
 
     def forget(self, peer: str) -> None:
         """Drop a peer's prepared lists and metadata (it died or we are closing)."""
-        tables = self.remote.pop(peer, None)
-        self._remote_metadata.pop(peer, None)
+        with self._peers_lock:
+            tables = self.remote.pop(peer, None)
+            self._remote_metadata.pop(peer, None)
         if tables is not None:
             with contextlib.suppress(Exception):
                 tables.release()

@@ -5,7 +5,8 @@ and the READs go out without waiting for its grant (why that is sound:
 `transfer.nixl_notifications`); which READs a pull makes is
 `transfer.nixl_read_plan`. A pull from several holder ranks (`pull_all`,
 the body of `NixlTransceiver.pull_ranks`) claims them all at once and
-overlaps their READs: each rank's are posted once planned, the next rank is
+overlaps their READs: each rank's are posted once planned, on the next of
+the endpoint's post threads (so ranks copy side by side), the next rank is
 planned while they copy, and the holders are released in order, rank 0 last,
 once every READ is done.
 
@@ -25,6 +26,7 @@ from typing import Any
 from kvcache.layout import LayoutSignature, RequestRegions
 from transfer.errors import PeerGone, TransferError, UnknownRequest
 from transfer.handle import TransferHandle
+from transfer.nixl_agent import AgentThread
 from transfer.nixl_descriptors import PairGroups
 from transfer.nixl_endpoint import NixlEndpoint
 from transfer.nixl_notifications import CLAIM, DONE, GRANT, RELEASE
@@ -163,7 +165,7 @@ class NixlPuller:
         try:
             await self._send_claims([handle])  # its round trip overlaps the planning
             groups = plan_reads(handle, source, dest_regions, dest, self._endpoint.sizes)
-            xfers = await self._read(handle, groups, release)
+            xfers = await self._read(handle, groups, release, self._thread)
         finally:
             await self.drop_claims([handle])
         # The holder learns in the background; the caller has its bytes now.
@@ -176,11 +178,13 @@ class NixlPuller:
         sources = [check_layout(handle, dest) for handle in handles]
         await self._send_claims(handles)
         reads: list[asyncio.Task[list[Any]]] = []
+        lanes = self._endpoint.post_threads
         try:
-            for handle, source in zip(handles, sources, strict=True):
+            for i, (handle, source) in enumerate(zip(handles, sources, strict=True)):
                 groups = plan_reads(handle, source, dest_regions, dest, self._endpoint.sizes)
                 posted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-                read = asyncio.ensure_future(self._read(handle, groups, True, posted))
+                lane = lanes[i % len(lanes)]  # ranks' READs copy side by side
+                read = asyncio.ensure_future(self._read(handle, groups, True, lane, posted))
                 read.add_done_callback(functools.partial(_settle_after, posted))
                 reads.append(read)
                 # Plan the next rank while this one's READs copy (the post
@@ -208,9 +212,10 @@ class NixlPuller:
         handle: TransferHandle,
         groups: PairGroups,
         release: bool,
+        lane: AgentThread,
         posted: asyncio.Future[None] | None = None,
     ) -> list[Any]:
-        """Post the READs of `groups` (settling `posted` as the agent thread
+        """Post the READs of `groups` on `lane` (settling `posted` as it
         enters the post) and wait for them and for `handle`'s grant; the
         finished READs, for `_finish`. Raises only once no READ of this handle
         can land any more.
@@ -230,7 +235,7 @@ class NixlPuller:
         xfers: list[Any] = []  # filled on the agent thread, released there too
         try:
             entering = self._entering_post(posted)
-            states = await self._thread.run(self._post_reads, handle, groups, xfers, entering)
+            states = await lane.run(self._post_reads, handle, groups, xfers, entering)
             claimed_at, window = await claim
             deadline = claimed_at + window
             await self._wait(handle, xfers, states, deadline)
@@ -240,7 +245,7 @@ class NixlPuller:
             # (a CPU READ copies inside it) and its READs are released (which
             # aborts an unfinished one); the caller frees the blocks once this
             # raises, so wait for both. The release queues behind the post.
-            await self._thread.run(_release, xfers)
+            await lane.run(_release, xfers)
             if not release:  # none of our READs is left: the holder may end the window now
                 self._thread.submit(self._send_done, *_claim_ids(handle))
             if not isinstance(exc, Exception):

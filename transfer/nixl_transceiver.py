@@ -141,7 +141,8 @@ class NixlTransceiver(Transceiver):
         self._holder.close_all_windows()  # no READ reaches a closed agent
         if self._endpoint.agent is not None:
             await self._thread.run(self._endpoint.close)
-        self._thread.shutdown()
+        for thread in self._endpoint.post_threads:
+            thread.shutdown()
 
     # ----------------------------------------------------------------- holder
 
@@ -198,8 +199,8 @@ class NixlTransceiver(Transceiver):
         Every layout is checked first, so a mismatch never reaches a holder;
         then every rank is claimed at once, and each rank's READs are planned
         while the claims and the earlier ranks' READs are in flight and
-        posted once planned (the agent thread runs them back to
-        back). The holders are released in order, rank 0 last, once every
+        posted once planned, the ranks' READs side by side on the
+        endpoint's post threads. The holders are released in order, rank 0 last, once every
         READ is done: rank 0 frees the blocks of all ranks. A failure stops
         the other ranks' READs and waits for them before it raises."""
         if not handles:

@@ -22,6 +22,7 @@ from tests.transfer_harness import (
 )
 from transfer.errors import LayoutMismatch, TransferAborted, UnknownRequest
 from transfer.handle import TransferHandle
+from transfer.nixl_puller import NixlPuller
 from transfer.nixl_transceiver import NixlTransceiver, nixl_available
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl is not importable")
@@ -401,16 +402,7 @@ async def test_ranks_of_different_tensor_parallelism_read_head_slices(
     for worker in (*holders, *pullers):
         await worker.xcvr.start()
     try:
-        handles = []
-        for holder in [*holders[1:], holders[0]]:
-            assert holder.manager.allocate_slots("req", num_tokens)
-            write(
-                holder.tensors,
-                holder.manager,
-                "req",
-                cache.slice_for(holder.manager.layout.spec.heads),
-            )
-            handles.append(TransferHandle.from_bytes(holder.publish("req").to_bytes()))
+        handles = _publish_heads([*holders[1:], holders[0]], cache, num_tokens)
         for puller in pullers:
             assert puller.manager.allocate_slots("pad", BLOCK_SIZE)
             assert puller.manager.allocate_for_transfer("req", num_tokens)
@@ -423,6 +415,21 @@ async def test_ranks_of_different_tensor_parallelism_read_head_slices(
     finally:
         for worker in (*pullers, *holders):
             await worker.xcvr.close()
+
+
+def _publish_heads(
+    holders: list[Endpoint], cache: WholeCache, num_tokens: int
+) -> list[TransferHandle]:
+    """Each holder rank writes its heads of `cache` as "req" and publishes
+    it; the handles, in the order given (rank 0 last)."""
+    handles = []
+    for holder in holders:
+        assert holder.manager.allocate_slots("req", num_tokens)
+        write(
+            holder.tensors, holder.manager, "req", cache.slice_for(holder.manager.layout.spec.heads)
+        )
+        handles.append(TransferHandle.from_bytes(holder.publish("req").to_bytes()))
+    return handles
 
 
 @contextlib.asynccontextmanager
@@ -441,6 +448,31 @@ async def _two_holder_ranks() -> AsyncIterator[tuple[list[Endpoint], Endpoint]]:
     finally:
         for worker in (puller, *holders):
             await worker.xcvr.close()
+
+
+async def test_the_holder_ranks_reads_are_posted_from_two_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over CPU memory a READ copies inside its post: two holder ranks' READs
+    posted from two threads (each on a UCX worker of its own) copy side by
+    side, and the bytes are the same as from one."""
+    posting: list[str] = []
+    post = NixlPuller._post_reads
+
+    def recorded(self: NixlPuller, *args: Any) -> list[str]:
+        posting.append(threading.current_thread().name)
+        return post(self, *args)
+
+    monkeypatch.setattr(NixlPuller, "_post_reads", recorded)
+    cache = WholeCache(HYBRID_WHOLE, BLOCK_SIZE, num_blocks=3)
+    async with _two_holder_ranks() as (holders, puller):
+        handles = _publish_heads(holders, cache, 3 * BLOCK_SIZE - 1)
+        assert puller.manager.allocate_for_transfer("req", 3 * BLOCK_SIZE - 1)
+        regions, signature = puller.manager.regions("req"), puller.manager.layout_signature()
+        await puller.xcvr.pull_ranks(handles, regions, signature, timeout_s=10)
+        got = read(puller.tensors, puller.manager, "req")
+        assert_equal(got, cache.slice_for(puller.manager.layout.spec.heads))
+    assert len(posting) == 2 and len(set(posting)) == 2
 
 
 async def test_a_holder_rank_gone_fails_the_pull_and_releases_the_other_ranks() -> None:
