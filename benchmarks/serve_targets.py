@@ -33,7 +33,7 @@ import yaml
 from benchmarks.process_group import GroupProcess
 from cluster.config import ConfigError, config_from_dict
 from engine.process_env import cpu_engine_env
-from transfer.nixl_agent import DEFAULT_PROGRESS_DELAY_US
+from transfer.nixl_agent import DEFAULT_PROGRESS_DELAY_US, UCX_WORKER_LOCK
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_SITE = Path(__file__).resolve().parent / "vllm_site"
@@ -149,6 +149,9 @@ def vllm_1p1d(setup: Setup) -> Launch:
             VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_port),
             SERVE_COMPARE_NIXL_DELAY_US=str(DEFAULT_PROGRESS_DELAY_US),
             SERVE_COMPARE_KEEP_AFFINITY="1",
+            # The UCX worker lock our agents use: a mutex, not a spinlock the
+            # progress thread spins on while a READ copies.
+            **dict([UCX_WORKER_LOCK]),
         )
         transfer = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"}
         argv = _vllm_serve(setup, port, ["--kv-transfer-config", json.dumps(transfer)])
@@ -163,7 +166,7 @@ def vllm_1p1d(setup: Setup) -> Launch:
     urls.append(setup.url)
     label = (
         f"vLLM-CPU 1P1D NixlConnector (1 core each, NIXL progress delay "
-        f"{DEFAULT_PROGRESS_DELAY_US} us)"
+        f"{DEFAULT_PROGRESS_DELAY_US} us, {'='.join(UCX_WORKER_LOCK)})"
     )
     return Launch(label, tuple(ports), procs, urls)
 
