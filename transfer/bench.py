@@ -278,7 +278,7 @@ def _bench_pair(
             rid = f"src-{size}-{rep}"
             handles = ray.get([h.publish.remote("ep", "src", 60.0, rid) for h in holders])
             holder_cpu = _cpu_seconds(holders)
-            results = ray.get([p.pull_ranks.remote(["ep"], handles, tokens, 60.0) for p in pullers])
+            results = ray.get([p.pull_ranks.remote("ep", handles, tokens, 60.0) for p in pullers])
             for result in results:
                 if not result["ok"]:
                     raise RuntimeError(result["message"])

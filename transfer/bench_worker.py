@@ -18,7 +18,7 @@ import torch
 
 from engine.startup_heap import freeze_startup_heap
 from kvcache.factory import create_manager
-from kvcache.layout import LayoutSignature, Region, RequestRegions
+from kvcache.layout import Region
 from kvcache.spec import CacheSpec
 from kvcache.tensors import allocate_cache_tensors
 from transfer.base import Transceiver
@@ -94,29 +94,15 @@ class CacheEndpoint:
         self, handles_bytes: list[bytes], num_tokens: int, timeout_s: float
     ) -> dict[str, Any]:
         """`pull` of one request held by several tensor-parallel ranks, one
-        handle each (rank 0's last): this endpoint's heads from every one."""
+        handle each (rank 0's last): this endpoint's heads from every one.
+        "seconds" and "cpu_seconds" are the transceiver's alone; "started" and
+        "ended" (perf_counter, one clock for every process on this machine)
+        bound it, for a caller timing puller ranks in several processes."""
         handles = [TransferHandle.from_bytes(h) for h in handles_bytes]
-        destination = self.allocate(handles[-1].request_id, num_tokens)
-        return await self.pull_allocated(handles, destination, timeout_s)
-
-    def allocate(self, request_id: str, num_tokens: int) -> tuple[RequestRegions, LayoutSignature]:
-        """The destination of a pull of `num_tokens` tokens of `request_id`:
-        its regions and this pool's signature, as a pull takes them."""
-        if not self.manager.allocate_for_transfer(request_id, num_tokens):
-            raise RuntimeError(f"pool too small to receive {num_tokens} tokens")
-        return self.manager.regions(request_id), self.manager.layout_signature()
-
-    async def pull_allocated(
-        self,
-        handles: list[TransferHandle],
-        destination: tuple[RequestRegions, LayoutSignature],
-        timeout_s: float,
-    ) -> dict[str, Any]:
-        """`pull_ranks` into the `destination` `allocate` made; frees it on error."""
         rid = handles[-1].request_id
-        regions, signature = destination
-        # "seconds" and "cpu_seconds" are the transceiver's alone; "started" and
-        # "ended" (perf_counter) bound it, for a host timing several ranks at once.
+        if not self.manager.allocate_for_transfer(rid, num_tokens):
+            raise RuntimeError(f"pool too small to receive {num_tokens} tokens")
+        regions, signature = self.manager.regions(rid), self.manager.layout_signature()
         start, cpu = time.perf_counter(), time.process_time()
         try:
             await self.xcvr.pull_ranks(handles, regions, signature, timeout_s)
@@ -177,35 +163,9 @@ class EndpointHost:
         return await self.endpoints[name].pull(handle_bytes, num_tokens, timeout_s)
 
     async def pull_ranks(
-        self, names: list[str], handles_bytes: list[bytes], num_tokens: int, timeout_s: float
+        self, name: str, handles_bytes: list[bytes], num_tokens: int, timeout_s: float
     ) -> dict[str, Any]:
-        """Every named endpoint (the ranks of a tensor-parallel puller) pulls
-        its heads from every handle, all at once; the first failure, or wall
-        seconds from the first rank's transceiver start to the last one's end
-        (each rank's destination allocation and bookkeeping are the manager's,
-        outside, as for one rank) and this process's CPU seconds over the whole;
-        "started" and "ended" (perf_counter, one clock for every process on
-        this machine) bound them, for a caller timing ranks of several hosts."""
-        import asyncio
-
-        handles = [TransferHandle.from_bytes(h) for h in handles_bytes]
-        # Every rank's destination first (blocks and regions): building one
-        # rank's must not count against another rank's pull, begun meanwhile.
-        destinations = [
-            self.endpoints[n].allocate(handles[-1].request_id, num_tokens) for n in names
-        ]
-        cpu = time.process_time()
-        results = await asyncio.gather(
-            *(
-                self.endpoints[n].pull_allocated(handles, d, timeout_s)
-                for n, d in zip(names, destinations, strict=True)
-            )
-        )
-        failed = [r for r in results if not r["ok"]]
-        if failed:
-            return failed[0]
-        started, ended = min(r["started"] for r in results), max(r["ended"] for r in results)
-        return _outcome(started, ended, time.process_time() - cpu)
+        return await self.endpoints[name].pull_ranks(handles_bytes, num_tokens, timeout_s)
 
     def free(self, name: str, request_id: str) -> None:
         self.endpoints[name].manager.free(request_id)

@@ -43,7 +43,7 @@ _PEER_ERRORS = frozenset({"nixlRemoteDisconnectError", "nixlBackendError"})
 
 class NixlPuller:
     """Claims and READs of one transceiver's pulls, on the event loop; the
-    agent is reached only through jobs on the endpoint's thread.
+    agent is reached only through jobs on the endpoint's threads.
 
     kind: the handle kind this side pulls ("nixl").
     wake_poller: polls notifications now and paces the polls for the grant,
@@ -232,7 +232,7 @@ class NixlPuller:
         if claim is None:
             claim = asyncio.ensure_future(self._timed_claim(handle))
             claim.add_done_callback(_retrieve)
-        xfers: list[Any] = []  # filled on the agent thread, released there too
+        xfers: list[Any] = []  # filled on `lane`; released there if this fails, else by `_finish`
         try:
             entering = self._entering_post(posted)
             states = await lane.run(self._post_reads, handle, groups, xfers, entering)
@@ -255,7 +255,7 @@ class NixlPuller:
                 raise
             raise translated from exc
         if time.monotonic() >= deadline:  # the holder may have freed them mid-READ
-            self._thread.submit(_release, xfers)
+            lane.submit(_release, xfers)
             raise UnknownRequest(handle.request_id, handle.peer)
         return xfers
 

@@ -27,10 +27,11 @@ The generation worker claims ahead (`claim_ahead`), as soon as the request
 reaches it: the grant's round trip overlaps the wait for destination blocks,
 and a holder polls every 0.25 ms while a published request awaits its claim.
 
-Every call on the agent runs on the transceiver's own `AgentThread`, never on
+Every call on the agent runs on the endpoint's own `AgentThread`s, never on
 the event loop: over UCX on CPU a READ copies inside its post, and a pull in
 flight must not stall the running batch. Lease and bookkeeping state stays on
-the loop; the agent, its prepared tables and the peer maps stay on the thread.
+the loop; the agent stays on its thread, which also polls notifications, and
+the post threads (`transfer.nixl_endpoint`) only post READs and release them.
 """
 
 from __future__ import annotations
@@ -200,9 +201,10 @@ class NixlTransceiver(Transceiver):
         then every rank is claimed at once, and each rank's READs are planned
         while the claims and the earlier ranks' READs are in flight and
         posted once planned, the ranks' READs side by side on the
-        endpoint's post threads. The holders are released in order, rank 0 last, once every
-        READ is done: rank 0 frees the blocks of all ranks. A failure stops
-        the other ranks' READs and waits for them before it raises."""
+        endpoint's post threads. The holders are released in order, rank 0
+        last, once every READ is done: rank 0 frees the blocks of all ranks. A
+        failure stops the other ranks' READs and waits for them before it
+        raises."""
         if not handles:
             return
         for handle in handles:
