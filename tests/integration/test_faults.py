@@ -468,13 +468,9 @@ async def test_a_generation_worker_whose_step_hangs_has_its_streams_ended(
     await _until(lambda: victim.state.healthy, 5, "the victim is healthy again")
 
 
-async def test_a_generation_worker_whose_engine_loop_dies_exits_and_ray_restarts_it(
-    harness: Harness,
-) -> None:
-    """A step that raises kills a generation worker's engine loop (a bug, a
-    device error): its streams end with the error, and instead of staying up
-    with a loop that never steps again (every later request would wait
-    forever) the worker exits, Ray restarts it, and it serves again."""
+def _step_breaker() -> Callable[[Any], int]:
+    """For a worker's `__ray_call__`: its next step raises; returns its pid.
+    (A nested function, so Ray ships it by value, not as this module's.)"""
 
     def break_next_step(worker: Any) -> int:
         def schedule() -> Any:
@@ -483,12 +479,23 @@ async def test_a_generation_worker_whose_engine_loop_dies_exits_and_ray_restarts
         worker.engine.core.schedule = schedule
         return os.getpid()
 
+    return break_next_step
+
+
+async def test_a_generation_worker_whose_engine_loop_dies_exits_and_ray_restarts_it(
+    harness: Harness,
+) -> None:
+    """A step that raises kills a generation worker's engine loop (a bug, a
+    device error): its streams end with the error, and instead of staying up
+    with a loop that never steps again (every later request would wait
+    forever) the worker exits, Ray restarts it, and it serves again."""
+
     h = harness
     expected = await _expected(h, LONG_TOKENS)
     victim = h.router.generation[0]
     streams = [h.router.generate(f"died-{i}", p, _long()) for i, p in enumerate(PROMPTS)]
     heads = await asyncio.gather(*(_take(s, 2) for s in streams))  # all decoding
-    pid = await victim.actor.__ray_call__.remote(break_next_step)
+    pid = await victim.actor.__ray_call__.remote(_step_breaker())
     results = await asyncio.wait_for(asyncio.gather(*(_drain(s) for s in streams)), 20)
     _some_failed_with("injected step failure", heads, results, expected)
     await h.all_idle()  # a new process answers, with nothing of the old one left
@@ -498,6 +505,33 @@ async def test_a_generation_worker_whose_engine_loop_dies_exits_and_ray_restarts
     again = await asyncio.gather(*(h.run(f"after-{i}", p, 8) for i, p in enumerate(PROMPTS)))
     assert all(r[-1].finish_reason == "length" for r in again)
     assert h.routed(victim.name, "generation") > before
+
+
+async def test_a_context_worker_whose_engine_loop_dies_exits_and_its_prefills_rerun(
+    harness: Harness,
+) -> None:
+    """The same on a context worker: the prefills its dead loop failed run
+    again on the other context worker (no token had left, so the callers get
+    the fault-free tokens), and the worker exits, Ray restarts it, and it
+    prefills again."""
+    h = harness
+    expected = await _expected(h, 8)
+    victim = h.router.context[0]
+    pid = await victim.actor.__ray_call__.remote(_step_breaker())
+    before = h.routed(victim.name, "context")
+    # Round robin: some of these go to the victim.
+    runs = [h.run(f"ctx-died-{i}", p, 8) for i, p in enumerate(PROMPTS)]
+    results = await asyncio.wait_for(asyncio.gather(*runs), 30)
+    assert h.routed(victim.name, "context") > before
+    for events, want in zip(results, expected, strict=True):
+        assert tokens(events) == want and events[-1].finish_reason == "length"
+    await h.all_idle()
+    assert await pid_of(victim.actor) != pid
+    await _until(lambda: victim.state.healthy, 10, "the restarted worker is healthy again")
+    before = h.routed(victim.name, "context")
+    again = await asyncio.gather(*(h.run(f"ctx-after-{i}", p, 8) for i, p in enumerate(PROMPTS)))
+    assert [tokens(r) for r in again] == expected
+    assert h.routed(victim.name, "context") > before
 
 
 async def test_a_prefill_on_a_silent_context_worker_runs_on_the_other_one(
