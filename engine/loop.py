@@ -111,7 +111,8 @@ class EngineLoop:
         self._stopping = True
         self._wake.set()
         with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+            # A loop that died raised here once already (logged, streams failed).
+            await asyncio.gather(self._task, return_exceptions=True)
         self._task = None
         self._apply_pending()
         self._fail_open_streams("the worker is shutting down; retry on another worker")
@@ -131,9 +132,12 @@ class EngineLoop:
         return self._error is None and (self._task is None or not self._task.done())
 
     def call_between_steps(self, fn: Callable[[], None]) -> None:
-        """Run `fn` on the event loop when no step is in flight."""
-        if self._stopping and self._task is None:
-            fn()  # stopped: no step will ever run again
+        """Run `fn` on the event loop when no step is in flight: at once when
+        the loop has stopped or died, as no step will ever run again (queued,
+        it would wait for ever: a dead loop's worker answers `integrity()`
+        and aborts until it exits)."""
+        if (self._stopping and self._task is None) or self._error is not None:
+            fn()
             return
         self._pending.append(fn)
         self._wake.set()
@@ -182,15 +186,21 @@ class EngineLoop:
         `prefilled` admits it straight into the running batch (its cache was
         pulled). `prepare` runs between steps right before the request joins,
         in the same gap (marking a pulled cache complete costs no extra step).
-        Raises ValueError for an id already in flight; capacity errors and an
-        error of `prepare` surface as a final event with `error` set (after
-        a failed `prepare` the request's blocks and slot are freed).
+        Raises ValueError for an id already in flight; capacity errors, an
+        error of `prepare` and a loop that died surface as a final event with
+        `error` set (the request's pulled blocks and slot, if any, are freed).
         """
         if request.request_id in self._open:
             raise ValueError(f"request id {request.request_id!r} is already in flight here")
         self._open.add(request.request_id)
 
         def add() -> None:
+            if self._error is not None:  # the loop died: no step would ever run it
+                if prefilled:
+                    self.core.free_cache(request.request_id)
+                if request.request_id in self._open:  # else its stream was failed already
+                    self._emit([_error_event(request, f"engine failed: {self._error!r}")])
+                return
             try:
                 if prepare is not None:
                     prepare()
@@ -241,6 +251,7 @@ class EngineLoop:
             logger.exception("engine loop died; failing every request in flight")
             self._fail_open_streams(f"engine failed: {exc!r}")
             self.on_death(exc)
+            self._apply_pending_after_death()
             raise
 
     async def _step(self) -> StepResult:
@@ -272,6 +283,17 @@ class EngineLoop:
             fn()
         if pending:
             self.timeline.applied(len(pending), time.perf_counter() - started)
+
+    def _apply_pending_after_death(self) -> None:
+        """Run the calls queued before the loop died (later ones run at once):
+        no step will run them, and their callers wait. One that fails is
+        logged; the rest still run."""
+        pending, self._pending = self._pending, []
+        for fn in pending:
+            try:
+                fn()
+            except Exception:
+                logger.exception("a call queued before the engine loop died failed")
 
     def _dispatch(self, result: StepResult) -> None:
         if self.on_step is not None:

@@ -1,6 +1,7 @@
 """Calls between steps: a cancelled `run_between_steps` waiter never breaks the
-loop, and `submit`'s `prepare` runs in the gap that admits the request; the
-loop's stats count the steps and the time they took."""
+loop, `submit`'s `prepare` runs in the gap that admits the request, and a loop
+that died answers calls instead of queueing them for ever; the loop's stats
+count the steps and the time they took."""
 
 from __future__ import annotations
 
@@ -110,4 +111,38 @@ async def test_work_beside_a_step_runs_while_its_model_computes() -> None:
     assert not between.done() and loop.stats.steps == 0
     release.set()
     assert await asyncio.wait_for(between, 5.0) == "after the step"
+    await loop.stop()
+
+
+async def test_a_loop_that_died_answers_calls_and_fails_new_requests_at_once() -> None:
+    """A step that raises kills the loop. Calls queued while it computed run
+    then, and later ones at once, instead of waiting for a step that never
+    comes; a request submitted afterwards ends with the error; `stop` still
+    returns."""
+    computing, release = threading.Event(), threading.Event()
+
+    def failing_model() -> None:
+        computing.set()
+        release.wait(5.0)
+        raise RuntimeError("injected step failure")
+
+    core: Any = ScriptedCore([failing_model])
+    loop = EngineLoop(core)
+    events: list[TokenEvent] = []
+    deaths: list[BaseException] = []
+    loop.on_events = events.extend
+    loop.on_death = deaths.append
+    params = SamplingParams(max_tokens=4)
+    loop.start()
+    await asyncio.get_running_loop().run_in_executor(None, computing.wait, 5.0)
+    loop.submit(Request("early", [1, 2], params))  # queued behind the failing step
+    queued = asyncio.ensure_future(loop.run_between_steps(lambda: "queued"))
+    release.set()
+    assert await asyncio.wait_for(queued, 5.0) == "queued"
+    assert not loop.healthy and [str(e) for e in deaths] == ["injected step failure"]
+    assert [(e.request_id, e.finish_reason) for e in events] == [("early", "error")]
+    loop.submit(Request("late", [1, 2], params))
+    assert [(e.request_id, e.finish_reason) for e in events[1:]] == [("late", "error")]
+    assert "injected step failure" in (events[1].error or "")
+    assert await asyncio.wait_for(loop.run_between_steps(lambda: 7), 5.0) == 7
     await loop.stop()
