@@ -186,20 +186,23 @@ class EngineLoop:
         `prefilled` admits it straight into the running batch (its cache was
         pulled). `prepare` runs between steps right before the request joins,
         in the same gap (marking a pulled cache complete costs no extra step).
-        Raises ValueError for an id already in flight; capacity errors, an
-        error of `prepare` and a loop that died surface as a final event with
-        `error` set (the request's pulled blocks and slot, if any, are freed).
+        Raises ValueError for an id already in flight; capacity errors and an
+        error of `prepare` surface as a final event with `error` set (after
+        a failed `prepare` the request's blocks and slot are freed). A loop
+        that died takes no request (its pulled blocks and slot are freed).
         """
         if request.request_id in self._open:
             raise ValueError(f"request id {request.request_id!r} is already in flight here")
         self._open.add(request.request_id)
 
         def add() -> None:
-            if self._error is not None:  # the loop died: no step would ever run it
+            if self._error is not None:
+                # The loop died: no step would run it. Its stream stays open
+                # until `on_death` ends the process, and the router reruns a
+                # request whose worker died before it streamed a token (an
+                # error event here would end an aggregated request instead).
                 if prefilled:
                     self.core.free_cache(request.request_id)
-                if request.request_id in self._open:  # else its stream was failed already
-                    self._emit([_error_event(request, f"engine failed: {self._error!r}")])
                 return
             try:
                 if prepare is not None:

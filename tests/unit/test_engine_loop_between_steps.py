@@ -114,11 +114,11 @@ async def test_work_beside_a_step_runs_while_its_model_computes() -> None:
     await loop.stop()
 
 
-async def test_a_loop_that_died_answers_calls_and_fails_new_requests_at_once() -> None:
+async def test_a_loop_that_died_answers_calls_and_takes_no_new_request() -> None:
     """A step that raises kills the loop. Calls queued while it computed run
     then, and later ones at once, instead of waiting for a step that never
-    comes; a request submitted afterwards ends with the error; `stop` still
-    returns."""
+    comes; a request submitted afterwards never reaches the core (its stream
+    ends with the process, by `on_death`); `stop` still returns."""
     computing, release = threading.Event(), threading.Event()
 
     def failing_model() -> None:
@@ -141,8 +141,7 @@ async def test_a_loop_that_died_answers_calls_and_fails_new_requests_at_once() -
     assert await asyncio.wait_for(queued, 5.0) == "queued"
     assert not loop.healthy and [str(e) for e in deaths] == ["injected step failure"]
     assert [(e.request_id, e.finish_reason) for e in events] == [("early", "error")]
-    loop.submit(Request("late", [1, 2], params))
-    assert [(e.request_id, e.finish_reason) for e in events[1:]] == [("late", "error")]
-    assert "injected step failure" in (events[1].error or "")
+    loop.submit(Request("late", [1, 2], params))  # the core has no `add`: never called
+    assert len(events) == 1
     assert await asyncio.wait_for(loop.run_between_steps(lambda: 7), 5.0) == 7
     await loop.stop()
