@@ -36,8 +36,10 @@ at most `_OPEN_WAIT_S`. A break that says the worker died (`RayActorError`)
 fails it at once with that error, so the router routes it around the worker
 instead of waiting for Ray to restart it (seconds: a process, a model, a
 transfer agent); a request that arrives while the worker restarts waits for
-the reopened stream. `stop()` fails it at once. A caller that leaves before its
-request went is taken out of the next call.
+the reopened stream, also when a stream call made during the restart fails
+(Ray says "temporarily unavailable", at times after the new instance has
+answered the router's polls). `stop()` fails it at once. A caller that
+leaves before its request went is taken out of the next call.
 
 A worker that is alive but answers nothing (a stopped process, a blocked
 event loop) breaks no stream. When the router gives up on it
@@ -56,7 +58,7 @@ import logging
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from ray.exceptions import RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from engine.errors import RequestFailedError
 from engine.event_stream import EventDemux, StreamOpened, read_stream
@@ -272,7 +274,7 @@ class WorkerChannel:
                 raise
             except Exception as exc:
                 error = exc
-            self._closed(error if isinstance(error, RayActorError) else None)
+            self._closed(error if _says_it_died(opened, error) else None)
             if len(self._demux):
                 logger.warning("event stream of %s broke: %s", self.name, error)
             self._broke(opened, error)
@@ -301,6 +303,17 @@ class WorkerChannel:
         self._reading = incarnation
         lost = [r for r, accepted_by in self._submitted_to.items() if accepted_by != incarnation]
         self._demux.fail(lost, StreamBrokenError(f"{self.name} restarted; its requests were lost"))
+
+
+def _says_it_died(opened: str | None, error: BaseException) -> bool:
+    """Whether the break of a stream from incarnation `opened` (None: it
+    never said) is news that the worker died. A call made while Ray restarts
+    the worker fails as temporarily unavailable, at times only once the new
+    instance already answers other calls: the restart is under way, and the
+    requests waiting for a stream wait for the next one."""
+    if opened is None and isinstance(error, ActorUnavailableError):
+        return False
+    return isinstance(error, RayActorError)
 
 
 def _fail(

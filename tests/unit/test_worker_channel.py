@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from cluster.worker_channel import StreamBrokenError, WorkerChannel
 from cluster.worker_poller import UnresponsiveWorkerError
@@ -205,6 +205,49 @@ async def test_a_request_waiting_for_its_stream_outlives_a_break_and_is_sent_on_
         assert worker.submitted == [] and not first.done()
         await _sent_once_open(worker, stream, first)
     finally:
+        await channel.stop()
+
+
+async def test_a_stream_call_failing_during_a_restart_keeps_waiting_requests_waiting() -> None:
+    """Stream calls made while Ray restarts the worker fail as temporarily
+    unavailable, the last one at times after the new instance answers polls:
+    a request that arrived meanwhile waits for the stream that opens next."""
+    worker = _Worker("b")
+    channel = WorkerChannel("generation-0", worker)
+    try:
+        first = _started(channel, "r1")
+        for _ in range(2):
+            restarting = ActorUnavailableError("IOError: The actor is restarting.", None)
+            (await worker.streams.get()).put_nowait(restarting)
+        stream = await worker.streams.get()
+        assert worker.submitted == [] and not first.done()
+        stream.put_nowait(StreamOpened("b"))
+        while worker.submitted != ["r1"]:
+            await asyncio.sleep(0.01)
+        stream.put_nowait(_final("r1"))
+        assert (await first).token_ids == [7]
+    finally:
+        await channel.stop()
+
+
+async def test_an_open_stream_breaking_as_unavailable_fails_waiting_requests_at_once() -> None:
+    """The stream of a worker that answered breaks as temporarily unavailable
+    (its node died): that is news of its death, so a request waiting for the
+    next submit call fails at once and the router can route it elsewhere."""
+    worker = _Worker("a")
+    channel = WorkerChannel("generation-0", worker)
+    try:
+        stream = await _opened(worker, channel, "a")
+        worker.answer.clear()  # submit calls stay in flight
+        await _in_call(worker, channel, "r0")
+        queued = _started(channel, "r1")
+        while "r1" not in channel._outgoing:
+            await asyncio.sleep(0.01)
+        stream.put_nowait(ActorUnavailableError("RpcError: Socket closed", None))
+        with pytest.raises(ActorUnavailableError):
+            await asyncio.wait_for(queued, 5)
+    finally:
+        worker.answer.set()
         await channel.stop()
 
 
