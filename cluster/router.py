@@ -332,7 +332,9 @@ class Router:
         target: WorkerEndpoint | None = None,
     ) -> AsyncGenerator[TokenEvent, None]:
         """Stream from a generation worker. A whole request moves to another
-        worker while nothing was streamed; a disaggregated one raises
+        worker while nothing was streamed (also when its first event is an
+        error: the worker failed it, e.g. its engine loop died, before any
+        token left); a disaggregated one raises
         `_PullFailed` until its `cache_ready` event (its cache is gone then,
         so only a new prefill can run it), and ends with an error event after.
         `target`: the worker to use (it prefetches the cache)."""
@@ -352,7 +354,7 @@ class Router:
                 channel = self._channels[endpoint.name]
                 async with contextlib.aclosing(channel.stream(request)) as events:
                     async for event in events:
-                        if not streamed and event.error is not None and request.context is not None:
+                        if not streamed and event.error is not None:
                             raise RequestFailedError(request.request_id, event.error)
                         if event.cache_ready and request.context is not None:
                             self._record_transfer(request.context, started)

@@ -94,7 +94,7 @@ def _config(checkpoint: Path, kind: str) -> dict[str, Any]:
 class Harness:
     """A router over one launched cluster, plus the fault injectors."""
 
-    def __init__(self, cluster: RunningCluster) -> None:
+    def __init__(self, cluster: RunningCluster, aggregated: bool = False) -> None:
         self.cluster = cluster
         self.metrics = ServingMetrics()
         self.paused: set[int] = set()  # resumed at teardown if a test failed midway
@@ -106,7 +106,9 @@ class Harness:
             ]
 
         settings = RoutingSettings("round_robin", 0, 8, 8, hash_namespace="")
-        self.router = Router(endpoints("context"), endpoints("generation"), settings, self.metrics)
+        # Aggregated: no context pool, so every request runs whole on a generation worker.
+        context = [] if aggregated else endpoints("context")
+        self.router = Router(context, endpoints("generation"), settings, self.metrics)
 
     def endpoint(self, name: str) -> WorkerEndpoint:
         return next(e for e in self.router.workers if e.name == name)
@@ -505,6 +507,36 @@ async def test_a_generation_worker_whose_engine_loop_dies_exits_and_ray_restarts
     again = await asyncio.gather(*(h.run(f"after-{i}", p, 8) for i, p in enumerate(PROMPTS)))
     assert all(r[-1].finish_reason == "length" for r in again)
     assert h.routed(victim.name, "generation") > before
+
+
+async def test_whole_requests_failed_by_a_dying_engine_loop_rerun_on_the_other_worker(
+    clusters: dict[str, RunningCluster],
+) -> None:
+    """Requests run whole (an aggregated router) that a generation worker's
+    engine loop failed before any token left, its loop dying at their first
+    step, run again on the other worker: every caller gets the fault-free
+    tokens, and the worker exits and comes back. The transceiver plays no
+    part (one kind)."""
+    h = Harness(clusters["python"], aggregated=True)
+    await h.all_idle()  # a previous test's restarts are complete
+    h.router.start()
+    try:
+        runs = [h.run(f"ref-whole-{i}", p, 8) for i, p in enumerate(PROMPTS)]
+        expected = [tokens(r) for r in await asyncio.gather(*runs)]
+        victim = h.router.generation[0]
+        before = h.counts("generation", "whole")
+        pid = await victim.actor.__ray_call__.remote(_step_breaker())
+        runs = [h.run(f"whole-{i}", p, 8) for i, p in enumerate(PROMPTS)]
+        results = await asyncio.wait_for(asyncio.gather(*runs), 30)
+        assert [tokens(r) for r in results] == expected
+        assert all(r[-1].finish_reason == "length" for r in results)
+        after = h.counts("generation", "whole")
+        assert after[victim.name] > before[victim.name]  # it got some, and failed them
+        assert sum(after.values()) - sum(before.values()) > len(PROMPTS)  # and they reran
+        await h.all_idle()  # a new process answers, with nothing of the old one left
+        assert await pid_of(victim.actor) != pid
+    finally:
+        await h.router.stop()
 
 
 async def test_a_context_worker_whose_engine_loop_dies_exits_and_its_prefills_rerun(
