@@ -212,7 +212,7 @@ async def test_a_stream_call_failing_during_a_restart_keeps_waiting_requests_wai
     """Stream calls made while Ray restarts the worker fail as temporarily
     unavailable, the last one at times after the new instance answers polls:
     a request that arrived meanwhile waits for the stream that opens next."""
-    worker = _Worker("b")
+    worker = _Worker("a")
     channel = WorkerChannel("generation-0", worker)
     try:
         first = _started(channel, "r1")
@@ -221,33 +221,8 @@ async def test_a_stream_call_failing_during_a_restart_keeps_waiting_requests_wai
             (await worker.streams.get()).put_nowait(restarting)
         stream = await worker.streams.get()
         assert worker.submitted == [] and not first.done()
-        stream.put_nowait(StreamOpened("b"))
-        while worker.submitted != ["r1"]:
-            await asyncio.sleep(0.01)
-        stream.put_nowait(_final("r1"))
-        assert (await first).token_ids == [7]
+        await _sent_once_open(worker, stream, first)
     finally:
-        await channel.stop()
-
-
-async def test_an_open_stream_breaking_as_unavailable_fails_waiting_requests_at_once() -> None:
-    """The stream of a worker that answered breaks as temporarily unavailable
-    (its node died): that is news of its death, so a request waiting for the
-    next submit call fails at once and the router can route it elsewhere."""
-    worker = _Worker("a")
-    channel = WorkerChannel("generation-0", worker)
-    try:
-        stream = await _opened(worker, channel, "a")
-        worker.answer.clear()  # submit calls stay in flight
-        await _in_call(worker, channel, "r0")
-        queued = _started(channel, "r1")
-        while "r1" not in channel._outgoing:
-            await asyncio.sleep(0.01)
-        stream.put_nowait(ActorUnavailableError("RpcError: Socket closed", None))
-        with pytest.raises(ActorUnavailableError):
-            await asyncio.wait_for(queued, 5)
-    finally:
-        worker.answer.set()
         await channel.stop()
 
 
@@ -273,9 +248,18 @@ async def test_a_worker_that_died_fails_the_requests_waiting_to_be_sent_at_once(
         await channel.stop()
 
 
-async def test_a_worker_that_died_fails_the_requests_queued_for_its_next_call() -> None:
+@pytest.mark.parametrize(
+    "death",
+    [ActorDiedError(), ActorUnavailableError("RpcError: Socket closed", None)],
+    ids=["died", "unavailable"],
+)
+async def test_a_worker_that_died_fails_the_requests_queued_for_its_next_call(
+    death: Exception,
+) -> None:
     """Requests queued behind a submit call when the open stream breaks with
-    the worker's death fail with it, not wait for the restarted worker."""
+    the worker's death fail with it, not wait for the restarted worker; also
+    when Ray calls the worker temporarily unavailable (its node died): from a
+    stream that had opened, that is news of its death too."""
     worker = _Worker("a")
     channel = WorkerChannel("generation-0", worker)
     try:
@@ -285,8 +269,8 @@ async def test_a_worker_that_died_fails_the_requests_queued_for_its_next_call() 
         queued = _started(channel, "r1")
         while "r1" not in channel._outgoing:
             await asyncio.sleep(0.01)
-        stream.put_nowait(ActorDiedError())
-        with pytest.raises(ActorDiedError):
+        stream.put_nowait(death)
+        with pytest.raises(type(death)):
             await asyncio.wait_for(queued, 5)
         assert worker.calls == [["warm"], ["r0"]]
     finally:
