@@ -37,7 +37,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.checkpoint_shipping import CheckpointShipping
 from cluster.plan import ClusterPlan, InstancePlan
-from engine.process_env import cpu_engine_env
+from engine.process_env import worker_env as engine_worker_env
 
 logger = logging.getLogger(__name__)
 
@@ -262,13 +262,12 @@ def _actor_class(role: str) -> Any:
 
 def worker_env(instance: InstancePlan) -> dict[str, str]:
     """Environment variables of an instance's worker process (merged by Ray
-    with the job's): on CPU, OpenMP's passive wait and glibc malloc settings
-    that keep freed activations for the next step (`engine.process_env`).
-    A value set in the environment of `serve` is kept.
+    with the job's): the niceness of the process that started Ray's node
+    instead of Ray's 15 for workers, and on CPU, OpenMP's passive wait and
+    glibc malloc settings that keep freed activations for the next step
+    (`engine.process_env`). A value set in the environment of `serve` is kept.
     """
-    if instance.device != "cpu":
-        return {}
-    return cpu_engine_env()
+    return engine_worker_env(instance.device)
 
 
 def _role_argument(instance: InstancePlan) -> tuple[str, ...]:

@@ -55,7 +55,7 @@ from torch.distributed import DistNetworkError
 
 from engine.cache_build import build_cache
 from engine.model_runner import ModelRunner, StepInput
-from engine.process_env import CPU_ENGINE_ENV
+from engine.process_env import inherited_worker_env
 from engine.rank_transfer import RankTransfer
 from engine.threads import configure_torch_threads, run_on_compute_thread
 from engine.worker_config import WorkerConfig
@@ -119,8 +119,8 @@ def _start_ranks(
     )
     group = get_current_placement_group()
     resources = ray.get_runtime_context().get_assigned_resources()
-    # The other ranks run with the OpenMP and malloc settings rank 0 was given.
-    env = {k: os.environ[k] for k in CPU_ENGINE_ENV if k in os.environ}
+    # The other ranks run with the niceness, OpenMP and malloc settings rank 0 was given.
+    env = inherited_worker_env()
     return [
         actor.options(
             num_cpus=resources.get("CPU", 1.0),

@@ -37,6 +37,12 @@ async def test_an_aggregated_only_cluster_serves_whole_requests_on_its_cpu_grant
         env = await instance.actor.__ray_call__.remote(lambda _self: dict(os.environ))
         assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "PYTHONPATH" in env
         assert env["MALLOC_ARENA_MAX"] == "1"
+        # It runs at this process's niceness, not at the 15 Ray gives its
+        # workers, below the router and everything else on the node.
+        niceness = await instance.actor.__ray_call__.remote(
+            lambda _self: os.getpriority(os.PRIO_PROCESS, 0)
+        )
+        assert niceness == os.getpriority(os.PRIO_PROCESS, 0)
         async with httpx.AsyncClient(base_url=serving.url, timeout=60) as client:
             model = (await client.get("/models")).json()["data"][0]["id"]
             body = {"model": model, "prompt": [5, 6, 7, 8], "max_tokens": 5, "ignore_eos": True}

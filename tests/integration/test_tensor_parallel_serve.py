@@ -146,6 +146,17 @@ def _rank_actor_pid(server: Server) -> int:
     raise AssertionError("no TensorParallelRank process under the server")
 
 
+def _niceness(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+@pytest.mark.parametrize("checkpoint", ["llama"], indirect=True)
+def test_the_other_rank_runs_at_the_servers_niceness(server: Server) -> None:
+    """Not at the 15 Ray starts its workers with: rank 0 passes its own
+    environment's `RAY_worker_niceness` on (`engine.process_env`)."""
+    assert _niceness(_rank_actor_pid(server)) == _niceness(server.process.pid)
+
+
 # Once, on the Llama server: what a lost rank does to its instance does not
 # depend on the layers between the collectives.
 @pytest.mark.parametrize("checkpoint", ["llama"], indirect=True)

@@ -1,5 +1,6 @@
-"""The environment a CPU engine process starts with: kept overrides, and a
-step's freed activations reused instead of faulted in again."""
+"""The environment an engine worker process starts with: the niceness of
+Ray's node on any device, the CPU runtime settings on CPU, kept overrides,
+and a step's freed activations reused instead of faulted in again."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 
 import pytest
 
-from engine.process_env import CPU_ENGINE_ENV, cpu_engine_env
+from engine.process_env import CPU_ENGINE_ENV, WORKER_ENV, cpu_engine_env, worker_env
 
 # Eight MLP-shaped "steps" (2,048 tokens, hidden 256, fp32) on a thread other
 # than the main one, as the engine's compute thread runs them; prints the
@@ -50,6 +51,17 @@ def test_a_value_set_in_the_environment_is_kept(monkeypatch: pytest.MonkeyPatch)
     assert env["OMP_WAIT_POLICY"] == "ACTIVE"
     assert env["MALLOC_ARENA_MAX"] == CPU_ENGINE_ENV["MALLOC_ARENA_MAX"]
     assert env.keys() == CPU_ENGINE_ENV.keys()
+
+
+def test_every_worker_runs_at_the_nodes_niceness_and_cpu_ones_get_the_runtime_settings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for name in (*WORKER_ENV, *CPU_ENGINE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert worker_env("cuda") == {"RAY_worker_niceness": "0"}
+    assert worker_env("cpu") == {"RAY_worker_niceness": "0", **CPU_ENGINE_ENV}
+    monkeypatch.setenv("RAY_worker_niceness", "5")
+    assert worker_env("cuda") == {"RAY_worker_niceness": "5"}
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the malloc settings are glibc's")
