@@ -286,7 +286,7 @@ def ours_offline(
     argv += ["--new-tokens", str(output_len), "--max-num-tokens", str(setup.max_num_tokens)]
     argv += ["--cpus", *(str(c) for c in setup.cpus), "--repeats", str(OFFLINE_REPEATS)]
     argv += ["--json", str(out)]
-    # The environment our served CPU workers get (`cluster.launcher.worker_env`).
+    # The environment our served CPU workers get (`engine.process_env.worker_env`).
     env = {**os.environ, **cpu_engine_env()}
     return GroupProcess(OFFLINE, argv, env, setup.log(OFFLINE), setup.cpus, ROOT)
 

@@ -37,7 +37,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.checkpoint_shipping import CheckpointShipping
 from cluster.plan import ClusterPlan, InstancePlan
-from engine.process_env import worker_env as engine_worker_env
+from engine.process_env import worker_env
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ async def _start_instance(
                 name=label,
                 max_concurrency=1000,
                 max_restarts=MAX_RESTARTS,
-                runtime_env={"env_vars": worker_env(instance)},
+                runtime_env={"env_vars": worker_env(instance.device)},
             )
             .remote(config, instance.name, *_role_argument(instance))
         )
@@ -258,16 +258,6 @@ def _actor_class(role: str) -> Any:
     from decode_worker.worker import GenerationWorker
 
     return ray.remote(GenerationWorker)
-
-
-def worker_env(instance: InstancePlan) -> dict[str, str]:
-    """Environment variables of an instance's worker process (merged by Ray
-    with the job's): the niceness of the process that started Ray's node
-    instead of Ray's 15 for workers, and on CPU, OpenMP's passive wait and
-    glibc malloc settings that keep freed activations for the next step
-    (`engine.process_env`). A value set in the environment of `serve` is kept.
-    """
-    return engine_worker_env(instance.device)
 
 
 def _role_argument(instance: InstancePlan) -> tuple[str, ...]:

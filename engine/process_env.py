@@ -75,15 +75,14 @@ CPU_ENGINE_ENV: dict[str, str] = {
 
 def cpu_engine_env() -> dict[str, str]:
     """`CPU_ENGINE_ENV`, each value overridden by this process's environment."""
-    return {name: os.environ.get(name, value) for name, value in CPU_ENGINE_ENV.items()}
+    return _overridden(CPU_ENGINE_ENV)
 
 
 def worker_env(device: str) -> dict[str, str]:
     """What an engine worker process on `device` ("cpu", "cuda", ...) starts
     with: `WORKER_ENV`, and `CPU_ENGINE_ENV` on CPU, each value overridden by
     this process's environment."""
-    wanted = {**WORKER_ENV, **(CPU_ENGINE_ENV if device == "cpu" else {})}
-    return {name: os.environ.get(name, value) for name, value in wanted.items()}
+    return _overridden({**WORKER_ENV, **(CPU_ENGINE_ENV if device == "cpu" else {})})
 
 
 def inherited_worker_env() -> dict[str, str]:
@@ -91,6 +90,10 @@ def inherited_worker_env() -> dict[str, str]:
     with their values: what the other ranks of its instance start with."""
     names = (*WORKER_ENV, *CPU_ENGINE_ENV)
     return {name: os.environ[name] for name in names if name in os.environ}
+
+
+def _overridden(defaults: dict[str, str]) -> dict[str, str]:
+    return {name: os.environ.get(name, value) for name, value in defaults.items()}
 
 
 def run_in_cpu_engine_env(module: str, argv: Sequence[str] | None) -> None:
