@@ -7,8 +7,8 @@ batch, switching torch's thread count step by step over `--threads` (1 2 1 2
 alike. Per count it prints a decode step's wall time (p50 and mean), its
 CPU time (all threads of the process), and how many times the process's
 other threads went to sleep per step: with passive OpenMP waits
-(`engine.process_env`) that is the number of parallel regions the team
-joined, each paying a wake-up. The prefill of the batch is timed on every
+(`OMP_WAIT_POLICY=PASSIVE` in its environment) that is the number of
+parallel regions the team joined, each paying a wake-up. The prefill of the batch is timed on every
 count too (best of two). It runs in the environment served CPU workers
 start with (`engine.process_env`), re-executing itself if needed.
 

@@ -20,24 +20,27 @@ On any device (`WORKER_ENV`):
 
 On CPU (`CPU_ENGINE_ENV`), for the C runtime:
 
-- `OMP_WAIT_POLICY=PASSIVE`: OpenMP threads wait passively at the end of a
-  parallel region instead of spinning (libgomp's default). They share the
-  instance's cores with its event loop and Ray's I/O threads (and, on one
-  machine, with the router), which spinning starves: on 2 shared cores an
-  aggregated instance with num_cpus 2 served 118-263 output tok/s spinning
-  and 826-959 passive. A bounded spin is no cure: with `GOMP_SPINCOUNT=100000`
-  (about 4 ms here) the aggregated SmolLM2 at one request per second had an
-  ITL p50 of 460-910 ms against 40 passive (two cores loaded by other
-  work). A short spin (`GOMP_SPINCOUNT=1000`, tens of microseconds) makes
-  the engine alone faster (offline, one SmolLM2 request of 256 prompt and
-  32 new tokens took 1.1-1.2 s against 1.7-1.8 s passive) but not the
-  served instance: the anchor Llama at 8 requests per second had an ITL
-  p50 of 6.5-7.9 ms against 4.9-5.3 passive and a TTFT p50 of 44-48
-  against 36-37 ms, and SmolLM2 at one request per second an ITL p50 of
-  44 / 57 against 48 / 49 ms (two alternating rounds each). Passive waits
-  make each parallel region pay a thread wake; running decode-sized
-  products on one thread to skip it was tried and dropped (see
-  `FusedLinear`): where one thread cannot saturate memory it costs more.
+- `GOMP_SPINCOUNT=30000`: an OpenMP thread that reaches the end of a
+  parallel region spins about half a millisecond for the next one before it
+  sleeps (libgomp's default is 300,000 spins, a few milliseconds; passive
+  waits sleep at once). A decode step runs hundreds of small regions a
+  few tens of microseconds apart; a sleeping thread pays a wake at each of
+  them. On 2 cores shared with the router and the client, an aggregated
+  instance (2 threads) of SmolLM2 at one request per second had an ITL p50
+  of 50 ms with this spin against 65 passive (vLLM's CPU build, which
+  spins: 52), TTFT p50 287-305 against 319-329 ms; the anchor Llama at 8
+  requests per second 3.7-3.9 against 5.2-5.5 ms, and the same tokens/s
+  at rate inf. Offline, a SmolLM2 decode step of 8 sequences takes 58 ms
+  with 3,000 spins, 49 with 10,000, 44-45 from 30,000 up, 62 passive.
+  An idle instance spins only that half millisecond after its last step.
+  Where other busy work shares the instance's cores (more runnable threads
+  than cores), a spinning thread burns the time its preempted partner
+  needs: with two `yes` loops on the 2 cores, the same SmolLM2 run had an
+  ITL p50 of 114-170 ms spinning against 84-88 passive. Such a host sets
+  `OMP_WAIT_POLICY=PASSIVE` (libgomp then takes its spin count from the
+  policy, as it does for any policy the environment names). At Ray's
+  worker niceness of 15 (before `WORKER_ENV`), every spin lost, even on
+  cores shared only with the router: passive waits were the default then.
 - `MALLOC_ARENA_MAX=1`, `MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`
   (glibc; other C libraries ignore them): a step frees its activations when
   it ends, and by default glibc returns them to the kernel (blocks above its
@@ -66,7 +69,7 @@ from collections.abc import Sequence
 
 WORKER_ENV: dict[str, str] = {"RAY_worker_niceness": "0"}
 CPU_ENGINE_ENV: dict[str, str] = {
-    "OMP_WAIT_POLICY": "PASSIVE",
+    "GOMP_SPINCOUNT": "30000",
     "MALLOC_ARENA_MAX": "1",
     "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
     "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
@@ -74,21 +77,29 @@ CPU_ENGINE_ENV: dict[str, str] = {
 
 
 def cpu_engine_env() -> dict[str, str]:
-    """`CPU_ENGINE_ENV`, each value overridden by this process's environment."""
-    return _overridden(CPU_ENGINE_ENV)
+    """`CPU_ENGINE_ENV`, each value overridden by this process's environment;
+    an `OMP_WAIT_POLICY` set there is passed on and replaces the default spin
+    count (a spin count set there too is kept)."""
+    env = _overridden(CPU_ENGINE_ENV)
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    if policy is not None:
+        env["OMP_WAIT_POLICY"] = policy
+        if "GOMP_SPINCOUNT" not in os.environ:
+            del env["GOMP_SPINCOUNT"]
+    return env
 
 
 def worker_env(device: str) -> dict[str, str]:
     """What an engine worker process on `device` ("cpu", "cuda", ...) starts
     with: `WORKER_ENV`, and `CPU_ENGINE_ENV` on CPU, each value overridden by
     this process's environment."""
-    return _overridden({**WORKER_ENV, **(CPU_ENGINE_ENV if device == "cpu" else {})})
+    return {**_overridden(WORKER_ENV), **(cpu_engine_env() if device == "cpu" else {})}
 
 
 def inherited_worker_env() -> dict[str, str]:
     """The `worker_env` names set in this (worker) process's environment,
     with their values: what the other ranks of its instance start with."""
-    names = (*WORKER_ENV, *CPU_ENGINE_ENV)
+    names = (*WORKER_ENV, *CPU_ENGINE_ENV, "OMP_WAIT_POLICY")
     return {name: os.environ[name] for name in names if name in os.environ}
 
 

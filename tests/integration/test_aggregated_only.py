@@ -16,6 +16,7 @@ import httpx
 from cluster.config import load_config
 from cluster.plan import resolve_plan
 from cluster.serving import ServingCluster
+from engine.process_env import CPU_ENGINE_ENV
 from models.embedded.writer import write_checkpoint
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "configs" / "aggregated.yaml"
@@ -32,10 +33,10 @@ async def test_an_aggregated_only_cluster_serves_whole_requests_on_its_cpu_grant
         [instance] = serving.cluster.actors("generation")
         health = await instance.actor.health.remote()
         assert health.role == "aggregated" and health.torch_threads == 2
-        # Its OpenMP threads wait passively, leaving the cores to its I/O threads,
-        # and its malloc keeps freed activations (`engine.process_env`).
+        # Its OpenMP threads spin briefly between parallel regions, and its
+        # malloc keeps freed activations (`engine.process_env`).
         env = await instance.actor.__ray_call__.remote(lambda _self: dict(os.environ))
-        assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "PYTHONPATH" in env
+        assert env["GOMP_SPINCOUNT"] == CPU_ENGINE_ENV["GOMP_SPINCOUNT"] and "PYTHONPATH" in env
         assert env["MALLOC_ARENA_MAX"] == "1"
         # It runs at this process's niceness, not at the 15 Ray gives its
         # workers, below the router and everything else on the node.

@@ -45,18 +45,34 @@ def _step_faults(env: dict[str, str]) -> list[int]:
 
 
 def test_a_value_set_in_the_environment_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
     monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
     env = cpu_engine_env()
-    assert env["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert env["GOMP_SPINCOUNT"] == "1000"
     assert env["MALLOC_ARENA_MAX"] == CPU_ENGINE_ENV["MALLOC_ARENA_MAX"]
     assert env.keys() == CPU_ENGINE_ENV.keys()
+
+
+def test_a_wait_policy_in_the_environment_replaces_the_default_spin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # libgomp lets GOMP_SPINCOUNT win over the policy: the default spin
+    # would turn a host's PASSIVE into a spin.
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    env = worker_env("cpu")
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env
+    monkeypatch.setenv("GOMP_SPINCOUNT", "500")
+    env = worker_env("cpu")
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and env["GOMP_SPINCOUNT"] == "500"
+    assert "OMP_WAIT_POLICY" not in worker_env("cuda")
 
 
 def test_every_worker_runs_at_the_nodes_niceness_and_cpu_ones_get_the_runtime_settings(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    for name in (*WORKER_ENV, *CPU_ENGINE_ENV):
+    for name in (*WORKER_ENV, *CPU_ENGINE_ENV, "OMP_WAIT_POLICY"):
         monkeypatch.delenv(name, raising=False)
     assert worker_env("cuda") == {"RAY_worker_niceness": "0"}
     assert worker_env("cpu") == {"RAY_worker_niceness": "0", **CPU_ENGINE_ENV}
