@@ -48,6 +48,8 @@ _BLOCKED_RETRY_S = 0.005
 # restart (`exit_for_restart`), with this status.
 EXIT_GRACE_S = 1.0
 EXIT_CODE_ENGINE_DIED = 70
+# The error of a request open when the loop stops, or submitted after.
+_SHUTTING_DOWN = "the worker is shutting down; retry on another worker"
 
 
 @dataclass
@@ -115,7 +117,7 @@ class EngineLoop:
             await asyncio.gather(self._task, return_exceptions=True)
         self._task = None
         self._apply_pending()
-        self._fail_open_streams("the worker is shutting down; retry on another worker")
+        self._fail_open_streams(_SHUTTING_DOWN)
 
     @property
     def step_in_flight_s(self) -> float:
@@ -189,7 +191,9 @@ class EngineLoop:
         Raises ValueError for an id already in flight; capacity errors and an
         error of `prepare` surface as a final event with `error` set (after
         a failed `prepare` the request's blocks and slot are freed). A loop
-        that died takes no request (its pulled blocks and slot are freed).
+        that died takes no request (its pulled blocks and slot are freed); one
+        that is stopping or stopped ends it with an error event at once (and
+        frees them too).
         """
         if request.request_id in self._open:
             raise ValueError(f"request id {request.request_id!r} is already in flight here")
@@ -203,6 +207,11 @@ class EngineLoop:
                 # error event here would end an aggregated request instead).
                 if prefilled:
                     self.core.free_cache(request.request_id)
+                return
+            if self._stopping:  # no step will run it; the router reruns it elsewhere
+                if prefilled:
+                    self.core.free_cache(request.request_id)
+                self._emit([_error_event(request, _SHUTTING_DOWN)])
                 return
             try:
                 if prepare is not None:

@@ -1,7 +1,8 @@
 """Calls between steps: a cancelled `run_between_steps` waiter never breaks the
-loop, `submit`'s `prepare` runs in the gap that admits the request, and a loop
-that died answers calls instead of queueing them for ever; the loop's stats
-count the steps and the time they took."""
+loop, `submit`'s `prepare` runs in the gap that admits the request, a loop
+that died answers calls instead of queueing them for ever, and a stopped one
+ends a new request at once; the loop's stats count the steps and the time
+they took."""
 
 from __future__ import annotations
 
@@ -71,6 +72,23 @@ async def test_prepare_runs_in_the_admitting_gap_and_its_error_ends_the_request(
     assert [(e.request_id, e.finish_reason) for e in events] == [("bad", "error")]
     assert "no transfer in progress" in (events[0].error or "")
     await loop.stop()
+
+
+async def test_a_stopped_loop_ends_a_new_request_with_an_error_instead_of_holding_it() -> None:
+    """No step runs after `stop`: a request submitted then (a call that
+    reached a worker shutting down) must not wait for one. It ends with an
+    error at once, so the router reruns it elsewhere, and a pulled cache is
+    freed."""
+    ran: list[str] = []
+    loop = EngineLoop(_RecordingCore(ran))
+    events: list[TokenEvent] = []
+    loop.on_events = events.extend
+    loop.start()
+    await loop.stop()
+    loop.submit(Request("late", [1, 2], SamplingParams(max_tokens=4)), prefilled=True)
+    assert ran == ["free late"]  # never admitted
+    assert [(e.request_id, e.finish_reason) for e in events] == [("late", "error")]
+    assert "shutting down" in (events[0].error or "")
 
 
 STEP_S = 0.02
