@@ -1,12 +1,13 @@
 """The router's end of a generation worker's event stream.
 
-One long-lived Ray streaming call per worker (`GenerationWorker.events`)
-carries every request's new tokens, one list per engine step; the channel
-splits them into per-request queues (`engine.event_stream.EventDemux`).
-A Ray streaming call was chosen over a socket the worker owns: it costs
-about 1 ms per step message here, an order of magnitude less than an object
-per token per request, and Ray already reports a dead or restarted actor on
-it, across nodes, with no port or credential of our own.
+One long-lived stream per worker carries every request's new tokens, one
+list per engine step; the channel splits them into per-request queues
+(`engine.event_stream.EventDemux`). The stream runs on a socket the worker
+owns, opened and watched through a Ray streaming call
+(`GenerationWorker.event_socket`, `engine.event_socket`): a step message on
+the socket costs a tenth of the CPU it cost as an item of the Ray call, and
+the call still brings Ray's news of a dead or restarted actor, which a
+closed socket alone does not tell (`read_event_socket`).
 
 When the stream breaks (the worker died), the requests open on it get the
 error, which the router turns into a retry or a final error event; the
@@ -55,19 +56,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from engine.errors import RequestFailedError
+from engine.event_socket import EventSocketOffer, read_frame
 from engine.event_stream import EventDemux, StreamOpened, read_stream
-from engine.messages import GenerationRequest, SubmitReceipt, TokenEvent
+from engine.messages import EventItem, GenerationRequest, SubmitReceipt, TokenEvent
 
 logger = logging.getLogger(__name__)
 
 _REOPEN_DELAY_S = 0.2
 _OPEN_WAIT_S = 30.0
+# After an event socket closed, how long Ray's word on the worker is awaited:
+# a killed process closes its socket at once, Ray reports it within a second.
+_DEATH_NEWS_S = 2.0
 
 
 class StreamBrokenError(ConnectionError):
@@ -75,9 +80,18 @@ class StreamBrokenError(ConnectionError):
 
 
 class WorkerChannel:
-    def __init__(self, name: str, actor: Any) -> None:
+    def __init__(
+        self,
+        name: str,
+        actor: Any,
+        open_stream: Callable[[Any], AsyncGenerator[StreamOpened | list[EventItem], None]]
+        | None = None,
+    ) -> None:
         self.name = name
         self.actor = actor  # a Ray ActorHandle of a generation worker
+        # Opens one event stream from the actor: `StreamOpened`, then batches;
+        # raises what broke it (`read_event_socket`).
+        self._open_stream = open_stream or read_event_socket
         self._demux = EventDemux()
         self._reader: asyncio.Task[None] | None = None
         self._submitted_to: dict[str, str] = {}  # open request id -> incarnation
@@ -90,6 +104,7 @@ class WorkerChannel:
         self._outgoing: dict[str, tuple[GenerationRequest, asyncio.Future[str | None]]] = {}
         self._sender: asyncio.Task[None] | None = None  # the submit calls' loop
         self._in_call: list[tuple[GenerationRequest, asyncio.Future[str | None]]] = []
+        self._last_break: BaseException | None = None  # what broke the last stream
 
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
         """Send `request` and yield its events up to the final one. Raises what
@@ -149,8 +164,9 @@ class WorkerChannel:
         try:
             await asyncio.wait_for(asyncio.shield(self._opening()), _OPEN_WAIT_S)
         except TimeoutError:
+            last = f" (the last one broke: {self._last_break})" if self._last_break else ""
             raise StreamBrokenError(
-                f"no event stream of {self.name} opened within {_OPEN_WAIT_S:.0f} s"
+                f"no event stream of {self.name} opened within {_OPEN_WAIT_S:.0f} s{last}"
             ) from None
 
     async def _send_bursts(self) -> None:
@@ -260,20 +276,21 @@ class WorkerChannel:
             error: BaseException
             opened: str | None = None
             try:
-                async for ref in self.actor.events.remote():
-                    item = await ref
-                    if isinstance(item, StreamOpened):
-                        opened = item.incarnation
-                        self._running(opened)
-                        if not self._opening().done():
-                            self._opening().set_result(None)
-                    else:
-                        self._demux.deliver(item)
+                async with contextlib.aclosing(self._open_stream(self.actor)) as stream:
+                    async for item in stream:
+                        if isinstance(item, StreamOpened):
+                            opened = item.incarnation
+                            self._running(opened)
+                            if not self._opening().done():
+                                self._opening().set_result(None)
+                        else:
+                            self._demux.deliver(item)
                 error = StreamBrokenError(f"the event stream of {self.name} ended")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 error = exc
+            self._last_break = error
             self._closed(error if _says_it_died(opened, error) else None)
             if len(self._demux):
                 logger.warning("event stream of %s broke: %s", self.name, error)
@@ -303,6 +320,56 @@ class WorkerChannel:
         self._reading = incarnation
         lost = [r for r, accepted_by in self._submitted_to.items() if accepted_by != incarnation]
         self._demux.fail(lost, StreamBrokenError(f"{self.name} restarted; its requests were lost"))
+
+
+async def read_event_socket(actor: Any) -> AsyncGenerator[StreamOpened | list[EventItem], None]:
+    """One event stream of a generation worker's actor: its `StreamOpened`,
+    then its batches, read from the worker's socket. Raises what broke it:
+    the Ray call's error when Ray reports the worker dead (also while the
+    socket is quiet, as for a node cut off), else `StreamBrokenError` once
+    the socket closed (the worker ended the stream, or died and Ray said
+    nothing within `_DEATH_NEWS_S`) or could not be reached."""
+    call = actor.event_socket.remote()
+    try:
+        offered = await anext(call)
+    except StopAsyncIteration:
+        raise StreamBrokenError("the worker ended its event stream before offering it") from None
+    offer: EventSocketOffer = await offered
+    try:
+        reader, writer = await asyncio.open_connection(offer.host, offer.port)
+    except OSError as exc:
+        raise StreamBrokenError(
+            f"cannot reach the worker's event socket at {offer.host}:{offer.port} ({exc}); "
+            "the router's node must reach the generation workers' nodes on any TCP port"
+        ) from exc
+    watch = asyncio.ensure_future(_until_ended(call))
+
+    def abort_on_death(watched: asyncio.Future[None]) -> None:
+        if not watched.cancelled() and watched.exception() is not None:
+            writer.transport.abort()  # Ray's news ends the read at once
+
+    watch.add_done_callback(abort_on_death)
+    try:
+        writer.write(offer.ticket)
+        yield StreamOpened(offer.incarnation)
+        while True:
+            try:
+                batch = await read_frame(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+            yield batch
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(watch), _DEATH_NEWS_S)  # raises a death
+        raise StreamBrokenError(f"the event socket of {offer.host}:{offer.port} closed")
+    finally:
+        watch.cancel()
+        writer.close()
+
+
+async def _until_ended(call: Any) -> None:
+    """Wait for a Ray streaming call to end; raises its error (a dead actor's)."""
+    async for ref in call:
+        await ref  # the worker yields nothing after its offer
 
 
 def _says_it_died(opened: str | None, error: BaseException) -> bool:

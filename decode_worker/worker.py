@@ -12,7 +12,8 @@ mode and conditional disaggregation) and streams from the first token.
 (chunk-pipelined transfer, `decode_worker.prefetch`).
 
 Run as a Ray actor: `ray.remote(GenerationWorker).options(num_cpus=...).remote(config, id, role)`;
-iterate `actor.events.remote()` as a streaming generator once, and send
+read its events through `actor.event_socket.remote()` (a streaming call that
+says where to connect: `engine.event_socket`) once, and send
 requests with `actor.submit.remote(req)`, or several in one call with
 `actor.submit_many.remote(reqs)`. An actor Ray restarts after a crash is
 rebuilt from the same arguments and starts itself on its first call; it has
@@ -24,12 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
+
+import ray.util
 
 from decode_worker.cache_pull import CachePulls, error_event
 from engine.aborts import AbortedIds
 from engine.errors import RequestFailedError
+from engine.event_socket import OFFER_TIMEOUT_S, EventListener, EventSocketOffer, frame
 from engine.event_stream import EventDemux, EventOutbox, StreamOpened, read_stream
 from engine.instance import EngineInstance
 from engine.loop import exit_for_restart
@@ -73,6 +77,7 @@ class GenerationWorker:
         self._outbox = EventOutbox()
         self.engine.loop.on_events = self._post
         self._local = EventDemux()  # generate()'s own reading of events()
+        self._listener: EventListener | None = None  # event_socket's, once asked for
         self._reader: asyncio.Future[None] | None = None
         self._starting: asyncio.Task[None] | None = None
 
@@ -152,10 +157,10 @@ class GenerationWorker:
             return
         self._pulls.prefetches.start(request)
 
-    async def events(self) -> AsyncIterator[StreamOpened | list[EventItem]]:
+    async def events(self) -> AsyncGenerator[StreamOpened | list[EventItem], None]:
         """This incarnation's id, then every request's events, one list per
-        engine step (or per wake-up, when the reader lags): the router's
-        single stream from this worker.
+        engine step (or per wake-up, when the reader lags): the single stream
+        of events from this worker (the router reads it through `event_socket`).
 
         A later call takes over from an earlier one; events that find no
         reader wait for the next.
@@ -165,6 +170,42 @@ class GenerationWorker:
         yield StreamOpened(self._incarnation)
         async for batch in batches:
             yield batch
+
+    async def event_socket(self) -> AsyncIterator[EventSocketOffer]:
+        """`events()` for the router, over a socket of this worker's
+        (`engine.event_socket`): one offer naming this incarnation, then the
+        batches go, one frame each, to the connection that presents the
+        offer's ticket. Ends when that connection closes, when no connection
+        came within `OFFER_TIMEOUT_S`, or when a later reader takes over."""
+        stream = self.events()
+        try:
+            opened = await anext(stream)  # the outbox is this call's from here on
+            assert isinstance(opened, StreamOpened)
+            listener = await self._event_listener()
+            ticket, connected = listener.issue()
+            yield EventSocketOffer(opened.incarnation, listener.host, listener.port, ticket)
+            try:
+                reader, writer = await asyncio.wait_for(connected, OFFER_TIMEOUT_S)
+            except TimeoutError:
+                return
+            try:
+                async for batch in stream:
+                    if reader.at_eof():  # the router closed its end
+                        return
+                    writer.write(frame(batch))
+                    await writer.drain()
+            except ConnectionError:
+                return
+            finally:
+                writer.close()
+        finally:
+            await stream.aclose()
+
+    async def _event_listener(self) -> EventListener:
+        if self._listener is None:
+            self._listener = EventListener(ray.util.get_node_ip_address())
+        await self._listener.start()
+        return self._listener
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """One request's events, for a caller that drives this worker alone
@@ -256,6 +297,8 @@ class GenerationWorker:
         await self.engine.loop.stop()
         if self._reader is not None:
             self._reader.cancel()
+        if self._listener is not None:
+            await self._listener.close()
         if self.transceiver is not None:
             await self.transceiver.close()
         self.engine.close()

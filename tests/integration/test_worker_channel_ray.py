@@ -1,6 +1,8 @@
 """The router's channel to a real generation worker actor (local Ray): a burst
 of requests travels in a few submit calls, each request gets its own tokens,
-and a request the worker refuses fails alone."""
+and a request the worker refuses fails alone. The worker's event socket: a
+later reader takes the stream over (the earlier one ends as a plain break),
+and a worker that dies breaks its reader with Ray's news of the death."""
 
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ from typing import Any
 
 import pytest
 import ray
+from ray.exceptions import RayActorError
 
 from cluster.launcher import init_local_ray
-from cluster.worker_channel import WorkerChannel
+from cluster.worker_channel import StreamBrokenError, WorkerChannel, read_event_socket
 from decode_worker.worker import GenerationWorker
 from engine.errors import RequestFailedError
-from engine.messages import GenerationRequest, TokenEvent
+from engine.event_stream import StreamOpened
+from engine.messages import EventItem, GenerationRequest, StepTokens, TokenEvent
 from engine.sampling import SamplingParams
 from engine.worker_config import WorkerConfig
 from models.embedded.writer import write_checkpoint
@@ -32,7 +36,7 @@ class _CountedActor:
     """A worker's actor handle that counts the requests in each submit call."""
 
     def __init__(self, actor: Any) -> None:
-        self.events, self.abort = actor.events, actor.abort
+        self.event_socket, self.abort = actor.event_socket, actor.abort
         self.calls: list[int] = []
         self.submit_many = _Method(self._submit_many)
         self._actor = actor
@@ -43,18 +47,25 @@ class _CountedActor:
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerConfig]:
     checkpoint = write_checkpoint(tmp_path_factory.mktemp("bursts"), "llama", "tiny")
     init_local_ray(2, log_to_driver=False)
-    config = WorkerConfig(checkpoint=str(checkpoint), block_size=4, max_tokens=2048)
-    actor = (
-        ray.remote(GenerationWorker).options(num_cpus=0.25).remote(config, "bursts", "aggregated")
-    )
+    yield WorkerConfig(checkpoint=str(checkpoint), block_size=4, max_tokens=2048)
+    ray.shutdown()
+
+
+def _start(config: WorkerConfig, name: str) -> Any:
+    actor = ray.remote(GenerationWorker).options(num_cpus=0.25).remote(config, name, "aggregated")
     ray.get(actor.start.remote())
+    return actor
+
+
+@pytest.fixture(scope="module")
+def worker(config: WorkerConfig) -> Iterator[Any]:
+    actor = _start(config, "bursts")
     yield actor
     ray.get(actor.shutdown.remote())
     ray.kill(actor)
-    ray.shutdown()
 
 
 def _request(request_id: str, max_tokens: int) -> GenerationRequest:
@@ -89,3 +100,48 @@ async def test_a_burst_travels_in_few_calls_and_a_refused_request_fails_alone(wo
         assert events[-1].finish_reason == "length"
     assert sum(counted.calls) == NUM_REQUESTS + 1
     assert len(counted.calls) < NUM_REQUESTS // 2, counted.calls
+
+
+def _tokens_of(request_id: str, batch: list[EventItem]) -> int:
+    rows = [item for item in batch if isinstance(item, StepTokens)]
+    events = [item for item in batch if isinstance(item, TokenEvent)]
+    return sum(step.request_ids.count(request_id) for step in rows) + sum(
+        len(e.token_ids) for e in events if e.request_id == request_id
+    )
+
+
+async def test_a_later_reader_takes_the_event_socket_over(worker: Any) -> None:
+    first = read_event_socket(worker)
+    second = read_event_socket(worker)
+    try:
+        assert isinstance(await anext(first), StreamOpened)
+        opened = await anext(second)
+        assert isinstance(opened, StreamOpened)
+        # The takeover closes the first socket at its next wake-up: a plain
+        # break, not news of a death. Events posted before it (an earlier
+        # test's) may still reach the first reader; the new request's never do.
+        await worker.submit.remote(_request("over", 3))
+        with pytest.raises(StreamBrokenError):
+            while True:
+                batch = await asyncio.wait_for(anext(first), 10.0)
+                assert isinstance(batch, list) and _tokens_of("over", batch) == 0
+        tokens = 0
+        while tokens < 3:
+            batch = await asyncio.wait_for(anext(second), 10.0)
+            assert isinstance(batch, list)
+            tokens += _tokens_of("over", batch)
+    finally:
+        await first.aclose()
+        await second.aclose()
+
+
+async def test_a_dead_workers_socket_breaks_with_rays_news(config: WorkerConfig) -> None:
+    actor = _start(config, "doomed")
+    stream = read_event_socket(actor)
+    try:
+        assert isinstance(await anext(stream), StreamOpened)
+        ray.kill(actor, no_restart=True)
+        with pytest.raises(RayActorError):
+            await asyncio.wait_for(anext(stream), 10.0)
+    finally:
+        await stream.aclose()

@@ -9,7 +9,7 @@ item, or an exception that breaks the stream as a dead actor's would).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import pytest
@@ -42,7 +42,6 @@ class _Worker:
         self.answer = asyncio.Event()  # cleared: submit calls wait until it is set
         self.answer.set()
         self.submit_many = _Method(self._submit_many)
-        self.events = _Method(self._events)
         self.abort = _Method(lambda rid, remember=True: self.aborts.append((rid, remember)))
 
     async def _submit_many(self, requests: list[GenerationRequest]) -> SubmitReceipt:
@@ -58,19 +57,22 @@ class _Worker:
         finally:
             self.in_flight -= 1
 
-    def _events(self) -> AsyncIterator[Awaitable[Any]]:
+    def open_stream(self) -> AsyncGenerator[Any, None]:
+        """The channel's `open_stream`: a new stream, fed through `streams`."""
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self.streams.put_nowait(queue)
         return self._stream(queue)
 
-    async def _stream(self, queue: asyncio.Queue[Any]) -> AsyncIterator[Awaitable[Any]]:
+    async def _stream(self, queue: asyncio.Queue[Any]) -> AsyncGenerator[Any, None]:
         while True:
             item = await queue.get()
             if isinstance(item, BaseException):
                 raise item
-            ref: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            ref.set_result(item)  # what awaiting a stream's ObjectRef gives
-            yield ref
+            yield item
+
+
+def _channel(worker: _Worker) -> WorkerChannel:
+    return WorkerChannel("generation-0", worker, open_stream=_Worker.open_stream)
 
 
 def _request(request_id: str) -> GenerationRequest:
@@ -131,7 +133,7 @@ async def _sent_once_open(
 
 async def test_a_stale_stream_breaking_late_spares_requests_on_the_restarted_worker() -> None:
     worker = _Worker("old")
-    channel = WorkerChannel("generation-0", worker)
+    channel = _channel(worker)
     try:
         old = await _opened(worker, channel, "old")
         worker.running = "new"  # Ray restarted the worker; the old stream has not failed yet
@@ -151,7 +153,7 @@ async def test_a_request_is_sent_only_once_the_stream_said_its_incarnation() -> 
     """Until then an earlier call the router gave up on may still read the
     worker's events, and could take this request's."""
     worker = _Worker("a")
-    channel = WorkerChannel("generation-0", worker)
+    channel = _channel(worker)
     try:
         first = _started(channel, "r1")
         stream = await worker.streams.get()
@@ -164,7 +166,7 @@ async def test_a_request_is_sent_only_once_the_stream_said_its_incarnation() -> 
 
 async def test_a_broken_stream_fails_the_requests_of_its_incarnation() -> None:
     worker = _Worker("a")
-    channel = WorkerChannel("generation-0", worker)
+    channel = _channel(worker)
     try:
         stream = await _opened(worker, channel, "a")
         first = await _submitted(channel, "r1")
@@ -179,7 +181,7 @@ async def test_a_broken_stream_fails_the_requests_of_its_incarnation() -> None:
 
 async def test_a_stream_from_a_new_incarnation_fails_the_old_ones_requests() -> None:
     worker = _Worker("z")
-    channel = WorkerChannel("generation-0", worker)
+    channel = _channel(worker)
     try:
         old = await _opened(worker, channel, "z")
         worker.running = "a"  # restarted; the stream of "z" has not failed yet
@@ -197,7 +199,7 @@ async def test_a_request_waiting_for_its_stream_outlives_a_break_and_is_sent_on_
     """A worker that restarts breaks the stream before the new one opens; a
     request not sent yet lost nothing, so it waits for that new stream."""
     worker = _Worker("a")
-    channel = WorkerChannel("generation-0", worker)
+    channel = _channel(worker)
     try:
         first = _started(channel, "r1")
         (await worker.streams.get()).put_nowait(ConnectionError("the actor is restarting"))
@@ -213,7 +215,7 @@ async def test_a_stream_call_failing_during_a_restart_keeps_waiting_requests_wai
     unavailable, the last one at times after the new instance answers polls:
     a request that arrived meanwhile waits for the stream that opens next."""
     worker = _Worker("a")
-    channel = WorkerChannel("generation-0", worker)
+    channel = _channel(worker)
     try:
         first = _started(channel, "r1")
         for _ in range(2):
@@ -232,7 +234,7 @@ async def test_a_worker_that_died_fails_the_requests_waiting_to_be_sent_at_once(
     for the restart; a request arriving after the break waits for the
     reopened stream."""
     worker = _Worker("a")
-    channel = WorkerChannel("generation-0", worker)
+    channel = _channel(worker)
     try:
         first = _started(channel, "r1")
         (await worker.streams.get()).put_nowait(ActorDiedError())
@@ -261,7 +263,7 @@ async def test_a_worker_that_died_fails_the_requests_queued_for_its_next_call(
     when Ray calls the worker temporarily unavailable (its node died): from a
     stream that had opened, that is news of its death too."""
     worker = _Worker("a")
-    channel = WorkerChannel("generation-0", worker)
+    channel = _channel(worker)
     try:
         stream = await _opened(worker, channel, "a")
         worker.answer.clear()  # submit calls stay in flight
@@ -284,7 +286,7 @@ async def test_giving_up_on_a_silent_worker_fails_what_it_accepted_or_is_being_s
     the call may reach it later); a request queued behind that call fails
     without an abort (it never went); a later request goes in the next call."""
     worker = _Worker("a")
-    channel = WorkerChannel("generation-0", worker)
+    channel = _channel(worker)
     try:
         stream = await _opened(worker, channel, "a")
         accepted = await _submitted(channel, "r0")
@@ -312,7 +314,7 @@ async def test_giving_up_on_a_silent_worker_fails_what_it_accepted_or_is_being_s
 
 async def test_a_submit_answered_by_a_replaced_incarnation_fails_at_once() -> None:
     worker = _Worker("a")
-    channel = WorkerChannel("generation-0", worker)
+    channel = _channel(worker)
     try:
         stream = await _opened(worker, channel, "a")
         stream.put_nowait(ConnectionError("a died"))
@@ -328,7 +330,7 @@ async def test_a_submit_answered_by_a_replaced_incarnation_fails_at_once() -> No
 
 async def test_requests_arriving_during_a_submit_call_go_together_in_the_next() -> None:
     worker = _Worker("a")
-    channel = WorkerChannel("generation-0", worker)
+    channel = _channel(worker)
     try:
         stream = await _opened(worker, channel, "a")
         worker.answer.clear()  # submit calls stay in flight
@@ -350,7 +352,7 @@ async def test_requests_arriving_during_a_submit_call_go_together_in_the_next() 
 
 async def test_a_refused_request_fails_alone() -> None:
     worker = _Worker("a")
-    channel = WorkerChannel("generation-0", worker)
+    channel = _channel(worker)
     try:
         stream = await _opened(worker, channel, "a")
         worker.refuse.add("dup")
@@ -371,7 +373,7 @@ async def test_a_refused_request_fails_alone() -> None:
 
 async def test_stop_fails_requests_still_waiting_to_be_sent() -> None:
     worker = _Worker("a")
-    channel = WorkerChannel("generation-0", worker)
+    channel = _channel(worker)
     await _opened(worker, channel, "a")
     worker.answer.clear()
     in_call = await _in_call(worker, channel, "r1")
@@ -387,7 +389,7 @@ async def test_stop_fails_requests_still_waiting_to_be_sent() -> None:
 
 async def test_a_request_whose_caller_left_before_its_call_is_not_sent() -> None:
     worker = _Worker("a")
-    channel = WorkerChannel("generation-0", worker)
+    channel = _channel(worker)
     try:
         await _opened(worker, channel, "a")
         worker.answer.clear()

@@ -1,0 +1,110 @@
+"""A generation worker's event stream over a TCP socket of its own.
+
+The router reads each generation worker's events (`engine.event_stream`,
+one message per engine step) on one long-lived stream. A Ray streaming call
+carrying them cost, per message, about 0.7 ms of CPU in the reading process
+and 0.45 ms in the worker (2,000 messages of 8 events, 3 ms apart, local
+Ray on 2 cores); the same messages framed on a socket cost 0.07 and 0.11
+ms. At a few hundred decode steps per second that was a third of a core on
+each side, taken from the engine's compute threads.
+
+So the Ray call only opens the stream: `GenerationWorker.event_socket`
+yields one `EventSocketOffer` (the worker's incarnation, where its listener
+is, a one-time ticket), and the events follow on a connection to that
+listener that presents the ticket. The call stays open, yielding nothing
+more, until the stream ends; Ray reports the worker's death on it, which a
+closed socket alone does not tell.
+
+The listener binds the worker's node address (`ray.util.get_node_ip_address`),
+on a port the OS picks: the router's node must reach the generation
+workers' nodes on any TCP port, as Ray's own worker-to-worker calls do. A
+connection that does not present a ticket the worker issued within
+`TICKET_TIMEOUT_S` is closed unanswered, so only the caller of
+`event_socket` reads a worker's events. Frames are pickled, as Ray's own
+messages are: the reader trusts the worker it connected to through Ray.
+
+    frame = length (4 bytes, big-endian) | pickle of a list of events
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pickle
+import secrets
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+TICKET_BYTES = 32
+# How long a connection has to present its ticket, and an offer to be taken up.
+TICKET_TIMEOUT_S = 10.0
+OFFER_TIMEOUT_S = 30.0
+_LENGTH = struct.Struct("!I")
+
+Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+@dataclass(frozen=True)
+class EventSocketOffer:
+    """Where to read a worker's events: connect to `host:port`, send `ticket`."""
+
+    incarnation: str
+    host: str
+    port: int
+    ticket: bytes
+
+
+class EventListener:
+    """A worker's listening socket; hands each connection that presents a
+    ticket from `issue` to that ticket's waiter."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._waiting: dict[bytes, asyncio.Future[Connection]] = {}
+
+    async def start(self) -> None:
+        if self._server is None:
+            self._server = await asyncio.start_server(self._accepted, self.host, 0)
+            self.port = self._server.sockets[0].getsockname()[1]
+
+    def issue(self) -> tuple[bytes, asyncio.Future[Connection]]:
+        """A new ticket, and the future its connection will complete."""
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        connected: asyncio.Future[Connection] = asyncio.get_running_loop().create_future()
+        self._waiting[ticket] = connected
+        connected.add_done_callback(lambda _: self._waiting.pop(ticket, None))
+        return ticket, connected
+
+    async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            ticket = await asyncio.wait_for(reader.readexactly(TICKET_BYTES), TICKET_TIMEOUT_S)
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+            ticket = b""
+        connected = self._waiting.pop(ticket, None)
+        if connected is None or connected.done():
+            writer.close()
+            return
+        connected.set_result((reader, writer))
+
+    async def close(self) -> None:
+        for connected in list(self._waiting.values()):
+            connected.cancel()
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+            self._server = None
+
+
+def frame(batch: Any) -> bytes:
+    data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LENGTH.pack(len(data)) + data
+
+
+async def read_frame(reader: asyncio.StreamReader) -> Any:
+    """The next frame's object; `asyncio.IncompleteReadError` at the end."""
+    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    return pickle.loads(await reader.readexactly(length))
