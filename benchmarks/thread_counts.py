@@ -8,9 +8,10 @@ alike. Per count it prints a decode step's wall time (p50 and mean), its
 CPU time (all threads of the process), and how many times the process's
 other threads went to sleep per step: with passive OpenMP waits
 (`OMP_WAIT_POLICY=PASSIVE` in its environment) that is the number of
-parallel regions the team joined, each paying a wake-up. The prefill of the batch is timed on every
-count too (best of two). It runs in the environment served CPU workers
-start with (`engine.process_env`), re-executing itself if needed.
+parallel regions the team joined, each paying a wake-up. The prefill of
+the batch is timed on every count too (best of two). It runs in the
+environment served CPU workers start with (`engine.process_env`),
+re-executing itself if needed.
 
     python -m benchmarks.thread_counts --model smollm2 --batch-size 1 --threads 1 2
 """
