@@ -20,11 +20,16 @@ stream); every other open request fails, since its events may have been in
 the broken stream. A request submitted to an incarnation that another one
 has since replaced fails too: that instance is gone.
 
-Requests go to the worker in bursts: one `submit_many` call carries every
-request waiting for it, and at most one such call is in flight per worker;
-requests that arrive meanwhile go in the next call. A request the worker
-refuses (an id already in flight there) fails alone. At rate inf this sends
-a burst of 64 requests in a few calls instead of 64.
+Requests go to the worker in bursts: one `submit_many` carries every
+request waiting for it, and at most one is in flight per worker; requests
+that arrive meanwhile go in the next. A request the worker refuses (an id
+already in flight there) fails alone. At rate inf this sends a burst of 64
+requests in a few submits instead of 64. A burst goes as a frame on the
+event socket, answered by the receipt on it (`SocketOpened`); on a stream
+that cannot carry it, as a Ray call. A stream that breaks while a burst
+waits for its receipt fails the burst with the break, as a failed call
+does, and aborts its requests on the worker in case they got there (the
+worker may live on: a later reader took its stream over).
 
 A request is sent only once the current stream has opened (said which
 incarnation answers it): by then that stream reads the worker's events, and
@@ -57,16 +62,21 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from engine.errors import RequestFailedError
-from engine.event_socket import EventSocketOffer, read_frame
+from engine.event_socket import EventSocketOffer, frame, read_frame
 from engine.event_stream import EventDemux, StreamOpened, read_stream
 from engine.messages import EventItem, GenerationRequest, SubmitReceipt, TokenEvent
 
 logger = logging.getLogger(__name__)
+
+# What a worker's event stream yields: how it opened, then event batches and
+# (on a socket) the receipts of the bursts sent on it.
+StreamItem = StreamOpened | list[EventItem] | SubmitReceipt
 
 _REOPEN_DELAY_S = 0.2
 _OPEN_WAIT_S = 30.0
@@ -79,18 +89,26 @@ class StreamBrokenError(ConnectionError):
     """A worker's event stream ended without an error of its own."""
 
 
+@dataclass(frozen=True)
+class SocketOpened(StreamOpened):
+    """`StreamOpened` of a stream on the worker's event socket: `send`
+    writes a burst of requests to the worker on it, whose `SubmitReceipt`
+    comes back in the stream."""
+
+    send: Callable[[list[GenerationRequest]], None]
+
+
 class WorkerChannel:
     def __init__(
         self,
         name: str,
         actor: Any,
-        open_stream: Callable[[Any], AsyncGenerator[StreamOpened | list[EventItem], None]]
-        | None = None,
+        open_stream: Callable[[Any], AsyncGenerator[StreamItem, None]] | None = None,
     ) -> None:
         self.name = name
         self.actor = actor  # a Ray ActorHandle of a generation worker
-        # Opens one event stream from the actor: `StreamOpened`, then batches;
-        # raises what broke it (`read_event_socket`).
+        # Opens one event stream from the actor: `StreamOpened`, then batches
+        # (and receipts); raises what broke it (`read_event_socket`).
         self._open_stream = open_stream or read_event_socket
         self._demux = EventDemux()
         self._reader: asyncio.Task[None] | None = None
@@ -104,6 +122,10 @@ class WorkerChannel:
         self._outgoing: dict[str, tuple[GenerationRequest, asyncio.Future[str | None]]] = {}
         self._sender: asyncio.Task[None] | None = None  # the submit calls' loop
         self._in_call: list[tuple[GenerationRequest, asyncio.Future[str | None]]] = []
+        # Where the current stream takes a burst (`SocketOpened.send`), and
+        # the receipt of the burst sent there, which the reader settles.
+        self._send_on_stream: Callable[[list[GenerationRequest]], None] | None = None
+        self._receipt: asyncio.Future[SubmitReceipt] | None = None
         self._last_break: BaseException | None = None  # what broke the last stream
 
     async def stream(self, request: GenerationRequest) -> AsyncGenerator[TokenEvent, None]:
@@ -190,10 +212,17 @@ class WorkerChannel:
     async def _submit(
         self, burst: list[tuple[GenerationRequest, asyncio.Future[str | None]]]
     ) -> None:
-        """One submit call for `burst`; settles each request's future."""
+        """One submit of `burst`, on the stream or as a Ray call; settles each
+        request's future."""
         self._in_call = burst
+        requests = [r for r, _ in burst]
         try:
-            receipt: SubmitReceipt = await self.actor.submit_many.remote([r for r, _ in burst])
+            if self._send_on_stream is None:
+                receipt: SubmitReceipt = await self.actor.submit_many.remote(requests)
+            else:
+                self._receipt = asyncio.get_running_loop().create_future()
+                self._send_on_stream(requests)
+                receipt = await self._receipt
         except Exception as exc:
             _fail(burst, exc)
             return
@@ -202,16 +231,16 @@ class WorkerChannel:
             raise
         finally:
             self._in_call = []
-        for request, sent in burst:
-            rid = request.request_id
-            if sent.done():  # the caller left; the router aborts the request
-                continue
-            if rid in receipt.refused:
-                sent.set_exception(RequestFailedError(rid, receipt.refused[rid]))
-            else:
-                # Recorded at once: the reader may run before the caller resumes.
-                self._submitted_to[rid] = receipt.incarnation
-                sent.set_result(receipt.incarnation)
+            self._receipt = None
+        _settle(burst, receipt, self._submitted_to)
+
+    def _receipt_came(self, receipt: SubmitReceipt) -> None:
+        """The receipt of the burst sent on the stream: settled before the
+        reader reads on, since what follows in the stream (the requests'
+        events, a break) counts on knowing which requests the worker took."""
+        if self._receipt is not None and not self._receipt.done():
+            _settle(self._in_call, receipt, self._submitted_to)
+            self._receipt.set_result(receipt)
 
     def fail_sent(self, error: BaseException) -> None:
         """Fail, with `error` (the worker stopped answering), every request
@@ -260,6 +289,7 @@ class WorkerChannel:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._reader = self._sender = None
+        self._send_on_stream = None
         stopped = self._stopped()
         self._closed(stopped)
         self._demux.fail_all(stopped)
@@ -281,8 +311,12 @@ class WorkerChannel:
                         if isinstance(item, StreamOpened):
                             opened = item.incarnation
                             self._running(opened)
+                            socket = item if isinstance(item, SocketOpened) else None
+                            self._send_on_stream = socket.send if socket else None
                             if not self._opening().done():
                                 self._opening().set_result(None)
+                        elif isinstance(item, SubmitReceipt):
+                            self._receipt_came(item)
                         else:
                             self._demux.deliver(item)
                 error = StreamBrokenError(f"the event stream of {self.name} ended")
@@ -291,11 +325,25 @@ class WorkerChannel:
             except Exception as exc:
                 error = exc
             self._last_break = error
+            self._send_on_stream = None
+            self._lost_receipt(error)
             self._closed(error if _says_it_died(opened, error) else None)
             if len(self._demux):
                 logger.warning("event stream of %s broke: %s", self.name, error)
             self._broke(opened, error)
             await asyncio.sleep(_REOPEN_DELAY_S)
+
+    def _lost_receipt(self, error: BaseException) -> None:
+        """The stream broke before the receipt of the burst sent on it came:
+        the burst fails with `error`, and its requests are aborted on the
+        worker, which may have accepted them (and may live on). Nothing of the
+        burst can reach the worker later, so the aborts are not remembered
+        there."""
+        if self._receipt is None or self._receipt.done():
+            return
+        self._receipt.set_exception(error)
+        for request, _ in self._in_call:
+            self.actor.abort.remote(request.request_id, remember=False)
 
     def _broke(self, opened: str | None, error: BaseException) -> None:
         """A stream from incarnation `opened` (None: it never said) broke: fail
@@ -322,9 +370,10 @@ class WorkerChannel:
         self._demux.fail(lost, StreamBrokenError(f"{self.name} restarted; its requests were lost"))
 
 
-async def read_event_socket(actor: Any) -> AsyncGenerator[StreamOpened | list[EventItem], None]:
-    """One event stream of a generation worker's actor: its `StreamOpened`,
-    then its batches, read from the worker's socket. Raises what broke it:
+async def read_event_socket(actor: Any) -> AsyncGenerator[StreamItem, None]:
+    """One event stream of a generation worker's actor: its `SocketOpened`,
+    then its batches and the receipts of the bursts sent with `send`, read
+    from the worker's socket. Raises what broke it:
     the Ray call's error when Ray reports the worker dead (also while the
     socket is quiet, as for a node cut off), else `StreamBrokenError` once
     the socket closed (the worker ended the stream, or died and Ray said
@@ -351,13 +400,13 @@ async def read_event_socket(actor: Any) -> AsyncGenerator[StreamOpened | list[Ev
     watch.add_done_callback(abort_on_death)
     try:
         writer.write(offer.ticket)
-        yield StreamOpened(offer.incarnation)
+        yield SocketOpened(offer.incarnation, lambda requests: writer.write(frame(requests)))
         while True:
             try:
-                batch = await read_frame(reader)
+                item = await read_frame(reader)
             except (asyncio.IncompleteReadError, ConnectionError):
                 break
-            yield batch
+            yield item
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(watch), _DEATH_NEWS_S)  # raises a death
         raise StreamBrokenError(f"the event socket of {offer.host}:{offer.port} closed")
@@ -389,3 +438,23 @@ def _fail(
     for _, sent in burst:
         if not sent.done():
             sent.set_exception(error)
+
+
+def _settle(
+    burst: list[tuple[GenerationRequest, asyncio.Future[str | None]]],
+    receipt: SubmitReceipt,
+    submitted_to: dict[str, str],
+) -> None:
+    """Settle each request of `burst` by the worker's `receipt`: refused, or
+    accepted by its incarnation (recorded in `submitted_to` at once, as the
+    reader may run before the caller resumes). Requests already settled (a
+    caller that left) are skipped."""
+    for request, sent in burst:
+        rid = request.request_id
+        if sent.done():  # the caller left; the router aborts the request
+            continue
+        if rid in receipt.refused:
+            sent.set_exception(RequestFailedError(rid, receipt.refused[rid]))
+        else:
+            submitted_to[rid] = receipt.incarnation
+            sent.set_result(receipt.incarnation)

@@ -13,9 +13,9 @@ mode and conditional disaggregation) and streams from the first token.
 
 Run as a Ray actor: `ray.remote(GenerationWorker).options(num_cpus=...).remote(config, id, role)`;
 read its events through `actor.event_socket.remote()` (a streaming call that
-says where to connect: `engine.event_socket`) once, and send
-requests with `actor.submit.remote(req)`, or several in one call with
-`actor.submit_many.remote(reqs)`. An actor Ray restarts after a crash is
+says where to connect: `engine.event_socket`) once, and send requests on
+that connection (the router does), or with `actor.submit.remote(req)`, or
+several in one call with `actor.submit_many.remote(reqs)`. An actor Ray restarts after a crash is
 rebuilt from the same arguments and starts itself on its first call; it has
 a new incarnation id, which its streams open with and `submit` (or
 `submit_many`'s receipt) returns.
@@ -24,8 +24,9 @@ a new incarnation id, which its streams open with and `submit` (or
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import ray.util
@@ -33,7 +34,13 @@ import ray.util
 from decode_worker.cache_pull import CachePulls, error_event
 from engine.aborts import AbortedIds
 from engine.errors import RequestFailedError
-from engine.event_socket import OFFER_TIMEOUT_S, EventListener, EventSocketOffer, frame
+from engine.event_socket import (
+    OFFER_TIMEOUT_S,
+    EventListener,
+    EventSocketOffer,
+    frame,
+    read_frame,
+)
 from engine.event_stream import EventDemux, EventOutbox, StreamOpened, read_stream
 from engine.instance import EngineInstance
 from engine.loop import exit_for_restart
@@ -175,8 +182,11 @@ class GenerationWorker:
         """`events()` for the router, over a socket of this worker's
         (`engine.event_socket`): one offer naming this incarnation, then the
         batches go, one frame each, to the connection that presents the
-        offer's ticket. Ends when that connection closes, when no connection
-        came within `OFFER_TIMEOUT_S`, or when a later reader takes over."""
+        offer's ticket. The router sends its requests on that connection too,
+        a `submit_many` list per frame, each answered by its `SubmitReceipt`
+        in the same stream. Ends when that connection closes, when no
+        connection came within `OFFER_TIMEOUT_S`, or when a later reader
+        takes over."""
         stream = self.events()
         try:
             opened = await anext(stream)  # the outbox is this call's from here on
@@ -189,17 +199,26 @@ class GenerationWorker:
             except TimeoutError:
                 return
             try:
-                async for batch in stream:
-                    if reader.at_eof():  # the router closed its end
-                        return
-                    writer.write(frame(batch))
-                    await writer.drain()
-            except ConnectionError:
-                return
+                await _first_to_end(
+                    _write_batches(stream, writer), self._answer_submits(reader, writer)
+                )
             finally:
                 writer.close()
         finally:
             await stream.aclose()
+
+    async def _answer_submits(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """Accept each burst of requests the router sends on its event socket
+        and answer it with its receipt, until the router closes its end."""
+        while True:
+            try:
+                requests: list[GenerationRequest] = await read_frame(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return
+            writer.write(frame(await self.submit_many(requests)))
+            await writer.drain()
 
     async def _event_listener(self) -> EventListener:
         if self._listener is None:
@@ -312,3 +331,27 @@ class GenerationWorker:
 
     async def _between_steps(self, fn: Callable[[], T]) -> T:
         return await self.engine.loop.run_between_steps(fn)
+
+
+async def _write_batches(
+    stream: AsyncIterator[StreamOpened | list[EventItem]], writer: asyncio.StreamWriter
+) -> None:
+    """Write each batch of `stream` as one frame, until it ends (a later
+    reader took over) or the connection fails."""
+    with contextlib.suppress(ConnectionError):
+        async for batch in stream:
+            writer.write(frame(batch))
+            await writer.drain()
+
+
+async def _first_to_end(*work: Coroutine[Any, Any, None]) -> None:
+    """Run `work` until one of them returns (or raises); cancel the rest."""
+    tasks = [asyncio.ensure_future(w) for w in work]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            task.result()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,13 +1,15 @@
 """The router's channel to a real generation worker actor (local Ray): a burst
-of requests travels in a few submit calls, each request gets its own tokens,
-and a request the worker refuses fails alone. The worker's event socket: a
-later reader takes the stream over (the earlier one ends as a plain break),
-and a worker that dies breaks its reader with Ray's news of the death."""
+of requests travels in a few frames on the worker's event socket, each
+request gets its own tokens, and a request the worker refuses fails alone.
+The worker's event socket: a later reader takes the stream over (the earlier
+one ends as a plain break), and a worker that dies breaks its reader with
+Ray's news of the death."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import contextlib
+from collections.abc import AsyncGenerator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -15,7 +17,13 @@ import ray
 from ray.exceptions import RayActorError
 
 from cluster.launcher import init_local_ray
-from cluster.worker_channel import StreamBrokenError, WorkerChannel, read_event_socket
+from cluster.worker_channel import (
+    SocketOpened,
+    StreamBrokenError,
+    StreamItem,
+    WorkerChannel,
+    read_event_socket,
+)
 from decode_worker.worker import GenerationWorker
 from engine.errors import RequestFailedError
 from engine.event_stream import StreamOpened
@@ -27,23 +35,35 @@ from models.embedded.writer import write_checkpoint
 NUM_REQUESTS = 16
 
 
-class _Method:
-    def __init__(self, call: Any) -> None:
-        self.remote = call
+class _CountedBursts:
+    """Reads a worker's event socket and counts the requests in each burst
+    the channel sends on it."""
+
+    def __init__(self) -> None:
+        self.bursts: list[int] = []
+
+    async def open_stream(self, actor: Any) -> AsyncGenerator[StreamItem, None]:
+        async with contextlib.aclosing(read_event_socket(actor)) as stream:
+            async for item in stream:
+                if isinstance(item, SocketOpened):
+                    item = SocketOpened(item.incarnation, self._counted(item.send))
+                yield item
+
+    def _counted(
+        self, send: Callable[[list[GenerationRequest]], None]
+    ) -> Callable[[list[GenerationRequest]], None]:
+        def counted(requests: list[GenerationRequest]) -> None:
+            self.bursts.append(len(requests))
+            send(requests)
+
+        return counted
 
 
-class _CountedActor:
-    """A worker's actor handle that counts the requests in each submit call."""
+class _NoSubmitCalls:
+    """A worker's actor handle without `submit_many`: bursts must go on the socket."""
 
     def __init__(self, actor: Any) -> None:
         self.event_socket, self.abort = actor.event_socket, actor.abort
-        self.calls: list[int] = []
-        self.submit_many = _Method(self._submit_many)
-        self._actor = actor
-
-    def _submit_many(self, requests: list[GenerationRequest]) -> Any:
-        self.calls.append(len(requests))
-        return self._actor.submit_many.remote(requests)
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +97,11 @@ async def _tokens(channel: WorkerChannel, request: GenerationRequest) -> list[To
     return [event async for event in channel.stream(request)]
 
 
-async def test_a_burst_travels_in_few_calls_and_a_refused_request_fails_alone(worker: Any) -> None:
-    counted = _CountedActor(worker)
-    channel = WorkerChannel("bursts", counted)
+async def test_a_burst_travels_in_few_frames_and_a_refused_request_fails_alone(
+    worker: Any,
+) -> None:
+    counted = _CountedBursts()
+    channel = WorkerChannel("bursts", _NoSubmitCalls(worker), open_stream=counted.open_stream)
     try:
         # "dup" runs on the worker already: the channel's request of that id is refused.
         await worker.submit.remote(_request("dup", 400))
@@ -98,8 +120,8 @@ async def test_a_burst_travels_in_few_calls_and_a_refused_request_fails_alone(wo
         assert {e.request_id for e in events} == {request.request_id}
         assert sum(len(e.token_ids) for e in events) == request.params.max_tokens
         assert events[-1].finish_reason == "length"
-    assert sum(counted.calls) == NUM_REQUESTS + 1
-    assert len(counted.calls) < NUM_REQUESTS // 2, counted.calls
+    assert sum(counted.bursts) == NUM_REQUESTS + 1
+    assert len(counted.bursts) < NUM_REQUESTS // 2, counted.bursts
 
 
 def _tokens_of(request_id: str, batch: list[EventItem]) -> int:

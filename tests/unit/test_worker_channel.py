@@ -3,7 +3,9 @@ broken event stream took with it, across worker restarts.
 
 The worker side is scripted: which incarnation of the worker answers calls
 now, and each event stream the channel opens is a queue the test feeds (an
-item, or an exception that breaks the stream as a dead actor's would).
+item, or an exception that breaks the stream as a dead actor's would). A
+stream that opens with `SocketOpened` takes the bursts of requests itself,
+and the test answers each with its receipt in the stream.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-from cluster.worker_channel import StreamBrokenError, WorkerChannel
+from cluster.worker_channel import SocketOpened, StreamBrokenError, WorkerChannel
 from cluster.worker_poller import UnresponsiveWorkerError
 from engine.errors import RequestFailedError
 from engine.event_stream import StreamOpened
@@ -406,3 +408,53 @@ async def test_a_request_whose_caller_left_before_its_call_is_not_sent() -> None
         kept.cancel()
     finally:
         await channel.stop()
+
+
+async def _burst_sent(sent: list[list[GenerationRequest]], ids: list[str]) -> None:
+    while [[r.request_id for r in burst] for burst in sent] != [ids]:
+        await asyncio.sleep(0.01)
+
+
+async def test_a_burst_goes_on_the_socket_and_its_receipt_settles_it() -> None:
+    worker = _Worker("a")
+    channel = _channel(worker)
+    try:
+        first, refused = _started(channel, "r1"), _started(channel, "r2")
+        stream = await worker.streams.get()
+        sent: list[list[GenerationRequest]] = []
+        stream.put_nowait(SocketOpened("a", sent.append))
+        await _burst_sent(sent, ["r1", "r2"])
+        assert worker.calls == []  # no Ray call
+        stream.put_nowait(SubmitReceipt("a", {"r2": "already in flight"}))
+        with pytest.raises(RequestFailedError, match="already in flight"):
+            await refused
+        stream.put_nowait(_final("r1"))
+        assert (await first).token_ids == [7]
+        assert channel._submitted_to == {"r1": "a"}
+    finally:
+        await channel.stop()
+
+
+async def test_a_socket_that_breaks_before_the_receipt_fails_the_burst_and_aborts_it() -> None:
+    worker = _Worker("a")
+    channel = _channel(worker)
+    try:
+        first = _started(channel, "r1")
+        stream = await worker.streams.get()
+        sent: list[list[GenerationRequest]] = []
+        stream.put_nowait(SocketOpened("a", sent.append))
+        await _burst_sent(sent, ["r1"])
+        stream.put_nowait(StreamBrokenError("the socket closed"))
+        with pytest.raises(StreamBrokenError, match="the socket closed"):
+            await first
+        # It may have reached a worker that lives on; nothing of it comes later.
+        assert worker.aborts == [("r1", False)]
+        # The next stream cannot carry bursts: they go as Ray calls again.
+        second = _started(channel, "r3")
+        (await worker.streams.get()).put_nowait(StreamOpened("a"))
+        while worker.calls != [["r3"]]:
+            await asyncio.sleep(0.01)
+    finally:
+        await channel.stop()
+    with pytest.raises(StreamBrokenError, match="stopped reading"):
+        await second
