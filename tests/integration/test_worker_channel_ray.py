@@ -2,8 +2,8 @@
 of requests travels in a few frames on the worker's event socket, each
 request gets its own tokens, and a request the worker refuses fails alone.
 The worker's event socket: a later reader takes the stream over (the earlier
-one ends as a plain break), and a worker that dies breaks its reader with
-Ray's news of the death."""
+one ends as a plain break), a worker that dies breaks its reader with Ray's
+news of the death, and a reader that closes its end ends the worker's call."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from cluster.worker_channel import (
 )
 from decode_worker.worker import GenerationWorker
 from engine.errors import RequestFailedError
+from engine.event_socket import EventSocketOffer
 from engine.event_stream import StreamOpened
 from engine.messages import EventItem, GenerationRequest, StepTokens, TokenEvent
 from engine.sampling import SamplingParams
@@ -167,3 +168,16 @@ async def test_a_dead_workers_socket_breaks_with_rays_news(config: WorkerConfig)
             await asyncio.wait_for(anext(stream), 10.0)
     finally:
         await stream.aclose()
+
+
+async def test_the_worker_ends_its_socket_call_once_the_reader_closes_its_end(worker: Any) -> None:
+    call = worker.event_socket.remote()
+    offer: EventSocketOffer = await (await anext(call))
+    _, writer = await asyncio.open_connection(offer.host, offer.port)
+    writer.write(offer.ticket)
+    await writer.drain()
+    writer.close()
+    await writer.wait_closed()
+    # Nothing is posted meanwhile: the closed connection alone ends the call.
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(anext(call), 5.0)
