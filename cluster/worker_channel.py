@@ -67,8 +67,8 @@ from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from cluster.worker_socket import StreamBrokenError, open_worker_socket
 from engine.errors import RequestFailedError
-from engine.event_socket import EventSocketOffer, frame, read_frame
 from engine.event_stream import EventDemux, StreamOpened, read_stream
 from engine.messages import EventItem, GenerationRequest, SubmitReceipt, TokenEvent
 
@@ -80,13 +80,6 @@ StreamItem = StreamOpened | list[EventItem] | SubmitReceipt
 
 _REOPEN_DELAY_S = 0.2
 _OPEN_WAIT_S = 30.0
-# After an event socket closed, how long Ray's word on the worker is awaited:
-# a killed process closes its socket at once, Ray reports it within a second.
-_DEATH_NEWS_S = 2.0
-
-
-class StreamBrokenError(ConnectionError):
-    """A worker's event stream ended without an error of its own."""
 
 
 @dataclass(frozen=True)
@@ -373,52 +366,15 @@ class WorkerChannel:
 async def read_event_socket(actor: Any) -> AsyncGenerator[StreamItem, None]:
     """One event stream of a generation worker's actor: its `SocketOpened`,
     then its batches and the receipts of the bursts sent with `send`, read
-    from the worker's socket. Raises what broke it:
-    the Ray call's error when Ray reports the worker dead (also while the
+    from the worker's socket (`cluster.worker_socket`). Raises what broke
+    it: the Ray call's error when Ray reports the worker dead (also while the
     socket is quiet, as for a node cut off), else `StreamBrokenError` once
     the socket closed (the worker ended the stream, or died and Ray said
     nothing within `_DEATH_NEWS_S`) or could not be reached."""
-    call = actor.event_socket.remote()
-    try:
-        offered = await anext(call)
-    except StopAsyncIteration:
-        raise StreamBrokenError("the worker ended its event stream before offering it") from None
-    offer: EventSocketOffer = await offered
-    try:
-        reader, writer = await asyncio.open_connection(offer.host, offer.port)
-    except OSError as exc:
-        raise StreamBrokenError(
-            f"cannot reach the worker's event socket at {offer.host}:{offer.port} ({exc}); "
-            "the router's node must reach the generation workers' nodes on any TCP port"
-        ) from exc
-    watch = asyncio.ensure_future(_until_ended(call))
-
-    def abort_on_death(watched: asyncio.Future[None]) -> None:
-        if not watched.cancelled() and watched.exception() is not None:
-            writer.transport.abort()  # Ray's news ends the read at once
-
-    watch.add_done_callback(abort_on_death)
-    try:
-        writer.write(offer.ticket)
-        yield SocketOpened(offer.incarnation, lambda requests: writer.write(frame(requests)))
-        while True:
-            try:
-                item = await read_frame(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
-                break
+    async with open_worker_socket(actor.event_socket.remote(), "generation") as socket:
+        yield SocketOpened(socket.offer.incarnation, socket.send)
+        async for item in socket.frames():
             yield item
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(watch), _DEATH_NEWS_S)  # raises a death
-        raise StreamBrokenError(f"the event socket of {offer.host}:{offer.port} closed")
-    finally:
-        watch.cancel()
-        writer.close()
-
-
-async def _until_ended(call: Any) -> None:
-    """Wait for a Ray streaming call to end; raises its error (a dead actor's)."""
-    async for ref in call:
-        await ref  # the worker yields nothing after its offer
 
 
 def _says_it_died(opened: str | None, error: BaseException) -> bool:
