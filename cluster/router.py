@@ -48,6 +48,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.context_calls import ContextCalls
 from cluster.continuation import Continuation
 from cluster.metrics import ServingMetrics
 from cluster.worker_channel import WorkerChannel
@@ -106,6 +107,7 @@ class Router:
         self._root = root_hash(settings.hash_namespace)
         self._poller = WorkerPoller(lambda: self.workers, metrics, self._stalled)
         self._channels = {e.name: WorkerChannel(e.name, e.actor) for e in self.generation}
+        self._context_calls = {e.name: ContextCalls(e.name, e.actor) for e in self.context}
 
     @property
     def workers(self) -> list[WorkerEndpoint]:
@@ -119,6 +121,8 @@ class Router:
         await self._poller.stop()
         for channel in self._channels.values():
             await channel.stop()
+        for calls in self._context_calls.values():
+            await calls.stop()
 
     def _stalled(self, endpoint: WorkerEndpoint, stalled_s: float, how: str) -> None:
         """A worker missed a poll or is inside a step (`how`, the poller's
@@ -313,7 +317,7 @@ class Router:
                 )
                 prefetch_to.actor.prefetch.remote(prefetch)
             try:
-                call = endpoint.actor.prefill.remote(request)
+                call = self._context_calls[endpoint.name].prefill(request)
                 result: ContextResult = await self._context.answer(endpoint, call)
                 return result
             except Exception as exc:  # a dead or silent actor, a failed prefill: try another

@@ -29,8 +29,6 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-import ray.util
-
 from decode_worker.cache_pull import CachePulls, error_event
 from engine.aborts import AbortedIds
 from engine.errors import RequestFailedError
@@ -222,7 +220,7 @@ class GenerationWorker:
 
     async def _event_listener(self) -> EventListener:
         if self._listener is None:
-            self._listener = EventListener(ray.util.get_node_ip_address())
+            self._listener = EventListener.on_this_node()
         await self._listener.start()
         return self._listener
 

@@ -12,7 +12,9 @@ a long prompt still prefills; it gets the blocks its finished chunks filled
 (offered through the transceiver, see `prefill_worker.chunk_progress`) and,
 once the prompt is published, the rest with the Mamba state.
 
-Run as a Ray actor: `ray.remote(ContextWorker).options(num_cpus=...).remote(config, id)`.
+Run as a Ray actor: `ray.remote(ContextWorker).options(num_cpus=...).remote(config, id)`;
+call `prefill` through Ray, or over the socket `call_socket` offers (the
+router does: `cluster.context_calls`).
 An actor Ray restarts after a crash is rebuilt from the same arguments and
 starts itself on its first request, so the router can use it again as soon
 as it answers polls.
@@ -23,12 +25,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import uuid
+from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
 from engine.aborts import AbortedIds
 from engine.core import StepResult
 from engine.errors import RequestFailedError
+from engine.event_socket import OFFER_TIMEOUT_S, EventListener, EventSocketOffer, serve_calls
 from engine.event_stream import EventDemux, read_stream
 from engine.instance import EngineInstance
 from engine.loop import exit_for_restart
@@ -67,6 +72,8 @@ class ContextWorker:
         self._active: set[str] = set()  # ids between prefill() start and end
         self._aborted = AbortedIds()  # aborts that arrived before their prefill()
         self._starting: asyncio.Task[None] | None = None
+        self._incarnation = uuid.uuid4().hex  # names this process in its call sockets' offers
+        self._listener: EventListener | None = None  # for `call_socket`, once asked
         # A context request ends at its first token: its one event, however
         # many prompts finished in the same step.
         self._results = EventDemux()
@@ -131,6 +138,28 @@ class ContextWorker:
             first_token_time=event.timestamp,
             rank_handles=tuple(rank_handles),
         )
+
+    async def call_socket(self) -> AsyncIterator[EventSocketOffer]:
+        """`prefill` calls over a socket of this worker's
+        (`engine.event_socket.serve_calls`), for a router: one offer, then the
+        calls of the connection that presents its ticket are answered on it.
+        Ends when that connection closes (its calls still running are
+        cancelled) or when no connection came within `OFFER_TIMEOUT_S`. Each
+        router opens its own."""
+        await self.start()
+        if self._listener is None:
+            self._listener = EventListener.on_this_node()
+        await self._listener.start()
+        ticket, connected = self._listener.issue()
+        yield EventSocketOffer(self._incarnation, self._listener.host, self._listener.port, ticket)
+        try:
+            reader, writer = await asyncio.wait_for(connected, OFFER_TIMEOUT_S)
+        except TimeoutError:
+            return
+        try:
+            await serve_calls(reader, writer, self.prefill)
+        finally:
+            writer.close()
 
     async def blocks_ready(self, request_id: str, num_pulled: int) -> BlocksReady:
         """What a puller holding the first `num_pulled` blocks of a prompt can
@@ -252,6 +281,8 @@ class ContextWorker:
 
     async def shutdown(self) -> None:
         """Unpin every published cache, then stop the engine; frees everything."""
+        if self._listener is not None:
+            await self._listener.close()
         await self.transceiver.close()
         await self.engine.loop.stop()
 
