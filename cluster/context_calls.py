@@ -16,6 +16,8 @@ the background, at most once per `_REOPEN_DELAY_S`. A socket that breaks
 fails the calls waiting on it with what broke it: Ray's news of the
 worker's death (`RayActorError`), as a Ray call to a dead worker fails, or
 `StreamBrokenError`; the router retries those on another context worker.
+A socket the router cannot reach (a firewall between the nodes) is logged
+once, and the calls keep going through Ray.
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import time
 from typing import Any
 
 from cluster.worker_socket import StreamBrokenError, WorkerSocket, open_worker_socket
 from engine.messages import ContextRequest, ContextResult
+
+logger = logging.getLogger(__name__)
 
 _REOPEN_DELAY_S = 0.5
 
@@ -41,6 +46,7 @@ class ContextCalls:
         self._next_open = 0.0  # monotonic: no (re)open before then
         self._answers: dict[int, asyncio.Future[ContextResult]] = {}
         self._call_ids = itertools.count()
+        self._warned = False
 
     async def prefill(self, request: ContextRequest) -> ContextResult:
         """The worker's `prefill(request)`: its result, or what it raised."""
@@ -79,9 +85,10 @@ class ContextCalls:
         """Open the worker's call socket and settle the answers read from it
         until it breaks; then fail the calls still waiting on it."""
         error: BaseException = StreamBrokenError(f"the call socket of {self.name} closed")
+        opened = False
         try:
             async with open_worker_socket(self.actor.call_socket.remote(), "context") as socket:
-                self._socket = socket
+                self._socket, opened = socket, True
                 async for call_id, ok, value in socket.frames():
                     answer = self._answers.get(call_id)
                     if answer is None or answer.done():
@@ -95,6 +102,9 @@ class ContextCalls:
             raise
         except Exception as exc:  # a dead worker (Ray's news), a closed socket
             error = exc
+            if not opened and isinstance(exc, StreamBrokenError) and not self._warned:
+                self._warned = True  # an unreachable socket stays so: say it once
+                logger.warning("%s: %s; prefill calls go as Ray calls", self.name, exc)
         finally:
             self._socket = None
             self._reader = None
