@@ -5,7 +5,9 @@
 
 A generation worker's tokens for all its requests arrive on one stream per
 worker, one message per engine step (`cluster.worker_channel`), and are
-split per request here.
+split per request here. Prefills go to a context worker on a socket of its
+own (`cluster.context_calls`); both sockets are opened and watched through
+Ray calls.
 
 Conditional disaggregation: when the part of the prompt no generation worker
 already caches is at most `max_local_prefill_length` tokens, the context hop

@@ -68,7 +68,7 @@ class WorkerPool:
         return endpoint
 
     async def answer(self, endpoint: WorkerEndpoint, call: Awaitable[T]) -> T:
-        """What `call` (a Ray call to `endpoint`) returns, or raises; the
+        """What `call` (a call to `endpoint`) returns, or raises; the
         error of `give_up(endpoint)` if that comes first."""
         silence = self._silences.get(endpoint.name)
         if silence is None:

@@ -15,10 +15,10 @@ Run as a Ray actor: `ray.remote(GenerationWorker).options(num_cpus=...).remote(c
 read its events through `actor.event_socket.remote()` (a streaming call that
 says where to connect: `engine.event_socket`) once, and send requests on
 that connection (the router does), or with `actor.submit.remote(req)`, or
-several in one call with `actor.submit_many.remote(reqs)`. An actor Ray restarts after a crash is
-rebuilt from the same arguments and starts itself on its first call; it has
-a new incarnation id, which its streams open with and `submit` (or
-`submit_many`'s receipt) returns.
+several in one call with `actor.submit_many.remote(reqs)`. An actor Ray
+restarts after a crash is rebuilt from the same arguments and starts itself
+on its first call; it has a new incarnation id, which its streams open with
+and `submit` (or `submit_many`'s receipt) returns.
 """
 
 from __future__ import annotations

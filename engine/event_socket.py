@@ -28,11 +28,12 @@ A context worker takes the router's `prefill` calls on such a socket
 starts a call, `(call id, None)` cancels it, and the worker answers each
 with `(call id, True, result)` or `(call id, False, exception)`. A Ray call
 took about 2 ms each way between the router and a busy context worker (its
-dispatch and its return), most of a disaggregated request's hand-off.
+dispatch and its return): 4 of the 31 ms to a 1P1D request's first token
+at 8 requests/s. On the socket each way takes about 0.5 ms.
 
 The listener binds the worker's node address (`ray.util.get_node_ip_address`),
-on a port the OS picks: the router's node must reach the generation
-workers' nodes on any TCP port, as Ray's own worker-to-worker calls do. A
+on a port the OS picks: the router's node must reach the workers' nodes
+on any TCP port, as Ray's own worker-to-worker calls do. A
 connection that does not present a ticket the worker issued within
 `TICKET_TIMEOUT_S` is closed unanswered, so only the caller of
 `event_socket` reads a worker's events. Frames are pickled, as Ray's own
