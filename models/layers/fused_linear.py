@@ -22,16 +22,18 @@ weights in host memory. In fp32 oneDNN accumulates in another order than
 `F.linear`: outputs differ in the last bits (about 3e-6 relative), well inside
 the parity tests' tolerance against `transformers`.
 
-In fp32 a product of at most `ROW_MAJOR_MAX_ROWS` rows (a decode step of one
-or two sequences) runs on the row-major weight through `F.linear` instead:
-there oneDNN's blocked product is the slower of the two. One pass over
-SmolLM2-135M's 121 products (weights streamed from memory, 2 threads,
-`python -m benchmarks.linear_paths --model smollm2`): 1 row row-major
-38.2 ms against blocked 45.9, 2 rows 39.0 against 48.9, but 4 rows 61.1
-against 47.0 and 8 rows 67.6 against 44.9; in bf16 the blocked product is
-the faster at 1 and 2 rows too (86.1 and 78.6 against 61.0 and 61.7, on a
-busier machine). A SmolLM2 decode step at batch 1 took 44-49 ms against
-65-75 ms before (alternating runs).
+In fp32 a product of at most `ROW_MAJOR_MAX_ROWS` rows (a decode step of up
+to three sequences) runs on the row-major weight through `F.linear`
+instead: there oneDNN's blocked product is the slower of the two. One pass
+over SmolLM2-135M's 121 products (weights streamed from memory, 2 threads,
+`python -m benchmarks.linear_paths --model smollm2 --rows 1 2 3 4 8`):
+1 row row-major 20.6 ms against blocked 26.0, 2 rows 22.2-22.5 against
+27.0-27.7, 3 rows 24.0-24.3 against 27.5-28.1, but 4 rows 37.1-37.8
+against 28.5-29.0 and 8 rows 49.0 against 32.3 (two runs); in bf16 the
+blocked product is the faster at 1 and 2 rows too (86.1 and 78.6 against
+61.0 and 61.7, on a busier machine). A SmolLM2 decode step at batch 1 took
+44-49 ms against 65-75 ms before the row-major path (alternating runs),
+and at batch 3 36.1-36.9 ms against 41.0-42.4 with the limit at 2 rows.
 
 Every product uses all of torch's threads. Running the products of up to 8
 rows over a weight under 4 MiB on the calling thread alone (so that passive
@@ -60,7 +62,7 @@ _PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PACK_BATCH_HINT = 32
 # An fp32 product of at most this many rows runs on the row-major weight
 # (`F.linear`), where it is faster than the blocked copy's.
-ROW_MAJOR_MAX_ROWS = 2
+ROW_MAJOR_MAX_ROWS = 3
 
 
 class FusedLinear:
