@@ -75,8 +75,11 @@ def _request(request_id: str, prompt: list[int]) -> ContextRequest:
 
 
 async def _socket_open(calls: ContextCalls) -> None:
-    while calls._socket is None:
+    for _ in range(1000):
+        if calls._socket is not None:
+            return
         await asyncio.sleep(0.01)
+    raise AssertionError("the call socket did not open within 10 s")
 
 
 async def _unpinned(actor: Any) -> None:
@@ -92,12 +95,13 @@ async def test_calls_travel_on_the_socket_with_the_ray_calls_answers(worker: Any
     calls = ContextCalls("context-calls", counted)
     prompt = [5, 9, 2, 7, 11, 3]
     try:
-        by_ray = await calls.prefill(_request("by-ray", prompt))
+        by_ray = await asyncio.wait_for(calls.prefill(_request("by-ray", prompt)), 30.0)
         assert counted.ray_calls == 1
         await _socket_open(calls)
-        by_socket = await calls.prefill(_request("by-socket", prompt))
+        by_socket = await asyncio.wait_for(calls.prefill(_request("by-socket", prompt)), 30.0)
         with pytest.raises(RequestFailedError, match="raise max_tokens"):
-            await calls.prefill(_request("too-long", list(range(MAX_TOKENS + 1))))
+            too_long = _request("too-long", list(range(MAX_TOKENS + 1)))
+            await asyncio.wait_for(calls.prefill(too_long), 30.0)
         assert counted.ray_calls == 1
         assert by_socket.request_id == "by-socket" and by_socket.handle is not None
         assert by_socket.first_token_id == by_ray.first_token_id

@@ -411,8 +411,11 @@ async def test_a_request_whose_caller_left_before_its_call_is_not_sent() -> None
 
 
 async def _burst_sent(sent: list[list[GenerationRequest]], ids: list[str]) -> None:
-    while [[r.request_id for r in burst] for burst in sent] != [ids]:
+    for _ in range(500):
+        if [[r.request_id for r in burst] for burst in sent] == [ids]:
+            return
         await asyncio.sleep(0.01)
+    raise AssertionError(f"bursts sent: {sent}")
 
 
 async def test_a_burst_goes_on_the_socket_and_its_receipt_settles_it() -> None:
@@ -427,9 +430,9 @@ async def test_a_burst_goes_on_the_socket_and_its_receipt_settles_it() -> None:
         assert worker.calls == []  # no Ray call
         stream.put_nowait(SubmitReceipt("a", {"r2": "already in flight"}))
         with pytest.raises(RequestFailedError, match="already in flight"):
-            await refused
+            await asyncio.wait_for(refused, 5.0)
         stream.put_nowait(_final("r1"))
-        assert (await first).token_ids == [7]
+        assert (await asyncio.wait_for(first, 5.0)).token_ids == [7]
         assert channel._submitted_to == {"r1": "a"}
     finally:
         await channel.stop()
@@ -446,14 +449,17 @@ async def test_a_socket_that_breaks_before_the_receipt_fails_the_burst_and_abort
         await _burst_sent(sent, ["r1"])
         stream.put_nowait(StreamBrokenError("the socket closed"))
         with pytest.raises(StreamBrokenError, match="the socket closed"):
-            await first
+            await asyncio.wait_for(first, 5.0)
         # It may have reached a worker that lives on; nothing of it comes later.
         assert worker.aborts == [("r1", False)]
         # The next stream cannot carry bursts: they go as Ray calls again.
         second = _started(channel, "r3")
-        (await worker.streams.get()).put_nowait(StreamOpened("a"))
-        while worker.calls != [["r3"]]:
+        (await asyncio.wait_for(worker.streams.get(), 5.0)).put_nowait(StreamOpened("a"))
+        for _ in range(500):
+            if worker.calls == [["r3"]]:
+                break
             await asyncio.sleep(0.01)
+        assert worker.calls == [["r3"]]
     finally:
         await channel.stop()
     with pytest.raises(StreamBrokenError, match="stopped reading"):
