@@ -7,6 +7,7 @@ from pathlib import Path
 
 from benchmarks import linear_paths
 from models.embedded.writer import write_checkpoint
+from models.layers.fused_linear import ROW_MAJOR_MAX_ROWS
 from models.loader import load_model
 
 
@@ -18,8 +19,9 @@ def test_each_row_count_times_every_product_on_both_paths(tmp_path: Path) -> Non
     # Q/K/V, o_proj, gate/up and down per layer, then the logits head.
     assert len(products) == 4 * layers + 1
     assert products[-1] is model.logits_head
-    results = linear_paths.measure(checkpoint, "float32", [1, 3], reps=2)
-    assert [(r.rows, r.chosen) for r in results] == [(1, "row-major"), (3, "blocked")]
+    above = ROW_MAJOR_MAX_ROWS + 1
+    results = linear_paths.measure(checkpoint, "float32", [1, above], reps=2)
+    assert [(r.rows, r.chosen) for r in results] == [(1, "row-major"), (above, "blocked")]
     for result in results:
         assert all(len(s) == 2 and min(s) > 0 for s in result.seconds.values())
     assert "row-major" in results[0].line() and "blocked" in results[0].line()
