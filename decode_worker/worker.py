@@ -32,13 +32,7 @@ from typing import Any, TypeVar
 from decode_worker.cache_pull import CachePulls, error_event
 from engine.aborts import AbortedIds
 from engine.errors import RequestFailedError
-from engine.event_socket import (
-    OFFER_TIMEOUT_S,
-    EventListener,
-    EventSocketOffer,
-    frame,
-    read_frame,
-)
+from engine.event_socket import EventListener, EventSocketOffer, frame, read_frame, taken_up
 from engine.event_stream import EventDemux, EventOutbox, StreamOpened, read_stream
 from engine.instance import EngineInstance
 from engine.loop import exit_for_restart
@@ -82,7 +76,7 @@ class GenerationWorker:
         self._outbox = EventOutbox()
         self.engine.loop.on_events = self._post
         self._local = EventDemux()  # generate()'s own reading of events()
-        self._listener: EventListener | None = None  # event_socket's, once asked for
+        self._listener = EventListener()  # event_socket's; listens once asked
         self._reader: asyncio.Future[None] | None = None
         self._starting: asyncio.Task[None] | None = None
 
@@ -189,13 +183,12 @@ class GenerationWorker:
         try:
             opened = await anext(stream)  # the outbox is this call's from here on
             assert isinstance(opened, StreamOpened)
-            listener = await self._event_listener()
-            ticket, connected = listener.issue()
-            yield EventSocketOffer(opened.incarnation, listener.host, listener.port, ticket)
-            try:
-                reader, writer = await asyncio.wait_for(connected, OFFER_TIMEOUT_S)
-            except TimeoutError:
+            offer, connected = await self._listener.offer(opened.incarnation)
+            yield offer
+            connection = await taken_up(connected)
+            if connection is None:
                 return
+            reader, writer = connection
             try:
                 await _first_to_end(
                     _write_batches(stream, writer), self._answer_submits(reader, writer)
@@ -217,12 +210,6 @@ class GenerationWorker:
                 return
             writer.write(frame(await self.submit_many(requests)))
             await writer.drain()
-
-    async def _event_listener(self) -> EventListener:
-        if self._listener is None:
-            self._listener = EventListener.on_this_node()
-        await self._listener.start()
-        return self._listener
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """One request's events, for a caller that drives this worker alone
@@ -314,8 +301,7 @@ class GenerationWorker:
         await self.engine.loop.stop()
         if self._reader is not None:
             self._reader.cancel()
-        if self._listener is not None:
-            await self._listener.close()
+        await self._listener.close()
         if self.transceiver is not None:
             await self.transceiver.close()
         self.engine.close()

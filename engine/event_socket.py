@@ -84,23 +84,30 @@ class EventListener:
     """A worker's listening socket; hands each connection that presents a
     ticket from `issue` to that ticket's waiter."""
 
-    @classmethod
-    def on_this_node(cls) -> EventListener:
-        """A listener on this Ray node's address (not started yet)."""
-        import ray.util
-
-        return cls(ray.util.get_node_ip_address())
-
-    def __init__(self, host: str) -> None:
-        self.host = host
+    def __init__(self, host: str | None = None) -> None:
+        self.host = host  # None: this Ray node's address, found at `start`
         self.port = 0
         self._server: asyncio.Server | None = None
         self._waiting: dict[bytes, asyncio.Future[Connection]] = {}
 
     async def start(self) -> None:
+        """Listen (once; later calls do nothing)."""
         if self._server is None:
+            if self.host is None:
+                import ray.util
+
+                self.host = ray.util.get_node_ip_address()
             self._server = await asyncio.start_server(self._accepted, self.host, 0)
             self.port = self._server.sockets[0].getsockname()[1]
+
+    async def offer(self, incarnation: str) -> tuple[EventSocketOffer, asyncio.Future[Connection]]:
+        """Listen if not yet, and issue a ticket: the offer a worker's Ray call
+        yields, and the future the connection presenting it completes (see
+        `taken_up`)."""
+        await self.start()
+        assert self.host is not None
+        ticket, connected = self.issue()
+        return EventSocketOffer(incarnation, self.host, self.port, ticket), connected
 
     def issue(self) -> tuple[bytes, asyncio.Future[Connection]]:
         """A new ticket, and the future its connection will complete."""
@@ -129,6 +136,15 @@ class EventListener:
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
             self._server = None
+
+
+async def taken_up(connected: asyncio.Future[Connection]) -> Connection | None:
+    """The connection that took an offer up, or None when none came within
+    `OFFER_TIMEOUT_S`."""
+    try:
+        return await asyncio.wait_for(connected, OFFER_TIMEOUT_S)
+    except TimeoutError:
+        return None
 
 
 def frame(batch: Any) -> bytes:

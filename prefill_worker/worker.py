@@ -33,7 +33,7 @@ from typing import Any
 from engine.aborts import AbortedIds
 from engine.core import StepResult
 from engine.errors import RequestFailedError
-from engine.event_socket import OFFER_TIMEOUT_S, EventListener, EventSocketOffer, serve_calls
+from engine.event_socket import EventListener, EventSocketOffer, serve_calls, taken_up
 from engine.event_stream import EventDemux, read_stream
 from engine.instance import EngineInstance
 from engine.loop import exit_for_restart
@@ -73,7 +73,7 @@ class ContextWorker:
         self._aborted = AbortedIds()  # aborts that arrived before their prefill()
         self._starting: asyncio.Task[None] | None = None
         self._incarnation = uuid.uuid4().hex  # names this process in its call sockets' offers
-        self._listener: EventListener | None = None  # for `call_socket`, once asked
+        self._listener = EventListener()  # call_socket's; listens once asked
         # A context request ends at its first token: its one event, however
         # many prompts finished in the same step.
         self._results = EventDemux()
@@ -147,15 +147,12 @@ class ContextWorker:
         cancelled) or when no connection came within `OFFER_TIMEOUT_S`. Each
         router opens its own."""
         await self.start()
-        if self._listener is None:
-            self._listener = EventListener.on_this_node()
-        await self._listener.start()
-        ticket, connected = self._listener.issue()
-        yield EventSocketOffer(self._incarnation, self._listener.host, self._listener.port, ticket)
-        try:
-            reader, writer = await asyncio.wait_for(connected, OFFER_TIMEOUT_S)
-        except TimeoutError:
+        offer, connected = await self._listener.offer(self._incarnation)
+        yield offer
+        connection = await taken_up(connected)
+        if connection is None:
             return
+        reader, writer = connection
         try:
             await serve_calls(reader, writer, self.prefill)
         finally:
@@ -281,8 +278,7 @@ class ContextWorker:
 
     async def shutdown(self) -> None:
         """Unpin every published cache, then stop the engine; frees everything."""
-        if self._listener is not None:
-            await self._listener.close()
+        await self._listener.close()
         await self.transceiver.close()
         await self.engine.loop.stop()
 
