@@ -130,6 +130,24 @@ class DecodeRows:
     max_seq_len: int
 
 
+@dataclass(frozen=True)
+class ChunkRows:
+    """The prompt chunks of a step (sequences with more than one new token),
+    for kernels that take them one tile of tokens at a time.
+
+    starts, lens: `[n]` first flattened token row and token count of each.
+    block_tables: `[n, max_blocks]`, seq_lens: `[n]`: their rows of the batch's.
+    query_keys: sum over them of tokens x keys after the step (host int), a
+        bound on the keys their queries read (twice the causal count).
+    """
+
+    starts: torch.Tensor
+    lens: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_keys: int
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
@@ -239,6 +257,24 @@ class ForwardBatch:
             block_tables=self.block_tables.index_select(0, seqs),
             seq_lens=self.seq_lens.index_select(0, seqs),
             max_seq_len=max(self.shape.seq_lens[i] for i in single),
+        )
+
+    @functools.cached_property
+    def chunk_rows(self) -> ChunkRows | None:
+        """The step's prompt chunks (see `ChunkRows`); None without any."""
+        chunks = self.shape.chunk_seqs
+        if not chunks:
+            return None
+        device = self.seq_lens.device
+        seqs = torch.tensor(chunks, dtype=torch.int64, device=device)
+        starts, seq_lens = self.shape.query_start_loc, self.shape.seq_lens
+        lens = [starts[i + 1] - starts[i] for i in chunks]
+        return ChunkRows(
+            starts=torch.tensor([starts[i] for i in chunks], dtype=torch.int64, device=device),
+            lens=torch.tensor(lens, dtype=torch.int64, device=device),
+            block_tables=self.block_tables.index_select(0, seqs),
+            seq_lens=self.seq_lens.index_select(0, seqs),
+            query_keys=sum(n * seq_lens[i] for n, i in zip(lens, chunks, strict=True)),
         )
 
     @functools.cached_property

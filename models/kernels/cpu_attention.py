@@ -1,4 +1,6 @@
-"""Paged decode attention on CPU through the C kernel in `csrc/decode_attention.c`.
+"""Paged attention on CPU through the C kernels in `csrc/`: decode
+(`decode_attention.c`, one query token per sequence) and prompt chunks
+(`prefill_attention.c`, several query tokens per sequence, causal).
 
 Same contract as `models.kernels.paged_attention` (see its docstring), plus an
 optional sliding window. The kernel reads K/V in place through the block
@@ -20,6 +22,7 @@ import ctypes
 
 import torch
 
+from models.batch import ChunkRows
 from models.kernels import cpu_build
 from models.kernels.paged_attention import check_decode_inputs
 
@@ -45,6 +48,15 @@ _KERNEL = cpu_build.KernelFunction(
     "decode_attention",
     "paged_decode_attention",
     [_INT, _P, _P, _P, _I64, _I64, _I64, _P, _I64, _P, _P, *[_INT] * 6, ctypes.c_float, _INT],
+)
+
+
+_PREFILL_KERNEL = cpu_build.KernelFunction(
+    "prefill_attention",
+    "paged_prefill_attention",
+    [_INT, _P, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, _P, _I64]
+    + [_INT] * 6
+    + [ctypes.c_float, _INT],
 )
 
 
@@ -142,8 +154,67 @@ def paged_attention_decode_if_supported(
 
 def _threads(lens: torch.Tensor, work_per_key: int) -> int:
     """Up to torch's thread count, one per `_PARALLEL_WORK` multiply-adds."""
-    threads = torch.get_num_threads()
-    if threads == 1:
+    if torch.get_num_threads() == 1:
         return 1
-    work = int(lens.sum()) * work_per_key
-    return max(1, min(threads, work // max(_PARALLEL_WORK, 1)))
+    return _threads_for(int(lens.sum()) * work_per_key)
+
+
+def _threads_for(work: int) -> int:
+    """Up to torch's thread count, one per `_PARALLEL_WORK` of `work` multiply-adds."""
+    return max(1, min(torch.get_num_threads(), work // max(_PARALLEL_WORK, 1)))
+
+
+def paged_prefill_attention_if_supported(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    chunks: ChunkRows,
+    out: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> bool:
+    """Causal attention of the prompt chunks `chunks` describes, over the
+    cache (their K/V already written), into their rows of `out`; False
+    (nothing written) where the kernel does not serve these tensors.
+
+    q `[T, heads, dim]` with each token's heads side by side (a view of the
+    fused QKV projection is read in place); out `[T, heads, dim]` contiguous,
+    q's dtype. Token `j` of chunk `i` is row `starts[i] + j`, at position
+    `seq_lens[i] - lens[i] + j`.
+    """
+    kernel = _PREFILL_KERNEL.get()
+    if kernel is None or not _serves(q, key_cache, value_cache) or not out.is_contiguous():
+        return False
+    dim = q.shape[2]
+    if q.stride(2) != 1 or q.stride(1) != dim:
+        q = q.contiguous()
+    kv_strides = key_cache.stride()
+    lens = chunks.seq_lens
+    status = kernel(
+        _DTYPES[q.dtype],
+        q.data_ptr(),
+        q.stride(0),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        kv_strides[0],
+        kv_strides[1],
+        kv_strides[2],
+        chunks.block_tables.data_ptr(),
+        chunks.block_tables.stride(0),
+        chunks.starts.data_ptr(),
+        chunks.lens.data_ptr(),
+        lens.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        lens.shape[0],
+        q.shape[1],
+        key_cache.shape[2],
+        dim,
+        key_cache.shape[1],
+        sliding_window or 0,
+        scale,
+        _threads_for(chunks.query_keys * q.shape[1] * dim),
+    )
+    if status == 2:
+        raise CpuKernelError("the CPU prefill attention kernel ran out of memory or threads")
+    return status == 0

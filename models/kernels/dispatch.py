@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from triton.runtime.interpreter import InterpretedFunction
 
+from models.batch import ChunkRows
 from models.kernels import (
     block_copy,
     cpu_attention,
@@ -126,6 +127,25 @@ def cpu_decode_attention(
         return None
     return cpu_attention.paged_attention_decode_if_supported(
         q, key_cache, value_cache, block_tables, seq_lens, scale, sliding_window
+    )
+
+
+def cpu_prefill_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    chunks: ChunkRows,
+    out: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> bool:
+    """Causal attention of a step's prompt chunks into their rows of `out`
+    through the C kernel on CPU tensors it serves; False (nothing written)
+    elsewhere, for the caller's other path."""
+    if not _cpu_kernels_apply(q):
+        return False
+    return cpu_attention.paged_prefill_attention_if_supported(
+        q, key_cache, value_cache, chunks, out, scale, sliding_window
     )
 
 

@@ -10,9 +10,11 @@ import torch
 from kvcache.views import AttentionLayerCache
 from models.batch import ForwardBatch
 from models.kernels import cpu_build, dispatch
+from models.layers import attention
 from models.layers.attention import attend, paged_attention, write_kv
 
-HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
+# A head dim of whole vectors at any width the C kernels are built for (4, 8, 16 lanes).
+HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 16, 4
 SCALE = DIM**-0.5
 
 
@@ -21,8 +23,9 @@ def cpu_kernels(
     request: pytest.FixtureRequest, kernel_switch: Callable[[str, str | None], None]
 ) -> str:
     """Every test twice on CPU: through the C kernels where they serve (a step
-    with prompt tokens runs as one per-token decode call), and with them off
-    (the torch paths: padded, per-prompt and chunked SDPA calls)."""
+    with prompt tokens runs its chunks through the tiled prefill kernel and its
+    decode tokens through the decode kernel), and with them off (the torch
+    paths: padded, per-prompt and chunked SDPA calls)."""
     if request.param == "torch":
         kernel_switch(cpu_build.ENABLE_ENV, "0")
     return str(request.param)
@@ -164,12 +167,17 @@ def test_fresh_chunk_beside_continuing_chunks_and_decodes(window: int | None) ->
 
 
 def test_prompt_steps_read_every_key_from_the_cache_through_the_c_kernel(
-    cpu_kernels: str,
+    cpu_kernels: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # With the C kernel a step with prompt tokens attends over the cache alone:
+    # With the C kernels a step with prompt tokens attends over the cache alone:
     # the K/V passed in are not read (here zeros), only what the cache holds.
     if cpu_kernels == "torch":
         pytest.skip("the torch paths read a fresh prompt's K/V from the arguments")
+    served: list[bool] = []
+    prefill = dispatch.cpu_prefill_attention
+    monkeypatch.setattr(
+        dispatch, "cpu_prefill_attention", lambda *args: served.append(prefill(*args)) or served[-1]
+    )
     batch, cache, keys, values, q = make_step([0, 6, 3], [9, 5, 1])
     write_kv(
         torch.cat([keys[0], keys[1][6:], keys[2][3:]]),
@@ -183,11 +191,40 @@ def test_prompt_steps_read_every_key_from_the_cache_through_the_c_kernel(
     for i, ctx in enumerate([0, 6, 3]):
         expected = dense_reference(q[starts[i] : starts[i + 1]], keys[i], values[i], ctx, None)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]], expected, rtol=1e-5, atol=1e-5)
+    assert served == [True]  # the chunks went through the tiled prefill kernel
 
 
 @pytest.mark.parametrize("window", [None, 3], ids=["full", "sliding-3"])
 def test_a_step_with_a_sequence_past_1024_tokens_matches_dense_attention(
     window: int | None,
 ) -> None:
-    # Past 1,024 tokens the CPU step leaves the per-token kernel for SDPA's tiles.
+    # Past 1,024 tokens the tiled kernel still serves, where per-token rows would not.
     run_and_compare(context_lens=[1030, 0], new_lens=[3, 5], window=window, num_blocks=300)
+
+
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "sliding-3"])
+def test_a_step_with_a_sequence_past_2048_tokens_matches_dense_attention(
+    window: int | None,
+) -> None:
+    # Past 2,048 tokens the CPU step leaves the C kernels for SDPA's tiles.
+    run_and_compare(context_lens=[2050, 0], new_lens=[3, 5], window=window, num_blocks=530)
+
+
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "sliding-3"])
+def test_prompt_tokens_as_decode_rows_where_the_tiled_kernel_does_not_serve(
+    cpu_kernels: str, monkeypatch: pytest.MonkeyPatch, window: int | None
+) -> None:
+    # A head dim the prefill kernel refuses (or a step beyond its limit, as
+    # here) runs every prompt token as a row of the decode kernel.
+    if cpu_kernels == "torch":
+        pytest.skip("the decode kernel is one of the C kernels")
+    monkeypatch.setattr(attention, "_TILED_MAX_LEN", 0)
+    called: list[int] = []
+    decode = dispatch.cpu_decode_attention
+    monkeypatch.setattr(
+        dispatch,
+        "cpu_decode_attention",
+        lambda q, *args: called.append(q.shape[0]) or decode(q, *args),
+    )
+    run_and_compare(context_lens=[0, 6, 10, 0], new_lens=[9, 5, 1, 2], window=window)
+    assert called == [17]  # every token in one call

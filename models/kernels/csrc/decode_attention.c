@@ -42,6 +42,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "parallel.h"
 #include "simd.h"
 
@@ -86,20 +87,6 @@
 #define FOLD2(x, y) (SHUFFLE(x, y, 0, 1, 4, 5) + SHUFFLE(x, y, 2, 3, 6, 7))
 #define FOLD1(x, y) (SHUFFLE(x, y, 0, 2, 4, 6) + SHUFFLE(x, y, 1, 3, 5, 7))
 #endif
-
-static inline float bf16_to_f32(uint16_t v) {
-    union { uint32_t u; float f; } x;
-    x.u = ((uint32_t)v) << 16;
-    return x.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    /* Round to nearest even, as torch rounds float -> bfloat16 (NaN stays NaN). */
-    union { uint32_t u; float f; } x;
-    x.f = f;
-    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40);
-    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
-}
 
 /* f32_to_bf16 on every lane, the result in the low 16 bits. */
 ALWAYS_INLINE vu vf_to_bf16(vf f) {

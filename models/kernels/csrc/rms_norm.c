@@ -13,25 +13,12 @@
  * Row strides are in elements; each row is contiguous.
  */
 #include <math.h>
+#include "bf16.h"
 #include "parallel.h"
 #include <stdint.h>
 
 #define MAX_WIDTH 16384
 #define ROWS_PER_CHUNK 8
-
-static inline float bf16_to_f32(uint16_t v) {
-    union { uint32_t u; float f; } x;
-    x.u = ((uint32_t)v) << 16;
-    return x.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    /* Round to nearest even, as torch rounds float -> bfloat16 (NaN stays NaN). */
-    union { uint32_t u; float f; } x;
-    x.f = f;
-    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40);
-    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
-}
 
 typedef struct {
     int is_bf16;

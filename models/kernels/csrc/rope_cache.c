@@ -17,26 +17,11 @@
  * each product and the sum rounded to the dtype, as torch's separate ops
  * round them. Tokens are independent; many are split over `threads` threads (see parallel.h).
  */
+#include "bf16.h"
 #include "parallel.h"
 #include <stdint.h>
 
 #define TOKENS_PER_CHUNK 16
-
-static inline float bf16_to_f32(uint16_t v) {
-    union { uint32_t u; float f; } x;
-    x.u = ((uint32_t)v) << 16;
-    return x.f;
-}
-
-/* Round to nearest even, as torch rounds float -> bfloat16 (NaN stays NaN);
- * branch-free so the loops below vectorize. */
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } x;
-    x.f = f;
-    const uint32_t rounded = (x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16;
-    const uint32_t quiet = (x.u >> 16) | 0x40u;
-    return (uint16_t)((x.u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
-}
 
 static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
 
