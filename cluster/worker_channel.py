@@ -68,6 +68,7 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.worker_socket import StreamBrokenError, open_worker_socket
+from engine.cancellation import stop_if_cancelled
 from engine.errors import RequestFailedError
 from engine.event_stream import EventDemux, StreamOpened, read_stream
 from engine.messages import EventItem, GenerationRequest, SubmitReceipt, TokenEvent
@@ -177,7 +178,8 @@ class WorkerChannel:
         if self._opened is not None and self._opened.done():
             return
         try:
-            await asyncio.wait_for(asyncio.shield(self._opening()), _OPEN_WAIT_S)
+            async with asyncio.timeout(_OPEN_WAIT_S):
+                await asyncio.shield(self._opening())
         except TimeoutError:
             last = f" (the last one broke: {self._last_break})" if self._last_break else ""
             raise StreamBrokenError(
@@ -324,6 +326,7 @@ class WorkerChannel:
             if len(self._demux):
                 logger.warning("event stream of %s broke: %s", self.name, error)
             self._broke(opened, error)
+            stop_if_cancelled()
             await asyncio.sleep(_REOPEN_DELAY_S)
 
     def _lost_receipt(self, error: BaseException) -> None:

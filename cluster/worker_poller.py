@@ -27,6 +27,7 @@ from typing import Any
 
 from cluster.metrics import ServingMetrics
 from cluster.policies import WorkerState
+from engine.cancellation import stop_if_cancelled
 from engine.messages import WorkerReport
 
 logger = logging.getLogger(__name__)
@@ -92,12 +93,14 @@ class WorkerPoller:
     async def _poll_forever(self) -> None:
         while True:
             await asyncio.gather(*(self._poll(e) for e in self._workers()))
+            stop_if_cancelled()
             await asyncio.sleep(POLL_INTERVAL_S)
 
     async def _poll(self, endpoint: WorkerEndpoint) -> None:
         self._answered.setdefault(endpoint.name, time.monotonic())
         try:
-            report = await asyncio.wait_for(endpoint.actor.report.remote(), POLL_TIMEOUT_S)
+            async with asyncio.timeout(POLL_TIMEOUT_S):
+                report = await endpoint.actor.report.remote()
         except Exception as exc:
             if endpoint.state.healthy:
                 reason = (

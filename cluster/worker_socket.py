@@ -52,7 +52,8 @@ class WorkerSocket:
                 break
             yield item
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self.watch), _DEATH_NEWS_S)  # raises a death
+            async with asyncio.timeout(_DEATH_NEWS_S):
+                await asyncio.shield(self.watch)  # raises a death
         raise StreamBrokenError(f"the socket of {self.offer.host}:{self.offer.port} closed")
 
 

@@ -119,7 +119,8 @@ class EventListener:
 
     async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            ticket = await asyncio.wait_for(reader.readexactly(TICKET_BYTES), TICKET_TIMEOUT_S)
+            async with asyncio.timeout(TICKET_TIMEOUT_S):
+                ticket = await reader.readexactly(TICKET_BYTES)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             ticket = b""
         connected = self._waiting.pop(ticket, None)
@@ -142,7 +143,8 @@ async def taken_up(connected: asyncio.Future[Connection]) -> Connection | None:
     """The connection that took an offer up, or None when none came within
     `OFFER_TIMEOUT_S`."""
     try:
-        return await asyncio.wait_for(connected, OFFER_TIMEOUT_S)
+        async with asyncio.timeout(OFFER_TIMEOUT_S):
+            return await connected
     except TimeoutError:
         return None
 

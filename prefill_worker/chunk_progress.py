@@ -91,7 +91,8 @@ class ChunkProgress:
             if left <= 0:
                 break
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(progress.changed.wait(), left)
+                async with asyncio.timeout(left):
+                    await progress.changed.wait()
         return progress
 
     def on_step(self, prefilling: Sequence[Request], preempted: Sequence[Request]) -> list[str]:

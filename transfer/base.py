@@ -32,6 +32,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, ClassVar
 
+from engine.cancellation import current_task_cancelling
 from kvcache.layout import LayoutSignature, RequestRegions
 from transfer.errors import LayoutMismatch, TransferAborted, TransferTimeout, UnknownRequest
 from transfer.handle import TransferHandle
@@ -205,7 +206,7 @@ class Transceiver(ABC):
             self._notify_aborts(handles)
             raise TransferTimeout(rid, handle.peer, timeout_s) from None
         except asyncio.CancelledError:
-            if task.cancelled() and not _current_task_cancelling():
+            if task.cancelled() and not current_task_cancelling():
                 self._notify_aborts(handles)
                 raise TransferAborted(rid, "aborted on the generation side") from None
             task.cancel()
@@ -269,9 +270,3 @@ class Transceiver(ABC):
     @staticmethod
     def new_transfer_id() -> str:
         return uuid.uuid4().hex
-
-
-def _current_task_cancelling() -> bool:
-    """True if the *caller* of `pull` is being cancelled (not just the inner pull)."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0

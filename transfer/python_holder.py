@@ -64,7 +64,8 @@ class PythonHolder:
     async def serve(self, conn: Connection) -> None:
         """One authenticated connection; serves requests until the peer hangs up."""
         try:
-            await asyncio.wait_for(server_handshake(conn, self._secret), HANDSHAKE_TIMEOUT_S)
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                await server_handshake(conn, self._secret)
             while True:
                 try:
                     request = await recv_header(conn, self._max_header)

@@ -464,3 +464,37 @@ async def test_a_socket_that_breaks_before_the_receipt_fails_the_burst_and_abort
         await channel.stop()
     with pytest.raises(StreamBrokenError, match="stopped reading"):
         await second
+
+
+async def test_stop_ends_the_reader_even_when_a_stream_swallows_the_cancel() -> None:
+    """A stream whose code eats the stop's `CancelledError` and ends (as
+    Python 3.11's `wait_for` can when its future finishes as the cancel
+    arrives) must not leave the reader reopening streams forever."""
+    opened = 0
+
+    async def swallowing(actor: Any) -> AsyncGenerator[Any, None]:
+        nonlocal opened
+        opened += 1
+        yield StreamOpened("inc-1")
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            return  # swallowed: the stream just ends
+
+    channel = WorkerChannel("generation-0", _Worker("inc-1"), open_stream=swallowing)
+    channel._start()
+    reader = channel._reader
+    assert reader is not None
+    async with asyncio.timeout(5):
+        while opened == 0:
+            await asyncio.sleep(0.01)
+    stopping = asyncio.ensure_future(channel.stop())
+    done, _ = await asyncio.wait({stopping}, timeout=5)
+    if not done:  # the reader reopens every 0.2 s: end it by force, then fail
+        while not reader.done():
+            reader.cancel()
+            await asyncio.sleep(0.05)
+        await stopping
+        pytest.fail("stop() did not end the reader: it reopened after a swallowed cancel")
+    await asyncio.sleep(0.5)
+    assert opened == 1
