@@ -189,7 +189,7 @@ def paged_prefill_attention_if_supported(
     if q.stride(2) != 1 or q.stride(1) != dim:
         q = q.contiguous()
     kv_strides = key_cache.stride()
-    lens = chunks.seq_lens
+    seq_lens = chunks.seq_lens
     status = kernel(
         _DTYPES[q.dtype],
         q.data_ptr(),
@@ -203,10 +203,10 @@ def paged_prefill_attention_if_supported(
         chunks.block_tables.stride(0),
         chunks.starts.data_ptr(),
         chunks.lens.data_ptr(),
-        lens.data_ptr(),
+        seq_lens.data_ptr(),
         out.data_ptr(),
         out.stride(0),
-        lens.shape[0],
+        seq_lens.shape[0],
         q.shape[1],
         key_cache.shape[2],
         dim,

@@ -168,11 +168,7 @@ def _tiled_prompts_on_cpu(
         q, key_cache, value_cache, chunks, out, scale, sliding_window
     ):
         return None
-    decodes = batch.decode_rows
-    if decodes is not None:
-        out[decodes.token_rows] = _batched_decode(
-            q[decodes.token_rows], layer_cache, decodes, batch.block_size, scale, sliding_window
-        )
+    _decode_tokens_into(out, q, layer_cache, batch, scale, sliding_window)
     return out
 
 
@@ -265,6 +261,23 @@ def _batched_decode(
     return out.reshape(num_seqs, num_heads, head_dim)
 
 
+def _decode_tokens_into(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    layer_cache: AttentionLayerCache,
+    batch: ForwardBatch,
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    """The single-token sequences of a step with prompt chunks (decodes
+    continuing beside them), in one batched decode call, into their rows of `out`."""
+    decodes = batch.decode_rows
+    if decodes is not None:
+        out[decodes.token_rows] = _batched_decode(
+            q[decodes.token_rows], layer_cache, decodes, batch.block_size, scale, sliding_window
+        )
+
+
 def gather_kv(
     layer_cache: AttentionLayerCache, block_table: torch.Tensor, num_tokens: int, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -327,11 +340,7 @@ def _chunked_prefill_attention(
     batched decode call; each prompt chunk on its own, over its own new K/V
     (`k`, `v`) when it starts the prompt, else over the cache."""
     out = torch.empty_like(q)
-    decodes = batch.decode_rows
-    if decodes is not None:
-        out[decodes.token_rows] = _batched_decode(
-            q[decodes.token_rows], layer_cache, decodes, batch.block_size, scale, sliding_window
-        )
+    _decode_tokens_into(out, q, layer_cache, batch, scale, sliding_window)
     # Host copies of the counts: slicing by them reads nothing back from the device.
     starts, context_lens = batch.shape.query_start_loc, batch.shape.context_lens
     seq_lens = batch.shape.seq_lens

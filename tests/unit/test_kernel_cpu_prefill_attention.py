@@ -95,7 +95,13 @@ def _per_token_reference(
     )
 
 
-def _run(q, key_cache, value_cache, chunks, window=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _run(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    chunks: ChunkRows,
+    window: int | None = None,
+) -> torch.Tensor:
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)
     scale = q.shape[2] ** -0.5
     served = cpu_attention.paged_prefill_attention_if_supported(
