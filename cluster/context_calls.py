@@ -23,13 +23,13 @@ once, and the calls keep going through Ray.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
 from typing import Any
 
 from cluster.worker_socket import StreamBrokenError, WorkerSocket, open_worker_socket
+from engine.cancellation import cancel_and_wait
 from engine.messages import ContextRequest, ContextResult
 
 logger = logging.getLogger(__name__)
@@ -70,12 +70,11 @@ class ContextCalls:
 
     async def stop(self) -> None:
         """Close the socket; calls waiting on it get `StreamBrokenError`."""
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
-        self._next_open = float("inf")
-        self._fail(StreamBrokenError(f"the router stopped calling {self.name}"))
+        try:
+            await cancel_and_wait(self._reader)
+        finally:
+            self._next_open = float("inf")
+            self._fail(StreamBrokenError(f"the router stopped calling {self.name}"))
 
     def _open_soon(self) -> None:
         if self._reader is None and time.monotonic() >= self._next_open:

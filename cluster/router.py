@@ -56,6 +56,7 @@ from cluster.metrics import ServingMetrics
 from cluster.worker_channel import WorkerChannel
 from cluster.worker_poller import UnresponsiveWorkerError, WorkerEndpoint, WorkerPoller
 from cluster.worker_pool import WorkerPool, abort_everywhere, dispatch_failed
+from engine.cancellation import stop_each
 from engine.errors import RequestFailedError
 from engine.messages import (
     ContextRequest,
@@ -120,11 +121,12 @@ class Router:
         self._poller.start()
 
     async def stop(self) -> None:
-        await self._poller.stop()
-        for channel in self._channels.values():
-            await channel.stop()
-        for calls in self._context_calls.values():
-            await calls.stop()
+        """Stop polling and every worker's stream and calls (`stop_each`)."""
+        await stop_each(
+            self._poller.stop,
+            *(channel.stop for channel in self._channels.values()),
+            *(calls.stop for calls in self._context_calls.values()),
+        )
 
     def _stalled(self, endpoint: WorkerEndpoint, stalled_s: float, how: str) -> None:
         """A worker missed a poll or is inside a step (`how`, the poller's

@@ -33,6 +33,7 @@ from cluster.request_prep import ServedModel
 from cluster.router import Router, RoutingSettings
 from cluster.server import ServerLimits, build_app
 from cluster.worker_poller import WorkerEndpoint
+from engine.cancellation import cancel_and_wait
 from engine.startup_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
@@ -97,9 +98,7 @@ class ServingCluster:
         await asyncio.wait([launching, stopping], return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
         if not launching.done():  # a signal arrived while starting: clean up, leave
-            launching.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await launching
+            await cancel_and_wait(launching)
             raise KeyboardInterrupt("interrupted while starting the workers")
         return launching.result()
 

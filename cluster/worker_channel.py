@@ -68,7 +68,7 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.worker_socket import StreamBrokenError, open_worker_socket
-from engine.cancellation import stop_if_cancelled
+from engine.cancellation import cancel_and_wait, stop_if_cancelled
 from engine.errors import RequestFailedError
 from engine.event_stream import EventDemux, StreamOpened, read_stream
 from engine.messages import EventItem, GenerationRequest, SubmitReceipt, TokenEvent
@@ -278,16 +278,14 @@ class WorkerChannel:
     async def stop(self) -> None:
         """Stop reading and sending; requests still open here, sent or not,
         get `StreamBrokenError`."""
-        for task in (self._reader, self._sender):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        self._reader = self._sender = None
-        self._send_on_stream = None
-        stopped = self._stopped()
-        self._closed(stopped)
-        self._demux.fail_all(stopped)
+        try:
+            await cancel_and_wait(self._reader, self._sender)
+        finally:
+            self._reader = self._sender = None
+            self._send_on_stream = None
+            stopped = self._stopped()
+            self._closed(stopped)
+            self._demux.fail_all(stopped)
 
     def _stopped(self) -> StreamBrokenError:
         return StreamBrokenError(f"the router stopped reading {self.name}")

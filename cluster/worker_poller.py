@@ -18,7 +18,6 @@ requests elsewhere after `router.stall_timeout_s`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -27,7 +26,7 @@ from typing import Any
 
 from cluster.metrics import ServingMetrics
 from cluster.policies import WorkerState
-from engine.cancellation import stop_if_cancelled
+from engine.cancellation import cancel_and_wait, stop_if_cancelled
 from engine.messages import WorkerReport
 
 logger = logging.getLogger(__name__)
@@ -84,10 +83,9 @@ class WorkerPoller:
             self._task = asyncio.get_running_loop().create_task(self._poll_forever())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        try:
+            await cancel_and_wait(self._task)
+        finally:
             self._task = None
 
     async def _poll_forever(self) -> None:

@@ -21,7 +21,6 @@ never one call per token.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
 
+from engine.cancellation import wait_ended
 from engine.core import EngineCore, StepResult
 from engine.messages import EventItem, TokenEvent
 from engine.request import Request
@@ -112,12 +112,20 @@ class EngineLoop:
             return
         self._stopping = True
         self._wake.set()
-        with contextlib.suppress(asyncio.CancelledError):
-            # A loop that died raised here once already (logged, streams failed).
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._task = None
-        self._apply_pending()
-        self._fail_open_streams(_SHUTTING_DOWN)
+        task = self._task
+        try:
+            try:
+                await asyncio.wait([task])
+            except asyncio.CancelledError:
+                task.cancel()  # the caller stopped waiting for the step boundary
+                await wait_ended(task)
+                raise
+        finally:
+            if task.done() and not task.cancelled():
+                task.exception()  # a loop that died was logged and failed its streams
+            self._task = None
+            self._apply_pending()
+            self._fail_open_streams(_SHUTTING_DOWN)
 
     @property
     def step_in_flight_s(self) -> float:

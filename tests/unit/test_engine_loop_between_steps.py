@@ -1,8 +1,9 @@
 """Calls between steps: a cancelled `run_between_steps` waiter never breaks the
 loop, `submit`'s `prepare` runs in the gap that admits the request, a loop
 that died answers calls instead of queueing them for ever, and a stopped one
-ends a new request at once; the loop's stats count the steps and the time
-they took."""
+ends a new request at once (also when the stop's caller gave up waiting for
+a step that hangs); the loop's stats count the steps and the time they
+took."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import asyncio
 import threading
 import time
 from typing import Any
+
+import pytest
 
 from engine.loop import EngineLoop
 from engine.messages import TokenEvent
@@ -163,3 +166,29 @@ async def test_a_loop_that_died_answers_calls_and_takes_no_new_request() -> None
     assert len(events) == 1
     assert await asyncio.wait_for(loop.run_between_steps(lambda: 7), 5.0) == 7
     await loop.stop()
+
+
+async def test_a_stop_given_up_on_during_a_hung_step_still_stops_and_raises_the_cancel() -> None:
+    release = threading.Event()
+    ran: list[str] = []
+    core: Any = ScriptedCore([lambda: release.wait(10)])
+    core.free_cache = ran.append
+    loop = EngineLoop(core)
+    events: list[TokenEvent] = []
+    loop.on_events = events.extend
+    loop.start()
+    try:
+        while loop.step_in_flight_s == 0:
+            await asyncio.sleep(0.01)
+        stopping = asyncio.get_running_loop().create_task(loop.stop())
+        await asyncio.sleep(0.05)
+        assert not stopping.done()  # a stop waits for the step boundary
+        stopping.cancel()
+        async with asyncio.timeout(5):
+            with pytest.raises(asyncio.CancelledError):
+                await stopping
+        loop.submit(Request("late", [1, 2], SamplingParams(max_tokens=4)), prefilled=True)
+        assert ran == ["late"]
+        assert [(e.request_id, e.finish_reason) for e in events] == [("late", "error")]
+    finally:
+        release.set()

@@ -97,3 +97,32 @@ async def test_a_worker_whose_step_hangs_is_unhealthy_and_reported_while_it_answ
         assert endpoint.state.healthy and stalled == []
     finally:
         await poller.stop()
+
+
+async def test_a_stop_cancelled_midway_still_ends_polling_and_passes_the_cancel_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(worker_poller, "POLL_INTERVAL_S", 0.01)
+    actor = _Actor("w0")
+    polls = 0
+    answer = actor.remote
+
+    def counted() -> asyncio.Future[WorkerReport]:
+        nonlocal polls
+        polls += 1
+        return answer()
+
+    actor.remote = counted  # type: ignore[method-assign]
+    endpoint = WorkerEndpoint(actor.name, actor, WorkerState(actor.name))
+    poller = WorkerPoller(lambda: [endpoint], ServingMetrics(), lambda *_: None)
+    poller.start()
+    await asyncio.sleep(0.05)
+    stopping = asyncio.get_running_loop().create_task(poller.stop())
+    await asyncio.sleep(0)  # the stop waits for the polling task to end
+    stopping.cancel()
+    async with asyncio.timeout(5):
+        with pytest.raises(asyncio.CancelledError):
+            await stopping
+    seen = polls
+    await asyncio.sleep(0.05)
+    assert seen > 0 and polls == seen
