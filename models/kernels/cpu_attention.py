@@ -29,13 +29,20 @@ from models.kernels.paged_attention import check_decode_inputs
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # Fixed-size buffers in the kernel (query heads per kv head, head dim).
 _MAX_GROUP, _MAX_DIM = 64, 512
-# Multiply-adds (keys x heads x dim) per thread a call needs before it uses
-# another. The threads are the OpenMP team torch already runs (a few us to
-# wake), and 2^19 multiply-adds take ~30 us on one thread. Measured (bf16,
-# batch 32, dim 64, a GEMM between calls as in a step; wall, min of 10x100):
-# 64 keys (2^20) 1 and 2 threads equal, 96 keys 22 us faster on 2, 128 keys
-# 30 us, 256 keys 90 us.
+# Multiply-adds (keys x heads x dim) per thread a prefill call needs before
+# it uses another. The threads are the OpenMP team torch already runs (a few
+# us to wake), and 2^19 multiply-adds take ~30 us on one thread.
 _PARALLEL_WORK = 1 << 19
+# Bytes of keys and values per thread a decode call reads: it streams them
+# from memory (a step's other layers and products pass between two reads of
+# a layer's cache), so its threads follow the bytes. Measured in SmolLM2
+# decode steps (fp32, 3 kv heads, dim 64, ~280 keys per sequence, 2 threads;
+# us per call in the model): 4 sequences (1.7 MB) 210 on one thread and 165
+# on two (the step 45.2 -> 42.6 ms); 3 sequences (1.3 MB) 164 and 157-160,
+# 2 (0.9 MB) 124 and 125-134, 1 (0.4 MB) 78 and 101. In bf16 at batch 32
+# (2 kv heads, dim 64): 1.0 MB equal on 1 and 2 threads, 1.6 MB 22 us
+# faster on 2.
+_DECODE_BYTES_PER_THREAD = 3 << 19
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -142,7 +149,7 @@ def paged_attention_decode_if_supported(
         key_cache.shape[1],
         sliding_window or 0,
         scale,
-        _threads(lens, heads * dim),
+        _decode_threads(lens, key_cache),
     )
     if status != 0:
         raise CpuKernelError(
@@ -152,15 +159,19 @@ def paged_attention_decode_if_supported(
     return out
 
 
-def _threads(lens: torch.Tensor, work_per_key: int) -> int:
-    """Up to torch's thread count, one per `_PARALLEL_WORK` multiply-adds."""
-    if torch.get_num_threads() == 1:
+def _decode_threads(lens: torch.Tensor, key_cache: torch.Tensor) -> int:
+    """Up to torch's thread count, one per `_DECODE_BYTES_PER_THREAD` (or
+    part of it) of keys and values the call reads."""
+    threads = torch.get_num_threads()
+    if threads == 1:
         return 1
-    return _threads_for(int(lens.sum()) * work_per_key)
+    kv_heads, dim = key_cache.shape[2], key_cache.shape[3]
+    read = int(lens.sum()) * kv_heads * dim * 2 * key_cache.element_size()
+    return max(1, min(threads, -(-read // max(_DECODE_BYTES_PER_THREAD, 1))))
 
 
 def _threads_for(work: int) -> int:
-    """Up to torch's thread count, one per `_PARALLEL_WORK` of `work` multiply-adds."""
+    """Up to torch's thread count, one per `_PARALLEL_WORK` of `work` multiply-adds (prefill)."""
     return max(1, min(torch.get_num_threads(), work // max(_PARALLEL_WORK, 1)))
 
 

@@ -76,7 +76,7 @@ def test_matches_reference(
     q, key_cache, value_cache, tables, seq_lens = _inputs(case, layout, dtype)
     assert supported(q, key_cache, value_cache)
     # Work above the threshold runs on torch's thread count: force both paths.
-    monkeypatch.setattr(cpu_attention, "_PARALLEL_WORK", 0 if threads > 1 else 1 << 60)
+    monkeypatch.setattr(cpu_attention, "_DECODE_BYTES_PER_THREAD", 1 if threads > 1 else 1 << 60)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     scale = case.head_dim**-0.5
     got = paged_attention_decode_cpu(q, key_cache, value_cache, tables, seq_lens, scale)
@@ -114,7 +114,7 @@ def test_a_build_without_openmp_splits_work_over_its_own_threads(
     monkeypatch.setattr(cpu_build, "_loaded", {})
     monkeypatch.setattr(cpu_attention._KERNEL, "_fn", None)
     monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(cpu_attention, "_PARALLEL_WORK", 1)
+    monkeypatch.setattr(cpu_attention, "_DECODE_BYTES_PER_THREAD", 1)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     lib = cpu_build.load("decode_attention")
     assert lib is not None and Path(lib._name).parent == tmp_path
@@ -126,15 +126,24 @@ def test_a_build_without_openmp_splits_work_over_its_own_threads(
         torch.testing.assert_close(got.float(), want.float(), **TOLERANCES[dtype])
 
 
-def test_threads_grow_with_the_work(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_threads_follow_the_bytes_of_keys_and_values_read(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
-    per_thread = cpu_attention._PARALLEL_WORK
-    heads_x_dim = 8 * 64
-    for keys, threads in [(100, 1), (2 * per_thread // heads_x_dim, 2), (1 << 30, 4)]:
-        lens = torch.tensor([keys // 2, keys - keys // 2])
-        assert cpu_attention._threads(lens, heads_x_dim) == threads
+    per_thread = cpu_attention._DECODE_BYTES_PER_THREAD
+    kv_heads, dim = 2, 64
+    for dtype in (torch.float32, torch.bfloat16):
+        cache = torch.empty(1, 16, kv_heads, dim, dtype=dtype)
+        per_key = kv_heads * dim * 2 * cache.element_size()  # a key and a value row
+        for keys, threads in [
+            (1, 1),
+            (per_thread // per_key, 1),
+            (per_thread // per_key + 1, 2),
+            (2 * per_thread // per_key + 1, 3),
+            (1 << 30, 4),
+        ]:
+            lens = torch.tensor([keys // 2, keys - keys // 2])
+            assert cpu_attention._decode_threads(lens, cache) == threads, (dtype, keys)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    assert cpu_attention._threads(torch.tensor([1 << 30]), heads_x_dim) == 1
+    assert cpu_attention._decode_threads(torch.tensor([1 << 30]), cache) == 1
 
 
 def test_sliding_window_attends_to_the_last_keys_only() -> None:
