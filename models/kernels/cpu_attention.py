@@ -37,8 +37,8 @@ _PARALLEL_WORK = 1 << 19
 # from memory (a step's other layers and products pass between two reads of
 # a layer's cache), so its threads follow the bytes. Measured in SmolLM2
 # decode steps (fp32, 3 kv heads, dim 64, ~280 keys per sequence, 2 threads;
-# us per call in the model): 4 sequences (1.7 MB) 210 on one thread and 165
-# on two (the step 45.2 -> 42.6 ms); 3 sequences (1.3 MB) 164 and 157-160,
+# us per call in the model): 4 sequences (1.7 MB) 210 on one thread and
+# 161-173 on two (the step 44.1 -> 41.9 ms); 3 sequences (1.3 MB) 164 and 157-160,
 # 2 (0.9 MB) 124 and 125-134, 1 (0.4 MB) 78 and 101. In bf16 at batch 32
 # (2 kv heads, dim 64): 1.0 MB equal on 1 and 2 threads, 1.6 MB 22 us
 # faster on 2.
@@ -149,7 +149,7 @@ def paged_attention_decode_if_supported(
         key_cache.shape[1],
         sliding_window or 0,
         scale,
-        _decode_threads(lens, key_cache),
+        _decode_threads(lens, key_cache, sliding_window),
     )
     if status != 0:
         raise CpuKernelError(
@@ -159,14 +159,17 @@ def paged_attention_decode_if_supported(
     return out
 
 
-def _decode_threads(lens: torch.Tensor, key_cache: torch.Tensor) -> int:
+def _decode_threads(
+    lens: torch.Tensor, key_cache: torch.Tensor, sliding_window: int | None = None
+) -> int:
     """Up to torch's thread count, one per `_DECODE_BYTES_PER_THREAD` (or
-    part of it) of keys and values the call reads."""
+    part of it) of keys and values the call reads (a window's keys only)."""
     threads = torch.get_num_threads()
     if threads == 1:
         return 1
+    keys = lens.clamp(max=sliding_window) if sliding_window else lens
     kv_heads, dim = key_cache.shape[2], key_cache.shape[3]
-    read = int(lens.sum()) * kv_heads * dim * 2 * key_cache.element_size()
+    read = int(keys.sum()) * kv_heads * dim * 2 * key_cache.element_size()
     return max(1, min(threads, -(-read // max(_DECODE_BYTES_PER_THREAD, 1))))
 
 

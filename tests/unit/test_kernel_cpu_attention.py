@@ -142,6 +142,11 @@ def test_threads_follow_the_bytes_of_keys_and_values_read(monkeypatch: pytest.Mo
         ]:
             lens = torch.tensor([keys // 2, keys - keys // 2])
             assert cpu_attention._decode_threads(lens, cache) == threads, (dtype, keys)
+    # With a sliding window only the window's keys are read.
+    window = per_thread // per_key // 4
+    lens = torch.tensor([1 << 20] * 4)
+    assert cpu_attention._decode_threads(lens, cache, window) == 1
+    assert cpu_attention._decode_threads(lens, cache, window + 1) == 2
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert cpu_attention._decode_threads(torch.tensor([1 << 30]), cache) == 1
 
