@@ -362,7 +362,8 @@ async def _ray_call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
 
 async def _within(work: Awaitable[T], timeout_s: float, what: str, plan: ClusterPlan) -> T:
     try:
-        return await asyncio.wait_for(work, timeout_s)
+        async with asyncio.timeout(timeout_s):
+            return await work
     except TimeoutError:
         names = ", ".join(i.name for i in plan.instances)
         raise LaunchError(
