@@ -153,8 +153,10 @@ class EngineCore:
     def update(self, plan: StepPlan, runner_out: RunnerOutput) -> StepResult:
         """Apply the sampled tokens: advance, stop and free finished requests."""
         sched, result = plan.sched, plan.result
-        result.timings = runner_out.timings
+        timings = result.timings = runner_out.timings
         self.scheduler.commit(sched)
+        model_s = timings.build_s + timings.forward_s + timings.sample_s
+        self.scheduler.pacing.observe(sched.num_tokens, sched.num_prompt_tokens, model_s)
         self._apply_samples(sched, runner_out.sampled, result)
         result.prefilling = [seq.request for seq in sched.sequences if not seq.samples]
         return result

@@ -10,7 +10,13 @@ import pytest
 
 from engine.multimodal import ImageInput
 from engine.request import FinishReason, Request, RequestStatus
-from engine.scheduler import CapacityError, Scheduler, SchedulerConfig, SchedulerOutput
+from engine.scheduler import (
+    CapacityError,
+    PromptPacing,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from kvcache.factory import create_manager
 from kvcache.manager import KVCacheManager
 from kvcache.spec import CacheSpec
@@ -237,3 +243,58 @@ def test_token_ids_between_slices_prompt_and_output_as_one_sequence() -> None:
     for start in range(6):
         for end in range(start, 6):
             assert req.token_ids_between(start, end) == whole[start:end]
+
+
+# ---- prompt pacing ----------------------------------------------------------
+
+
+def test_pacing_has_no_limit_until_a_prompt_step_was_observed() -> None:
+    pacing = PromptPacing(target_s=0.1)
+    assert pacing.admits(256, 256)
+    pacing.observe(num_tokens=63, prompt_tokens=63, seconds=1.0)  # too few prompt tokens
+    pacing.observe(num_tokens=200, prompt_tokens=80, seconds=1.0)  # mostly decodes
+    assert pacing.seconds_per_token is None
+    pacing.observe(num_tokens=100, prompt_tokens=64, seconds=0.1)
+    assert pacing.seconds_per_token == pytest.approx(1e-3)
+
+
+def test_pacing_admits_another_prompt_only_within_the_target() -> None:
+    pacing = PromptPacing(target_s=0.1)
+    pacing.observe(num_tokens=256, prompt_tokens=256, seconds=0.256)  # 1 ms a token
+    assert pacing.admits(0, 512)  # a step's first prompt always goes in
+    assert pacing.admits(60, 40)
+    assert not pacing.admits(60, 41)
+    # The estimate follows later steps.
+    for _ in range(40):
+        pacing.observe(num_tokens=1000, prompt_tokens=1000, seconds=0.01)
+    assert pacing.seconds_per_token == pytest.approx(1e-5, rel=0.01)
+    assert pacing.admits(5000, 4000)
+
+
+def test_a_slow_device_gives_each_prompt_its_own_step() -> None:
+    sched, _ = make(num_blocks=64, max_num_tokens=64)
+    sched.pacing.observe(num_tokens=64, prompt_tokens=64, seconds=0.64)  # 10 ms a token
+    for rid in "abc":
+        sched.add(req(rid, 12))
+    assert plan(run_step(sched)) == [("a", 12, True)]
+    # Decodes still join, and the next prompt takes the step's prompt share.
+    assert plan(run_step(sched)) == [("a", 1, True), ("b", 12, True)]
+    assert plan(run_step(sched)) == [("a", 1, True), ("b", 1, True), ("c", 12, True)]
+
+
+def test_a_fast_device_packs_prompts_into_the_budget() -> None:
+    sched, _ = make(num_blocks=64, max_num_tokens=32)
+    sched.pacing.observe(num_tokens=64, prompt_tokens=64, seconds=64e-6)  # 1 us a token
+    for rid in "abc":
+        sched.add(req(rid, 12))
+    assert plan(run_step(sched)) == [("a", 12, True), ("b", 12, True), ("c", 8, False)]
+
+
+def test_a_chunked_prompt_in_flight_counts_toward_the_step() -> None:
+    sched, _ = make(num_blocks=64, max_num_tokens=16)
+    sched.add(req("long", 24))
+    sched.add(req("short", 4))
+    assert plan(run_step(sched)) == [("long", 16, False)]
+    sched.pacing.observe(num_tokens=64, prompt_tokens=64, seconds=0.64)  # 10 ms a token
+    assert plan(run_step(sched)) == [("long", 8, True)]
+    assert plan(run_step(sched)) == [("long", 1, True), ("short", 4, True)]
