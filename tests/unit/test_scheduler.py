@@ -11,6 +11,7 @@ import pytest
 from engine.multimodal import ImageInput
 from engine.request import FinishReason, Request, RequestStatus
 from engine.scheduler import (
+    PACED_BACKLOG,
     CapacityError,
     PromptPacing,
     Scheduler,
@@ -280,6 +281,19 @@ def test_a_slow_device_gives_each_prompt_its_own_step() -> None:
     # Decodes still join, and the next prompt takes the step's prompt share.
     assert plan(run_step(sched)) == [("a", 1, True), ("b", 12, True)]
     assert plan(run_step(sched)) == [("a", 1, True), ("b", 1, True), ("c", 12, True)]
+
+
+def test_a_backlog_packs_prompts_into_the_budget_again() -> None:
+    sched, _ = make(num_blocks=256, max_num_tokens=48, max_batch_size=16)
+    sched.pacing.observe(num_tokens=64, prompt_tokens=64, seconds=0.64)  # 10 ms a token
+    names = [f"r{i}" for i in range(PACED_BACKLOG + 3)]
+    for rid in names:
+        sched.add(req(rid, 12))
+    # The step packs prompts while more than PACED_BACKLOG wait (the budget
+    # would take four), then paces: one prompt a step beside the decodes.
+    assert plan(run_step(sched)) == [(rid, 12, True) for rid in names[:3]]
+    assert len(sched.waiting) == PACED_BACKLOG
+    assert [p for p in plan(run_step(sched)) if p[1] > 1] == [(names[3], 12, True)]
 
 
 def test_a_fast_device_packs_prompts_into_the_budget() -> None:
