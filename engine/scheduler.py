@@ -106,8 +106,9 @@ _PACING_WEIGHT = 0.25
 class PromptPacing:
     """The device's compute time per token, learned from steps that ran, and
     how many prompt tokens a step may therefore take before it stops adding
-    waiting prompts. Until a step of `_MIN_PACED_TOKENS` or more has been
-    observed there is no limit."""
+    waiting prompts. Until a step with `_MIN_PACED_TOKENS` or more prompt
+    tokens, at least half of its tokens, has been observed there is no
+    limit."""
 
     def __init__(self, target_s: float = PROMPT_STEP_TARGET_S) -> None:
         self.target_s = target_s
