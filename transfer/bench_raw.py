@@ -48,6 +48,46 @@ _SIZE = struct.Struct(">Q")
 _PAGE = 4096
 
 
+def serve_raw_tcp(view: memoryview) -> socket.socket:
+    """A loopback listener that answers each request (an 8-byte size) with that
+    many bytes of `view`, on a daemon thread, until it is closed."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # listener closed
+            with conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                while header := conn.recv(_SIZE.size, socket.MSG_WAITALL):
+                    (size,) = _SIZE.unpack(header)
+                    conn.sendall(view[:size])
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener
+
+
+def connect_raw_tcp(endpoint: tuple[str, int]) -> socket.socket:
+    sock = socket.create_connection(endpoint)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def fetch_raw_tcp(sock: socket.socket, view: memoryview) -> tuple[float, float]:
+    """Fill `view` from a `serve_raw_tcp` listener: (seconds, this process's CPU seconds)."""
+    start, cpu = time.perf_counter(), time.process_time()
+    sock.sendall(_SIZE.pack(len(view)))
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("raw TCP server closed early")
+        got += n
+    return time.perf_counter() - start, time.process_time() - cpu
+
+
 class BenchHost(EndpointHost):
     """An endpoint host that can also measure raw transports over its pool memory."""
 
@@ -84,24 +124,8 @@ class BenchHost(EndpointHost):
 
     def raw_tcp_listen(self, name: str) -> tuple[str, int]:
         """Serve `size`-byte requests from the pool buffer on a thread; returns the endpoint."""
-        view = self._scratch(name).numpy().data.cast("B")
-        listener = socket.create_server(("127.0.0.1", 0))
-        self._listener = listener
-
-        def serve() -> None:
-            while True:
-                try:
-                    conn, _ = listener.accept()
-                except OSError:
-                    return  # listener closed
-                with conn:
-                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    while header := conn.recv(_SIZE.size, socket.MSG_WAITALL):
-                        (size,) = _SIZE.unpack(header)
-                        conn.sendall(view[:size])
-
-        threading.Thread(target=serve, daemon=True).start()
-        host, port = listener.getsockname()[:2]
+        self._listener = serve_raw_tcp(self._scratch(name).numpy().data.cast("B"))
+        host, port = self._listener.getsockname()[:2]
         return host, port
 
     def raw_tcp_fetch(
@@ -113,21 +137,9 @@ class BenchHost(EndpointHost):
         # One connection kept across calls, as the transceiver keeps its own.
         sock = self._raw_socks.get(endpoint)
         if sock is None:
-            sock = socket.create_connection(endpoint)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock = connect_raw_tcp(endpoint)
             self._raw_socks[endpoint] = sock
-        times = []
-        for _ in range(reps):
-            start, cpu = time.perf_counter(), time.process_time()
-            sock.sendall(_SIZE.pack(size))
-            got = 0
-            while got < size:
-                n = sock.recv_into(view[got:])
-                if n == 0:
-                    raise ConnectionError("raw TCP server closed early")
-                got += n
-            times.append((time.perf_counter() - start, time.process_time() - cpu))
-        return times
+        return [fetch_raw_tcp(sock, view) for _ in range(reps)]
 
     # ---------------------------------------------------------------- NIXL
 

@@ -13,7 +13,8 @@ Five parts, each a list of rows with an `ok` field:
    device, greedy tokens equal to a CPU fp32 run (`engine_run.py`);
 3. kernels: every Triton kernel against its `_ref` twin (`kernels.py`);
 4. transfer: a cache transfer between two processes through the Python
-   transceiver, exact bytes, GB/s against a raw copy (`transfer_run.py`);
+   transceiver, exact bytes, GB/s against a raw copy and raw loopback TCP
+   (`transfer_run.py`);
 5. throughput: decode tokens/s per batch size on the `small` checkpoint in
    bf16, with the step time split (`throughput.py`).
 

@@ -5,7 +5,10 @@ on the device, fills every KV block and Mamba state segment with seeded
 random bytes, publishes it and waits for the release. This process pulls it
 into its own pool on the device and checks every byte. The pull's GB/s is
 set next to a raw device -> host -> device copy of the same size in this
-process (the least any transfer through host memory costs).
+process (the least any transfer through host memory costs) and to the same
+bytes sent raw over loopback TCP between the two processes, host memory to
+host memory, no framing (the least the Python transceiver's socket costs:
+`transfer.bench_raw`'s raw TCP limit).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from kvcache.layout import Region
 from kvcache.manager import KVCacheManager
 from kvcache.spec import CacheSpec
 from kvcache.tensors import CacheTensors, allocate_cache_tensors
+from transfer.bench_raw import connect_raw_tcp, fetch_raw_tcp, serve_raw_tcp
 from transfer.factory import create_transceiver
 from transfer.handle import TransferHandle
 
@@ -74,6 +78,9 @@ async def _publish_and_wait(pipe: Connection, device: str, num_blocks: int, secr
     xcvr = create_transceiver("python", pool.tensors.buffers(), secret=secret)
     await xcvr.start()
     released: dict[str, asyncio.Event] = {rid: asyncio.Event() for rid in _REQUESTS}
+    # The raw TCP limit's source, served until the holder ends.
+    pool_bytes = sum(t.numel() * t.element_size() for t in pool.tensors.buffers().values())
+    listener = serve_raw_tcp(torch.ones(pool_bytes, dtype=torch.uint8).numpy().data.cast("B"))
     try:
         handles = []
         for rid, blocks in _REQUESTS.items():
@@ -88,18 +95,24 @@ async def _publish_and_wait(pipe: Connection, device: str, num_blocks: int, secr
                 lambda done: released[done].set(),
             )
             handles.append(handle.to_bytes())
-        pipe.send(handles)
+        pipe.send((handles, listener.getsockname()[:2]))
         for event in released.values():
             await asyncio.wait_for(event.wait(), _TIMEOUT_S)
         pipe.send("released")
     finally:
+        listener.close()
         await xcvr.close()
 
 
 async def _pull_all(
-    handles: list[TransferHandle], device: str, num_blocks: int, secret: bytes
+    handles: list[TransferHandle],
+    raw_endpoint: tuple[str, int],
+    device: str,
+    num_blocks: int,
+    secret: bytes,
 ) -> dict[str, Any]:
-    """Pull the one-block request (it opens the connection), then the timed one."""
+    """Pull the one-block request (it opens the connection), then the timed
+    one, after measuring its bytes over raw TCP."""
     pool = _Pool(device, num_blocks + 2)
     xcvr = create_transceiver("python", pool.tensors.buffers(), secret=secret)
     await xcvr.start()
@@ -108,6 +121,9 @@ async def _pull_all(
             rid = handle.request_id
             blocks = _REQUESTS[rid] or num_blocks
             assert pool.manager.allocate_for_transfer(rid, blocks * BLOCK_SIZE)
+            if rid == "r":
+                size = sum(region.length for _, region in pool.segments(rid))
+                tcp = _raw_tcp_gbps(raw_endpoint, size)
             start = time.perf_counter()
             await xcvr.pull(
                 handle, pool.manager.regions(rid), pool.manager.layout_signature(), _TIMEOUT_S
@@ -123,7 +139,7 @@ async def _pull_all(
         num_bytes = sum(region.length for _, region in segments)
     finally:
         await xcvr.close()
-    return {"bytes": num_bytes, "seconds": seconds, "exact": exact}
+    return {"bytes": num_bytes, "seconds": seconds, "exact": exact, "raw_tcp_gb_s": tcp}
 
 
 def _raw_copy_gbps(device: str, num_bytes: int) -> float:
@@ -143,6 +159,14 @@ def _raw_copy_gbps(device: str, num_bytes: int) -> float:
     return num_bytes / best / 1e9
 
 
+def _raw_tcp_gbps(endpoint: tuple[str, int], num_bytes: int) -> float:
+    """GB/s of `num_bytes` sent raw from the holder over loopback TCP (best of 3)."""
+    view = torch.empty(num_bytes, dtype=torch.uint8).numpy().data.cast("B")
+    with connect_raw_tcp(endpoint) as sock:
+        best = min(fetch_raw_tcp(sock, view)[0] for _ in range(3))
+    return num_bytes / best / 1e9
+
+
 def check_transfer(device: str, num_blocks: int) -> dict[str, Any]:
     secret = secrets.token_bytes(16)
     ctx = multiprocessing.get_context("spawn")
@@ -152,8 +176,9 @@ def check_transfer(device: str, num_blocks: int) -> dict[str, Any]:
     try:
         if not ours.poll(_TIMEOUT_S):
             raise TimeoutError(f"the holder process sent no handle within {_TIMEOUT_S:.0f} s")
-        handles = [TransferHandle.from_bytes(data) for data in ours.recv()]
-        result = asyncio.run(_pull_all(handles, device, num_blocks, secret))
+        sent, endpoint = ours.recv()
+        handles = [TransferHandle.from_bytes(data) for data in sent]
+        result = asyncio.run(_pull_all(handles, endpoint, device, num_blocks, secret))
         released = ours.poll(_TIMEOUT_S) and ours.recv() == "released"
     finally:
         holder.join(timeout=30)
@@ -169,5 +194,7 @@ def check_transfer(device: str, num_blocks: int) -> dict[str, Any]:
         "transfer_gb_s": gbps,
         "raw_d2h2d_gb_s": raw,
         "ratio_to_raw": gbps / raw,
+        "raw_tcp_gb_s": result["raw_tcp_gb_s"],
+        "ratio_to_tcp": gbps / result["raw_tcp_gb_s"],
         "ok": result["exact"] and released,
     }
