@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.config import VisionConfig
+from models.layers.attention import sdpa
 
 
 class ClsToken(nn.Module):
@@ -71,7 +72,7 @@ class RadioAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens, hidden = x.shape
         q, k, v = self.qkv(x).view(tokens, 3, self.num_heads, -1).permute(1, 2, 0, 3)
-        out = F.scaled_dot_product_attention(q, k, v)  # bidirectional within the image
+        out = sdpa(q, k, v)  # bidirectional within the image
         return self.proj(out.transpose(0, 1).reshape(tokens, hidden))
 
 
