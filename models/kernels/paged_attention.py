@@ -100,20 +100,22 @@ _MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more to merge than it
 _MAX_SPLITS = 16
 
 
-# The table's row stride (its width) and the keys per split change from step
-# to step; specializing on them (== 1, % 16) would compile new variants
-# after the warm-up.
-@triton.jit(do_not_specialize=["split_tokens", "stride_tb"])
+# The table's row stride (its width), the keys per split and the split count
+# change from step to step (with the batch and the longest context); as
+# constants, or specialized on (== 1, % 16), they would compile a new variant
+# (~0.3 s on an H200) in the middle of serving. Only whether the keys are
+# split at all is a constant: the warm-up compiles both.
+@triton.jit(do_not_specialize=["split_tokens", "num_splits", "stride_tb"])
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
-    scale, split_tokens,
+    scale, split_tokens, num_splits,
     stride_qb, stride_qh, stride_qd,
     stride_kn, stride_ks, stride_kh, stride_kd,
     stride_vn, stride_vs, stride_vh, stride_vd,
     stride_ob, stride_oh, stride_od,
     stride_tb, stride_tc,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    NUM_HEADS: tl.constexpr, SPLIT: tl.constexpr,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
@@ -179,7 +181,7 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         # Empty sequences (padding rows) have l_i == 0: emit zeros, not NaN.
         denom = tl.where(l_i > 0.0, l_i, 1.0)
         o_offs = seq * stride_ob + q_heads[:, None] * stride_oh + d[None, :] * stride_od
@@ -189,26 +191,26 @@ def _paged_decode_kernel(
             mask=g_mask[:, None] & d_mask[None, :],
         )
     else:
-        # Partials [B, NUM_HEADS, NUM_SPLITS] (m, l) and [..., DIM_PAD] (acc), contiguous.
-        row = (seq * NUM_HEADS + q_heads) * NUM_SPLITS + split
+        # Partials [B, NUM_HEADS, num_splits] (m, l) and [..., DIM_PAD] (acc), contiguous.
+        row = (seq * NUM_HEADS + q_heads) * num_splits + split
         tl.store(part_m_ptr + row, m_i, mask=g_mask)
         tl.store(part_l_ptr + row, l_i, mask=g_mask)
         tl.store(part_acc_ptr + row[:, None] * DIM_PAD + d[None, :], acc, mask=g_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _reduce_kernel(
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, num_splits,
     stride_ob, stride_oh, stride_od,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    NUM_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, DIM_PAD)
-    s_mask = s < NUM_SPLITS
-    rows = (seq * NUM_HEADS + head) * NUM_SPLITS + s
+    s_mask = s < num_splits
+    rows = (seq * NUM_HEADS + head) * num_splits + s
     m = tl.load(part_m_ptr + rows, mask=s_mask, other=float("-inf"))
     l = tl.load(part_l_ptr + rows, mask=s_mask, other=0.0)  # noqa: E741
     acc = tl.load(
@@ -280,10 +282,10 @@ def paged_attention_decode(
     _paged_decode_kernel[(batch, kv_heads, splits)](
         q, key_cache, value_cache, result, block_tables, seq_lens,
         part_m, part_l, part_acc,
-        float(scale), split_tokens,
+        float(scale), split_tokens, splits,
         *q.stride(), *key_cache.stride(), *value_cache.stride(), *result.stride(),
         *block_tables.stride(),
-        NUM_HEADS=num_heads, NUM_SPLITS=splits,
+        NUM_HEADS=num_heads, SPLIT=splits > 1,
         GROUP=group, GROUP_PAD=max(_MIN_DOT, triton.next_power_of_2(group)),
         BLOCK_SIZE=block_size, TILE=tile,
         HEAD_DIM=head_dim, DIM_PAD=dim_pad,
@@ -293,10 +295,11 @@ def paged_attention_decode(
     )  # fmt: skip
     if splits > 1:
         _reduce_kernel[(batch, num_heads)](
-            result, part_m, part_l, part_acc,
+            result, part_m, part_l, part_acc, splits,
             *result.stride(),
-            NUM_HEADS=num_heads, NUM_SPLITS=splits,
-            SPLITS_PAD=triton.next_power_of_2(splits),
+            NUM_HEADS=num_heads,
+            # One variant for every split count the chooser makes.
+            SPLITS_PAD=triton.next_power_of_2(max(splits, _MAX_SPLITS)),
             HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         )  # fmt: skip
     return result
