@@ -15,6 +15,12 @@ again to pack on the receiving rank, all before its forward could start.
     packed: | input_ids | positions | query_start_loc | seq_lens | context_lens |
             | slot_mapping | block_tables (rows x width) | mamba_slots |
             | logits_indices | mamba step_rows | step_slots | fresh_slots |
+
+Each list starts at an even index (16 bytes): Triton compiles a kernel per
+alignment of its pointer arguments (16-byte aligned or not), so fields at
+odd offsets, which came and went with the lists' lengths, compiled new
+variants of the decode attention kernel (~0.3 s each on an H200) in the
+middle of serving, after the warm-up had compiled the aligned ones.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from models.batch import ForwardBatch, MambaRows, StepShape
 class HostBatch:
     packed: npt.NDArray[np.int64]  # the lists, one after another (see the module sketch)
     sizes: tuple[int, ...]  # each list's length in `packed`
+    spans: tuple[int, ...]  # each list's room in `packed`: its length rounded up to even
     table_rows: int
     table_width: int
     block_size: int
@@ -69,15 +76,20 @@ class HostBatch:
         before = [input_ids, positions, query_start_loc, seq_lens, context_lens, slot_mapping]
         after = [mamba_slots or [], logits_indices or [], *mamba_lists]
         sizes = (*map(len, before), len(block_tables) * width, *map(len, after))
-        packed = np.empty(sum(sizes), dtype=np.int64)
-        head = sum(sizes[: len(before)])
-        packed[:head] = [v for part in before for v in part]
-        grid = packed[head : head + sizes[len(before)]].reshape(len(block_tables), width)
-        fill_rows(grid, block_tables, pad=0)
-        packed[head + sizes[len(before)] :] = [v for part in after for v in part]
+        spans = tuple(n + (n & 1) for n in sizes)
+        packed = np.zeros(sum(spans), dtype=np.int64)
+        start = 0
+        for part, size, span in zip((*before, None, *after), sizes, spans, strict=True):
+            if part is None:  # the block tables
+                grid = packed[start : start + size].reshape(len(block_tables), width)
+                fill_rows(grid, block_tables, pad=0)
+            elif size:
+                packed[start : start + size] = part
+            start += span
         return cls(
             packed,
             sizes,
+            spans,
             len(block_tables),
             width,
             block_size,
@@ -99,9 +111,12 @@ class HostBatch:
         host = torch.from_numpy(packed)
         if device.type == "cuda":
             host = host.pin_memory()
-        ids, pos, starts, lens, ctx, slots, tables, mamba, logits, *rows = host.to(
-            device, non_blocking=True
-        ).split(list(self.sizes))
+        ids, pos, starts, lens, ctx, slots, tables, mamba, logits, *rows = (
+            span[:size]
+            for span, size in zip(
+                host.to(device, non_blocking=True).split(list(self.spans)), self.sizes, strict=True
+            )
+        )
         return ForwardBatch(
             input_ids=ids,
             positions=pos,

@@ -68,7 +68,7 @@ def test_it_pickles_as_one_buffer_and_builds_the_same_batch_from_read_only_memor
     data = pickle.dumps(host, protocol=5, buffer_callback=buffers.append)
     # Every index travels in one out-of-band buffer, not int by int in the pickle.
     assert len(buffers) == 1
-    assert buffers[0].raw().nbytes == 8 * sum(host.sizes)
+    assert buffers[0].raw().nbytes == 8 * sum(host.spans)
     # As Ray hands an argument's buffer to the receiving rank: read-only.
     received = pickle.loads(data, buffers=[bytes(b.raw()) for b in buffers])
     assert not received.packed.flags.writeable
@@ -78,3 +78,38 @@ def test_it_pickles_as_one_buffer_and_builds_the_same_batch_from_read_only_memor
     for name in ("input_ids", "positions", "block_tables", "slot_mapping", "logits_indices"):
         assert torch.equal(getattr(mine, name), getattr(theirs, name)), name
     assert theirs.shape == mine.shape
+
+
+def test_every_list_starts_16_bytes_aligned_whatever_the_lengths_before_it() -> None:
+    # Odd lengths everywhere: one decode token and a 5-token chunk, a 3-wide table.
+    lists = {
+        "input_ids": [11, 12, 13, 14, 15, 21],
+        "positions": [0, 1, 2, 3, 4, 40],
+        "query_start_loc": [0, 5, 6],
+        "seq_lens": [5, 41],
+        "context_lens": [0, 40],
+        "block_tables": [[7], [2, 9, 4]],
+        "slot_mapping": [28, 29, 30, 31, 32, 64],
+        "block_size": 16,
+        "mamba_slots": [5, 6],
+        "logits_indices": [4, 5],
+    }
+    for cut in range(3):  # shift every later list by one element at a time
+        shifted = {**lists, "input_ids": lists["input_ids"][cut:]}
+        batch = HostBatch.pack(**shifted).to_device(CPU)  # type: ignore[arg-type]
+        rows = batch.mamba_rows
+        assert rows is not None and batch.mamba_slots is not None
+        fields = {
+            "positions": batch.positions,
+            "query_start_loc": batch.query_start_loc,
+            "seq_lens": batch.seq_lens,
+            "context_lens": batch.context_lens,
+            "slot_mapping": batch.slot_mapping,
+            "block_tables": batch.block_tables,
+            "mamba_slots": batch.mamba_slots,
+            "step_rows": rows.step_rows,
+            "fresh_slots": rows.fresh_slots,
+        }
+        misaligned = [name for name, t in fields.items() if t.data_ptr() % 16]
+        assert not misaligned, (cut, misaligned)
+        assert batch.seq_lens.tolist() == [5, 41] and batch.block_tables.tolist()[1] == [2, 9, 4]
