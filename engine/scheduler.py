@@ -99,7 +99,8 @@ PACED_BACKLOG = 4
 # Steps of fewer prompt tokens say little about the cost of a prompt (fixed
 # costs dominate them) and are not learned from.
 _MIN_PACED_TOKENS = 64
-# Weight of the newest step in the running estimate.
+# Weight of the newest step in the running estimate when it was slower than
+# the estimate; a faster step sets it at once (see `PromptPacing.observe`).
 _PACING_WEIGHT = 0.25
 
 
@@ -118,12 +119,21 @@ class PromptPacing:
         """Learn from a step of `num_tokens` tokens, `prompt_tokens` of them in
         prompt chunks, whose model ran `seconds`. Only steps mostly made of
         prompt tokens teach it: a decode token costs far more than a prompt
-        token (it reads the whole context and, in a small batch, the weights)."""
+        token (it reads the whole context and, in a small batch, the weights).
+
+        A faster step than the estimate sets it at once, a slower one moves it
+        a quarter of the way: what slows a step down comes and goes (the first
+        step of a shape on a GPU, which builds kernels and plans: a 256-token
+        prefill of 38 ms where 5 would do on an H200; other processes on a
+        CPU's cores), while a fast step shows what the device does."""
         if prompt_tokens < _MIN_PACED_TOKENS or 2 * prompt_tokens < num_tokens or seconds <= 0:
             return
         rate = seconds / num_tokens
         known = self.seconds_per_token
-        self.seconds_per_token = rate if known is None else known + _PACING_WEIGHT * (rate - known)
+        if known is None or rate < known:
+            self.seconds_per_token = rate
+        else:
+            self.seconds_per_token = known + _PACING_WEIGHT * (rate - known)
 
     def admits(self, prompt_tokens: int, more: int) -> bool:
         """Whether a step that already computes `prompt_tokens` prompt tokens

@@ -259,6 +259,15 @@ def test_pacing_has_no_limit_until_a_prompt_step_was_observed() -> None:
     assert pacing.seconds_per_token == pytest.approx(1e-3)
 
 
+def test_pacing_drops_to_a_faster_step_at_once_and_rises_slowly() -> None:
+    pacing = PromptPacing(target_s=0.1)
+    pacing.observe(num_tokens=256, prompt_tokens=256, seconds=0.256)  # a cold first step
+    pacing.observe(num_tokens=256, prompt_tokens=256, seconds=0.0256)
+    assert pacing.seconds_per_token == pytest.approx(1e-4)
+    pacing.observe(num_tokens=256, prompt_tokens=256, seconds=0.0512)  # one slow step
+    assert pacing.seconds_per_token == pytest.approx(1.25e-4)
+
+
 def test_pacing_admits_another_prompt_only_within_the_target() -> None:
     pacing = PromptPacing(target_s=0.1)
     pacing.observe(num_tokens=256, prompt_tokens=256, seconds=0.256)  # 1 ms a token
