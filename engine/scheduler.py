@@ -124,7 +124,7 @@ class PromptPacing:
         A faster step than the estimate sets it at once, a slower one moves it
         a quarter of the way: what slows a step down comes and goes (the first
         step of a shape on a GPU, which builds kernels and plans: a 256-token
-        prefill of 38 ms where 5 would do on an H200; other processes on a
+        prefill of 38 ms where 5-11 do on an H200; other processes on a
         CPU's cores), while a fast step shows what the device does."""
         if prompt_tokens < _MIN_PACED_TOKENS or 2 * prompt_tokens < num_tokens or seconds <= 0:
             return

@@ -33,6 +33,8 @@ Shapes: q `[T, heads, head_dim]`, k/v `[T, kv_heads, head_dim]`; query head
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -48,12 +50,12 @@ from models.kernels import dispatch
 _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     """`F.scaled_dot_product_attention`, on CUDA without the cuDNN backend."""
     if q.is_cuda:
         with sdpa_kernel(_CUDA_SDPA_BACKENDS):
-            return F.scaled_dot_product_attention(q, k, v, **kwargs)  # type: ignore[arg-type]
-    return F.scaled_dot_product_attention(q, k, v, **kwargs)  # type: ignore[arg-type]
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
 def write_kv(
