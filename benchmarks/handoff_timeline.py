@@ -38,7 +38,10 @@ Then the generation worker's decode steps during the timed requests
 the median step and the median long one split into hand-off, step wall and
 CPU time (the compute thread's and the whole process's), wake-up, the gap
 (with the calls applied in it) and collector pauses, and the longest ones.
-A long step with wall far above its CPU time waited for a core.
+A long step with wall far above its CPU time waited for a core. In 1P1D,
+the context worker's steps follow, grouped by how many prompt chunks they
+computed together: a step of two prompts holds the first one's token until
+the second one is computed too.
 
     python -m benchmarks.handoff_timeline --checkpoint smollm2 --rate 1 --requests 16
 
@@ -134,9 +137,9 @@ async def _one(router: Router, rid: str, prompt: list[int], params: SamplingPara
 
 
 async def _drive(
-    args: argparse.Namespace, router: Router, vocab: int, generation: Any
-) -> tuple[list[Timeline], list[StepRecord]]:
-    """The timed requests' timelines, and the generation worker's steps meanwhile."""
+    args: argparse.Namespace, router: Router, vocab: int, workers: list[Any]
+) -> tuple[list[Timeline], list[list[StepRecord]]]:
+    """The timed requests' timelines, and each worker's steps meanwhile."""
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     rng = random.Random(args.seed)
 
@@ -145,16 +148,16 @@ async def _drive(
 
     for i in range(args.warmup):
         await _one(router, f"warmup-{i}", prompt(), params)
-    warm: list[StepRecord] = await generation.step_timeline.remote()
-    timed_from = warm[-1].start if warm else 0.0
+    # The workers share this machine's clock: one start for every timeline.
+    timed_from = time.perf_counter()
     tasks = []
     for i in range(args.requests):
         tasks.append(asyncio.ensure_future(_one(router, f"req-{i}", prompt(), params)))
         if args.rate != float("inf"):
             await asyncio.sleep(rng.expovariate(args.rate))
     timelines = list(await asyncio.gather(*tasks))
-    steps: list[StepRecord] = await generation.step_timeline.remote()
-    return timelines, [r for r in steps if r.start > timed_from]
+    steps = await asyncio.gather(*(worker.step_timeline.remote() for worker in workers))
+    return timelines, [[r for r in records if r.start > timed_from] for records in steps]
 
 
 def _report(args: argparse.Namespace, timelines: list[Timeline], metrics: ServingMetrics) -> None:
@@ -218,6 +221,22 @@ def _report_steps(records: list[StepRecord], shown: int) -> None:
         print(row("", r))
 
 
+def _report_context_steps(records: list[StepRecord]) -> None:
+    """The context worker's steps by the number of prompt chunks in them:
+    how many, their median wall and compute-thread CPU time, and tokens."""
+    if not records:
+        return
+    print(f"\ncontext worker: {len(records)} steps")
+    print(f"{'chunks':>6}{'steps':>7}{'step ms':>9}{'cpu ms':>8}{'tokens':>8}")
+    for chunks in sorted({r.num_seqs for r in records}):
+        group = [r for r in records if r.num_seqs == chunks]
+        median = _median_record(group)
+        print(
+            f"{chunks:>6}{len(group):>7}{1e3 * median.step_s:>9.1f}"
+            f"{1e3 * median.step_cpu_s:>8.1f}{median.num_tokens:>8}"
+        )
+
+
 def _median_record(records: list[StepRecord]) -> StepRecord:
     """Each field's median over `records`, as one record."""
     fields = {
@@ -259,13 +278,17 @@ async def _run(args: argparse.Namespace, checkpoint: Path) -> int:
     router.start()
     try:
         vocab = int(json.loads((checkpoint / "config.json").read_text())["vocab_size"])
-        generation = cluster.actors("generation")[0].actor
-        timelines, steps = await _drive(args, router, vocab, generation)
+        workers = [cluster.actors("generation")[0].actor]
+        if not args.aggregated:
+            workers.append(cluster.actors("context")[0].actor)
+        timelines, steps = await _drive(args, router, vocab, workers)
     finally:
         await router.stop()
         await cluster.shutdown()
     _report(args, timelines, metrics)
-    _report_steps(steps, args.show_steps)
+    _report_steps(steps[0], args.show_steps)
+    if not args.aggregated:
+        _report_context_steps(steps[1])
     return 0
 
 

@@ -47,6 +47,7 @@ from engine.messages import (
     WorkerReport,
 )
 from engine.request import Request
+from engine.step_timeline import StepRecord
 from engine.tensor_parallel import RankGroup
 from engine.threads import configure_torch_threads, run_on_compute_thread
 from engine.worker_config import WorkerConfig
@@ -252,6 +253,10 @@ class ContextWorker:
 
     def load(self) -> WorkerLoad:
         return self.engine.load(num_transferring=self.transceiver.num_pinned)
+
+    def step_timeline(self) -> list[StepRecord]:
+        """The engine's recent steps, oldest first (`engine.step_timeline`)."""
+        return list(self.engine.loop.timeline.records)
 
     async def integrity(self) -> WorkerIntegrity:
         """Cache integrity and free blocks/slots, read between engine steps;
