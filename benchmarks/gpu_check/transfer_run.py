@@ -122,21 +122,19 @@ async def _pull_all(
             blocks = _REQUESTS[rid] or num_blocks
             assert pool.manager.allocate_for_transfer(rid, blocks * BLOCK_SIZE)
             if rid == "r":
-                size = sum(region.length for _, region in pool.segments(rid))
-                tcp = _raw_tcp_gbps(raw_endpoint, size)
+                num_bytes = sum(region.length for _, region in pool.segments(rid))
+                tcp = _raw_tcp_gbps(raw_endpoint, num_bytes)
             start = time.perf_counter()
             await xcvr.pull(
                 handle, pool.manager.regions(rid), pool.manager.layout_signature(), _TIMEOUT_S
             )
             seconds = time.perf_counter() - start
             pool.manager.finish_transfer(rid)
-        segments = pool.segments("r")
         exact = all(
             torch.equal(pool.tensors.region_tensor(region).cpu(), data)
             for rid in _REQUESTS
             for (_, region), data in zip(pool.segments(rid), pool.expected(rid), strict=True)
         )
-        num_bytes = sum(region.length for _, region in segments)
     finally:
         await xcvr.close()
     return {"bytes": num_bytes, "seconds": seconds, "exact": exact, "raw_tcp_gb_s": tcp}
