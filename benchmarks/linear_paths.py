@@ -7,9 +7,11 @@ memory, not from cache, for any model larger than the cache), on two paths:
 oneDNN's blocked copy of the weights, and the row-major weight through
 `F.linear`. Passes alternate between the paths, so load from other processes
 hits both alike; the median pass is printed, with the path `FusedLinear`
-takes at that row count. It runs in the environment served CPU workers start
-with (`engine.process_env`), re-executing itself if needed. What it is for:
-checking `FusedLinear`'s choice of path on another CPU.
+takes at that row count (the limit the loader measured on this CPU, see
+`models.layers.small_products`). It runs in the environment served CPU
+workers start with (`engine.process_env`), re-executing itself if needed.
+What it is for: checking the loader's choice of path on another CPU against
+more passes and more row counts.
 
     python -m benchmarks.linear_paths --model smollm2 --rows 1 2 4 8 16
 """
@@ -19,18 +21,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from engine.process_env import run_in_cpu_engine_env
-from models.layers.fused_linear import FusedLinear
+from models.layers.small_products import PATHS, fusions, run_pass
 from models.loader import load_model
-
-PATHS = ("blocked", "row-major")
 
 
 @dataclass
@@ -44,30 +42,6 @@ class RowResult:
             f"{path} {statistics.median(self.seconds[path]) * 1e3:8.2f} ms" for path in PATHS
         )
         return f"{self.rows:5d} rows: {times}   (FusedLinear: {self.chosen})"
-
-
-def fusions(model: torch.nn.Module) -> list[FusedLinear]:
-    """The model's fused products in the order a step runs them (layer by
-    layer, the logits head last), each once."""
-    found: dict[int, FusedLinear] = {}
-    for module in model.modules():
-        for value in vars(module).values():
-            if isinstance(value, FusedLinear) and value.packed is not None:
-                found.setdefault(id(value), value)
-    ordered = list(found.values())
-    head = [f for f in ordered if f is getattr(model, "logits_head", None)]
-    return [f for f in ordered if f not in head] + head
-
-
-def _pass(products: list[FusedLinear], inputs: dict[int, torch.Tensor], path: str) -> float:
-    start = time.perf_counter()
-    for fused in products:
-        x = inputs[fused.weight.shape[1]]
-        if path == "blocked":
-            fused._packed_matmul(x)
-        else:
-            F.linear(x, fused.weight, fused.bias)
-    return time.perf_counter() - start
 
 
 def measure(checkpoint: Path, dtype: str, rows: list[int], reps: int) -> list[RowResult]:
@@ -85,7 +59,7 @@ def measure(checkpoint: Path, dtype: str, rows: list[int], reps: int) -> list[Ro
         with torch.inference_mode():
             for rep in range(reps + 1):
                 for path in PATHS:
-                    seconds = _pass(products, inputs, path)
+                    seconds = run_pass(products, inputs, path)
                     if rep:
                         result.seconds[path].append(seconds)
         results.append(result)

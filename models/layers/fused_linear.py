@@ -22,18 +22,18 @@ weights in host memory. In fp32 oneDNN accumulates in another order than
 `F.linear`: outputs differ in the last bits (about 3e-6 relative), well inside
 the parity tests' tolerance against `transformers`.
 
-In fp32 a product of at most `ROW_MAJOR_MAX_ROWS` rows (a decode step of up
-to three sequences) runs on the row-major weight through `F.linear`
-instead: there oneDNN's blocked product is the slower of the two. One pass
+In fp32 a product of at most `row_major_max_rows` rows (a decode step of a
+few sequences) runs on the row-major weight through `F.linear` instead,
+where that is the faster of the two. Which is depends on the CPU (torch's
+BLAS against oneDNN): the loader measures it on the model's own products
+(`models.layers.small_products`); `ROW_MAJOR_MAX_ROWS` is the most it may
+be, and the limit of a model too small to time. On an Intel Xeon one pass
 over SmolLM2-135M's 121 products (weights streamed from memory, 2 threads,
-`python -m benchmarks.linear_paths --model smollm2 --rows 1 2 3 4 8`):
-1 row row-major 20.6 ms against blocked 26.0, 2 rows 22.2-22.5 against
-27.0-27.7, 3 rows 24.0-24.3 against 27.5-28.1, but 4 rows 37.1-37.8
-against 28.5-29.0 and 8 rows 49.0 against 32.3 (two runs); in bf16 the
-blocked product is the faster at 1 and 2 rows too (86.1 and 78.6 against
-61.0 and 61.7, on a busier machine). A SmolLM2 decode step at batch 1 took
-44-49 ms against 65-75 ms before the row-major path (alternating runs),
-and at batch 3 36.1-36.9 ms against 41.0-42.4 with the limit at 2 rows.
+`python -m benchmarks.linear_paths --model smollm2 --rows 1 2 3 4 8`) took
+20.6 ms row-major against 26.0 blocked at 1 row, 24.0-24.3 against
+27.5-28.1 at 3 rows, but 37.1-37.8 against 28.5-29.0 at 4 rows and 49.0
+against 32.3 at 8; in bf16 the blocked product is the faster at 1 and 2
+rows too (86.1 and 78.6 against 61.0 and 61.7, on a busier machine).
 
 Every product uses all of torch's threads. Running the products of up to 8
 rows over a weight under 4 MiB on the calling thread alone (so that passive
@@ -60,8 +60,9 @@ import torch.nn.functional as F
 _PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The step size the blocked layout is tuned for; any row count still works.
 _PACK_BATCH_HINT = 32
-# An fp32 product of at most this many rows runs on the row-major weight
-# (`F.linear`), where it is faster than the blocked copy's.
+# The most rows of an fp32 product on the row-major weight (`F.linear`): the
+# limit a model starts with; the loader lowers it where this CPU's blocked
+# product is faster (`models.layers.small_products`).
 ROW_MAJOR_MAX_ROWS = 3
 
 
@@ -101,7 +102,9 @@ class FusedLinear:
                 self._point_layers_at_fused_storage()
             self.packed = _pack_for_cpu(self.weight)
         self._expected = self._stamps()  # what `is_current` compares against
-        self._row_major_rows = self.weight.dtype == torch.float32
+        # fp32 products of at most this many rows run on the row-major weight;
+        # `small_products.choose_row_major_rows` sets it for this CPU.
+        self.row_major_max_rows = ROW_MAJOR_MAX_ROWS if self.weight.dtype == torch.float32 else 0
 
     def _point_layers_at_fused_storage(self) -> None:
         start = 0
@@ -135,14 +138,15 @@ class FusedLinear:
             return F.linear(x, self.weight, self.bias)
         if self.row_major(x):
             return F.linear(x, self.weight, self.bias)
-        return self._packed_matmul(x)
+        return self.packed_matmul(x)
 
     def row_major(self, x: torch.Tensor) -> bool:
         """Whether a packed fusion multiplies `x` on the row-major weight
-        (fp32, at most `ROW_MAJOR_MAX_ROWS` rows; see the module docstring)."""
-        return self._row_major_rows and x.numel() <= ROW_MAJOR_MAX_ROWS * x.shape[-1]
+        (fp32, at most `row_major_max_rows` rows; see the module docstring)."""
+        return x.numel() <= self.row_major_max_rows * x.shape[-1]
 
-    def _packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+    def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` times the blocked copy (only where `packed` exists)."""
         assert self.packed is not None
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 

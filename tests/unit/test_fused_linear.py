@@ -91,13 +91,13 @@ def _packed_products(
     """How many blocked products `fused` runs to multiply `rows` rows (the
     result checked against the layer's own)."""
     calls: list[int] = []
-    matmul = FusedLinear._packed_matmul
+    matmul = FusedLinear.packed_matmul
 
     def recording(self: FusedLinear, x: torch.Tensor) -> torch.Tensor:
         calls.append(x.shape[0])
         return matmul(self, x)
 
-    monkeypatch.setattr(FusedLinear, "_packed_matmul", recording)
+    monkeypatch.setattr(FusedLinear, "packed_matmul", recording)
     layer = fused.linears[0]
     x = torch.randn(rows, layer.in_features, dtype=dtype)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
