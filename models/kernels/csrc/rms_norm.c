@@ -11,15 +11,10 @@
  *
  * Rows are independent; large inputs are split over `threads` threads (see parallel.h).
  * Row strides are in elements; each row is contiguous.
- *
- * The sum of squares runs in vector lanes (torch's mean reduces in lanes
- * too): a plain `sum += v * v` loop is one serial chain of float adds, which
- * the compiler may not reorder, and took ~1 us per 576-wide row.
  */
 #include <math.h>
 #include "bf16.h"
 #include "parallel.h"
-#include "simd.h"
 #include <stdint.h>
 
 #define MAX_WIDTH 16384
@@ -34,31 +29,12 @@ typedef struct {
     int64_t next; /* first row of the next chunk, atomic */
 } Job;
 
-/* Sum of row[i]^2 over n values: two vectors of lane partial sums, then the tail. */
-static float sum_squares(const float *row, int64_t n) {
-    vf a = splat(0.0f), b = splat(0.0f);
-    int64_t i = 0;
-    for (; i + 2 * LANES <= n; i += 2 * LANES) {
-        const vf u = vload(row + i), v = vload(row + i + LANES);
-        a += u * u;
-        b += v * v;
-    }
-    if (i + LANES <= n) {
-        const vf u = vload(row + i);
-        a += u * u;
-        i += LANES;
-    }
-    float sum = hsum(a + b);
-    for (; i < n; i++) sum += row[i] * row[i];
-    return sum;
-}
-
 static void norm_row_f32(const Job *job, int64_t r) {
     const int64_t n = job->width;
     const float *x = (const float *)job->x + r * job->x_stride;
     const float *w = (const float *)job->weight;
     float *out = (float *)job->out + r * job->out_stride;
-    float row[MAX_WIDTH];
+    float row[MAX_WIDTH], sum = 0.0f;
     if (job->residual != NULL) {
         float *res = (float *)job->residual + r * job->residual_stride;
         for (int64_t i = 0; i < n; i++) {
@@ -68,7 +44,7 @@ static void norm_row_f32(const Job *job, int64_t r) {
     } else {
         for (int64_t i = 0; i < n; i++) row[i] = x[i];
     }
-    const float sum = sum_squares(row, n);
+    for (int64_t i = 0; i < n; i++) sum += row[i] * row[i];
     const float inv = 1.0f / sqrtf(sum / (float)n + job->eps);
     for (int64_t i = 0; i < n; i++) out[i] = w[i] * (row[i] * inv);
 }
@@ -78,7 +54,7 @@ static void norm_row_bf16(const Job *job, int64_t r) {
     const uint16_t *x = (const uint16_t *)job->x + r * job->x_stride;
     const uint16_t *w = (const uint16_t *)job->weight;
     uint16_t *out = (uint16_t *)job->out + r * job->out_stride;
-    float row[MAX_WIDTH];
+    float row[MAX_WIDTH], sum = 0.0f;
     if (job->residual != NULL) {
         uint16_t *res = (uint16_t *)job->residual + r * job->residual_stride;
         for (int64_t i = 0; i < n; i++) {
@@ -88,7 +64,7 @@ static void norm_row_bf16(const Job *job, int64_t r) {
     } else {
         for (int64_t i = 0; i < n; i++) row[i] = bf16_to_f32(x[i]);
     }
-    const float sum = sum_squares(row, n);
+    for (int64_t i = 0; i < n; i++) sum += row[i] * row[i];
     const float inv = 1.0f / sqrtf(sum / (float)n + job->eps);
     for (int64_t i = 0; i < n; i++) {
         const float y = bf16_to_f32(f32_to_bf16(row[i] * inv));
