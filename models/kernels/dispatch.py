@@ -7,9 +7,10 @@ Models and the transfer code call these functions, never the kernel modules:
   the kernel anyway. On CPU that only works under the Triton interpreter
   (`TRITON_INTERPRET=1` set before the kernel modules are imported), which is
   how the test suite checks kernels on machines without a GPU.
-- decode attention, RMSNorm and the rotary + K/V cache write on CPU tensors
-  also have C kernels (`cpu_attention`, `cpu_norm`, `cpu_rope`, built on
-  first use); `cpu_decode_attention`, `rms_norm` and `cpu_rope_and_cache`
+- decode attention, RMSNorm, the rotary + K/V cache write and SwiGLU's
+  activation on CPU tensors also have C kernels (`cpu_attention`,
+  `cpu_norm`, `cpu_rope`, `cpu_silu_mul`, built on first use);
+  `cpu_decode_attention`, `rms_norm`, `cpu_rope_and_cache` and `silu_mul`
   run them where they serve a call.
 
 Each function has the signature of its reference twin.
@@ -31,6 +32,7 @@ from models.kernels import (
     cpu_build,
     cpu_norm,
     cpu_rope,
+    cpu_silu_mul,
     paged_attention,
 )
 from models.kernels import mamba_state_update as mamba_kernel
@@ -187,6 +189,22 @@ def rms_norm(
     # accumulates in float32 and rounds once to the input dtype, as the
     # reference models' explicit float32 round trip does. Then the weight.
     return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` of `gate_up = [gate | up]` along the last dim. The C
+    kernel on CPU where it applies, else torch (`silu_mul_ref`)."""
+    if _cpu_kernels_apply(gate_up):
+        out = cpu_silu_mul.silu_mul_if_supported(gate_up)
+        if out is not None:
+            return out
+    return silu_mul_ref(gate_up)
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    # In place into silu's fresh output: one `[T, intermediate]` buffer less.
+    return F.silu(gate).mul_(up)
 
 
 def mamba_state_update(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from models.kernels import dispatch
 from models.layers.fused_linear import FusedLinear
 
 
@@ -30,12 +31,10 @@ class SwiGLUMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None and self.gate_up.is_current():
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            hidden = dispatch.silu_mul(self.gate_up(x))
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        # In place into silu's fresh output: one `[T, intermediate]` buffer
-        # less per layer (a 2,048-token step: 2.6 vs 3.1 ms CPU per layer).
-        hidden = F.silu(gate).mul_(up)
+            # In place into silu's fresh output: one `[T, intermediate]` buffer less.
+            hidden = F.silu(self.gate_proj(x)).mul_(self.up_proj(x))
         if self.down is not None and self.down.is_current():
             return self.down(hidden)
         return self.down_proj(hidden)
