@@ -19,6 +19,17 @@
 
 #define MAX_THREADS 64
 
+/* Claims the next `chunk` items of `count` from the shared counter `*next`
+ * for the calling thread: sets [*first, *last) and returns 1, or 0 once
+ * every item is taken. */
+static inline int claim_chunk(int64_t *next, int64_t count, int64_t chunk, int64_t *first,
+                              int64_t *last) {
+    *first = __atomic_fetch_add(next, chunk, __ATOMIC_RELAXED);
+    if (*first >= count) return 0;
+    *last = *first + chunk < count ? *first + chunk : count;
+    return 1;
+}
+
 static int run_on_threads(void *(*fn)(void *), void *job, int threads) {
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads <= 1) return fn(job) != NULL;

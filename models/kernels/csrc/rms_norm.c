@@ -74,10 +74,8 @@ static void norm_row_bf16(const Job *job, int64_t r) {
 
 static void *run_rows(void *arg) {
     Job *job = (Job *)arg;
-    for (;;) {
-        const int64_t first = __atomic_fetch_add(&job->next, ROWS_PER_CHUNK, __ATOMIC_RELAXED);
-        if (first >= job->rows) break;
-        const int64_t last = first + ROWS_PER_CHUNK < job->rows ? first + ROWS_PER_CHUNK : job->rows;
+    int64_t first, last;
+    while (claim_chunk(&job->next, job->rows, ROWS_PER_CHUNK, &first, &last)) {
         for (int64_t r = first; r < last; r++) {
             if (job->is_bf16)
                 norm_row_bf16(job, r);

@@ -107,12 +107,9 @@ static void run_token(const Job *job, int64_t t) {
 
 static void *run_tokens(void *arg) {
     Job *job = (Job *)arg;
-    for (;;) {
-        const int64_t first = __atomic_fetch_add(&job->next, TOKENS_PER_CHUNK, __ATOMIC_RELAXED);
-        if (first >= job->tokens) break;
-        const int64_t last = first + TOKENS_PER_CHUNK < job->tokens ? first + TOKENS_PER_CHUNK : job->tokens;
+    int64_t first, last;
+    while (claim_chunk(&job->next, job->tokens, TOKENS_PER_CHUNK, &first, &last))
         for (int64_t t = first; t < last; t++) run_token(job, t);
-    }
     return NULL;
 }
 
