@@ -64,6 +64,10 @@ def test_the_loader_sets_one_measured_limit_on_every_product(
     products = fusions(model)
     limits = {f.row_major_max_rows for f in products}
     assert len(limits) == 1 and 0 <= limits.pop() <= ROW_MAJOR_MAX_ROWS
+    # Timing draws its inputs from a generator of its own.
+    state = torch.get_rng_state()
+    assert choose_row_major_rows(model) is not None
+    assert torch.equal(torch.get_rng_state(), state)
     # Whichever path a few rows take, the product is the layers' own.
     for fused in products:
         x = torch.randn(2, fused.weight.shape[1])
