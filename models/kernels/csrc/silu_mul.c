@@ -40,42 +40,33 @@ ALWAYS_INLINE vf silu(vf g) {
     return g * (numerator / (1.0f + e));
 }
 
-/* `count` <= LANES values: widened into zero-padded vectors, then narrowed. */
-static void silu_mul_f32(const float *gate, const float *up, float *out, int64_t count) {
-    if (count == LANES) {
-        vstore(out, silu(vload(gate)) * vload(up));
-        return;
-    }
-    float g[LANES] = {0}, u[LANES] = {0}, y[LANES];
-    memcpy(g, gate, count * sizeof(float));
-    memcpy(u, up, count * sizeof(float));
-    vstore(y, silu(vload(g)) * vload(u));
-    memcpy(out, y, count * sizeof(float));
-}
-
-static void silu_mul_bf16(const uint16_t *gate, const uint16_t *up, uint16_t *out,
-                          int64_t count) {
-    float g[LANES] = {0}, s[LANES];
-    for (int64_t i = 0; i < count; i++) g[i] = bf16_to_f32(gate[i]);
-    vstore(s, silu(vload(g)));
-    for (int64_t i = 0; i < count; i++) {
-        const float rounded = bf16_to_f32(f32_to_bf16(s[i]));
-        out[i] = f32_to_bf16(rounded * bf16_to_f32(up[i]));
-    }
-}
-
-static void silu_mul_row(const Job *job, int64_t r) {
+static void silu_mul_row_f32(const Job *job, int64_t r) {
     const int64_t n = job->width;
+    const float *gate = (const float *)job->in + r * job->in_stride, *up = gate + n;
+    float *out = (float *)job->out + r * job->out_stride;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) vstore(out + i, silu(vload(gate + i)) * vload(up + i));
+    if (i == n) return;
+    /* The last n - i < LANES values, through zero-padded vectors. */
+    float g[LANES] = {0}, u[LANES] = {0}, y[LANES];
+    memcpy(g, gate + i, (n - i) * sizeof(float));
+    memcpy(u, up + i, (n - i) * sizeof(float));
+    vstore(y, silu(vload(g)) * vload(u));
+    memcpy(out + i, y, (n - i) * sizeof(float));
+}
+
+static void silu_mul_row_bf16(const Job *job, int64_t r) {
+    const int64_t n = job->width;
+    const uint16_t *gate = (const uint16_t *)job->in + r * job->in_stride, *up = gate + n;
+    uint16_t *out = (uint16_t *)job->out + r * job->out_stride;
     for (int64_t i = 0; i < n; i += LANES) {
         const int64_t count = n - i < LANES ? n - i : LANES;
-        if (job->is_bf16) {
-            const uint16_t *row = (const uint16_t *)job->in + r * job->in_stride;
-            uint16_t *out = (uint16_t *)job->out + r * job->out_stride;
-            silu_mul_bf16(row + i, row + n + i, out + i, count);
-        } else {
-            const float *row = (const float *)job->in + r * job->in_stride;
-            float *out = (float *)job->out + r * job->out_stride;
-            silu_mul_f32(row + i, row + n + i, out + i, count);
+        float g[LANES] = {0}, s[LANES];
+        for (int64_t j = 0; j < count; j++) g[j] = bf16_to_f32(gate[i + j]);
+        vstore(s, silu(vload(g)));
+        for (int64_t j = 0; j < count; j++) {
+            const float rounded = bf16_to_f32(f32_to_bf16(s[j]));
+            out[i + j] = f32_to_bf16(rounded * bf16_to_f32(up[i + j]));
         }
     }
 }
@@ -84,13 +75,18 @@ static void *run_rows(void *arg) {
     Job *job = (Job *)arg;
     int64_t first, last;
     while (claim_chunk(&job->next, job->rows, ROWS_PER_CHUNK, &first, &last))
-        for (int64_t r = first; r < last; r++) silu_mul_row(job, r);
+        for (int64_t r = first; r < last; r++) {
+            if (job->is_bf16)
+                silu_mul_row_bf16(job, r);
+            else
+                silu_mul_row_f32(job, r);
+        }
     return NULL;
 }
 
 /* out[r] = silu(in[r][:width]) * in[r][width:2 * width]; returns 0. */
 int silu_mul(int is_bf16, const void *in, int64_t in_stride, void *out, int64_t out_stride,
-              int64_t rows, int64_t width, int threads) {
+             int64_t rows, int64_t width, int threads) {
     Job job = {is_bf16, in, out, rows, width, in_stride, out_stride, 0};
     const int64_t chunks = (rows + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK;
     return run_on_threads(run_rows, &job, threads < chunks ? threads : (int)chunks);
