@@ -291,7 +291,7 @@ class GenerationWorker:
 
     def step_timeline(self) -> list[StepRecord]:
         """The engine's recent steps, oldest first (`engine.step_timeline`)."""
-        return list(self.engine.loop.timeline.records)
+        return self.engine.step_timeline()
 
     async def shutdown(self) -> None:
         """Cancel pulls in flight, stop the engine (open streams end with an

@@ -23,6 +23,7 @@ from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request
 from engine.sampling import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.step_timeline import StepRecord
 from engine.stop import StopChecker
 from engine.tensor_parallel import RankCapacity, RankGroup
 from engine.worker_config import WorkerConfig
@@ -194,6 +195,10 @@ class EngineInstance:
             events=list(self.manager.drain_events()),
             encoder_events=encoder.drain_events() if encoder is not None else [],
         )
+
+    def step_timeline(self) -> list[StepRecord]:
+        """The loop's recent steps, oldest first (`engine.step_timeline`)."""
+        return list(self.loop.timeline.records)
 
     def step_stats(self) -> dict[str, float]:
         """The loop's step counters, plus the encoder cache's for a VL model."""

@@ -256,7 +256,7 @@ class ContextWorker:
 
     def step_timeline(self) -> list[StepRecord]:
         """The engine's recent steps, oldest first (`engine.step_timeline`)."""
-        return list(self.engine.loop.timeline.records)
+        return self.engine.step_timeline()
 
     async def integrity(self) -> WorkerIntegrity:
         """Cache integrity and free blocks/slots, read between engine steps;
