@@ -98,6 +98,8 @@ def by_role(before: dict[int, float], after: dict[int, float], leader: int) -> d
     return dict(spent)
 
 
+# The benchmark's client, in this process (on the same CPUs as the server).
+CLIENT = "client (this process)"
 # Long enough for the router's next poll of every worker (every 0.25 s) to
 # land, so the engine gauges on /metrics cover the whole run.
 _POLL_SETTLE_S = 0.6
@@ -142,14 +144,20 @@ def format_engines(
     return "\n".join(lines)
 
 
-def format_spent(title: str, spent: dict[str, float], wall_s: float, tokens: int) -> str:
-    lines = [f"{title}: {wall_s:.1f} s wall, {sum(spent.values()):.2f} CPU-s in all"]
+def format_spent(title: str, spent: dict[str, float], wall_s: float, tokens: int, cpus: int) -> str:
+    """CPU-seconds per role, and their sum against what `cpus` CPUs offer in `wall_s`."""
+    total = sum(spent.values())
+    lines = [
+        f"{title}: {wall_s:.1f} s wall, {total:.2f} CPU-s in all "
+        f"({100 * total / (cpus * wall_s):.0f}% of {cpus} CPUs)"
+    ]
     for name, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):
         if seconds >= 0.005:
             lines.append(f"   {seconds:7.2f} CPU-s  {name}")
-    server = spent.get(role(0, 0), 0.0)
     if tokens:
-        lines.append(f"   serving process: {1e6 * server / tokens:.0f} us CPU per output token")
+        for name in (role(0, 0), CLIENT):
+            per_token = 1e6 * spent.get(name, 0.0) / tokens
+            lines.append(f"   {name}: {per_token:.0f} us CPU per output token")
     return "\n".join(lines)
 
 
@@ -188,19 +196,25 @@ def hot_functions(stats_file: Path, min_calls: int, count: int = 30) -> str:
     return "\n".join(out)
 
 
-def drive(setup: Setup, args: argparse.Namespace, num_prompts: int, seed: int) -> tuple[int, float]:
-    """One run of the workload; returns (output tokens streamed, wall seconds)."""
+def drive(
+    setup: Setup, args: argparse.Namespace, num_prompts: int, seed: int
+) -> tuple[int, float, float]:
+    """One run of the workload; returns (output tokens streamed, wall seconds,
+    the client's CPU-seconds during the run: this process, prompts made before)."""
     client = argparse.Namespace(
         base_url=setup.url, model=None, endpoint="completions", num_prompts=num_prompts,
         input_len=args.input_len, output_len=args.output_len, range_ratio=0.0,
         tokenizer=str(setup.model), request_rate=float("inf"), max_concurrency=None,
         ignore_eos=True, seed=seed, timeout=args.client_timeout, no_progress=True,
     )  # fmt: skip
-    records, wall = asyncio.run(run_benchmark(client, make_prompts(client)))
+    prompts = make_prompts(client)
+    cpu_before = time.process_time()
+    records, wall = asyncio.run(run_benchmark(client, prompts))
+    client_cpu = time.process_time() - cpu_before
     failed = [r.error for r in records if r.error]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed, e.g. {failed[0]}")
-    return sum(r.output_tokens for r in records), wall
+    return sum(r.output_tokens for r in records), wall, client_cpu
 
 
 def measure(setup: Setup, args: argparse.Namespace) -> None:
@@ -222,15 +236,17 @@ def measure(setup: Setup, args: argparse.Namespace) -> None:
             before, started = cpu_seconds(leader), time.monotonic()
             time.sleep(args.idle_s)
             spent = by_role(before, cpu_seconds(leader), leader)
-            print(format_spent("idle", spent, time.monotonic() - started, 0), flush=True)
+            wall = time.monotonic() - started
+            print(format_spent("idle", spent, wall, 0, len(setup.cpus)), flush=True)
         for run in range(args.runs):
             time.sleep(_POLL_SETTLE_S)
             engines = scrape_engines(setup.url)
             before = cpu_seconds(leader)
-            tokens, wall = drive(setup, args, args.num_prompts, args.seed + run)
+            tokens, wall, client_cpu = drive(setup, args, args.num_prompts, args.seed + run)
             spent = by_role(before, cpu_seconds(leader), leader)
+            spent[CLIENT] = client_cpu
             title = f"run {run}: {tokens / wall:.0f} out tok/s"
-            print(format_spent(title, spent, wall, tokens), flush=True)
+            print(format_spent(title, spent, wall, tokens, len(setup.cpus)), flush=True)
             time.sleep(_POLL_SETTLE_S)
             print(format_engines(engines, scrape_engines(setup.url), wall), flush=True)
     finally:

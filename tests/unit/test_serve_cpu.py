@@ -8,10 +8,12 @@ from pathlib import Path
 
 from benchmarks.serve_compare import make_setup
 from benchmarks.serve_cpu import (
+    CLIENT,
     by_role,
     cpu_seconds,
     engine_totals,
     format_engines,
+    format_spent,
     hot_functions,
     parse_args,
     role,
@@ -81,3 +83,11 @@ def test_its_arguments_make_a_setup_without_a_vllm_install(tmp_path: Path) -> No
     setup = make_setup(args)
     assert setup.model == tmp_path.resolve() and setup.cpus == (0, 1)
     assert setup.pin_instances and setup.first_token_at is None and not setup.prefix_caching
+
+
+def test_format_spent_sums_roles_against_the_cpus_and_prices_tokens() -> None:
+    spent = {"GenerationWorker": 3.0, role(0, 0): 0.4, CLIENT: 0.6}
+    text = format_spent("run 0", spent, wall_s=2.5, tokens=4000, cpus=2)
+    assert text.splitlines()[0] == "run 0: 2.5 s wall, 4.00 CPU-s in all (80% of 2 CPUs)"
+    assert "serving process (HTTP + router): 100 us CPU per output token" in text
+    assert "client (this process): 150 us CPU per output token" in text
