@@ -9,8 +9,10 @@ the `benchmarks.serve_compare` workload (random prompts of exactly
 `--input-len` token ids, `--output-len` tokens out with EOS ignored, streamed,
 all sent at once) with `disagg bench`'s client in this process, and prints,
 per run, the CPU-seconds each process of the server's tree spent during it:
-the serving process (HTTP server + router), the engine worker, and each of
-Ray's daemons, and the serving process's CPU per streamed output token;
+the serving process (HTTP server + router), the engine worker, each of
+Ray's daemons and the client (this process, on the same CPUs), their sum
+against what the CPUs offered in that wall time, and the serving process's
+and the client's CPU per streamed output token;
 then each worker's engine steps during the run and how much of its wall
 time they took (busy) or left (idle), from `disagg_engine_steps` and
 `disagg_engine_busy_seconds` on the server's /metrics. CPU
