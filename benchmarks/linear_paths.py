@@ -3,12 +3,13 @@
 Loads a checkpoint as a worker does (fused and prepacked, `FusedLinear`),
 then for each row count times one pass over every fused product of the
 model in layer order, as a decode step reads them (weights streamed from
-memory, not from cache, for any model larger than the cache), on two paths:
-oneDNN's blocked copy of the weights, and the row-major weight through
-`F.linear`. Passes alternate between the paths, so load from other processes
-hits both alike; the median pass is printed, with the path `FusedLinear`
-takes at that row count (the limit the loader measured on this CPU, see
-`models.layers.small_products`). It runs in the environment served CPU
+memory, not from cache, for any model larger than the cache), on each path:
+oneDNN's blocked copy of the weights, the row-major weight through
+`F.linear`, and the row-major weight through the few-row C kernel (up to its
+most rows, where it is built). Passes alternate between the paths, so load
+from other processes hits them alike; the median pass is printed, with the
+path `FusedLinear` takes at that row count (what the loader measured on
+this CPU, see `models.layers.small_products`). It runs in the environment served CPU
 workers start with (`engine.process_env`), re-executing itself if needed.
 What it is for: checking the loader's choice of path on another CPU against
 more passes and more row counts.
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 from engine.process_env import run_in_cpu_engine_env
-from models.layers.small_products import PATHS, fusions, run_pass
+from models.layers.small_products import PATHS, fusions, paths_at, run_pass
 from models.loader import load_model
 
 
@@ -39,9 +40,13 @@ class RowResult:
 
     def line(self) -> str:
         times = "  ".join(
-            f"{path} {statistics.median(self.seconds[path]) * 1e3:8.2f} ms" for path in PATHS
+            f"{path} {statistics.median(self.seconds[path]) * 1e3:8.2f} ms" for path in self.paths
         )
         return f"{self.rows:5d} rows: {times}   (FusedLinear: {self.chosen})"
+
+    @property
+    def paths(self) -> list[str]:
+        return [path for path in PATHS if self.seconds[path]]
 
 
 def measure(checkpoint: Path, dtype: str, rows: list[int], reps: int) -> list[RowResult]:
@@ -55,10 +60,12 @@ def measure(checkpoint: Path, dtype: str, rows: list[int], reps: int) -> list[Ro
     for count in rows:
         inputs = {w: torch.randn(count, w, dtype=products[0].weight.dtype) for w in widths}
         x = inputs[products[0].weight.shape[1]]
-        result = RowResult(count, "row-major" if products[0].row_major(x) else "blocked")
+        result = RowResult(count, products[0].path_for(x))
+        # The row-major path at any row count; the few-row kernel where it serves.
+        paths = [path for path in PATHS if path != "skinny" or path in paths_at(count)]
         with torch.inference_mode():
             for rep in range(reps + 1):
-                for path in PATHS:
+                for path in paths:
                     seconds = run_pass(products, inputs, path)
                     if rep:
                         result.seconds[path].append(seconds)

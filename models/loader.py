@@ -23,7 +23,7 @@ from models.base import CausalLM
 from models.config import ModelConfig, TensorParallelShard
 from models.errors import CheckpointError, ConfigError
 from models.hf_config import load_model_config
-from models.layers.small_products import choose_row_major_rows
+from models.layers.small_products import choose_few_row_paths
 from models.registry import check_tensor_parallel, model_class_for
 from models.sharding import shard_config
 from models.tensor_parallel import Cut, weight_cut
@@ -64,7 +64,7 @@ def load_model(
         iter_checkpoint_tensors(checkpoint_dir, lambda name: weight_cut(name, full, tp))
     )
     model.process_weights_after_loading()
-    choose_row_major_rows(model)
+    choose_few_row_paths(model)
     model.eval()
     return model, config
 

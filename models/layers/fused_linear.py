@@ -22,12 +22,15 @@ weights in host memory. In fp32 oneDNN accumulates in another order than
 `F.linear`: outputs differ in the last bits (about 3e-6 relative), well inside
 the parity tests' tolerance against `transformers`.
 
-In fp32 a product of at most `row_major_max_rows` rows (a decode step of a
-few sequences) runs on the row-major weight through `F.linear` instead,
-where that is the faster of the two. Which is depends on the CPU (torch's
-BLAS against oneDNN): the loader measures it on the model's own products
-(`models.layers.small_products`); `ROW_MAJOR_MAX_ROWS` is the most it may
-be, and the limit of a model too small to time. On an Intel Xeon one pass
+In fp32 a product of a few rows (a decode step of a few sequences) may take
+one of two other paths where that is faster: the row-major weight through
+`F.linear` (torch's BLAS, MKL in the CPU wheels), or the C kernel of
+`models.kernels.cpu_skinny_gemm` on the row-major weight (up to
+`FEW_ROWS_MAX` rows). Which is fastest depends on the CPU: the loader
+measures the paths on the model's own products
+(`models.layers.small_products`) and sets `few_row_paths`, the path per row
+count. A model too small to time keeps `DEFAULT_FEW_ROW_PATHS`: the
+row-major path up to `ROW_MAJOR_MAX_ROWS` rows. On an Intel Xeon one pass
 over SmolLM2-135M's 121 products (weights streamed from memory, 2 threads,
 `python -m benchmarks.linear_paths --model smollm2 --rows 1 2 3 4 8`) took
 20.6 ms row-major against 26.0 blocked at 1 row, 24.0-24.3 against
@@ -56,14 +59,21 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from models.kernels import cpu_skinny_gemm
+
 # Dtypes whose matmuls run prepacked through oneDNN on CPU.
 _PACKED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The step size the blocked layout is tuned for; any row count still works.
 _PACK_BATCH_HINT = 32
-# The most rows of an fp32 product on the row-major weight (`F.linear`): the
-# limit a model starts with; the loader lowers it where this CPU's blocked
-# product is faster (`models.layers.small_products`).
+# The paths of a product (`FusedLinear.run_path`).
+BLOCKED, ROW_MAJOR, SKINNY = "blocked", "row-major", "skinny"
+# The most rows of an fp32 product that may run on the row-major weight
+# through `F.linear`, and through the few-row kernel (`cpu_skinny_gemm`).
 ROW_MAJOR_MAX_ROWS = 3
+FEW_ROWS_MAX = cpu_skinny_gemm.MAX_ROWS
+# The paths of fp32 products of 1, 2, ... rows until the loader measures
+# them (`models.layers.small_products`); more rows take the blocked copy.
+DEFAULT_FEW_ROW_PATHS = (ROW_MAJOR,) * ROW_MAJOR_MAX_ROWS
 
 
 class FusedLinear:
@@ -102,9 +112,10 @@ class FusedLinear:
                 self._point_layers_at_fused_storage()
             self.packed = _pack_for_cpu(self.weight)
         self._expected = self._stamps()  # what `is_current` compares against
-        # fp32 products of at most this many rows run on the row-major weight;
-        # `small_products.choose_row_major_rows` sets it for this CPU.
-        self.row_major_max_rows = ROW_MAJOR_MAX_ROWS if self.weight.dtype == torch.float32 else 0
+        # The path of a product of 1, 2, ... rows (fp32 only; beyond, the
+        # blocked copy); `small_products.choose_few_row_paths` sets it for this CPU.
+        fp32 = self.weight.dtype == torch.float32
+        self.few_row_paths: tuple[str, ...] = DEFAULT_FEW_ROW_PATHS if fp32 else ()
 
     def _point_layers_at_fused_storage(self) -> None:
         start = 0
@@ -136,14 +147,25 @@ class FusedLinear:
         """`[..., sum(out_features)]`: the layers' outputs side by side, in order."""
         if self.packed is None or x.dtype != self.weight.dtype or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
-        if self.row_major(x):
-            return F.linear(x, self.weight, self.bias)
-        return self.packed_matmul(x)
+        return self.run_path(x, self.path_for(x))
 
-    def row_major(self, x: torch.Tensor) -> bool:
-        """Whether a packed fusion multiplies `x` on the row-major weight
-        (fp32, at most `row_major_max_rows` rows; see the module docstring)."""
-        return x.numel() <= self.row_major_max_rows * x.shape[-1]
+    def path_for(self, x: torch.Tensor) -> str:
+        """The path a packed fusion multiplies `x` on: by its row count, from
+        `few_row_paths` (see the module docstring), else the blocked copy."""
+        rows = x.numel() // max(x.shape[-1], 1)
+        return self.few_row_paths[rows - 1] if 0 < rows <= len(self.few_row_paths) else BLOCKED
+
+    def run_path(self, x: torch.Tensor, path: str) -> torch.Tensor:
+        """`x` times the weight on `path` (only where `packed` exists); the
+        few-row kernel falls back to the blocked copy where it does not serve `x`."""
+        if path == ROW_MAJOR:
+            return F.linear(x, self.weight, self.bias)
+        if path == SKINNY:
+            rows = x.reshape(-1, x.shape[-1])
+            out = cpu_skinny_gemm.skinny_gemm_if_supported(rows, self.weight, self.bias)
+            if out is not None:
+                return out.view(*x.shape[:-1], out.shape[-1])
+        return self.packed_matmul(x)
 
     def packed_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`x` times the blocked copy (only where `packed` exists)."""

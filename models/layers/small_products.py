@@ -1,19 +1,21 @@
 """Which path an fp32 product of a few rows takes on this CPU, measured once
 when the model is loaded.
 
-`FusedLinear` multiplies a decode step's few rows either on oneDNN's blocked
-copy of the weight or on the row-major weight through `F.linear` (torch's
-BLAS, MKL in the CPU wheels). Which is faster depends on the CPU, not on the
-model: on an Intel Xeon the row-major product won at 1 to 3 rows (SmolLM2-135M,
-one pass over its 121 products, 2 threads: 20.6 against 26.0 ms at 1 row,
-24.0 against 27.5 at 3), while on an AMD EPYC (Zen 4) MKL's few-row product
-runs on one thread and lost at every row count (45.8 against 24.1 ms at 1
-row, 109 against 27.8 at 3; a SmolLM2 decode step at batch 1 took 55 ms
-against 34 on the blocked path). So `choose_row_major_rows(model)` times
-both paths on the model's own products at 1, 2, ... `ROW_MAJOR_MAX_ROWS`
-rows and keeps the row-major path up to the last row count where it wins
-by a clear margin (`_MARGIN`; in doubt the blocked path, which larger steps
-take anyway).
+`FusedLinear` multiplies a decode step's few rows on oneDNN's blocked copy
+of the weight, on the row-major weight through `F.linear` (torch's BLAS,
+MKL in the CPU wheels), or on the row-major weight through the few-row C
+kernel (`models.kernels.cpu_skinny_gemm`). Which is fastest depends on the
+CPU, not on the model: on an Intel Xeon the row-major product won at 1 to 3
+rows (SmolLM2-135M, one pass over its 121 products, 2 threads: 20.6 against
+26.0 ms at 1 row, 24.0 against 27.5 at 3), while on an AMD EPYC (Zen 4)
+MKL's few-row product runs on one thread and lost at every row count (45.8
+against 24.1 ms at 1 row, 109 against 27.8 at 3), and the kernel won at 1
+to 3 rows (19.2-21.0 against 24.4-24.7 at 1 row, 21.2 against 27.4 at 2,
+20.9 against 24.9 at 3). So `choose_few_row_paths(model)` times the paths
+on the model's own products at 1, 2, ... `FEW_ROWS_MAX` rows and keeps, per
+row count, the fastest where it beats the blocked path by a clear margin
+(`_MARGIN`; in doubt the blocked path, which larger steps take anyway); the
+first row count where the blocked path holds ends the search.
 
 Timing covers the products in step order up to `_TIMED_BYTES` of weights
 (more than any cache a thread sees, so they stream from memory as in a
@@ -30,19 +32,26 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
-from models.layers.fused_linear import ROW_MAJOR_MAX_ROWS, FusedLinear
+from models.kernels import cpu_skinny_gemm
+from models.layers.fused_linear import (
+    BLOCKED,
+    FEW_ROWS_MAX,
+    ROW_MAJOR,
+    ROW_MAJOR_MAX_ROWS,
+    SKINNY,
+    FusedLinear,
+)
 
 logger = logging.getLogger(__name__)
 
 _MIN_BYTES = 8 << 20
 _TIMED_BYTES = 256 << 20
 _REPEATS = 3
-# The row-major path is kept only where its best pass is this much faster.
+# Another path is kept only where its best pass is this much faster than the blocked one.
 _MARGIN = 0.95
 
-PATHS = ("blocked", "row-major")
+PATHS = (BLOCKED, ROW_MAJOR, SKINNY)
 PassTimer = Callable[[int, str], float]  # (rows, path) -> seconds of one pass
 
 
@@ -59,51 +68,64 @@ def fusions(model: torch.nn.Module) -> list[FusedLinear]:
     return [f for f in ordered if f not in head] + head
 
 
+def paths_at(rows: int, skinny: bool | None = None) -> tuple[str, ...]:
+    """The paths a product of `rows` rows can take: the blocked copy always,
+    the row-major weight up to `ROW_MAJOR_MAX_ROWS` rows, the few-row kernel
+    up to `FEW_ROWS_MAX` where it is built (`skinny`: whether it is; by
+    default, asked of the kernel library)."""
+    if skinny is None:
+        skinny = cpu_skinny_gemm.available()
+    return tuple(
+        path
+        for path, most in ((BLOCKED, rows), (ROW_MAJOR, ROW_MAJOR_MAX_ROWS), (SKINNY, FEW_ROWS_MAX))
+        if rows <= most and (path != SKINNY or skinny)
+    )
+
+
 def run_pass(products: Sequence[FusedLinear], inputs: dict[int, torch.Tensor], path: str) -> float:
     """Seconds for one product per entry of `products` on `path`, the
     input of each taken from `inputs` by its width."""
     start = time.perf_counter()
     for fused in products:
-        x = inputs[fused.weight.shape[1]]
-        if path == "blocked":
-            fused.packed_matmul(x)
-        else:
-            F.linear(x, fused.weight, fused.bias)
+        fused.run_path(inputs[fused.weight.shape[1]], path)
     return time.perf_counter() - start
 
 
-def row_major_limit(
-    time_pass: PassTimer, max_rows: int = ROW_MAJOR_MAX_ROWS
-) -> tuple[int, dict[int, dict[str, float]]]:
-    """The most rows up to which the row-major path is kept, and the best
-    pass of each path at every row count tried: row counts 1, 2, ... in
-    turn, and the first where the row-major pass is not `_MARGIN` faster
-    ends the search."""
-    limit, best = 0, {}
+def few_row_paths(
+    time_pass: PassTimer, skinny: bool, max_rows: int = FEW_ROWS_MAX
+) -> tuple[tuple[str, ...], dict[int, dict[str, float]]]:
+    """The path per row count (1, 2, ...) and the best pass of each path at
+    every row count tried: row counts in turn, the fastest path kept where
+    it beats the blocked one by `_MARGIN`; the first row count where none
+    does ends the search."""
+    chosen: list[str] = []
+    best: dict[int, dict[str, float]] = {}
     for rows in range(1, max_rows + 1):
-        best[rows] = _best_passes(time_pass, rows)
-        if best[rows]["row-major"] >= _MARGIN * best[rows]["blocked"]:
+        best[rows] = _best_passes(time_pass, rows, paths_at(rows, skinny))
+        others = {path: s for path, s in best[rows].items() if path != BLOCKED}
+        fastest = min(others, key=others.__getitem__, default=None)
+        if fastest is None or others[fastest] >= _MARGIN * best[rows][BLOCKED]:
             break
-        limit = rows
-    return limit, best
+        chosen.append(fastest)
+    return tuple(chosen), best
 
 
-def _best_passes(time_pass: PassTimer, rows: int) -> dict[str, float]:
+def _best_passes(time_pass: PassTimer, rows: int, paths: Sequence[str]) -> dict[str, float]:
     """Each path's best of `_REPEATS` passes, alternating, after a warm-up
     pass of each (first touches, oneDNN's primitive)."""
-    for path in PATHS:
+    for path in paths:
         time_pass(rows, path)
-    seconds: dict[str, list[float]] = {path: [] for path in PATHS}
+    seconds: dict[str, list[float]] = {path: [] for path in paths}
     for _ in range(_REPEATS):
-        for path in PATHS:
+        for path in paths:
             seconds[path].append(time_pass(rows, path))
     return {path: min(s) for path, s in seconds.items()}
 
 
-def choose_row_major_rows(model: torch.nn.Module) -> int | None:
+def choose_few_row_paths(model: torch.nn.Module) -> tuple[str, ...] | None:
     """Measure the paths on `model`'s fp32 products and set every product's
-    `row_major_max_rows`; returns the limit, or None where nothing was
-    measured (no packed fp32 products, or under `_MIN_BYTES` of them)."""
+    `few_row_paths`; returns them, or None where nothing was measured (no
+    packed fp32 products, or under `_MIN_BYTES` of them)."""
     products = [f for f in fusions(model) if f.weight.dtype == torch.float32]
     if not products or sum(f.weight.nbytes for f in products) < _MIN_BYTES:
         return None
@@ -123,18 +145,17 @@ def choose_row_major_rows(model: torch.nn.Module) -> int | None:
         return run_pass(timed, inputs[rows], path)
 
     with torch.inference_mode():
-        limit, best = row_major_limit(time_pass)
+        chosen, best = few_row_paths(time_pass, cpu_skinny_gemm.available())
     for fused in products:
-        fused.row_major_max_rows = limit
+        fused.few_row_paths = chosen
     logger.info(
-        "fp32 products of a few rows, best pass over %d products (%.0f MiB): %s; "
-        "row-major path up to %d rows",
+        "fp32 products of a few rows, best pass over %d products (%.0f MiB): %s; paths by rows: %s",
         len(timed),
         total / 2**20,
-        ", ".join(
-            f"{rows} rows {1e3 * p['row-major']:.2f} ms row-major / {1e3 * p['blocked']:.2f} blocked"
-            for rows, p in best.items()
+        "; ".join(
+            f"{rows} rows " + ", ".join(f"{path} {1e3 * s:.2f} ms" for path, s in passes.items())
+            for rows, passes in best.items()
         ),
-        limit,
+        ", ".join(chosen) or "blocked",
     )
-    return limit
+    return chosen

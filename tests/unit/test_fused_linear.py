@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.layers.fused_linear import ROW_MAJOR_MAX_ROWS, FusedLinear
+from models.kernels import cpu_skinny_gemm
+from models.layers.fused_linear import (
+    BLOCKED,
+    DEFAULT_FEW_ROW_PATHS,
+    FEW_ROWS_MAX,
+    ROW_MAJOR,
+    ROW_MAJOR_MAX_ROWS,
+    SKINNY,
+    FusedLinear,
+)
 from models.layers.linear_mlp import SwiGLUMLP
 
 
@@ -105,15 +114,40 @@ def _packed_products(
     return len(calls)
 
 
-def test_fp32_products_of_one_or_two_rows_use_the_row_major_weight(
+def test_fp32_products_of_a_few_rows_use_the_row_major_weight_by_default(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     torch.manual_seed(0)
     fused = FusedLinear([torch.nn.Linear(64, 256, bias=True)])
     assert fused.packed is not None
+    assert fused.few_row_paths == DEFAULT_FEW_ROW_PATHS == (ROW_MAJOR,) * ROW_MAJOR_MAX_ROWS
     for rows in range(1, ROW_MAJOR_MAX_ROWS + 1):
         assert _packed_products(fused, rows, torch.float32, monkeypatch) == 0
     assert _packed_products(fused, ROW_MAJOR_MAX_ROWS + 1, torch.float32, monkeypatch) == 1
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 64), (4, 64), (1, 1, 64), (5, 64)])
+def test_the_few_row_kernel_path_gives_the_layers_product(
+    shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    fused = FusedLinear([torch.nn.Linear(64, 200, bias=True), torch.nn.Linear(64, 56, bias=True)])
+    fused.few_row_paths = (SKINNY,) * FEW_ROWS_MAX
+    x = torch.randn(*shape)
+    rows = x.numel() // 64
+    calls: list[int] = []
+    packed_matmul = FusedLinear.packed_matmul
+    monkeypatch.setattr(
+        FusedLinear, "packed_matmul", lambda self, x: calls.append(1) or packed_matmul(self, x)
+    )
+    out = fused(x)
+    assert out.shape == (*shape[:-1], 256)
+    expected = torch.cat([lin(x) for lin in fused.linears], dim=-1)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert fused.path_for(x) == (SKINNY if rows <= FEW_ROWS_MAX else BLOCKED)
+    # Without the kernel library the blocked copy serves.
+    kernel_ran = cpu_skinny_gemm.available() and rows <= FEW_ROWS_MAX
+    assert len(calls) == (0 if kernel_ran else 1)
 
 
 @pytest.mark.skipif(

@@ -9,70 +9,114 @@ import torch
 
 from models.embedded.writer import write_checkpoint
 from models.layers import small_products
-from models.layers.fused_linear import ROW_MAJOR_MAX_ROWS
-from models.layers.small_products import choose_row_major_rows, fusions, row_major_limit
+from models.layers.fused_linear import (
+    BLOCKED,
+    DEFAULT_FEW_ROW_PATHS,
+    FEW_ROWS_MAX,
+    ROW_MAJOR,
+    ROW_MAJOR_MAX_ROWS,
+    SKINNY,
+)
+from models.layers.small_products import (
+    PATHS,
+    choose_few_row_paths,
+    few_row_paths,
+    fusions,
+    paths_at,
+)
 from models.loader import load_model
 
 
-def _timer(ms: dict[int, tuple[float, float]]) -> tuple[small_products.PassTimer, list]:
-    """A pass timer from a table rows -> (row-major ms, blocked ms), and the
-    (rows, path) of every pass it was asked for."""
+def _timer(ms: dict[int, dict[str, float]]) -> tuple[small_products.PassTimer, list]:
+    """A pass timer from a table rows -> {path: ms}, and the (rows, path) of
+    every pass it was asked for."""
     asked: list[tuple[int, str]] = []
 
     def time_pass(rows: int, path: str) -> float:
         asked.append((rows, path))
-        return 1e-3 * ms[rows][0 if path == "row-major" else 1]
+        return 1e-3 * ms[rows][path]
 
     return time_pass, asked
 
 
+def _table(*rows: tuple[float, float, float]) -> dict[int, dict[str, float]]:
+    """Rows 1, 2, ...: (blocked, row-major, skinny) ms."""
+    return {n: dict(zip(PATHS, ms, strict=True)) for n, ms in enumerate(rows, 1)}
+
+
 @pytest.mark.parametrize(
-    ("table", "limit"),
+    ("table", "skinny", "chosen"),
     [
-        ({1: (20.6, 26.0), 2: (22.3, 27.3), 3: (24.1, 27.8)}, 3),  # an Intel Xeon
-        ({1: (21.0, 26.0), 2: (27.0, 27.0), 3: (20.0, 30.0)}, 1),  # the first loss ends it
-        ({1: (45.8, 24.1), 2: (86.6, 29.5), 3: (109.4, 27.8)}, 0),  # an AMD EPYC
-        ({1: (25.0, 26.0), 2: (20.0, 26.0), 3: (20.0, 26.0)}, 0),  # within the margin
+        # An Intel Xeon, before the kernel: row-major up to 3 rows.
+        (_table((26.0, 20.6, 99), (27.3, 22.3, 99), (27.8, 24.1, 99), (28.5, 37.1, 99)), False,
+         (ROW_MAJOR,) * 3),
+        # The first row count where the blocked path holds ends the search.
+        (_table((26.0, 21.0, 99), (27.0, 27.0, 99), (30.0, 20.0, 99), (9, 9, 9)), False,
+         (ROW_MAJOR,)),
+        # An AMD EPYC: MKL's few-row product loses, the kernel wins at 1 to 3 rows.
+        (_table((24.4, 45.8, 19.2), (27.4, 86.6, 21.2), (24.9, 109.4, 20.9), (25.4, 99, 25.2)),
+         True, (SKINNY,) * 3),
+        (_table((24.4, 45.8, 19.2), (27.4, 86.6, 21.2), (24.9, 109.4, 20.9), (25.4, 99, 25.2)),
+         False, ()),
+        # Each row count its fastest path; within the margin is no win.
+        (_table((26.0, 20.0, 21.0), (26.0, 23.0, 20.0), (26.0, 25.0, 25.0), (9, 9, 9)), True,
+         (ROW_MAJOR, SKINNY)),
+        (_table((26.0, 25.5, 99), (26.0, 20.0, 99), (26.0, 20.0, 99), (9, 9, 9)), False, ()),
     ],
-)
-def test_the_row_major_path_is_kept_up_to_its_last_clear_win(
-    table: dict[int, tuple[float, float]], limit: int
+)  # fmt: skip
+def test_each_row_count_keeps_its_fastest_path_up_to_the_first_clear_loss(
+    table: dict[int, dict[str, float]], skinny: bool, chosen: tuple[str, ...]
 ) -> None:
     time_pass, asked = _timer(table)
-    got, best = row_major_limit(time_pass)
-    assert got == limit
-    tried = min(limit + 1, ROW_MAJOR_MAX_ROWS)
+    got, best = few_row_paths(time_pass, skinny)
+    assert got == chosen
+    tried = min(len(chosen) + 1, FEW_ROWS_MAX)
     assert sorted(best) == list(range(1, tried + 1))
-    assert best[1] == {"row-major": 1e-3 * table[1][0], "blocked": 1e-3 * table[1][1]}
+    assert set(best[1]) == {BLOCKED, ROW_MAJOR} | ({SKINNY} if skinny else set())
+    assert all(best[1][path] == 1e-3 * table[1][path] for path in best[1])
     # Per row count: a warm-up of each path, then the paths alternate.
     per_rows = [path for rows, path in asked if rows == 1]
-    assert per_rows == ["blocked", "row-major"] * (1 + small_products._REPEATS)
+    assert per_rows == list(paths_at(1, skinny)) * (1 + small_products._REPEATS)
+    if tried == FEW_ROWS_MAX:  # past ROW_MAJOR_MAX_ROWS rows, no row-major pass
+        assert ROW_MAJOR not in best[FEW_ROWS_MAX]
+
+
+def test_the_paths_each_row_count_can_take() -> None:
+    assert paths_at(1, skinny=True) == (BLOCKED, ROW_MAJOR, SKINNY)
+    assert paths_at(ROW_MAJOR_MAX_ROWS + 1, skinny=True) == (BLOCKED, SKINNY)
+    assert paths_at(FEW_ROWS_MAX + 1, skinny=True) == (BLOCKED,)
+    assert paths_at(2, skinny=False) == (BLOCKED, ROW_MAJOR)
 
 
 def test_a_model_too_small_to_time_keeps_the_default(tmp_path: Path) -> None:
     model, _ = load_model(write_checkpoint(tmp_path, "llama", "tiny"))
-    assert choose_row_major_rows(model) is None
-    assert {f.row_major_max_rows for f in fusions(model)} == {ROW_MAJOR_MAX_ROWS}
+    assert choose_few_row_paths(model) is None
+    assert {f.few_row_paths for f in fusions(model)} == {DEFAULT_FEW_ROW_PATHS}
 
 
-def test_the_loader_sets_one_measured_limit_on_every_product(
+def test_the_loader_sets_the_measured_paths_on_every_product(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(small_products, "_MIN_BYTES", 0)
     checkpoint = write_checkpoint(tmp_path, "llama", "tiny")
     model, _ = load_model(checkpoint)
     products = fusions(model)
-    limits = {f.row_major_max_rows for f in products}
-    assert len(limits) == 1 and 0 <= limits.pop() <= ROW_MAJOR_MAX_ROWS
+    chosen = {f.few_row_paths for f in products}
+    assert len(chosen) == 1
+    paths = chosen.pop()
+    assert len(paths) <= FEW_ROWS_MAX
+    assert all(path in paths_at(rows) and path != BLOCKED for rows, path in enumerate(paths, 1))
     # Timing draws its inputs from a generator of its own.
     state = torch.get_rng_state()
-    assert choose_row_major_rows(model) is not None
+    assert choose_few_row_paths(model) is not None
     assert torch.equal(torch.get_rng_state(), state)
     # Whichever path a few rows take, the product is the layers' own.
     for fused in products:
-        x = torch.randn(2, fused.weight.shape[1])
-        with torch.inference_mode():
-            torch.testing.assert_close(fused(x), torch.nn.functional.linear(x, fused.weight))
+        for rows in range(1, FEW_ROWS_MAX + 2):
+            x = torch.randn(rows, fused.weight.shape[1])
+            with torch.inference_mode():
+                want = torch.nn.functional.linear(x, fused.weight)
+                torch.testing.assert_close(fused(x), want, rtol=1e-5, atol=1e-5)
 
 
 def test_bfloat16_products_are_not_timed_and_stay_blocked(
@@ -83,5 +127,5 @@ def test_bfloat16_products_are_not_timed_and_stay_blocked(
     products = fusions(model)
     if not products:
         pytest.skip("no prepacked bfloat16 products on this CPU")
-    assert choose_row_major_rows(model) is None
-    assert {f.row_major_max_rows for f in products} == {0}
+    assert choose_few_row_paths(model) is None
+    assert {f.few_row_paths for f in products} == {()}
