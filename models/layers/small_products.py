@@ -75,11 +75,12 @@ def paths_at(rows: int, skinny: bool | None = None) -> tuple[str, ...]:
     default, asked of the kernel library)."""
     if skinny is None:
         skinny = cpu_skinny_gemm.available()
-    return tuple(
-        path
-        for path, most in ((BLOCKED, rows), (ROW_MAJOR, ROW_MAJOR_MAX_ROWS), (SKINNY, FEW_ROWS_MAX))
-        if rows <= most and (path != SKINNY or skinny)
-    )
+    paths = [BLOCKED]
+    if rows <= ROW_MAJOR_MAX_ROWS:
+        paths.append(ROW_MAJOR)
+    if skinny and rows <= FEW_ROWS_MAX:
+        paths.append(SKINNY)
+    return tuple(paths)
 
 
 def run_pass(products: Sequence[FusedLinear], inputs: dict[int, torch.Tensor], path: str) -> float:
