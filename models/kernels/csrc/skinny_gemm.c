@@ -13,10 +13,9 @@
  * and 2, 50.8 and 55 with 4 at 3 and 4).
  *
  * Every output is summed in the same order whatever `rows` and the tile
- * are: lane-wise over k in whole vectors, the vector's lanes over one fixed
- * tree (`hsum_tree`, or `reduce4` for four at once), then the k tail one
- * by one, then the bias. So a sequence's outputs do not depend on which
- * others share its step.
+ * are: lane-wise over k in whole vectors, the vector's lanes through one
+ * reduction (`reduce_all`), then the k tail one by one, then the bias. So a
+ * sequence's outputs do not depend on which others share its step.
  *
  * Output rows are split over `threads` threads in chunks of `chunk` (see
  * parallel.h). Strides are in elements; rows of x, w and y are contiguous.
@@ -37,20 +36,8 @@ typedef struct {
     int64_t next; /* first output row of the next chunk, atomic */
 } Job;
 
-/* A vector's lane sum: lanes i and i + 8, then j and j + 4, then
- * (0 + 2) + (1 + 3). */
-ALWAYS_INLINE float hsum_tree(vf v) {
-#if LANES == 16
-    float p[8], q[4];
-    for (int i = 0; i < 8; i++) p[i] = v[i] + v[i + 8];
-    for (int j = 0; j < 4; j++) q[j] = p[j] + p[j + 4];
-    return (q[0] + q[2]) + (q[1] + q[3]);
-#else
-    return hsum(v);
-#endif
-}
-
-/* The lane sums of four vectors into s[0..3], each over hsum_tree's tree. */
+/* The lane sums of four vectors into s[0..3]: lanes i and i + 8, then j
+ * and j + 4, then (0 + 2) + (1 + 3), all four in one vector. */
 ALWAYS_INLINE void reduce4(vf a0, vf a1, vf a2, vf a3, float *s) {
 #if LANES == 16
     const vf p01 = SHUFFLE(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -66,11 +53,25 @@ ALWAYS_INLINE void reduce4(vf a0, vf a1, vf a2, vf a3, float *s) {
     s[2] = t[8];
     s[3] = t[12];
 #else
-    s[0] = hsum_tree(a0);
-    s[1] = hsum_tree(a1);
-    s[2] = hsum_tree(a2);
-    s[3] = hsum_tree(a3);
+    s[0] = hsum(a0);
+    s[1] = hsum(a1);
+    s[2] = hsum(a2);
+    s[3] = hsum(a3);
 #endif
+}
+
+/* The lane sums of `count` accumulators into sums[0 .. count - 1], four at a
+ * time through reduce4 (the last group padded with zero vectors): every
+ * output of every tile is summed by the same code, so the compiler's
+ * reassociation (-fassociative-math) cannot make two tiles disagree. */
+ALWAYS_INLINE void reduce_all(const vf *acc, float *sums, int count) {
+    const vf zero = (vf){0};
+    for (int i = 0; i < count; i += 4) {
+        float s[4];
+        reduce4(acc[i], i + 1 < count ? acc[i + 1] : zero, i + 2 < count ? acc[i + 2] : zero,
+                i + 3 < count ? acc[i + 3] : zero, s);
+        for (int j = 0; j < 4 && i + j < count; j++) sums[i + j] = s[j];
+    }
 }
 
 /* Outputs n0 .. n0 + G - 1 of every input row: R x G accumulators, one
@@ -93,14 +94,7 @@ ALWAYS_INLINE void reduce4(vf a0, vf a1, vf a2, vf a3, float *s) {
             }                                                                               \
         }                                                                                   \
         float sums[R][G];                                                                   \
-        for (int r = 0; r < R; r++) {                                                       \
-            if (G % 4 == 0)                                                                 \
-                for (int g = 0; g + 3 < G; g += 4)                                          \
-                    reduce4(acc[r][g], acc[r][g + 1], acc[r][g + 2], acc[r][g + 3],         \
-                            &sums[r][g]);                                                   \
-            else                                                                            \
-                for (int g = 0; g < G; g++) sums[r][g] = hsum_tree(acc[r][g]);             \
-        }                                                                                   \
+        reduce_all(&acc[0][0], &sums[0][0], R * G);                                         \
         for (int r = 0; r < R; r++)                                                         \
             for (int g = 0; g < G; g++) {                                                   \
                 float s = sums[r][g];                                                       \
