@@ -9,8 +9,9 @@ oneDNN's blocked copy of the weights, the row-major weight through
 most rows, where it is built). Passes alternate between the paths, so load
 from other processes hits them alike; the median pass is printed, with the
 path `FusedLinear` takes at that row count (what the loader measured on
-this CPU, see `models.layers.small_products`). It runs in the environment served CPU
-workers start with (`engine.process_env`), re-executing itself if needed.
+this CPU, see `models.layers.small_products`). It runs in the environment
+served CPU workers start with (`engine.process_env`), re-executing itself if
+needed.
 What it is for: checking the loader's choice of path on another CPU against
 more passes and more row counts.
 
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 
 from engine.process_env import run_in_cpu_engine_env
+from models.layers.fused_linear import ROW_MAJOR
 from models.layers.small_products import PATHS, fusions, paths_at, run_pass
 from models.loader import load_model
 
@@ -62,7 +64,7 @@ def measure(checkpoint: Path, dtype: str, rows: list[int], reps: int) -> list[Ro
         x = inputs[products[0].weight.shape[1]]
         result = RowResult(count, products[0].path_for(x))
         # The row-major path at any row count; the few-row kernel where it serves.
-        paths = [path for path in PATHS if path != "skinny" or path in paths_at(count)]
+        paths = [path for path in PATHS if path == ROW_MAJOR or path in paths_at(count)]
         with torch.inference_mode():
             for rep in range(reps + 1):
                 for path in paths:
