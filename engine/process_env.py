@@ -20,22 +20,34 @@ On any device (`WORKER_ENV`):
 
 On CPU (`CPU_ENGINE_ENV`), for the C runtime:
 
-- `GOMP_SPINCOUNT=30000`: an OpenMP thread that reaches the end of a
-  parallel region spins about half a millisecond for the next one before it
+- `GOMP_SPINCOUNT=5000`: an OpenMP thread that reaches the end of a
+  parallel region spins about 90 microseconds for the next one before it
   sleeps (libgomp's default is 300,000 spins, a few milliseconds; passive
-  waits sleep at once). A decode step runs hundreds of small regions a
-  few tens of microseconds apart; a sleeping thread pays a wake at each of
-  them. On 2 cores shared with the router and the client, an aggregated
-  instance (2 threads) of SmolLM2 at one request per second had an ITL p50
-  of 50 ms with this spin against 65 passive (vLLM's CPU build, which
-  spins: 52), TTFT p50 287-305 against 319-329 ms; the anchor Llama at 8
-  requests per second 3.7-3.9 against 5.2-5.5 ms, and the same tokens/s
-  at rate inf. Offline, a SmolLM2 decode step of 8 sequences takes 58 ms
-  with 3,000 spins, 49 with 10,000, 44-45 from 30,000 up, 62 passive.
-  An idle instance spins only that half millisecond after its last step.
+  waits sleep at once). A decode step runs a hundred or more regions a
+  few tens of microseconds apart, and a sleeping thread pays a wake at
+  each of them: SmolLM2 at 2 sequences on 2 threads runs 122 regions a
+  step, and the gaps between them (a step's serial work: the calls
+  between products, attention, norms) were 31-48 us, 88 us around
+  attention and 140-390 us at the step's ends. Offline, a decode step of 8
+  sequences took 58 ms with 3,000 spins, 49 with 10,000, 44-45 from 30,000
+  up, 62 passive (an earlier build, whose gaps were longer); at 2
+  sequences 5,000 spins gave 77.5-77.7 tok/s against 78.2-81.4 at 30,000.
+  A spin too long costs where the engine shares its cores with the
+  serving process and the client: a thread spinning for a partner that
+  lost its core to them holds the core the partner, or they, could run
+  on. Served on the 2-core machine with the client (`benchmarks.serve_cpu`,
+  the anchor Llama, 64 requests at once), 30,000 spins gave 1766-1799
+  output tok/s (the worker 3.2 CPU-s a run), 10,000 1812-1870, 5,000
+  1977-2030 (2.8 CPU-s), 3,000 2032-2174 and passive waits 1901-2228
+  (2.5 CPU-s); SmolLM2 (`benchmarks.serve_compare --servers ours-agg`,
+  32 prompts) at rate inf 133-136 against 130 tok/s at 30,000, at 0.5 and
+  1 request/s an ITL p50 of 30.9 / 32.6-33.2 ms against 29.4 / 31.9-32.1
+  (vLLM's CPU build, which spins: about 40), the same TTFT. So the spin
+  covers the gaps inside a step, and not much more. An idle instance
+  spins only that long after its last step.
   Where other busy work shares the instance's cores (more runnable threads
   than cores), a spinning thread burns the time its preempted partner
-  needs: with two `yes` loops on the 2 cores, the same SmolLM2 run had an
+  needs: with two `yes` loops on the 2 cores, SmolLM2 at 30,000 spins had an
   ITL p50 of 114-170 ms spinning against 84-88 passive. Such a host sets
   `OMP_WAIT_POLICY=PASSIVE` (libgomp then takes its spin count from the
   policy, as it does for any policy the environment names). At Ray's
@@ -69,7 +81,7 @@ from collections.abc import Sequence
 
 WORKER_ENV: dict[str, str] = {"RAY_worker_niceness": "0"}
 CPU_ENGINE_ENV: dict[str, str] = {
-    "GOMP_SPINCOUNT": "30000",
+    "GOMP_SPINCOUNT": "5000",
     "MALLOC_ARENA_MAX": "1",
     "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
     "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
