@@ -41,15 +41,22 @@ def test_matches_f_linear(
     assert ((F.linear(x, weight, b).double() - want).abs() <= 1e-6 * scale).all()
 
 
-def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it() -> None:
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(cpu_skinny_gemm.MAX_ROWS, 300, generator=gen)
-    weight = torch.randn(77, 300, generator=gen)
-    alone = [cpu_skinny_gemm.skinny_gemm_if_supported(x[i : i + 1], weight) for i in range(len(x))]
-    together = cpu_skinny_gemm.skinny_gemm_if_supported(x, weight)
-    assert together is not None
-    for i, row in enumerate(alone):
-        assert row is not None and torch.equal(row[0], together[i])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("n", "k"), [(77, 300), (64, 576), (13, 37), (17, 129), (9, 5)])
+def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(bias: bool, n: int, k: int) -> None:
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    x = torch.randn(cpu_skinny_gemm.MAX_ROWS, k, generator=gen)
+    weight = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    alone = [
+        cpu_skinny_gemm.skinny_gemm_if_supported(x[i : i + 1], weight, b) for i in range(len(x))
+    ]
+    for rows in range(2, cpu_skinny_gemm.MAX_ROWS + 1):
+        together = cpu_skinny_gemm.skinny_gemm_if_supported(x[:rows], weight, b)
+        assert together is not None
+        for i in range(rows):
+            row = alone[i]
+            assert row is not None and torch.equal(row[0], together[i]), (rows, i)
 
 
 def test_strided_rows_are_read_in_place() -> None:

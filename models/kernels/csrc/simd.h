@@ -1,13 +1,18 @@
 /* Portable vector helpers for the CPU kernels (GCC/Clang vector extensions):
  * LANES floats per vector (16 with AVX-512, 8 with AVX, else 4), unaligned
- * loads and stores, lane-wise max, horizontal reductions and a vectorized
- * exp for non-positive arguments.
+ * loads and stores, fused multiply-add, lane-wise max, horizontal
+ * reductions and a vectorized exp for non-positive arguments.
  */
 #ifndef DISAGG_SIMD_H
 #define DISAGG_SIMD_H
 
 #include <stdint.h>
 #include <string.h>
+#if defined(__FMA__) || defined(__AVX512F__)
+#include <immintrin.h>
+#elif defined(__ARM_FEATURE_FMA) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
 
 #if defined(__AVX512F__)
 #define LANES 16
@@ -38,7 +43,33 @@ ALWAYS_INLINE vf vload(const float *p) {
 
 ALWAYS_INLINE void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
+/* The first `count` (< LANES) floats at p, the other lanes zero. */
+ALWAYS_INLINE vf vload_head(const float *p, int64_t count) {
+    vf v = {0};
+    memcpy(&v, p, (size_t)count * sizeof(float));
+    return v;
+}
+
 ALWAYS_INLINE vf splat(float f) { return (vf){0} + f; }
+
+/* a * b + c, rounded once where the CPU has fused multiply-add. Written
+ * `a * b + c`, whether the compiler fuses depends on the code around it
+ * (GCC tuned for AMD Zen keeps the product of a loop-carried sum apart),
+ * so the same sum may round differently in two functions; this one fuses
+ * in every caller, or nowhere. */
+ALWAYS_INLINE vf vfma(vf a, vf b, vf c) {
+#if LANES == 16
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif LANES == 8 && defined(__FMA__)
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#elif LANES == 4 && defined(__FMA__)
+    return (vf)_mm_fmadd_ps((__m128)a, (__m128)b, (__m128)c);
+#elif LANES == 4 && defined(__ARM_FEATURE_FMA) && defined(__ARM_NEON)
+    return (vf)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
+#else
+    return a * b + c;
+#endif
+}
 
 ALWAYS_INLINE vf vmax(vf a, vf b) {
     const vi take_a = a > b;

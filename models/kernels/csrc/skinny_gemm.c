@@ -13,9 +13,14 @@
  * and 2, 50.8 and 55 with 4 at 3 and 4).
  *
  * Every output is summed in the same order whatever `rows` and the tile
- * are: lane-wise over k in whole vectors, the vector's lanes through one
- * reduction (`reduce_all`), then the k tail one by one, then the bias. So a
- * sequence's outputs do not depend on which others share its step.
+ * are: lane-wise over k in whole vectors, the k tail as one more vector
+ * padded with zeros, the vector's lanes through one reduction
+ * (`reduce_all`), then the bias. So a sequence's outputs do not depend on
+ * which others share its step. That order is spelled out, not left to the
+ * compiler: each multiply-add is one `vfma`, and the tail is a vector, not
+ * a scalar loop. Written `acc += x * w` with a scalar tail, GCC tuned for
+ * AMD Zen 2 fused the products in some tiles and not in others, and a row
+ * alone and the same row beside three others differed in the last bits.
  *
  * Output rows are split over `threads` threads in chunks of `chunk` (see
  * parallel.h). Strides are in elements; rows of x, w and y are contiguous.
@@ -36,8 +41,9 @@ typedef struct {
     int64_t next; /* first output row of the next chunk, atomic */
 } Job;
 
-/* The lane sums of four vectors into s[0..3]: lanes i and i + 8, then j
- * and j + 4, then (0 + 2) + (1 + 3), all four in one vector. */
+/* The lane sums of four vectors into s[0..3], all four in one vector: the
+ * two halves of each vector added, then the halves of those, down to one
+ * lane each (the same shuffles and adds at every vector width). */
 ALWAYS_INLINE void reduce4(vf a0, vf a1, vf a2, vf a3, float *s) {
 #if LANES == 16
     const vf p01 = SHUFFLE(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
@@ -52,11 +58,26 @@ ALWAYS_INLINE void reduce4(vf a0, vf a1, vf a2, vf a3, float *s) {
     s[1] = t[4];
     s[2] = t[8];
     s[3] = t[12];
+#elif LANES == 8
+    const vf p01 =
+        SHUFFLE(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(a0, a1, 4, 5, 6, 7, 12, 13, 14, 15);
+    const vf p23 =
+        SHUFFLE(a2, a3, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(a2, a3, 4, 5, 6, 7, 12, 13, 14, 15);
+    const vf q =
+        SHUFFLE(p01, p23, 0, 1, 4, 5, 8, 9, 12, 13) + SHUFFLE(p01, p23, 2, 3, 6, 7, 10, 11, 14, 15);
+    const vf t = q + SHUFFLE(q, q, 1, 0, 3, 2, 5, 4, 7, 6);
+    s[0] = t[0];
+    s[1] = t[2];
+    s[2] = t[4];
+    s[3] = t[6];
 #else
-    s[0] = hsum(a0);
-    s[1] = hsum(a1);
-    s[2] = hsum(a2);
-    s[3] = hsum(a3);
+    const vf p01 = SHUFFLE(a0, a1, 0, 1, 4, 5) + SHUFFLE(a0, a1, 2, 3, 6, 7);
+    const vf p23 = SHUFFLE(a2, a3, 0, 1, 4, 5) + SHUFFLE(a2, a3, 2, 3, 6, 7);
+    const vf t = SHUFFLE(p01, p23, 0, 2, 4, 6) + SHUFFLE(p01, p23, 1, 3, 5, 7);
+    s[0] = t[0];
+    s[1] = t[1];
+    s[2] = t[2];
+    s[3] = t[3];
 #endif
 }
 
@@ -79,7 +100,7 @@ ALWAYS_INLINE void reduce_all(const vf *acc, float *sums, int count) {
  * the accumulators stay in registers. */
 #define DEFINE_TILE(R, G)                                                                   \
     static void tile_##R##_##G(const Job *job, int64_t n0) {                                \
-        const float *x = job->x, *w = job->w + n0 * job->w_stride;                         \
+        const float *x = job->x, *w = job->w + n0 * job->w_stride;                          \
         const int64_t k = job->k, xs = job->x_stride, ws = job->w_stride;                   \
         vf acc[R][G];                                                                       \
         for (int r = 0; r < R; r++)                                                         \
@@ -90,7 +111,15 @@ ALWAYS_INLINE void reduce_all(const vf *acc, float *sums, int count) {
             for (int g = 0; g < G; g++) wv[g] = vload(w + g * ws + i);                      \
             for (int r = 0; r < R; r++) {                                                   \
                 const vf xv = vload(x + r * xs + i);                                        \
-                for (int g = 0; g < G; g++) acc[r][g] += xv * wv[g];                        \
+                for (int g = 0; g < G; g++) acc[r][g] = vfma(xv, wv[g], acc[r][g]);         \
+            }                                                                               \
+        }                                                                                   \
+        if (i < k) {                                                                        \
+            vf wv[G];                                                                       \
+            for (int g = 0; g < G; g++) wv[g] = vload_head(w + g * ws + i, k - i);          \
+            for (int r = 0; r < R; r++) {                                                   \
+                const vf xv = vload_head(x + r * xs + i, k - i);                            \
+                for (int g = 0; g < G; g++) acc[r][g] = vfma(xv, wv[g], acc[r][g]);         \
             }                                                                               \
         }                                                                                   \
         float sums[R][G];                                                                   \
@@ -98,7 +127,6 @@ ALWAYS_INLINE void reduce_all(const vf *acc, float *sums, int count) {
         for (int r = 0; r < R; r++)                                                         \
             for (int g = 0; g < G; g++) {                                                   \
                 float s = sums[r][g];                                                       \
-                for (int64_t j = i; j < k; j++) s += x[r * xs + j] * w[g * ws + j];        \
                 if (job->bias) s += job->bias[n0 + g];                                      \
                 job->y[r * job->y_stride + n0 + g] = s;                                     \
             }                                                                               \
