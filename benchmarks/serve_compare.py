@@ -5,6 +5,7 @@
     python -m benchmarks.serve_compare --servers ours-1p1d-python vllm-1p1d --rates inf
     python -m benchmarks.serve_compare --model /path/to/hf-folder --rates 0.5 1 inf
     python -m benchmarks.serve_compare --model smollm2 --rates 0.5 1 inf   # the real model
+    python -m benchmarks.serve_compare --cpus 0 --serving-cpus 1 --servers vllm-agg ours-agg ours-offline
 
 One server at a time (see `benchmarks.serve_targets` for how each starts):
 vLLM-CPU aggregated, vLLM-CPU 1P1D over NixlConnector, our aggregated, our
@@ -25,6 +26,16 @@ Both 1P1D setups run each instance on a core of its own (vLLM's by
 `--cpus` instead, to measure what the pinning buys. Our 1P1D's label says
 when its router sends a request's first token (`router.first_token_at`, the
 config's default unless `--first-token-at`).
+
+`--serving-cpus` splits the CPUs: the engines alone on `--cpus`, and the
+servers' HTTP and routing processes (ours: the serving process and Ray's
+daemons; vLLM: its API server and engine-core processes may use both sets,
+its OpenMP threads bound to `--cpus`), the 1P1D proxy and the client on
+`--serving-cpus`. That is a GPU node's layout, where the engine has a device
+of its own and the host's cores serve HTTP: served / offline then measures
+what the serving path costs the engine, not what the client and the server
+take from its cores. For example `--cpus 0 --serving-cpus 1 --servers
+vllm-agg ours-agg ours-offline` (the 1P1D servers need two CPUs in `--cpus`).
 
 `ours-offline` is no server: our `EngineCore` stepped in a plain loop in one
 process, with no HTTP, router, Ray or asyncio in front
@@ -119,7 +130,10 @@ def rate_seeds(rates: Sequence[str], base_seed: int) -> list[tuple[str, int]]:
 def bench_command(
     setup: Setup, model_id: str, workload: Workload, rate: str, seed: int, out: Path
 ) -> list[str]:
+    """`vllm bench serve`'s command line, pinned to the serving CPUs where the setup has them."""
+    pin = ["taskset", "-c", ",".join(map(str, setup.serving_cpus))] if setup.serving_cpus else []
     return [
+        *pin,
         vllm_executable(setup),
         *("bench", "serve", "--backend", "openai", "--base-url", setup.url),
         *("--model", model_id, "--tokenizer", str(setup.model), "--dataset-name", "random"),
@@ -266,6 +280,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefix-caching", action="store_true", help="on for both sides")
     parser.add_argument("--cpus", type=_cpus, default=(0, 1), help="CPU set, e.g. 0,1")
     parser.add_argument(
+        "--serving-cpus",
+        type=_cpus,
+        default=(),
+        help="run the servers' HTTP and routing processes and the client here, "
+        "the engines alone on --cpus (default: all share --cpus)",
+    )
+    parser.add_argument(
         "--unpinned",
         action="store_true",
         help="our 1P1D instances float over --cpus (default: one core each, as vLLM's)",
@@ -284,6 +305,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.rates is None:
         args.rates = list(QUICK_RATES if args.quick else DEFAULT_RATES)
+    if args.serving_cpus:
+        if set(args.serving_cpus) & set(args.cpus):
+            parser.error(
+                "--serving-cpus and --cpus share a CPU; give the engines CPUs of their own"
+            )
+        if args.unpinned:
+            parser.error("--unpinned 1P1D instances would float onto --serving-cpus; drop one")
+        one_per_instance = [s for s in args.servers if "1p1d" in s]
+        if one_per_instance and len(args.cpus) < 2:
+            parser.error(
+                f"{' and '.join(one_per_instance)} need two CPUs in --cpus, one per instance; "
+                "give --cpus two CPUs or leave them out of --servers"
+            )
     return args
 
 
@@ -339,6 +373,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
         workdir=workdir.resolve(),
         pin_instances=not args.unpinned,
         first_token_at=args.first_token_at,
+        serving_cpus=args.serving_cpus,
     )
 
 
@@ -351,7 +386,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup = make_setup(args)
     workload = Workload(args.input_len, args.output_len, args.num_prompts, args.seed)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
-    print(f"model {setup.model}, CPUs {setup.cpus}, logs in {setup.workdir}", flush=True)
+    where = f"CPUs {setup.cpus}"
+    if setup.serving_cpus:
+        where = f"engines on CPUs {setup.cpus}, serving side and client on {setup.serving_cpus}"
+    print(f"model {setup.model}, {where}, logs in {setup.workdir}", flush=True)
     print(f"vLLM processes load {VLLM_SITE / 'sitecustomize.py'} (see its docstring)", flush=True)
     rows: list[Row] = []
     started = time.monotonic()

@@ -287,6 +287,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.prefix_caching = False
     args.unpinned = False
     args.first_token_at = None
+    args.serving_cpus = ()  # the client runs in this process, on the server's CPUs
     return args
 
 

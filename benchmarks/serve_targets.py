@@ -8,6 +8,12 @@
 | `ours-1p1d-python`, `ours-1p1d-nixl` | `disagg serve`, one context + one generation instance on that transceiver | one CPU each (`cpu_affinity`), the router on either |
 | `ours-offline` | no server: `benchmarks.vllm_compare --skip-vllm --engine-only`, our `EngineCore` stepped in a plain loop, every prompt at once | all of `--cpus` |
 
+With `Setup.serving_cpus` the engines keep `cpus` to themselves: our
+serving process (HTTP, router, Ray's daemons) runs on `serving_cpus` and
+pins each engine instance to its CPUs of `cpus` (`cpu_affinity`); vLLM's
+processes may run on both sets, its engines' OpenMP threads bound to `cpus`;
+the 1P1D proxy and the client run on `serving_cpus`.
+
 Every server is reached at `http://127.0.0.1:<port>`, gets the same batch
 limits (`Setup.max_num_seqs`, `Setup.max_num_tokens`) and prefix caching
 (vLLM) / block reuse (ours) on or off together.
@@ -60,6 +66,25 @@ class Setup:
     pin_instances: bool = True
     # Our 1P1D's `router.first_token_at`; None: the config's default.
     first_token_at: str | None = None
+    # CPUs of everything but the engines (servers' HTTP and routing, the
+    # client); empty: they share `cpus` with the engines.
+    serving_cpus: tuple[int, ...] = ()
+
+    @property
+    def front_cpus(self) -> tuple[int, ...]:
+        """Where the serving processes and the client run."""
+        return self.serving_cpus or self.cpus
+
+    def server_cpus(self, engine_cpus: tuple[int, ...]) -> tuple[int, ...]:
+        """The CPU set of a vLLM server whose engine binds to `engine_cpus`."""
+        return engine_cpus + self.serving_cpus
+
+    @property
+    def layout(self) -> str:
+        """Where the engines and the rest run, for the labels ('' when they share)."""
+        if not self.serving_cpus:
+            return ""
+        return f"engines on CPU {_cpu_list(self.cpus)}, the rest on {_cpu_list(self.serving_cpus)}"
 
     @property
     def url(self) -> str:
@@ -72,6 +97,15 @@ class Setup:
 
     def log(self, name: str) -> Path:
         return self.workdir / f"{name}.log"
+
+
+def _cpu_list(cpus: tuple[int, ...]) -> str:
+    return ",".join(str(c) for c in cpus)
+
+
+def _placed(label: str, setup: Setup) -> str:
+    """`label` with the setup's CPU layout added, where it has one."""
+    return f"{label} [{setup.layout}]" if setup.layout else label
 
 
 @dataclass
@@ -127,9 +161,9 @@ def vllm_aggregated(setup: Setup) -> Launch:
         _vllm_serve(setup, setup.port, []),
         vllm_env(setup, setup.cpus),
         setup.log("vllm-agg"),
-        cpus=setup.cpus,
+        cpus=setup.server_cpus(setup.cpus),
     )
-    label = f"vLLM-CPU aggregated ({len(setup.cpus)} threads)"
+    label = _placed(f"vLLM-CPU aggregated ({len(setup.cpus)} threads)", setup)
     return Launch(label, (setup.port,), [proc], [setup.url])
 
 
@@ -155,20 +189,21 @@ def vllm_1p1d(setup: Setup) -> Launch:
         )
         transfer = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"}
         argv = _vllm_serve(setup, port, ["--kv-transfer-config", json.dumps(transfer)])
-        procs.append(GroupProcess(f"vllm-{role}", argv, env, setup.log(f"vllm-{role}"), cpus))
+        log = setup.log(f"vllm-{role}")
+        procs.append(GroupProcess(f"vllm-{role}", argv, env, log, setup.server_cpus(cpus)))
         urls.append(f"http://127.0.0.1:{port}")
         ports += [port, side_port]
     proxy = [sys.executable, "-m", "benchmarks.pd_proxy", "--port", str(setup.port)]
     proxy += ["--prefill", str(urls[0]), "--decode", str(urls[1])]
-    procs.append(
-        GroupProcess("vllm-proxy", proxy, dict(os.environ), setup.log("vllm-proxy"), cwd=ROOT)
-    )
+    proxy_cpus = setup.serving_cpus or None  # else it floats, as the client does
+    proxy_log = setup.log("vllm-proxy")
+    procs.append(GroupProcess("vllm-proxy", proxy, dict(os.environ), proxy_log, proxy_cpus, ROOT))
     urls.append(setup.url)
     label = (
         f"vLLM-CPU 1P1D NixlConnector (1 core each, NIXL progress delay "
         f"{DEFAULT_PROGRESS_DELAY_US} us, {'='.join(UCX_WORKER_LOCK)})"
     )
-    return Launch(label, tuple(ports), procs, urls)
+    return Launch(_placed(label, setup), tuple(ports), procs, urls)
 
 
 # -------------------------------------------------------------------- ours
@@ -227,12 +262,18 @@ def _ours(setup: Setup, key: str, config: dict[str, Any], label: str) -> Launch:
     path = setup.workdir / f"{key}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     argv = [sys.executable, "-m", "cluster.cli", "serve", "-c", str(path)]
-    proc = GroupProcess(key, argv, dict(os.environ), setup.log(key), setup.cpus, cwd=ROOT)
-    return Launch(label, (setup.port,), [proc], [setup.url])
+    proc = GroupProcess(key, argv, dict(os.environ), setup.log(key), setup.front_cpus, cwd=ROOT)
+    return Launch(_placed(label, setup), (setup.port,), [proc], [setup.url])
 
 
 def ours_aggregated(setup: Setup) -> Launch:
     config, how = aggregated_sections(base_config(setup, "python"), len(setup.cpus))
+    if setup.serving_cpus:
+        # The serving process runs on `serving_cpus`: the instance is pinned to the engines' CPUs.
+        generation = config.get("generation_servers", {}) | {"cpu_affinity": list(setup.cpus)}
+        config = config | {"generation_servers": generation}
+        if not accepts(config):
+            raise ValueError("this checkout's config has no generation_servers.cpu_affinity")
     return _ours(setup, "ours-agg", config, f"disagg {how}")
 
 
@@ -243,6 +284,8 @@ def pinned_1p1d(config: dict[str, Any], setup: Setup) -> tuple[dict[str, Any], s
     this checkout's schema lacks `cpu_affinity`."""
     cpus = setup.cpus
     if not setup.pin_instances or len(cpus) < 2:
+        if setup.serving_cpus:  # unpinned, they would share the serving CPUs
+            raise ValueError("with serving CPUs our 1P1D needs one CPU per instance in cpus")
         return config, "unpinned"
     pinned = config | {
         "context_servers": {"cpu_affinity": [cpus[0]]},

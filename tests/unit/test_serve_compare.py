@@ -10,8 +10,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from benchmarks.pd_proxy import decode_request, prefill_request
 from benchmarks.process_group import (
@@ -37,8 +39,12 @@ from benchmarks.serve_targets import (
     aggregated_sections,
     base_config,
     first_token_setting,
+    ours_1p1d,
+    ours_aggregated,
     ours_offline,
     pinned_1p1d,
+    vllm_1p1d,
+    vllm_aggregated,
 )
 from cluster.config import RouterConfig
 
@@ -70,7 +76,15 @@ def test_defaults_quick_and_rates() -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--rates", "0"], ["--rates", "fast"], ["--cpus", "0,0"], ["--servers", "tgi"]],
+    [
+        ["--rates", "0"],
+        ["--rates", "fast"],
+        ["--cpus", "0,0"],
+        ["--servers", "tgi"],
+        ["--cpus", "0,1", "--serving-cpus", "1"],  # the engines need CPUs of their own
+        ["--serving-cpus", "2", "--unpinned"],
+        ["--cpus", "0", "--serving-cpus", "1"],  # the default servers include the 1P1D ones
+    ],
 )
 def test_bad_arguments_exit_with_usage(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
@@ -83,6 +97,66 @@ def test_each_rate_has_its_own_seed_and_every_server_the_same() -> None:
     assert len({seed for _, seed in seeds}) == 3
     assert seeds == rate_seeds(["2", "8", "inf"], base_seed=0)
     assert 0 not in {seed for _, seed in seeds}  # seed 0 is the warm-up's
+
+
+def test_serving_cpus_are_parsed_and_leave_one_cpu_engines_to_aggregated_servers() -> None:
+    args = parse_args(["--cpus", "0", "--serving-cpus", "1", "--servers", "ours-agg", "vllm-agg"])
+    assert args.cpus == (0,) and args.serving_cpus == (1,)
+    assert parse_args([]).serving_cpus == ()
+
+
+def _yaml(serve_argv: list[str]) -> dict[str, Any]:
+    """The config a `disagg serve -c PATH` command line names."""
+    assert serve_argv[-2] == "-c"
+    return dict(yaml.safe_load(Path(serve_argv[-1]).read_text()))
+
+
+def test_serving_cpus_keep_the_engines_cpus_to_themselves(tmp_path: Path) -> None:
+    split = dataclasses.replace(_setup(tmp_path), cpus=(0,), serving_cpus=(1,))
+    ours = ours_aggregated(split)
+    (proc,) = ours.processes
+    assert proc.argv[:3] == ["taskset", "-c", "1"]  # the serving process and Ray's daemons
+    config = _yaml(proc.argv)
+    assert config["generation_servers"]["cpu_affinity"] == [0] and accepts(config)
+    assert "engines on CPU 0, the rest on 1" in ours.label
+    (vllm,) = vllm_aggregated(split).processes
+    assert vllm.argv[:3] == ["taskset", "-c", "0,1"]
+    assert vllm.env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and vllm.env["OMP_NUM_THREADS"] == "1"
+    assert ours_offline(split, 64, 256, 64, tmp_path / "o.json").argv[:3] == ["taskset", "-c", "0"]
+    client = bench_command(split, "m", _workload(), "inf", 7, tmp_path / "r.json")
+    assert client[:3] == ["taskset", "-c", "1"] and client[3].endswith("vllm")
+    shared = ours_aggregated(_setup(tmp_path))
+    assert shared.processes[0].argv[:3] == ["taskset", "-c", "0,1"] and "[" not in shared.label
+    assert "cpu_affinity" not in _yaml(shared.processes[0].argv)["generation_servers"]
+
+
+def test_serving_cpus_put_each_1p1d_instance_on_its_own_engine_cpu(tmp_path: Path) -> None:
+    split = dataclasses.replace(_setup(tmp_path), serving_cpus=(2,))
+    (proc,) = ours_1p1d("python")(split).processes
+    config = _yaml(proc.argv)
+    assert proc.argv[:3] == ["taskset", "-c", "2"]
+    assert config["context_servers"] == {"cpu_affinity": [0]}
+    assert config["generation_servers"] == {"cpu_affinity": [1]}
+    prefill, decode, proxy = vllm_1p1d(split).processes
+    assert prefill.argv[:3] == ["taskset", "-c", "0,2"] and decode.argv[:3] == [
+        "taskset",
+        "-c",
+        "1,2",
+    ]
+    assert decode.env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and proxy.argv[:3] == [
+        "taskset",
+        "-c",
+        "2",
+    ]
+    assert vllm_1p1d(_setup(tmp_path)).processes[2].argv[0] != "taskset"
+    with pytest.raises(ValueError, match="one CPU per instance"):
+        pinned_1p1d(base_config(split, "python"), dataclasses.replace(split, pin_instances=False))
+
+
+def _workload() -> Any:
+    from benchmarks.serve_compare import Workload
+
+    return Workload(256, 64, 64, 0)
 
 
 def test_client_command_carries_the_workload(tmp_path: Path) -> None:
