@@ -31,6 +31,16 @@ class PortBusy(RuntimeError):
     """A port a server is about to bind is still held by another process."""
 
 
+def cpu_list(cpus: Iterable[int]) -> str:
+    """`cpus` as taskset and OpenMP bindings spell them: "0,1"."""
+    return ",".join(str(c) for c in cpus)
+
+
+def pinned(argv: list[str], cpus: Iterable[int] | None) -> list[str]:
+    """`argv` run under `taskset` on `cpus`; unchanged for None."""
+    return argv if cpus is None else ["taskset", "-c", cpu_list(cpus), *argv]
+
+
 class GroupProcess:
     """`argv` in its own session (process group), output appended to `log_path`.
 
@@ -48,8 +58,7 @@ class GroupProcess:
         cwd: Path | None = None,
     ) -> None:
         self.name = name
-        pin = ["taskset", "-c", ",".join(str(c) for c in cpus)] if cpus is not None else []
-        self.argv = pin + argv
+        self.argv = pinned(argv, cpus)
         self.env = env
         self.log_path = log_path
         self.cwd = cwd

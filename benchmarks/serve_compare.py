@@ -86,7 +86,13 @@ from types import FrameType
 
 import httpx
 
-from benchmarks.process_group import PortBusy, check_ports_free, cpu_by_name, tree_cpu_seconds
+from benchmarks.process_group import (
+    PortBusy,
+    check_ports_free,
+    cpu_by_name,
+    pinned,
+    tree_cpu_seconds,
+)
 from benchmarks.serve_report import Measurement, Row, format_cpu, format_ratios, format_table
 from benchmarks.serve_targets import (
     DEFAULT_VLLM_PYTHON,
@@ -131,9 +137,7 @@ def bench_command(
     setup: Setup, model_id: str, workload: Workload, rate: str, seed: int, out: Path
 ) -> list[str]:
     """`vllm bench serve`'s command line, pinned to the serving CPUs where the setup has them."""
-    pin = ["taskset", "-c", ",".join(map(str, setup.serving_cpus))] if setup.serving_cpus else []
-    return [
-        *pin,
+    argv = [
         vllm_executable(setup),
         *("bench", "serve", "--backend", "openai", "--base-url", setup.url),
         *("--model", model_id, "--tokenizer", str(setup.model), "--dataset-name", "random"),
@@ -145,6 +149,7 @@ def bench_command(
         *("--save-result", "--result-dir", str(out.parent), "--result-filename", out.name),
         "--disable-tqdm",
     ]
+    return pinned(argv, setup.serving_cpus or None)
 
 
 def run_client(

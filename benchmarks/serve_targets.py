@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks.process_group import GroupProcess
+from benchmarks.process_group import GroupProcess, cpu_list
 from cluster.config import ConfigError, config_from_dict
 from engine.process_env import cpu_engine_env
 from transfer.nixl_agent import DEFAULT_PROGRESS_DELAY_US, UCX_WORKER_LOCK
@@ -84,7 +84,7 @@ class Setup:
         """Where the engines and the rest run, for the labels ('' when they share)."""
         if not self.serving_cpus:
             return ""
-        return f"engines on CPU {_cpu_list(self.cpus)}, the rest on {_cpu_list(self.serving_cpus)}"
+        return f"engines on CPU {cpu_list(self.cpus)}, the rest on {cpu_list(self.serving_cpus)}"
 
     @property
     def url(self) -> str:
@@ -97,10 +97,6 @@ class Setup:
 
     def log(self, name: str) -> Path:
         return self.workdir / f"{name}.log"
-
-
-def _cpu_list(cpus: tuple[int, ...]) -> str:
-    return ",".join(str(c) for c in cpus)
 
 
 def _threads(count: int) -> str:
@@ -137,7 +133,7 @@ def vllm_env(setup: Setup, cpus: tuple[int, ...], **extra: str) -> dict[str, str
     env = {k: v for k, v in os.environ.items() if k not in ("GOMP_CPU_AFFINITY", "PYTHONPATH")}
     env.update(
         PYTHONPATH=str(VLLM_SITE),
-        VLLM_CPU_OMP_THREADS_BIND=",".join(str(c) for c in cpus),
+        VLLM_CPU_OMP_THREADS_BIND=cpu_list(cpus),
         OMP_NUM_THREADS=str(len(cpus)),
         VLLM_CPU_KVCACHE_SPACE="1",
         **extra,
