@@ -12,10 +12,14 @@ MKL's few-row product runs on one thread and lost at every row count (45.8
 against 24.1 ms at 1 row, 109 against 27.8 at 3), and the kernel won at 1
 to 3 rows (19.2-21.0 against 24.4-24.7 at 1 row, 21.2 against 27.4 at 2,
 20.9 against 24.9 at 3). So `choose_few_row_paths(model)` times the paths
-on the model's own products at 1, 2, ... `FEW_ROWS_MAX` rows and keeps, per
-row count, the fastest where it beats the blocked path by a clear margin
-(`_MARGIN`; in doubt the blocked path, which larger steps take anyway); the
-first row count where the blocked path holds ends the search.
+on the model's own products at the row counts of `TIMED_ROWS` (1, 2, 3,
+4, then every few up to `FEW_ROWS_MAX`) and keeps, per row count, the
+fastest where it beats the blocked path by a clear margin (`_MARGIN`; in
+doubt the blocked path, which larger steps take anyway); a row count between
+two timed ones takes the path of the next one up. The first row count where
+the blocked path holds ends the search. On an AMD EPYC Zen 2 (one thread)
+the kernel won up to 24 rows, where it reads the next weight rows ahead
+while it multiplies (see `csrc/skinny_gemm.c`).
 
 Timing covers the products in step order up to `_TIMED_BYTES` of weights
 (more than any cache a thread sees, so they stream from memory as in a
@@ -52,6 +56,10 @@ _REPEATS = 3
 _MARGIN = 0.95
 
 PATHS = (BLOCKED, ROW_MAJOR, SKINNY)
+# The row counts timed: each one up to the row-major path's last, then
+# sparser, since a product's time grows smoothly with its rows (every
+# count up to 32 would take half a minute on SmolLM2-135M).
+TIMED_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 PassTimer = Callable[[int, str], float]  # (rows, path) -> seconds of one pass
 
 
@@ -96,18 +104,19 @@ def few_row_paths(
     time_pass: PassTimer, skinny: bool, max_rows: int = FEW_ROWS_MAX
 ) -> tuple[tuple[str, ...], dict[int, dict[str, float]]]:
     """The path per row count (1, 2, ...) and the best pass of each path at
-    every row count tried: row counts in turn, the fastest path kept where
-    it beats the blocked one by `_MARGIN`; the first row count where none
+    every row count tried: the `TIMED_ROWS` up to `max_rows` in turn, the
+    fastest path kept where it beats the blocked one by `_MARGIN`, also for
+    the row counts since the last one timed; the first row count where none
     does ends the search."""
     chosen: list[str] = []
     best: dict[int, dict[str, float]] = {}
-    for rows in range(1, max_rows + 1):
+    for rows in (r for r in TIMED_ROWS if r <= max_rows):
         best[rows] = _best_passes(time_pass, rows, paths_at(rows, skinny))
         others = {path: s for path, s in best[rows].items() if path != BLOCKED}
         fastest = min(others, key=others.__getitem__, default=None)
         if fastest is None or others[fastest] >= _MARGIN * best[rows][BLOCKED]:
             break
-        chosen.append(fastest)
+        chosen.extend([fastest] * (rows - len(chosen)))
     return tuple(chosen), best
 
 

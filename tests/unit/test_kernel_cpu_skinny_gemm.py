@@ -93,8 +93,11 @@ def test_other_tensors_are_left_to_other_paths() -> None:
 
 def test_the_kernel_refuses_more_rows_than_it_takes() -> None:
     kernel = cpu_skinny_gemm._KERNEL.get()
-    x, weight, y = torch.randn(5, 16), torch.randn(8, 16), torch.empty(5, 8)
-    status = kernel(x.data_ptr(), 16, weight.data_ptr(), 16, None, y.data_ptr(), 8, 5, 8, 16, 8, 1)
+    rows = cpu_skinny_gemm.MAX_ROWS + 1
+    x, weight, y = torch.randn(rows, 16), torch.randn(8, 16), torch.empty(rows, 8)
+    status = kernel(
+        x.data_ptr(), 16, weight.data_ptr(), 16, None, y.data_ptr(), 8, rows, 8, 16, 8, 1
+    )
     assert status == 1
 
 

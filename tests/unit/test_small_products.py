@@ -19,6 +19,7 @@ from models.layers.fused_linear import (
 )
 from models.layers.small_products import (
     PATHS,
+    TIMED_ROWS,
     choose_few_row_paths,
     few_row_paths,
     fusions,
@@ -40,8 +41,18 @@ def _timer(ms: dict[int, dict[str, float]]) -> tuple[small_products.PassTimer, l
 
 
 def _table(*rows: tuple[float, float, float]) -> dict[int, dict[str, float]]:
-    """Rows 1, 2, ...: (blocked, row-major, skinny) ms."""
-    return {n: dict(zip(PATHS, ms, strict=True)) for n, ms in enumerate(rows, 1)}
+    """The `TIMED_ROWS` in turn (1, 2, 3, 4, 6, ...): (blocked, row-major, skinny) ms."""
+    return {
+        n: dict(zip(PATHS, ms, strict=True))
+        for n, ms in zip(TIMED_ROWS[: len(rows)], rows, strict=True)
+    }
+
+
+# A Zen 2 (one thread, SmolLM2-135M): the kernel wins up to 24 rows.
+_ZEN2 = _table(
+    (27.8, 25.5, 20.4), (30.4, 37.6, 21.7), (35.6, 47.4, 27.9), (40.1, 99, 26.3), (41.2, 99, 24.1),
+    (47.2, 99, 30.3), (54.3, 99, 35.7), (64.9, 99, 45.4), (69.8, 99, 61.2), (83.9, 99, 80.4),
+)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -62,6 +73,10 @@ def _table(*rows: tuple[float, float, float]) -> dict[int, dict[str, float]]:
         (_table((26.0, 20.0, 21.0), (26.0, 23.0, 20.0), (26.0, 25.0, 25.0), (9, 9, 9)), True,
          (ROW_MAJOR, SKINNY)),
         (_table((26.0, 25.5, 99), (26.0, 20.0, 99), (26.0, 20.0, 99), (9, 9, 9)), False, ()),
+        # Past 4 rows every few counts are timed; those between take the next one's path.
+        (_ZEN2, True, (SKINNY,) * 24),
+        ({**_ZEN2, 32: dict(zip(PATHS, (83.9, 99, 70.0), strict=True))}, True, (SKINNY,) * 32),
+        ({**_ZEN2, 12: dict(zip(PATHS, (54.3, 99, 54.0), strict=True))}, True, (SKINNY,) * 8),
     ],
 )  # fmt: skip
 def test_each_row_count_keeps_its_fastest_path_up_to_the_first_clear_loss(
@@ -70,15 +85,23 @@ def test_each_row_count_keeps_its_fastest_path_up_to_the_first_clear_loss(
     time_pass, asked = _timer(table)
     got, best = few_row_paths(time_pass, skinny)
     assert got == chosen
-    tried = min(len(chosen) + 1, FEW_ROWS_MAX)
-    assert sorted(best) == list(range(1, tried + 1))
+    # Every timed row count up to the first one past the chosen paths.
+    tried = [rows for rows in TIMED_ROWS if rows <= len(chosen)]
+    tried += [rows for rows in TIMED_ROWS if rows > len(chosen)][:1]
+    assert sorted(best) == tried
     assert set(best[1]) == {BLOCKED, ROW_MAJOR} | ({SKINNY} if skinny else set())
     assert all(best[1][path] == 1e-3 * table[1][path] for path in best[1])
     # Per row count: a warm-up of each path, then the paths alternate.
     per_rows = [path for rows, path in asked if rows == 1]
     assert per_rows == list(paths_at(1, skinny)) * (1 + small_products._REPEATS)
-    if tried == FEW_ROWS_MAX:  # past ROW_MAJOR_MAX_ROWS rows, no row-major pass
-        assert ROW_MAJOR not in best[FEW_ROWS_MAX]
+    for rows in best:  # past ROW_MAJOR_MAX_ROWS rows, no row-major pass
+        assert (ROW_MAJOR in best[rows]) == (rows <= ROW_MAJOR_MAX_ROWS)
+
+
+def test_the_timed_row_counts_reach_the_kernels_last() -> None:
+    assert sorted(set(TIMED_ROWS)) == list(TIMED_ROWS)
+    assert TIMED_ROWS[: ROW_MAJOR_MAX_ROWS + 1] == tuple(range(1, ROW_MAJOR_MAX_ROWS + 2))
+    assert TIMED_ROWS[-1] == FEW_ROWS_MAX
 
 
 def test_the_paths_each_row_count_can_take() -> None:
