@@ -192,24 +192,26 @@ static void few_rows(const Job *job, int64_t first, int64_t last) {
     for (; n0 < last; n0++) single(job, 0, n0, NULL);
 }
 
+/* Weight rows n0 .. n0 + width - 1 (the width of `tiles`) for every input
+ * row, in groups of GROUP_ROWS and one last smaller group; the first group
+ * prefetches `ahead` (NULL: nothing). */
+ALWAYS_INLINE void by_groups(const Job *job, const TileFn *tiles, int64_t n0, const float *ahead) {
+    for (int64_t r0 = 0; r0 < job->rows; r0 += GROUP_ROWS) {
+        const int64_t group = job->rows - r0 < GROUP_ROWS ? job->rows - r0 : GROUP_ROWS;
+        tiles[group](job, r0, n0, r0 == 0 ? ahead : NULL);
+    }
+}
+
 /* Weight rows [first, last) for every input row, past FEW_ROWS rows: a
- * pair of weight rows at a time, the input rows in groups of GROUP_ROWS and
- * one last smaller group; the first group prefetches the next pair. */
+ * pair of weight rows at a time, prefetching the next pair, then one row. */
 static void many_rows(const Job *job, int64_t first, int64_t last) {
     int64_t n0 = first;
     for (; n0 + GROUP_WIDTH <= last; n0 += GROUP_WIDTH) {
         const int64_t next = n0 + GROUP_WIDTH;
         const float *ahead = next + GROUP_WIDTH <= job->n ? job->w + next * job->w_stride : NULL;
-        for (int64_t r0 = 0; r0 < job->rows; r0 += GROUP_ROWS) {
-            const int64_t group = job->rows - r0 < GROUP_ROWS ? job->rows - r0 : GROUP_ROWS;
-            PAIR[group](job, r0, n0, r0 == 0 ? ahead : NULL);
-        }
+        by_groups(job, PAIR, n0, ahead);
     }
-    for (; n0 < last; n0++)
-        for (int64_t r0 = 0; r0 < job->rows; r0 += GROUP_ROWS) {
-            const int64_t group = job->rows - r0 < GROUP_ROWS ? job->rows - r0 : GROUP_ROWS;
-            ONE[group](job, r0, n0, NULL);
-        }
+    for (; n0 < last; n0++) by_groups(job, ONE, n0, NULL);
 }
 
 static void *work(void *arg) {
