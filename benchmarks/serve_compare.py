@@ -4,7 +4,7 @@
     python -m benchmarks.serve_compare --quick          # rates 8 and inf only
     python -m benchmarks.serve_compare --servers ours-1p1d-python vllm-1p1d --rates inf
     python -m benchmarks.serve_compare --model /path/to/hf-folder --rates 0.5 1 inf
-    python -m benchmarks.serve_compare --model smollm2 --rates 0.5 1 inf   # the real model
+    python -m benchmarks.serve_compare --model smollm2 --rates 0.25 0.5 inf --num-prompts 32
     python -m benchmarks.serve_compare --cpus 0 --serving-cpus 1 --servers vllm-agg ours-agg ours-offline
 
 One server at a time (see `benchmarks.serve_targets` for how each starts):
@@ -50,8 +50,9 @@ fp32 (`disagg make-checkpoint --arch llama --size mini`), written to
 `checkpoints/mini-llama` if missing. `--model smollm2` is the project's default
 model, SmolLM2-135M-Instruct (30 layers): its packaged GGUF file dequantized
 into the GGUF cache folder that `disagg serve` itself uses, which both sides
-load. Two cores sustain about one of these requests per second; rates 0.5
-and 1 are what they serve in full, and each rate takes minutes per server.
+load. What two cores sustain depends on the CPU: on a 2-vCPU Zen 2 one core
+prefills a 256-token prompt in 0.8-1 s, so rates 0.25 and 0.5 (32 prompts
+each) are what it serves in full; that run takes about 30 minutes.
 
 vLLM's venv (`--vllm-python`, default /work/vllm-venv/bin/python):
 
