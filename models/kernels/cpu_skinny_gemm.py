@@ -12,10 +12,10 @@ input rows and prefetches the next pair meanwhile, which on an AMD EPYC Zen
 2 beat oneDNN's blocked copy up to 24 rows (one thread, SmolLM2-135M: 45
 against 65 ms a pass at 16 rows, 61 against 70 at 24; see
 `csrc/skinny_gemm.c`). Which path a model's products take at each row
-count is measured when it loads (`models.layers.small_products`). `supported(...)` says
-whether tensors can take this path (fp32 CPU tensors, rows of x, weight
-and bias contiguous, no autograd, the library built); otherwise callers
-run another path.
+count is measured when it loads (`models.layers.small_products`).
+`supported(...)` says whether tensors can take this path (fp32 CPU
+tensors, rows of x, weight and bias contiguous, no autograd, the library
+built); otherwise callers run another path.
 """
 
 from __future__ import annotations
