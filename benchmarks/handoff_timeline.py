@@ -75,11 +75,11 @@ from benchmarks.serve_targets import (
     first_token_setting,
     pinned_1p1d,
 )
-from cluster.config import config_from_dict
-from cluster.launcher import init_local_ray, launch
+from cluster.config.plan import resolve_plan
+from cluster.config.schema import config_from_dict
+from cluster.launch.launcher import init_local_ray, launch
 from cluster.metrics import ServingMetrics
-from cluster.plan import resolve_plan
-from cluster.router import Router
+from cluster.routing.router import Router
 from cluster.serving import build_router
 from engine.sampling import SamplingParams
 from engine.step_timeline import StepRecord, long_steps

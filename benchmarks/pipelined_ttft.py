@@ -34,11 +34,11 @@ from typing import Any
 import ray
 import torch
 
-from cluster.launcher import init_local_ray
+from cluster.launch.launcher import init_local_ray
 from cluster.metrics import ServingMetrics
-from cluster.policies import WorkerState
-from cluster.router import Router, RoutingSettings
-from cluster.worker_poller import WorkerEndpoint
+from cluster.routing.policies import WorkerState
+from cluster.routing.router import Router, RoutingSettings
+from cluster.routing.worker_poller import WorkerEndpoint
 from decode_worker.worker import GenerationWorker
 from engine.sampling import SamplingParams
 from engine.worker_config import WorkerConfig

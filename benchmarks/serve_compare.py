@@ -109,7 +109,9 @@ from benchmarks.serve_targets import (
 )
 
 DEFAULT_MODEL = Path("checkpoints/mini-llama")
-SMOLLM2 = "smollm2"  # --model: the default model's GGUF, dequantized (`cluster.default_model`)
+SMOLLM2 = (
+    "smollm2"  # --model: the default model's GGUF, dequantized (`cluster.config.default_model`)
+)
 DEFAULT_RATES = ("2", "8", "inf")
 QUICK_RATES = ("8", "inf")
 WARMUP_PROMPTS = 16
@@ -351,7 +353,7 @@ def resolve_model(name: str | None) -> Path:
 
         return ensure_checkpoint(DEFAULT_MODEL, "llama", "mini")
     if name == SMOLLM2:
-        from cluster.default_model import default_model_file
+        from cluster.config.default_model import default_model_file
         from models.gguf.cache import cached_checkpoint
 
         return cached_checkpoint(default_model_file())

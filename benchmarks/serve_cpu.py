@@ -49,7 +49,7 @@ import psutil
 from benchmarks.process_group import check_ports_free, descendants
 from benchmarks.serve_compare import WARMUP_PROMPTS, WARMUP_SEED, make_setup, wait_ready
 from benchmarks.serve_targets import Setup, ours_aggregated
-from cluster.bench import make_prompts, run_benchmark
+from cluster.bench.load import make_prompts, run_benchmark
 
 # Process names by a marker in their command line, most specific first.
 _ROLES = (

@@ -37,9 +37,9 @@ from typing import Any
 import yaml
 
 from benchmarks.process_group import GroupProcess, cpu_list
-from cluster.config import ConfigError, config_from_dict
+from cluster.config.schema import ConfigError, config_from_dict
 from engine.process_env import cpu_engine_env
-from transfer.nixl_agent import DEFAULT_PROGRESS_DELAY_US, UCX_WORKER_LOCK
+from transfer.nixl.agent import DEFAULT_PROGRESS_DELAY_US, UCX_WORKER_LOCK
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_SITE = Path(__file__).resolve().parent / "vllm_site"

@@ -1,7 +1,7 @@
 """Transceiver benchmark: `python benchmarks/transfer_bench.py [--json]`.
 
-The same as `disagg bench-transfer` / `python -m transfer.bench`; see
-`transfer/bench.py` for what it measures.
+The same as `disagg bench-transfer` / `python -m transfer.bench.throughput`; see
+`transfer/bench/throughput.py` for what it measures.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from transfer.bench import main  # noqa: E402
+from transfer.bench.throughput import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -19,9 +19,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "write a tiny or small Hugging Face style checkpoint, offline",
     ),
     "serve": ("cluster.serve", "run the cluster behind an OpenAI-compatible HTTP endpoint"),
-    "bench": ("cluster.bench", "load-test any OpenAI-compatible endpoint"),
+    "bench": ("cluster.bench.load", "load-test any OpenAI-compatible endpoint"),
     "bench-transfer": (
-        "transfer.bench",
+        "transfer.bench.throughput",
         "measure the transceivers between two Ray actors against raw limits",
     ),
     "demo": ("cluster.demo", "start a local 1P1D cluster, send a few completions, stop"),

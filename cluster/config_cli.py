@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from cluster.config import ClusterConfig, ConfigError, read_config
+from cluster.config.schema import ClusterConfig, ConfigError, read_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from cluster.plan import format_plan
+    from cluster.config.plan import format_plan
     from cluster.serve import format_ignored, prepare
 
     try:

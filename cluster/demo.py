@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from cluster.config import ClusterConfig, ConfigError
-from cluster.plan import ClusterPlan
+from cluster.config.plan import ClusterPlan
+from cluster.config.schema import ClusterConfig, ConfigError
 from cluster.serve import default_config
 
 QUESTIONS = (
@@ -52,8 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.launcher import LaunchError
-    from cluster.plan import format_plan, resolve_plan
+    from cluster.config.plan import format_plan, resolve_plan
+    from cluster.launch.launcher import LaunchError
 
     try:
         config = default_config(args.model).model_copy(update={"port": 0})

@@ -28,10 +28,16 @@ from typing import TYPE_CHECKING, Any
 # the whole served stack's CPU time at full load.
 import uvloop
 
-from cluster.config import ClusterConfig, ConfigError, LoadedConfig, config_from_dict, read_config
+from cluster.config.schema import (
+    ClusterConfig,
+    ConfigError,
+    LoadedConfig,
+    config_from_dict,
+    read_config,
+)
 
 if TYPE_CHECKING:
-    from cluster.plan import ClusterPlan
+    from cluster.config.plan import ClusterPlan
 
 API_KEY_ENV = "DISAGG_API_KEY"
 
@@ -39,7 +45,7 @@ API_KEY_ENV = "DISAGG_API_KEY"
 def default_config(model: str | None = None) -> ClusterConfig:
     """The embedded default: one context and one generation instance on CPU,
     serving `model` or else the packaged SmolLM2 (`ConfigError` if it is absent)."""
-    from cluster.default_model import default_model_file
+    from cluster.config.default_model import default_model_file
 
     return config_from_dict(
         {
@@ -104,8 +110,8 @@ def read_args_config(args: argparse.Namespace) -> LoadedConfig:
 def prepare(args: argparse.Namespace) -> tuple[LoadedConfig, ClusterPlan]:
     """Everything `serve` checks before it starts anything: the config, every
     `auto` resolved into the plan, and the checkpoint. Raises `ConfigError`."""
-    from cluster.checkpoint_check import check_checkpoint
-    from cluster.plan import resolve_plan
+    from cluster.config.checkpoint_check import check_checkpoint
+    from cluster.config.plan import resolve_plan
 
     source = args.config or "<embedded default>"
     loaded = read_args_config(args)
@@ -126,8 +132,8 @@ def format_ignored(loaded: LoadedConfig) -> str:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    from cluster.launcher import LaunchError
-    from cluster.plan import format_plan
+    from cluster.config.plan import format_plan
+    from cluster.launch.launcher import LaunchError
 
     try:
         loaded, plan = prepare(args)

@@ -23,16 +23,16 @@ from typing import Any
 
 import uvicorn
 
-from cluster.config import ClusterConfig
-from cluster.image_prompt import ImageSupport
-from cluster.launcher import LaunchError, RunningCluster, connect_ray, launch
+from cluster.config.plan import ClusterPlan
+from cluster.config.schema import ClusterConfig
+from cluster.http.image_prompt import ImageSupport
+from cluster.http.request_prep import ServedModel
+from cluster.http.server import ServerLimits, build_app
+from cluster.launch.launcher import LaunchError, RunningCluster, connect_ray, launch
 from cluster.metrics import ServingMetrics
-from cluster.plan import ClusterPlan
-from cluster.policies import WorkerState
-from cluster.request_prep import ServedModel
-from cluster.router import Router, RoutingSettings
-from cluster.server import ServerLimits, build_app
-from cluster.worker_poller import WorkerEndpoint
+from cluster.routing.policies import WorkerState
+from cluster.routing.router import Router, RoutingSettings
+from cluster.routing.worker_poller import WorkerEndpoint
 from engine.cancellation import cancel_and_wait
 from engine.startup_heap import freeze_startup_heap
 

@@ -21,7 +21,7 @@ together on a node copy it once. A GGUF file travels as the file; the node
 converts it into its own GGUF cache (`models.gguf.cache`). Progress goes to
 the worker's log, which Ray forwards to `serve`'s output.
 
-The launcher's side (`cluster.checkpoint_shipping`) starts the server and
+The launcher's side (`cluster.launch.checkpoint_shipping`) starts the server and
 hands each instance off the serving node a `CheckpointSource` in its
 `WorkerConfig`; the worker resolves it with `node_checkpoint` where it
 starts (`WorkerConfig.on_this_node`).

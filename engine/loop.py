@@ -343,7 +343,7 @@ def _ignore(exc: BaseException) -> None:
 def exit_for_restart(exc: BaseException) -> None:
     """`EngineLoop.on_death` of a worker process: exit once the failed
     streams' error events have had `EXIT_GRACE_S` to leave, so Ray restarts
-    the worker (`cluster.launcher.MAX_RESTARTS`) and the router routes around
+    the worker (`cluster.launch.launcher.MAX_RESTARTS`) and the router routes around
     it meanwhile, as for a worker that crashed."""
     logger.error(
         "the engine loop died (%r); this worker exits in %.1f s so that Ray restarts it",

@@ -32,7 +32,7 @@ again; only when none is left does the newest of the others go:
 - a request whose images were encoded on a context worker cannot (only their
   hashes came with its cache): it is *handed back*, ending here with
   `FinishReason.PREEMPTED`, and the router resumes it with a fresh context
-  prefill of its prompt and the tokens already sent (`cluster.continuation`).
+  prefill of its prompt and the tokens already sent (`cluster.routing.continuation`).
 
 A request that needs more tokens than the whole cache holds fails with
 `FinishReason.ERROR` instead of looping. Waiting requests never preempt

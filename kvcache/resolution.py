@@ -48,7 +48,7 @@ def resolve_transceiver(requested: str, preferred: str | None, nixl_importable: 
     """`cache_transceiver.backend`: "auto" takes the model's preference, else
     NIXL when the `nixl` package is importable, else Python.
 
-    `nixl_importable`: the caller asks `transfer.nixl_agent.nixl_available()`,
+    `nixl_importable`: the caller asks `transfer.nixl.agent.nixl_available()`,
     the same check the NIXL transceiver makes, so the two cannot disagree.
     """
     _check_choice("cache_transceiver.backend", requested, TRANSCEIVER_CHOICES)

@@ -14,7 +14,7 @@ once the prompt is published, the rest with the Mamba state.
 
 Run as a Ray actor: `ray.remote(ContextWorker).options(num_cpus=...).remote(config, id)`;
 call `prefill` through Ray, or over the socket `call_socket` offers (the
-router does: `cluster.context_calls`).
+router does: `cluster.routing.context_calls`).
 An actor Ray restarts after a crash is rebuilt from the same arguments and
 starts itself on its first request, so the router can use it again as soon
 as it answers polls.

@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-from cluster.config import config_from_dict
-from cluster.launcher import RunningCluster, launch
+from cluster.config.plan import resolve_plan
+from cluster.config.schema import config_from_dict
+from cluster.launch.launcher import RunningCluster, launch
 from cluster.metrics import ServingMetrics
-from cluster.plan import resolve_plan
-from cluster.policies import WorkerState
-from cluster.router import Router, RoutingSettings
-from cluster.worker_poller import WorkerEndpoint
+from cluster.routing.policies import WorkerState
+from cluster.routing.router import Router, RoutingSettings
+from cluster.routing.worker_poller import WorkerEndpoint
 from engine.sampling import SamplingParams
 
 PROMPTS = [[11 + (5 * i + j) % 450 for j in range(9 + 17 * i)] for i in range(3)]

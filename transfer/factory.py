@@ -9,8 +9,8 @@ from collections.abc import Mapping
 import torch
 
 from transfer.base import Transceiver
-from transfer.connection import TCP, UCX, WIRES, Wire
-from transfer.ucx_wire import UCX_INSTALL_HINT
+from transfer.python.connection import TCP, UCX, WIRES, Wire
+from transfer.python.ucx_wire import UCX_INSTALL_HINT
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def wire_unusable_reason(wire: str) -> str | None:
         return None
     if wire != UCX:
         return f"unknown wire {wire!r}; known wires: {', '.join(WIRES)}"
-    from transfer.ucx_wire import import_ucxx
+    from transfer.python.ucx_wire import import_ucxx
 
     try:
         import_ucxx()
@@ -76,11 +76,11 @@ def resolve_wire(requested: str) -> str:
 def create_wire(name: str) -> Wire:
     """A wire of a resolved kind ("tcp" or "ucx"); the UCX one imports `ucxx` on first use."""
     if name == TCP:
-        from transfer.tcp_wire import TcpWire
+        from transfer.python.tcp_wire import TcpWire
 
         return TcpWire()
     if name == UCX:
-        from transfer.ucx_wire import UcxWire
+        from transfer.python.ucx_wire import UcxWire
 
         return UcxWire()
     raise WireUnavailable(f"wire must be resolved to one of {WIRES}, got {name!r}")
@@ -112,7 +112,7 @@ def create_transceiver(
     Call `await xcvr.start()` on the worker's event loop before use.
     """
     if backend == "python":
-        from transfer.python_transceiver import PythonTransceiver
+        from transfer.python.transceiver import PythonTransceiver
 
         if not secret:
             raise ValueError(
@@ -127,7 +127,7 @@ def create_transceiver(
             wire=resolve_wire(wire),
         )
     if backend == "nixl":
-        from transfer.nixl_transceiver import NixlTransceiver, nixl_available
+        from transfer.nixl.transceiver import NixlTransceiver, nixl_available
 
         if not nixl_available():
             raise ValueError(

@@ -21,10 +21,10 @@ from typing import Any
 import pytest
 import ray
 
-from cluster.config import config_from_dict
-from cluster.launcher import init_local_ray, launch
-from cluster.plan import resolve_plan
-from cluster.router import Router
+from cluster.config.plan import resolve_plan
+from cluster.config.schema import config_from_dict
+from cluster.launch.launcher import init_local_ray, launch
+from cluster.routing.router import Router
 from models.embedded.writer import write_checkpoint
 from tests.launched_cluster import greedy_outputs, router_over
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from cluster.launcher import init_local_ray
+from cluster.launch.launcher import init_local_ray
 from models.embedded.writer import ensure_checkpoint
 from tests.launched_cluster import context_parallel_refusal, serve_greedy, transformers_greedy
 

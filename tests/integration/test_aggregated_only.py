@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 
-from cluster.config import load_config
-from cluster.plan import resolve_plan
+from cluster.config.plan import resolve_plan
+from cluster.config.schema import load_config
 from cluster.serving import ServingCluster
 from engine.process_env import CPU_ENGINE_ENV
 from models.embedded.writer import write_checkpoint

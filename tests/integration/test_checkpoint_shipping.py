@@ -1,4 +1,4 @@
-"""The checkpoint server's lifetime (`cluster.checkpoint_shipping`): started
+"""The checkpoint server's lifetime (`cluster.launch.checkpoint_shipping`): started
 for the first instance off the serving node, kept while the cluster runs
 (restarted instances may need it), stopped with the cluster. One local Ray
 node; "another node" is a node id that no instance of the serving node has.
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import ray
 
-from cluster.checkpoint_shipping import CheckpointShipping
-from cluster.config import config_from_dict
-from cluster.launcher import RunningCluster, init_local_ray
-from cluster.plan import resolve_plan
+from cluster.config.plan import resolve_plan
+from cluster.config.schema import config_from_dict
+from cluster.launch.checkpoint_shipping import CheckpointShipping
+from cluster.launch.launcher import RunningCluster, init_local_ray
 from models.checkpoint_manifest import manifest_of
 from models.embedded.writer import write_checkpoint
 

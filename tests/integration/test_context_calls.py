@@ -14,8 +14,8 @@ import pytest
 import ray
 from ray.exceptions import RayActorError
 
-from cluster.context_calls import ContextCalls
-from cluster.launcher import init_local_ray
+from cluster.launch.launcher import init_local_ray
+from cluster.routing.context_calls import ContextCalls
 from engine.errors import RequestFailedError
 from engine.messages import ContextRequest
 from engine.sampling import SamplingParams

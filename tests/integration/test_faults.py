@@ -31,14 +31,14 @@ from typing import Any
 import pytest
 import ray
 
-from cluster import worker_poller
-from cluster.config import config_from_dict
-from cluster.launcher import RunningCluster, init_local_ray, launch
+from cluster.config.plan import resolve_plan
+from cluster.config.schema import config_from_dict
+from cluster.launch.launcher import RunningCluster, init_local_ray, launch
 from cluster.metrics import ServingMetrics
-from cluster.plan import resolve_plan
-from cluster.policies import WorkerState
-from cluster.router import Router, RoutingSettings
-from cluster.worker_poller import WorkerEndpoint
+from cluster.routing import worker_poller
+from cluster.routing.policies import WorkerState
+from cluster.routing.router import Router, RoutingSettings
+from cluster.routing.worker_poller import WorkerEndpoint
 from engine.messages import TokenEvent, WorkerIntegrity
 from engine.sampling import SamplingParams
 from engine.threads import compute_executor

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from benchmarks.serve_process import ServeProcess
-from cluster.default_model import default_model_file
+from cluster.config.default_model import default_model_file
 from models.checkpoint_source import checkpoint_folder
 from models.gguf.cache import CACHE_ENV
 from models.tokenizer import load_tokenizer

@@ -22,7 +22,7 @@ import pytest
 import ray
 import yaml
 
-from cluster.launcher import init_local_ray
+from cluster.launch.launcher import init_local_ray
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 60
@@ -176,9 +176,9 @@ def local_ray() -> Iterator[None]:
 def test_a_worker_that_cannot_load_its_weights_leaves_nothing_running(
     good_checkpoint: Path, tmp_path: Path, local_ray: None
 ) -> None:
-    from cluster.config import config_from_dict
-    from cluster.launcher import LaunchError, launch
-    from cluster.plan import resolve_plan
+    from cluster.config.plan import resolve_plan
+    from cluster.config.schema import config_from_dict
+    from cluster.launch.launcher import LaunchError, launch
 
     broken = _broken_copy(good_checkpoint, tmp_path, _shrink_tensor)
     raw = {"model": str(broken), "kv_cache": {"max_tokens": 256}}

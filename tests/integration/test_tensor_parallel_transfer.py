@@ -40,7 +40,7 @@ import torch
 import transformers
 from PIL import Image
 
-from cluster.launcher import init_local_ray
+from cluster.launch.launcher import init_local_ray
 from decode_worker.worker import GenerationWorker
 from engine.errors import RequestFailedError
 from engine.messages import ContextRequest, GenerationRequest, TokenEvent

@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import ray
 
-from cluster.launcher import init_local_ray
+from cluster.launch.launcher import init_local_ray
 from kvcache.spec import CacheSpec
-from transfer.bench_worker import EndpointHost, EndpointSpec
-from transfer.nixl_transceiver import nixl_available
-from transfer.ucx_wire import ucx_importable
+from transfer.bench.endpoints import EndpointHost, EndpointSpec
+from transfer.nixl.transceiver import nixl_available
+from transfer.python.ucx_wire import ucx_importable
 
 ROOT = str(Path(__file__).resolve().parents[2])
 HYBRID = CacheSpec(

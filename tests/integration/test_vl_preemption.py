@@ -24,11 +24,11 @@ from typing import Any
 import pytest
 import ray
 
-from cluster.launcher import init_local_ray
+from cluster.launch.launcher import init_local_ray
 from cluster.metrics import ServingMetrics
-from cluster.policies import WorkerState
-from cluster.router import Router, RoutingSettings
-from cluster.worker_poller import WorkerEndpoint
+from cluster.routing.policies import WorkerState
+from cluster.routing.router import Router, RoutingSettings
+from cluster.routing.worker_poller import WorkerEndpoint
 from decode_worker.worker import GenerationWorker
 from engine.multimodal import ImageInput
 from engine.sampling import SamplingParams

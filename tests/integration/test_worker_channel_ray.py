@@ -16,8 +16,8 @@ import pytest
 import ray
 from ray.exceptions import RayActorError
 
-from cluster.launcher import init_local_ray
-from cluster.worker_channel import (
+from cluster.launch.launcher import init_local_ray
+from cluster.routing.worker_channel import (
     SocketOpened,
     StreamBrokenError,
     StreamItem,

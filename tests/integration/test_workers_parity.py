@@ -21,7 +21,7 @@ import pytest
 import ray
 import torch
 
-from cluster.launcher import init_local_ray
+from cluster.launch.launcher import init_local_ray
 from decode_worker.worker import GenerationWorker
 from engine.errors import RequestFailedError
 from engine.messages import ContextRequest, GenerationRequest, PrefetchRequest, TokenEvent

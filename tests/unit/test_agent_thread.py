@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from transfer.nixl_agent import NO_POLLS, AgentThread, PollPlan
+from transfer.nixl.agent import NO_POLLS, AgentThread, PollPlan
 
 # Generous: these tests check that something happens (or stops), never how fast.
 WITHIN_S = 5.0
@@ -137,7 +137,7 @@ def test_the_ucx_worker_lock_setting_is_seen_only_while_ucx_reads_it(
     """UCX reads `UCX_USE_MT_MUTEX` as it creates its context: set then, and
     gone after (children and other UCX users never see it); a value the
     user set wins."""
-    from transfer.nixl_agent import UCX_WORKER_LOCK, _environment
+    from transfer.nixl.agent import UCX_WORKER_LOCK, _environment
 
     name, value = UCX_WORKER_LOCK
     monkeypatch.delenv(name, raising=False)

@@ -18,7 +18,7 @@ from models.embedded.writer import ensure_checkpoint
 ARCHS = ("llama", "nemotron_h", "nemotron_vl")
 CHECK = """
 import json, sys
-from cluster.checkpoint_check import check_checkpoint
+from cluster.config.checkpoint_check import check_checkpoint
 for path in sys.argv[1:]:
     check_checkpoint(path)
 print(json.dumps(sorted(name for name in sys.modules if name.startswith("torch._dynamo"))))

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from cluster.config import ConfigError, config_from_dict, load_config
-from cluster.plan import format_plan, resolve_plan
+from cluster.config.plan import format_plan, resolve_plan
+from cluster.config.schema import ConfigError, config_from_dict, load_config
 
 
 def _write(tmp_path: Path, text: str) -> Path:

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from cluster import context_calls
-from cluster.context_calls import ContextCalls
+from cluster.routing import context_calls
+from cluster.routing.context_calls import ContextCalls
 from engine.event_socket import TICKET_BYTES, EventSocketOffer
 from engine.messages import ContextRequest, ContextResult
 from engine.sampling import SamplingParams
@@ -57,7 +57,7 @@ async def test_an_unreachable_call_socket_leaves_the_calls_on_ray(
     calls = ContextCalls("context-0", worker)
     params = SamplingParams(max_tokens=1)
     try:
-        with caplog.at_level(logging.WARNING, logger="cluster.context_calls"):
+        with caplog.at_level(logging.WARNING, logger="cluster.routing.context_calls"):
             for n in range(3):
                 result = await calls.prefill(ContextRequest(f"r{n}", [1, 2], params))
                 assert result.request_id == f"r{n}" and result.first_token_id == 7

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.continuation import Continuation
+from cluster.routing.continuation import Continuation
 from engine.messages import TokenEvent
 from engine.sampling import SamplingParams
 

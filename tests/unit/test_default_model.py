@@ -8,8 +8,8 @@ from importlib import metadata
 
 import pytest
 
-from cluster import default_model
 from cluster.cli import main
+from cluster.config import default_model
 
 
 def test_the_packaged_gguf_file_is_found_without_importing_its_package() -> None:

@@ -13,10 +13,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from cluster.api_errors import APIError, handle_validation_error, validation_error
-from cluster.bench_stats import SLO, RequestRecord, percentile, summarize
-from cluster.completion import Delta
-from cluster.openai_format import (
+from cluster.bench.stats import SLO, RequestRecord, percentile, summarize
+from cluster.http.api_errors import APIError, handle_validation_error, validation_error
+from cluster.http.completion import Delta
+from cluster.http.openai_format import (
     ChunkWriter,
     ResponseMeta,
     chat_choice,
@@ -29,8 +29,8 @@ from cluster.openai_format import (
     sse,
     usage,
 )
-from cluster.protocol import ChatCompletionRequest, CompletionRequest
-from cluster.stop_strings import StopStringFilter
+from cluster.http.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.http.stop_strings import StopStringFilter
 from models.embedded.writer import write_checkpoint
 from models.tokenizer import load_tokenizer
 
@@ -383,7 +383,7 @@ def test_bench_statistics_percentiles_tpot_and_goodput() -> None:
 
 
 def test_bench_plot_writes_a_png(tmp_path: Path) -> None:
-    from cluster.bench_plot import plot_run
+    from cluster.bench.plot import plot_run
 
     records = [
         RequestRecord(
@@ -397,7 +397,7 @@ def test_bench_plot_writes_a_png(tmp_path: Path) -> None:
 
 
 def test_bench_accepts_the_server_root_or_the_api_root() -> None:
-    from cluster.bench import api_base
+    from cluster.bench.load import api_base
 
     for url in ("http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"):
         assert api_base(url) == "http://h:8000/v1"

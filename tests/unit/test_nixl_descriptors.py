@@ -6,7 +6,7 @@ import numpy as np
 
 from kvcache.layout import Region
 from transfer.head_slices import SlicePair
-from transfer.nixl_descriptors import PairGroups, group_arrays, group_slice_pairs
+from transfer.nixl.descriptors import PairGroups, group_arrays, group_slice_pairs
 from transfer.region_arrays import RegionArrays
 
 

@@ -22,8 +22,8 @@ from tests.transfer_harness import (
 )
 from transfer.errors import LayoutMismatch, TransferAborted, UnknownRequest
 from transfer.handle import TransferHandle
-from transfer.nixl_puller import NixlPuller
-from transfer.nixl_transceiver import NixlTransceiver, nixl_available
+from transfer.nixl.puller import NixlPuller
+from transfer.nixl.transceiver import NixlTransceiver, nixl_available
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl is not importable")
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from cluster.config import ConfigError, config_from_dict
-from cluster.plan import ClusterPlan, resolve_plan
+from cluster.config.plan import ClusterPlan, resolve_plan
+from cluster.config.schema import ConfigError, config_from_dict
 from models.embedded import VL_ARCHITECTURES, checkpoint_config
 
 HYBRIDS = [("nemotron_h", None)] + [("nemotron_vl", name) for name in VL_ARCHITECTURES]

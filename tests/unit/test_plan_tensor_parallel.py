@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from cluster.config import ConfigError, config_from_dict
-from cluster.plan import ClusterPlan, format_plan, resolve_plan
+from cluster.config.plan import ClusterPlan, format_plan, resolve_plan
+from cluster.config.schema import ConfigError, config_from_dict
 from models.embedded import VL_ARCHITECTURES, checkpoint_config
 
 LOCAL = {"max_local_prefill_length": 1 << 20}

@@ -31,7 +31,7 @@ from transfer.errors import (
 )
 from transfer.factory import create_transceiver
 from transfer.handle import TransferHandle
-from transfer.python_transceiver import PythonTransceiver
+from transfer.python.transceiver import PythonTransceiver
 
 SECRET = b"cluster-secret"
 

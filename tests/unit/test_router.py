@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from cluster.metrics import ServingMetrics
-from cluster.policies import (
+from cluster.routing.policies import (
     LeastLoadedPolicy,
     NoWorkerError,
     PrefixAwarePolicy,
@@ -15,8 +15,8 @@ from cluster.policies import (
     WorkerState,
     make_policy,
 )
-from cluster.router import Router, RoutingSettings
-from cluster.worker_poller import SILENT, STEP_HUNG, UnresponsiveWorkerError, WorkerEndpoint
+from cluster.routing.router import Router, RoutingSettings
+from cluster.routing.worker_poller import SILENT, STEP_HUNG, UnresponsiveWorkerError, WorkerEndpoint
 from engine.multimodal import EncoderCacheEvent, ImageInput
 
 

@@ -63,8 +63,8 @@ def test_no_bound_by_default_and_worker_config_requires_a_positive_one() -> None
 
 
 def test_each_worker_may_queue_as_many_requests_as_the_cluster_admits(tmp_path: Path) -> None:
-    from cluster.config import config_from_dict
-    from cluster.plan import resolve_plan
+    from cluster.config.plan import resolve_plan
+    from cluster.config.schema import config_from_dict
     from models.embedded.configs import checkpoint_config
 
     (tmp_path / "config.json").write_text(json.dumps(checkpoint_config("llama", "tiny")))

@@ -46,7 +46,7 @@ from benchmarks.serve_targets import (
     vllm_1p1d,
     vllm_aggregated,
 )
-from cluster.config import RouterConfig
+from cluster.config.schema import RouterConfig
 
 
 def _setup(tmp_path: Path, prefix_caching: bool = False) -> Setup:

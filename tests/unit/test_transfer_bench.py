@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvcache.pool_layout import layout_for
-from transfer.bench import (
+from transfer.bench.throughput import (
     BENCH_SPEC,
     BLOCK_BYTES,
     MIB,
@@ -102,7 +102,7 @@ def test_the_default_tensor_parallel_rows_are_rank_pairs_as_parsed_ones_are() ->
     must already be (holder, puller) pairs."""
     import argparse
 
-    from transfer.bench import add_arguments
+    from transfer.bench.throughput import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -13,11 +13,11 @@ import socket
 import pytest
 import torch
 
-from cluster.config import config_from_dict
-from cluster.plan import InstancePlan
+from cluster.config.plan import InstancePlan
+from cluster.config.schema import config_from_dict
 from transfer.errors import WireError
 from transfer.factory import create_transceiver
-from transfer.wire import client_handshake, tune_socket
+from transfer.python.frames import client_handshake, tune_socket
 
 SECRET = "a3f1c2d4e5b6a7980112233445566778"
 

@@ -16,10 +16,16 @@ import pytest
 import yaml
 
 from cluster.cli import main
-from cluster.config import ConfigError, LoadedConfig, config_from_dict, load_config, read_config
-from cluster.plan import resolve_plan
-from cluster.trtllm_config import is_trtllm, translate
-from transfer.nixl_agent import nixl_available
+from cluster.config.plan import resolve_plan
+from cluster.config.schema import (
+    ConfigError,
+    LoadedConfig,
+    config_from_dict,
+    load_config,
+    read_config,
+)
+from cluster.config.trtllm import is_trtllm, translate
+from transfer.nixl.agent import nixl_available
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "tests" / "configs" / "trtllm"

@@ -22,8 +22,8 @@ import pytest
 import pytest_asyncio
 import torch
 
-from cluster.config import ConfigError, config_from_dict
-from cluster.plan import resolve_plan
+from cluster.config.plan import resolve_plan
+from cluster.config.schema import ConfigError, config_from_dict
 from engine.worker_config import WorkerConfig, WorkerConfigError
 from kvcache.spec import CacheSpec
 from models.embedded.configs import checkpoint_config
@@ -31,9 +31,9 @@ from tests.transfer_harness import BLOCK_SIZE, HYBRID, Endpoint
 from transfer.errors import LayoutMismatch, PeerGone, WireError
 from transfer.factory import WireUnavailable, create_transceiver, resolve_wire
 from transfer.handle import TransferHandle
-from transfer.python_transceiver import PythonTransceiver
-from transfer.ucx_wire import SMALL_FRAME_BYTES, UcxWire, ucx_importable
-from transfer.wire import MAX_HEADER_BYTES, recv_header, send_header
+from transfer.python.frames import MAX_HEADER_BYTES, recv_header, send_header
+from transfer.python.transceiver import PythonTransceiver
+from transfer.python.ucx_wire import SMALL_FRAME_BYTES, UcxWire, ucx_importable
 
 needs_ucx = pytest.mark.skipif(
     not ucx_importable(), reason="ucxx is not installed; pip install 'disagg[ucx]'"
@@ -265,7 +265,7 @@ async def test_a_tcp_only_puller_refuses_a_ucx_handle_naming_the_extra(
     def no_ucxx() -> None:
         raise ImportError("No module named 'ucxx'")
 
-    monkeypatch.setattr("transfer.ucx_wire.import_ucxx", no_ucxx)
+    monkeypatch.setattr("transfer.python.ucx_wire.import_ucxx", no_ucxx)
     with pytest.raises(LayoutMismatch, match=r"disagg\[ucx\]"):
         await dst.pull(handle, BLOCK_SIZE)
     async with asyncio.timeout(5):  # the refused pull releases the holder at once
@@ -279,14 +279,14 @@ def _no_ucxx() -> None:
 
 
 def test_wire_resolution_without_ucxx(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("transfer.ucx_wire.import_ucxx", _no_ucxx)
+    monkeypatch.setattr("transfer.python.ucx_wire.import_ucxx", _no_ucxx)
     assert resolve_wire("auto") == "tcp"
     with pytest.raises(WireUnavailable, match=r"pip install 'disagg\[ucx\]'"):
         resolve_wire("ucx")
 
 
 def test_asking_for_ucx_without_ucxx_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("cluster.config.ucx_importable", lambda: False)
+    monkeypatch.setattr("cluster.config.schema.ucx_importable", lambda: False)
     raw = {"model": "unused", "generation_servers": {"cache_transceiver": {"wire": "ucx"}}}
     with pytest.raises(
         ConfigError, match=r"generation_servers.cache_transceiver.wire: .*disagg\[ucx\]"

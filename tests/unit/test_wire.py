@@ -15,8 +15,7 @@ from kvcache.spec import CacheSpec
 from kvcache.tensors import allocate_cache_tensors
 from transfer.errors import WireError
 from transfer.handle import TransferHandle
-from transfer.python_transceiver import PythonTransceiver
-from transfer.wire import (
+from transfer.python.frames import (
     ConnectionClosed,
     client_handshake,
     pack_header,
@@ -26,6 +25,7 @@ from transfer.wire import (
     server_handshake,
     tune_socket,
 )
+from transfer.python.transceiver import PythonTransceiver
 
 SECRET = b"s3cret"
 Holder = tuple[PythonTransceiver, TransferHandle, list[str]]

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-from cluster.worker_channel import SocketOpened, StreamBrokenError, WorkerChannel
-from cluster.worker_poller import UnresponsiveWorkerError
+from cluster.routing.worker_channel import SocketOpened, StreamBrokenError, WorkerChannel
+from cluster.routing.worker_poller import UnresponsiveWorkerError
 from engine.errors import RequestFailedError
 from engine.event_stream import StreamOpened
 from engine.messages import GenerationRequest, SubmitReceipt, TokenEvent

@@ -9,10 +9,10 @@ import asyncio
 
 import pytest
 
-from cluster import worker_poller
 from cluster.metrics import ServingMetrics
-from cluster.policies import WorkerState
-from cluster.worker_poller import SILENT, STEP_HUNG, WorkerEndpoint, WorkerPoller
+from cluster.routing import worker_poller
+from cluster.routing.policies import WorkerState
+from cluster.routing.worker_poller import SILENT, STEP_HUNG, WorkerEndpoint, WorkerPoller
 from engine.messages import KVEventBatch, WorkerLoad, WorkerReport
 
 

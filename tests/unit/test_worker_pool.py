@@ -9,9 +9,9 @@ import pytest
 from ray.exceptions import RayActorError
 
 from cluster.metrics import ServingMetrics
-from cluster.policies import WorkerState
-from cluster.worker_poller import UnresponsiveWorkerError, WorkerEndpoint
-from cluster.worker_pool import WorkerPool, dispatch_failed
+from cluster.routing.policies import WorkerState
+from cluster.routing.worker_poller import UnresponsiveWorkerError, WorkerEndpoint
+from cluster.routing.worker_pool import WorkerPool, dispatch_failed
 from engine.errors import RequestFailedError
 
 HASHES = [b"block-0", b"block-1"]

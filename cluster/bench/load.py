@@ -1,0 +1,252 @@
+"""`disagg bench`: a load generator for any OpenAI-compatible endpoint.
+
+    disagg bench --base-url http://127.0.0.1:8000/v1 --num-prompts 200 \\
+        --input-len 256 --output-len 64 --request-rate 8 --slo-ttft-ms 500 --json
+
+Prompts are random (`--range-ratio` > 0 varies their length) or fixed-length
+word sequences; with `--tokenizer CHECKPOINT` they are token id lists of
+exactly `--input-len` tokens. Requests arrive as a Poisson process at
+`--request-rate` per second (default: all at once), with at most
+`--max-concurrency` in flight. Every request streams, so TTFT and the
+inter-token gaps are measured on the client side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from cluster.bench.stats import SLO, RequestRecord, format_summary, summarize
+
+_WORDS = [
+    "time",
+    "river",
+    "clock",
+    "light",
+    "ocean",
+    "forest",
+    "mountain",
+    "city",
+    "winter",
+    "summer",
+    "rain",
+    "snow",
+    "wind",
+    "stone",
+    "bridge",
+    "garden",
+    "window",
+    "letter",
+    "story",
+    "music",
+    "paper",
+    "engine",
+    "signal",
+    "number",
+    "market",
+]
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    prompt: str | list[int]
+    prompt_tokens: int
+    output_tokens: int
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--base-url", default="http://127.0.0.1:8000/v1", help="server URL, with or without /v1"
+    )
+    parser.add_argument("--model", help="model id (default: the first of /v1/models)")
+    parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens (or words)")
+    parser.add_argument("--output-len", type=int, default=32, help="max_tokens per request")
+    parser.add_argument(
+        "--range-ratio", type=float, default=0.0,
+        help="random lengths in [len*(1-r), len*(1+r)]; 0 = fixed-length prompts",
+    )  # fmt: skip
+    parser.add_argument("--tokenizer", help="checkpoint folder: send exact-length token ids")
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="req/s")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM ext.)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slo-ttft-ms", type=float)
+    parser.add_argument("--slo-tpot-ms", type=float)
+    parser.add_argument("--slo-e2e-ms", type=float)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--plot", help="write latency percentiles + token timelines to a PNG")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def make_prompts(args: argparse.Namespace) -> list[BenchPrompt]:
+    rng = random.Random(args.seed)
+    tokenizer = _load_tokenizer(args.tokenizer) if args.tokenizer else None
+
+    def length(mean: int) -> int:
+        spread = int(mean * args.range_ratio)
+        return max(1, rng.randint(mean - spread, mean + spread))
+
+    prompts = []
+    for _ in range(args.num_prompts):
+        n_in, n_out = length(args.input_len), length(args.output_len)
+        if tokenizer is not None:
+            vocab = tokenizer.vocab_size
+            ids = [rng.randrange(min(vocab, 256), vocab) for _ in range(n_in)]
+            prompts.append(BenchPrompt(ids, n_in, n_out))
+        else:
+            text = " ".join(rng.choice(_WORDS) for _ in range(n_in))
+            prompts.append(BenchPrompt(text, n_in, n_out))
+    return prompts
+
+
+def _load_tokenizer(path: str) -> Any:
+    from models.tokenizer import load_tokenizer
+
+    return load_tokenizer(path)
+
+
+def _body(args: argparse.Namespace, model: str, prompt: BenchPrompt) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": prompt.output_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    if args.endpoint == "chat":
+        text = (
+            prompt.prompt if isinstance(prompt.prompt, str) else " ".join(map(str, prompt.prompt))
+        )
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = prompt.prompt
+    return body
+
+
+async def _one(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], prompt: BenchPrompt
+) -> RequestRecord:
+    record = RequestRecord(sent=time.perf_counter(), prompt_tokens=prompt.prompt_tokens)
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                record.error = f"HTTP {response.status_code}: {text[:200]}"
+                return record
+            async for line in response.aiter_lines():
+                _consume(line, record)
+        if not record.output_tokens:
+            # An endpoint that sends no usage: count one token per text chunk.
+            record.output_tokens = len(record.chunk_times)
+    except httpx.HTTPError as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+    return record
+
+
+def _consume(line: str, record: RequestRecord) -> None:
+    """Account one SSE line: a text chunk, the usage chunk or an error."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return
+    chunk = json.loads(line[6:])
+    if "error" in chunk:
+        record.error = str(chunk["error"].get("message"))
+        return
+    if chunk.get("usage"):
+        record.output_tokens = int(chunk["usage"]["completion_tokens"])
+        record.prompt_tokens = int(chunk["usage"]["prompt_tokens"])
+        return
+    for choice in chunk.get("choices", []):
+        text = choice.get("text")
+        if text is None:
+            text = (choice.get("delta") or {}).get("content")
+        if text:
+            record.chunk_times.append(time.perf_counter())
+            record.chunk_tokens.append(1)
+
+
+async def run_benchmark(
+    args: argparse.Namespace, prompts: list[BenchPrompt]
+) -> tuple[list[RequestRecord], float]:
+    """Send every prompt; returns the records and the wall time of the run."""
+    rng = random.Random(args.seed + 1)
+    limits = httpx.Limits(max_connections=args.max_concurrency or len(prompts) or 1)
+    timeout = httpx.Timeout(args.timeout, connect=30.0)
+    gate = asyncio.Semaphore(args.max_concurrency or len(prompts) or 1)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        base = api_base(args.base_url)
+        model = args.model or await _first_model(client, base)
+        path = "/chat/completions" if args.endpoint == "chat" else "/completions"
+        url = base + path
+        bar = tqdm(total=len(prompts), disable=args.no_progress, file=sys.stderr, unit="req")
+
+        async def send(prompt: BenchPrompt) -> RequestRecord:
+            async with gate:
+                record = await _one(client, url, _body(args, model, prompt), prompt)
+            bar.update(1)
+            return record
+
+        started = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.ensure_future(send(prompt)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        records = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - started
+        bar.close()
+    return records, duration
+
+
+def api_base(url: str) -> str:
+    """The OpenAI API root of `url`: `http://host:8000` and `.../v1/` both mean `.../v1`."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+async def _first_model(client: httpx.AsyncClient, base_url: str) -> str:
+    response = await client.get(base_url + "/models")
+    response.raise_for_status()
+    return str(response.json()["data"][0]["id"])
+
+
+def run(args: argparse.Namespace) -> int:
+    slo = SLO(
+        ttft_s=_seconds(args.slo_ttft_ms),
+        tpot_s=_seconds(args.slo_tpot_ms),
+        e2e_s=_seconds(args.slo_e2e_ms),
+    )
+    prompts = make_prompts(args)
+    try:
+        records, duration = asyncio.run(run_benchmark(args, prompts))
+    except httpx.HTTPError as exc:
+        print(f"error: cannot reach {args.base_url}: {exc}", file=sys.stderr)
+        return 1
+    summary = summarize(records, duration, slo)
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    if args.plot:
+        from cluster.bench.plot import PlotUnavailableError, plot_run
+
+        try:
+            plot_run(records, summary, args.plot)
+        except PlotUnavailableError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    return 0 if summary["completed"] == summary["requests"] else 1
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000

@@ -1,0 +1,398 @@
+"""The disagg YAML config: what an operator writes to describe a cluster.
+
+Top-level keys are defaults for both `context_servers` and
+`generation_servers`; a section may override the kv_cache, cache_transceiver
+and scheduler keys for its role. Setting one key to two *different* values at
+the top level and in a section is an error, because the reader cannot tell
+which one wins. `auto` values stay `auto` here; `cluster.config.plan.resolve_plan`
+resolves them once at startup.
+
+    model: checkpoints/tiny-llama
+    port: 8000
+    router: {type: prefix_aware}
+    kv_cache: {manager: auto, block_size: 16, max_tokens: 8192}
+    context_servers: {num_instances: 2}
+    generation_servers: {num_instances: 1, kv_cache: {max_tokens: 16384}}
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from transfer.python.ucx_wire import UCX_INSTALL_HINT, ucx_importable
+
+ROLES = ("context_servers", "generation_servers")
+# Keys a server section may override; each must also exist at the top level.
+SECTION_OVERRIDES = ("kv_cache", "cache_transceiver", "max_num_tokens", "max_batch_size")
+SIZING_KEYS = ("max_tokens", "memory_fraction")
+
+
+class ConfigError(ValueError):
+    """A disagg config the cluster cannot run; the message names file and key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RouterConfig(_Strict):
+    type: Literal["round_robin", "least_loaded", "prefix_aware"] = "round_robin"
+    # Completions the server holds at once (running or waiting on a worker);
+    # past it new requests get 429 with Retry-After instead of queueing.
+    max_queued_requests: int = Field(default=256, gt=0)
+    # When a disaggregated request's first token (sampled by the context
+    # worker) goes to the client: "prefill" at once, before its cache moves
+    # (the transfer then sits between the first and second token); "admission"
+    # once the generation worker has the cache and admits the request (the
+    # transfer is part of TTFT and every later gap is one decode step).
+    first_token_at: Literal["prefill", "admission"] = "admission"
+    # A worker that answers no poll for this many seconds (a stopped process,
+    # a blocked event loop, a node cut off that Ray has not declared dead)
+    # has its requests moved: a prefill runs on another context worker, a
+    # generation request that streamed nothing runs again elsewhere, one that
+    # streamed ends with an error naming the worker. It gets requests again
+    # once it answers a poll.
+    stall_timeout_s: float = Field(default=30.0, gt=0)
+
+
+class ConditionalDisaggConfig(_Strict):
+    # A prompt of at most this many tokens runs whole on a generation worker;
+    # 0 sends every request through a context worker.
+    max_local_prefill_length: int = Field(default=0, ge=0)
+
+
+class CacheTransceiverConfig(_Strict):
+    """How caches move. `wire` is the Python backend's transport: "tcp"
+    (default), "ucx" (needs the `ucx` extra on every node), or "auto" (UCX
+    where `ucxx` imports on the worker's node, else TCP). A puller dials the
+    wire the holder's handle names, so the two roles need not agree.
+    `pipelined_transfer`: a prompt longer than a context prefill chunk is
+    pulled chunk by chunk while it prefills (off: in one pull after it)."""
+
+    backend: Literal["auto", "nixl", "python"] = "auto"
+    wire: Literal["tcp", "ucx", "auto"] = "tcp"
+    timeout_s: float = Field(default=30.0, gt=0)
+    lease_s: float = Field(default=60.0, gt=0)
+    pipelined_transfer: bool = True
+
+    @field_validator("wire")
+    @classmethod
+    def _ucx_is_installed(cls, value: str) -> str:
+        if value == "ucx" and not ucx_importable():
+            raise ValueError(
+                "cache_transceiver.wire is 'ucx' but the ucxx package is not installed; "
+                f"run {UCX_INSTALL_HINT} on every node, or set wire to 'tcp' or 'auto'"
+            )
+        return value
+
+
+class KvCacheConfig(_Strict):
+    """Cache manager choice and size. Give `max_tokens` or `memory_fraction`, not both."""
+
+    manager: Literal["auto", "v1", "v2"] = "auto"
+    block_size: int = Field(default=16, gt=0)
+    enable_block_reuse: bool = False
+    max_tokens: int | None = Field(default=None, gt=0)
+    memory_fraction: float | None = Field(default=None, gt=0, le=1)
+    cpu_memory_bytes: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_sizing_key(self) -> KvCacheConfig:
+        if self.max_tokens is not None and self.memory_fraction is not None:
+            raise ValueError("set kv_cache.max_tokens or kv_cache.memory_fraction, not both")
+        return self
+
+
+class ServerSectionConfig(_Strict):
+    """One role's instances; unset override keys inherit the top level."""
+
+    # 0 context instances: every request runs whole on a generation instance.
+    num_instances: int = Field(default=1, ge=0)
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    num_gpus: float = Field(default=0.0, ge=0)
+    # Custom Ray resources each instance's bundle asks for, so the role lands
+    # on the nodes that offer them (`ray start --resources '{"prefill": 4}'`).
+    resources: dict[str, float] = Field(default_factory=dict)
+    # Ray CPU grant per instance; on CPU it is also the instance's torch threads.
+    num_cpus: float = Field(default=1.0, gt=0)
+    # CPU ids the instances are pinned to, `num_cpus` each in order (instance
+    # i takes the i-th group); None leaves placement to the OS.
+    cpu_affinity: list[int] | None = None
+    kv_cache: KvCacheConfig | None = None
+    cache_transceiver: CacheTransceiverConfig | None = None
+    max_num_tokens: int | None = Field(default=None, gt=0)
+    max_batch_size: int | None = Field(default=None, gt=0)
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources_only(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(
+                    f"resources names {name!r}, which Ray sizes itself; set num_gpus for "
+                    "GPUs and list only custom resources here"
+                )
+            if amount <= 0:
+                raise ValueError(f"resources.{name} is {amount}; give a positive amount")
+        return value
+
+    @field_validator("cpu_affinity")
+    @classmethod
+    def _distinct_cpu_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (len(set(value)) != len(value) or min(value, default=0) < 0):
+            raise ValueError(f"cpu_affinity {value} must list distinct CPU ids (0, 1, ...)")
+        return value
+
+    def check_cpu_affinity(self, name: str) -> None:
+        """Raise ValueError unless `cpu_affinity` gives each instance its `num_cpus` CPUs."""
+        cpus = self.cpu_affinity
+        if cpus is None:
+            return
+        if self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"{name}.cpu_affinity pins single-rank instances; remove it or set "
+                f"tensor_parallel_size to 1 (it is {self.tensor_parallel_size})"
+            )
+        wanted = self.num_instances * self.num_cpus
+        if not self.num_cpus.is_integer() or len(cpus) != wanted:
+            raise ValueError(
+                f"{name}.cpu_affinity lists {len(cpus)} CPUs, but its {self.num_instances} "
+                f"instance(s) of num_cpus {self.num_cpus:g} need {wanted:g}: list "
+                "num_instances x num_cpus CPU ids (num_cpus a whole number)"
+            )
+
+
+class MediaConfig(_Strict):
+    """Where chat image parts may come from, and their limits (see cluster/http/media.py)."""
+
+    # Folder whose files `file://` image URLs may name; None refuses them.
+    allowed_local_media_path: str | None = None
+    # Fetch `http(s)://` image URLs (within the limits below); off refuses them.
+    allow_remote_urls: bool = False
+    remote_timeout_s: float = Field(default=10.0, gt=0)
+    max_image_bytes: int = Field(default=10 << 20, gt=0)
+    max_image_pixels: int = Field(default=25_000_000, gt=0)
+    max_images_per_request: int = Field(default=8, ge=0)
+
+
+class RoleSettings(_Strict):
+    """The merged settings every instance of one role runs with."""
+
+    role: Literal["context", "generation"]
+    num_instances: int
+    tensor_parallel_size: int
+    num_gpus: float
+    resources: dict[str, float]
+    num_cpus: float
+    cpu_affinity: list[int] | None
+    kv_cache: KvCacheConfig
+    cache_transceiver: CacheTransceiverConfig
+    max_num_tokens: int
+    max_batch_size: int
+    dtype: str
+
+
+class ClusterConfig(_Strict):
+    model: str
+    hostname: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    address: str | None = None
+    startup_timeout_s: float = Field(default=300.0, gt=0)
+    # Bearer token the /v1 routes require; None leaves the API open.
+    api_key: str | None = Field(default=None, min_length=1)
+    max_request_body_bytes: int = Field(default=1 << 20, gt=0)
+    router: RouterConfig = RouterConfig()
+    media: MediaConfig = MediaConfig()
+    conditional_disagg: ConditionalDisaggConfig = ConditionalDisaggConfig()
+    cache_transceiver: CacheTransceiverConfig = CacheTransceiverConfig()
+    kv_cache: KvCacheConfig = KvCacheConfig()
+    max_num_tokens: int = Field(default=2048, gt=0)
+    max_batch_size: int = Field(default=32, gt=0)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    context_servers: ServerSectionConfig = ServerSectionConfig()
+    generation_servers: ServerSectionConfig = ServerSectionConfig()
+
+    @model_validator(mode="after")
+    def _sections_agree_with_top_level(self) -> ClusterConfig:
+        for role in ROLES:
+            self.role_settings(role)
+            getattr(self, role).check_cpu_affinity(role)
+        if self.generation_servers.num_instances == 0:
+            raise ValueError(
+                "generation_servers.num_instances is 0, but every request ends on a "
+                "generation instance; set it to 1 or more (context_servers.num_instances "
+                "may be 0: requests then run whole on generation instances)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _one_gpu_per_rank(self) -> ClusterConfig:
+        for name in ("context_servers", "generation_servers"):
+            section: ServerSectionConfig = getattr(self, name)
+            gpus, ranks = section.num_gpus, section.tensor_parallel_size
+            if ranks > 1 and 0 < gpus < 1:
+                raise ValueError(
+                    f"{name}.num_gpus is {gpus} with tensor_parallel_size {ranks}: each rank "
+                    "needs a GPU of its own (NCCL runs one rank per device); set num_gpus to 1"
+                )
+        return self
+
+    def role_settings(self, section_name: str) -> RoleSettings:
+        """Merge the top level with one section; raises ValueError on a conflict."""
+        section: ServerSectionConfig = getattr(self, section_name)
+        kv_cache = _merge_nested(self, section, section_name, "kv_cache")
+        transceiver = _merge_nested(self, section, section_name, "cache_transceiver")
+        scalars = {
+            key: _merge_scalar(self, section, section_name, key)
+            for key in ("max_num_tokens", "max_batch_size")
+        }
+        return RoleSettings(
+            role="context" if section_name == "context_servers" else "generation",
+            num_instances=section.num_instances,
+            tensor_parallel_size=section.tensor_parallel_size,
+            num_gpus=section.num_gpus,
+            resources=section.resources,
+            num_cpus=section.num_cpus,
+            cpu_affinity=section.cpu_affinity,
+            kv_cache=KvCacheConfig.model_validate(kv_cache),
+            cache_transceiver=CacheTransceiverConfig.model_validate(transceiver),
+            dtype=self.dtype,
+            **scalars,
+        )
+
+
+def _merge_scalar(top: ClusterConfig, section: ServerSectionConfig, name: str, key: str) -> Any:
+    value = getattr(section, key)
+    if key not in section.model_fields_set or value is None:
+        return getattr(top, key)
+    if key in top.model_fields_set and getattr(top, key) != value:
+        raise ValueError(_conflict(key, getattr(top, key), f"{name}.{key}", value))
+    return value
+
+
+def _merge_nested(
+    top: ClusterConfig, section: ServerSectionConfig, name: str, key: str
+) -> dict[str, Any]:
+    base: BaseModel = getattr(top, key)
+    merged = base.model_dump()
+    override: BaseModel | None = getattr(section, key)
+    if override is None:
+        return merged
+    for field in override.model_fields_set:
+        value = getattr(override, field)
+        if field in base.model_fields_set and getattr(base, field) != value:
+            raise ValueError(
+                _conflict(f"{key}.{field}", getattr(base, field), f"{name}.{key}.{field}", value)
+            )
+        merged[field] = value
+        if field in SIZING_KEYS:
+            # A section that sizes its cache one way replaces the other way.
+            for other in SIZING_KEYS:
+                if other != field and other not in override.model_fields_set:
+                    merged[other] = None
+    return merged
+
+
+def _conflict(top_key: str, top_value: Any, section_key: str, section_value: Any) -> str:
+    return (
+        f"{top_key} is {top_value!r} at the top level but {section_key} is "
+        f"{section_value!r}; set it in one place, or give both the same value"
+    )
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """A config file as read: the validated config, the dialect it was written
+    in ("disagg" or "tensorrt-llm"), and the keys that were read but do not
+    apply here, each with its reason (`key: reason`)."""
+
+    config: ClusterConfig
+    dialect: str
+    ignored: tuple[str, ...] = ()
+
+
+def load_config(path: str | Path) -> ClusterConfig:
+    """Read and validate a disagg YAML file; raises `ConfigError` naming file:key."""
+    return read_config(path).config
+
+
+def read_config(path: str | Path) -> LoadedConfig:
+    """Read a config file of either dialect: ours, or TensorRT-LLM's
+    `trtllm-serve disaggregated` YAML (recognized by its keys and translated
+    once, here, by `cluster.config.trtllm`). Raises `ConfigError`."""
+    # The dialect module builds on this one, so it is imported where it is used.
+    from cluster.config import trtllm
+
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror})") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the config must be a mapping of keys, got {type(raw).__name__}")
+    if not trtllm.is_trtllm(raw):
+        return LoadedConfig(config_from_dict(raw, source=str(path)), "disagg")
+    translation = trtllm.translate(raw, source=str(path))
+    config = config_from_dict(translation.native, str(path), translation.key_names)
+    ignored = tuple(str(item) for item in translation.ignored)
+    return LoadedConfig(config, trtllm.DIALECT, ignored)
+
+
+def config_from_dict(
+    raw: dict[str, Any], source: str = "<config>", key_names: Mapping[str, str] | None = None
+) -> ClusterConfig:
+    """Validate an already-parsed config mapping; raises `ConfigError`.
+
+    `key_names` maps a dotted key of ours to the key the file wrote, so an
+    error about a translated value names what the user wrote."""
+    try:
+        return ClusterConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, source, key_names or {})) from None
+
+
+def _describe(exc: ValidationError, source: str, key_names: Mapping[str, str]) -> str:
+    """One line per problem: `file:dotted.key: what to change`."""
+    lines = []
+    for error in exc.errors():
+        loc = tuple(str(part) for part in error["loc"])
+        key = ".".join(loc)
+        if key in key_names and key_names[key] != key:
+            key = f"{key_names[key]} (our {key})"
+        where = f"{source}:{key}" if loc else source
+        if error["type"] == "extra_forbidden":
+            message = f"unknown key{closest_key_hint(loc[-1], native_keys_at(loc[:-1]))}"
+        elif error["type"] == "value_error":
+            message = str(error["ctx"]["error"])
+        else:
+            message = error["msg"]
+        lines.append(f"{where}: {message}")
+    return "\n".join(lines)
+
+
+def closest_key_hint(key: str, valid: Iterable[str]) -> str:
+    """ "; did you mean 'x'?" for the closest valid key, else the valid keys."""
+    valid = sorted(set(valid))
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f"; valid keys here: {', '.join(valid)}"
+
+
+def native_keys_at(parent: tuple[str, ...]) -> list[str]:
+    """The keys our config accepts under the dotted path `parent`."""
+    model: type[BaseModel] = ClusterConfig
+    for part in parent:
+        annotation = model.model_fields[part].annotation
+        candidates = getattr(annotation, "__args__", (annotation,))
+        model = next(c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel))
+    return list(model.model_fields)

@@ -1,0 +1,366 @@
+"""TensorRT-LLM's `trtllm-serve disaggregated` YAML, read as a disagg config.
+
+A file is in this dialect when it uses any key only TensorRT-LLM has
+(`kv_cache_config`, `cache_transceiver_config`, `urls`, a section `router`,
+`backend`, ...). `translate` maps it once, at load, onto our keys; the result
+is validated as any disagg config (`cluster.config.schema`). Per key:
+
+    translated   kv_cache_config.max_tokens        -> kv_cache.max_tokens
+    ignored      urls, backend: pytorch, ...       -> listed with the reason
+    refused      pipeline_parallel_size: 2, ...    -> ConfigError naming it
+    ours         num_gpus, kv_cache.manager, ...   -> kept: a file may mix in
+                                                      settings TensorRT-LLM lacks
+
+One setting written in both dialects (`kv_cache.max_tokens` next to
+`kv_cache_config.max_tokens`), or given two different values (top-level
+`free_gpu_memory_fraction` and a section's `kv_cache_config` one, or two
+section routers), is refused naming both keys.
+
+As in TensorRT-LLM, top-level worker keys are defaults for both sections.
+A GPU memory fraction sizes only instances with `num_gpus`; on CPU instances
+the cache is sized as if it were absent, and the ignored list says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.config.schema import ROLES, ConfigError, closest_key_hint, native_keys_at
+from cluster.config.trtllm_keys import (
+    BACKENDS,
+    KV_IGNORED,
+    KV_KEYS,
+    KV_REFUSED,
+    ONE_ONLY,
+    ROUTER_IGNORED,
+    ROUTER_TYPES,
+    SECTION_IGNORED,
+    SECTION_KEYS,
+    SERVER_IGNORED,
+    SHARED_KEYS,
+    TOP_KEYS,
+    TRANSCEIVER_IGNORED,
+    WORKER_IGNORED,
+    WORKER_REFUSED,
+)
+
+DIALECT = "tensorrt-llm"
+TRTLLM, OURS, BOTH = "tensorrt-llm", "disagg", "both"
+
+_ONE_ROUTER = "one router policy serves both pools here"
+
+
+@dataclass(frozen=True)
+class IgnoredKey:
+    key: str  # dotted, as the file wrote it
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.key}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Translation:
+    native: dict[str, Any]  # our config, still to validate
+    key_names: dict[str, str]  # our dotted key -> the key the file wrote
+    ignored: tuple[IgnoredKey, ...]
+
+
+def is_trtllm(raw: dict[str, Any]) -> bool:
+    """Whether the mapping uses any key (or router type) only TensorRT-LLM has."""
+    if set(raw) & (TOP_KEYS - set(native_keys_at(()))):
+        return True
+    router = raw.get("router")
+    if isinstance(router, dict) and router.get("type") in set(ROUTER_TYPES) - {"round_robin"}:
+        return True
+    section_only = SECTION_KEYS - set(native_keys_at(("context_servers",)))
+    return any(isinstance(raw.get(s), dict) and set(raw[s]) & section_only for s in ROLES)
+
+
+def translate(raw: dict[str, Any], source: str = "<config>") -> Translation:
+    """Our config for a TensorRT-LLM mapping; raises `ConfigError` naming the
+    file's keys (every unknown or refused key at once)."""
+    return _Translator(raw, source).run()
+
+
+@dataclass
+class _Put:
+    value: Any
+    key: str  # as the file wrote it
+    written: Any  # the value as the file wrote it
+    dialect: str
+
+
+@dataclass
+class _Translator:
+    raw: dict[str, Any]
+    source: str
+    puts: dict[tuple[str, ...], _Put] = field(default_factory=dict)
+    ignored: list[IgnoredKey] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    # scope (() or (section,)) -> (fraction, key) still to place by device
+    fractions: dict[tuple[str, ...], tuple[float, str]] = field(default_factory=dict)
+    reuse_scopes: list[tuple[tuple[str, ...], str]] = field(default_factory=list)
+
+    def run(self) -> Translation:
+        for key, value in self.raw.items():
+            self._top(key, value)
+        if self.errors:
+            raise ConfigError("\n".join(self.errors))
+        self._place_fractions()
+        self._reuse_needs_v2()
+        self._sections_agree_with_top_level()
+        native: dict[str, Any] = {}
+        for path, put in self.puts.items():
+            node = native
+            for part in path[:-1]:
+                node = node.setdefault(part, {})
+            node[path[-1]] = put.value
+        names = {".".join(path): put.key for path, put in self.puts.items()}
+        return Translation(native, names, tuple(self.ignored))
+
+    # -- one level each -------------------------------------------------
+
+    def _top(self, key: str, value: Any) -> None:
+        if key in ROLES:
+            self._section(key, value)
+        elif key == "conditional_disagg_config":
+            for name, item in self._mapping(key, value).items():
+                if name == "max_local_prefill_length":
+                    self._put(("conditional_disagg", name), item, f"{key}.{name}", TRTLLM)
+                else:
+                    self._unknown(f"{key}.{name}", name, ["max_local_prefill_length"])
+        elif key == "tensor_parallel_size":  # a default for both sections
+            for role in ROLES:
+                self._put((role, key), value, key, BOTH)
+        elif key in SERVER_IGNORED:
+            self._ignore(key, SERVER_IGNORED[key])
+        elif not self._worker_key((), key, value, key):
+            native = native_keys_at(())
+            if key in native:
+                self._ours((key,), value, key)
+            else:
+                self._unknown(key, key, [*TOP_KEYS, *native])
+
+    def _section(self, role: str, section: Any) -> None:
+        for key, value in self._mapping(role, section).items():
+            where = f"{role}.{key}"
+            if key in ("model", "dtype"):  # one per cluster here
+                self._put((key,), value, where, BOTH)
+            elif key == "router":
+                self._router(value, where)
+            elif key in SECTION_IGNORED:
+                self._ignore(where, SECTION_IGNORED[key])
+            elif not self._worker_key((role,), key, value, where):
+                native = native_keys_at((role,))
+                if key in native:
+                    self._ours((role, key), value, where)
+                else:
+                    self._unknown(where, key, [*SECTION_KEYS, *native])
+
+    def _worker_key(self, scope: tuple[str, ...], key: str, value: Any, where: str) -> bool:
+        """A worker (LLM API) key, valid at the top level and in a section."""
+        if key == "kv_cache_config":
+            self._kv_cache(scope, self._mapping(where, value), where)
+        elif key == "cache_transceiver_config":
+            self._transceiver(scope, self._mapping(where, value), where)
+        elif key == "free_gpu_memory_fraction":
+            self._fraction(scope, value, where)
+        elif key == "router" and not scope:
+            self._router(value, where)
+        elif key in ONE_ONLY:
+            if value != 1:
+                self.errors.append(
+                    f"{self.source}:{where}: is {value!r}, but {ONE_ONLY[key]} parallelism is "
+                    "not implemented; set it to 1 and scale out with num_instances"
+                )
+        elif key in WORKER_IGNORED:
+            self._ignore(where, WORKER_IGNORED[key])
+        elif key in WORKER_REFUSED:
+            self.errors.append(f"{self.source}:{where}: {WORKER_REFUSED[key]}")
+        else:
+            return False
+        return True
+
+    def _kv_cache(self, scope: tuple[str, ...], block: dict[str, Any], where: str) -> None:
+        ours = {"max_tokens": "max_tokens", "tokens_per_block": "block_size"}
+        for key, value in block.items():
+            written = f"{where}.{key}"
+            if key in ours:
+                self._put((*scope, "kv_cache", ours[key]), value, written, TRTLLM)
+            elif key == "enable_block_reuse":
+                self._put((*scope, "kv_cache", key), value, written, TRTLLM)
+                if value is True:
+                    self.reuse_scopes.append((scope, written))
+            elif key == "free_gpu_memory_fraction":
+                self._fraction(scope, value, written)
+            elif key in KV_IGNORED:
+                self._ignore(written, KV_IGNORED[key])
+            elif key in KV_REFUSED:
+                self.errors.append(f"{self.source}:{written}: {KV_REFUSED[key]}")
+            else:
+                self._unknown(written, key, [*KV_KEYS, *KV_IGNORED, *KV_REFUSED])
+
+    def _transceiver(self, scope: tuple[str, ...], block: dict[str, Any], where: str) -> None:
+        for key, value in block.items():
+            written = f"{where}.{key}"
+            if key == "backend":
+                self._backend(scope, value, written)
+            elif key == "kv_transfer_timeout_ms" and value is None:
+                self._ignore(written, "a transfer always times out here (timeout_s, 30 s)")
+            elif key == "kv_transfer_timeout_ms":
+                seconds = value / 1000 if isinstance(value, int | float) else value
+                self._put((*scope, "cache_transceiver", "timeout_s"), seconds, written, TRTLLM)
+            elif key in TRANSCEIVER_IGNORED:
+                self._ignore(written, TRANSCEIVER_IGNORED[key])
+            else:
+                self._unknown(
+                    written, key, ["backend", "kv_transfer_timeout_ms", *TRANSCEIVER_IGNORED]
+                )
+
+    def _backend(self, scope: tuple[str, ...], value: Any, written: str) -> None:
+        choice = BACKENDS.get(str(value).upper())
+        if choice is None:
+            self.errors.append(
+                f"{self.source}:{written}: {value!r} is not a backend; use one of "
+                f"{', '.join(BACKENDS)}"
+            )
+            return
+        backend, wire, why = choice
+        self._put((*scope, "cache_transceiver", "backend"), backend, written, TRTLLM, value)
+        if wire is not None:
+            self._put((*scope, "cache_transceiver", "wire"), wire, written, TRTLLM, value)
+        if why is not None:
+            self._ignore(written, why)
+
+    def _router(self, block: Any, where: str) -> None:
+        for key, value in self._mapping(where, block).items():
+            written = f"{where}.{key}"
+            if key == "type" and value in ROUTER_TYPES:
+                dialect = BOTH if value == "round_robin" else TRTLLM
+                self._put(("router", "type"), ROUTER_TYPES[value], written, dialect, value)
+            elif key in native_keys_at(("router",)):
+                self._put(("router", key), value, written, OURS)
+            elif key in ROUTER_IGNORED:
+                self._ignore(written, ROUTER_IGNORED[key])
+            else:
+                self._unknown(written, key, ["type", *ROUTER_IGNORED])
+
+    def _fraction(self, scope: tuple[str, ...], value: Any, written: str) -> None:
+        earlier = self.fractions.get(scope)
+        if earlier is not None and earlier[0] != value:
+            raise ConfigError(self._two_values(earlier[1], earlier[0], written, value))
+        self.fractions[scope] = (value, written)
+
+    def _ours(self, path: tuple[str, ...], value: Any, written: str) -> None:
+        """One of our keys in the file: kept, leaf by leaf for a nested block."""
+        dialect = BOTH if path[-1] in SHARED_KEYS else OURS
+        if not isinstance(value, dict):
+            self._put(path, value, written, dialect)
+            return
+        for key, item in value.items():
+            self._put((*path, key), item, f"{written}.{key}", dialect)
+
+    # -- after every key was read -----------------------------------------
+
+    def _place_fractions(self) -> None:
+        """A GPU memory fraction sizes the GPU instances of its scope only,
+        and only where max_tokens does not already size the cache."""
+        top = self.fractions.get(())
+        for role in ROLES:
+            section = self.fractions.get((role,))
+            if top is not None and section is not None and top[0] != section[0]:
+                raise ConfigError(self._two_values(top[1], top[0], section[1], section[0]))
+        for scope, (value, written) in self.fractions.items():
+            ours = self.puts.get((*scope, "kv_cache", "memory_fraction"))
+            if ours is not None and ours.dialect == OURS:  # refused on CPU instances too
+                raise ConfigError(self._mixed(ours.key, written, "kv_cache.memory_fraction"))
+            roles = list(scope) if scope else list(ROLES)
+            on_cpu = [role for role in roles if not self._on_gpu(role)]
+            if on_cpu:
+                self._ignore(
+                    written,
+                    f"a GPU memory fraction sizes nothing on the CPU instances of "
+                    f"{' and '.join(on_cpu)}: their cache is sized as if it were absent "
+                    "(kv_cache_config.max_tokens, else the default size)",
+                )
+            if len(on_cpu) == len(roles):
+                continue
+            if (*scope, "kv_cache", "max_tokens") in self.puts:
+                self._ignore(
+                    written,
+                    "kv_cache_config.max_tokens sizes this cache (TensorRT-LLM would take the "
+                    "smaller of the two; give one of them here)",
+                )
+                continue
+            targets = [scope] if not on_cpu else [(role,) for role in roles if role not in on_cpu]
+            for target in targets:
+                self._put((*target, "kv_cache", "memory_fraction"), value, written, TRTLLM)
+
+    def _reuse_needs_v2(self) -> None:
+        """Prefix reuse lives in our V2 manager; a scope that asks for reuse
+        and names no manager gets V2 (hybrid models keep reuse off there)."""
+        for scope, written in self.reuse_scopes:
+            if (*scope, "kv_cache", "manager") not in self.puts:
+                self._put((*scope, "kv_cache", "manager"), "v2", written, TRTLLM, True)
+
+    def _sections_agree_with_top_level(self) -> None:
+        for path, put in list(self.puts.items()):
+            if path[0] not in ROLES or len(path) < 2:
+                continue
+            top = self.puts.get(path[1:])
+            if top is not None and top.value != put.value:
+                raise ConfigError(self._two_values(top.key, top.written, put.key, put.written))
+
+    # -- helpers -------------------------------------------------------
+
+    def _put(
+        self,
+        path: tuple[str, ...],
+        value: Any,
+        written: str,
+        dialect: str,
+        written_value: Any = None,
+    ) -> None:
+        shown = value if written_value is None else written_value
+        earlier = self.puts.get(path)
+        if earlier is None:
+            self.puts[path] = _Put(value, written, shown, dialect)
+            return
+        if {earlier.dialect, dialect} == {TRTLLM, OURS}:
+            raise ConfigError(self._mixed(earlier.key, written, ".".join(path)))
+        if earlier.value != value:
+            raise ConfigError(self._two_values(earlier.key, earlier.written, written, shown))
+
+    def _mixed(self, first: str, second: str, ours: str) -> str:
+        return (
+            f"{self.source}: {first} and {second} both set {ours}, one in "
+            "TensorRT-LLM's keys and one in ours; keep one of them"
+        )
+
+    def _two_values(self, first: str, first_value: Any, second: str, second_value: Any) -> str:
+        hint = f" ({_ONE_ROUTER})" if "router" in first else ""
+        return (
+            f"{self.source}: {first} is {first_value!r} but {second} is {second_value!r}"
+            f"{hint}; set it in one place, or give both the same value"
+        )
+
+    def _on_gpu(self, role: str) -> bool:
+        section = self.raw.get(role) or {}
+        num_gpus = section.get("num_gpus", 0) if isinstance(section, dict) else 0
+        return isinstance(num_gpus, int | float) and num_gpus > 0
+
+    def _mapping(self, where: str, value: Any) -> dict[str, Any]:
+        if value is None:  # `key:` with nothing under it
+            return {}
+        if isinstance(value, dict):
+            return value
+        self.errors.append(f"{self.source}:{where}: must be a mapping of keys, got {value!r}")
+        return {}
+
+    def _ignore(self, key: str, reason: str) -> None:
+        self.ignored.append(IgnoredKey(key, reason))
+
+    def _unknown(self, written: str, key: str, valid: list[str]) -> None:
+        self.errors.append(f"{self.source}:{written}: unknown key{closest_key_hint(key, valid)}")

@@ -1,0 +1,149 @@
+"""What each key of TensorRT-LLM's disagg YAML means here: translated,
+ignored (with the reason listed at startup) or refused (with what to do).
+
+`cluster.config.trtllm` walks a file with these tables; the README's key
+table says the same for users.
+"""
+
+from __future__ import annotations
+
+# router.type -> ours (one policy serves both pools here)
+ROUTER_TYPES = {
+    "round_robin": "round_robin",
+    "load_balancing": "least_loaded",
+    "kv_cache_aware": "prefix_aware",
+}
+
+# backend (any case) -> (our backend, our wire or None, why it differs or None).
+# TensorRT-LLM's DEFAULT is NIXL unless an environment variable picks another;
+# here it is our `auto` rule (the model's preference, else NIXL when it
+# imports, else Python). UCX is the Python transceiver's protocol over UCX;
+# PYTHON (not a TensorRT-LLM value) names our Python transceiver.
+_OVER_TCP = "is not available here; the Python transceiver (TCP) moves the cache"
+BACKENDS: dict[str, tuple[str, str | None, str | None]] = {
+    "DEFAULT": ("auto", None, None),
+    "NIXL": ("nixl", None, None),
+    "UCX": ("python", "ucx", None),
+    "PYTHON": ("python", None, None),
+    "MPI": ("python", None, f"MPI {_OVER_TCP}"),
+    "MOONCAKE": ("python", None, f"Mooncake {_OVER_TCP}"),
+}
+
+_ONE_INSTANCE = "the launcher starts one HTTP server in front of the cluster"
+_TOKEN_IDS = "the server tokenizes once and hands token ids to the workers"
+SERVER_IGNORED = {
+    "max_retries": "the router retries a request on another worker by itself before its first token",
+    "perf_metrics_max_requests": "metrics are always served at /metrics",
+    "otlp_config": "no OpenTelemetry export; metrics are served at /metrics",
+    "disagg_cluster": "this launcher starts its own workers; there is no cluster storage to join",
+    "node_id": _ONE_INSTANCE,
+    "num_workers": _ONE_INSTANCE,
+    "disagg_coordinator_url": _ONE_INSTANCE,
+    "schedule_style": "a disaggregated request always runs its context phase first",
+    "allow_request_chat_template": "chat requests use the checkpoint's chat template",
+    "gen_strip_message_history": _TOKEN_IDS,
+    "gen_tokids_ctxbytes": _TOKEN_IDS,
+}
+
+_WHOLE_MODEL = "no attention or expert parallelism: each instance holds the whole model"
+_MODEL_LEN = "a request's length is bounded by max_position_embeddings or the cache size"
+WORKER_IGNORED = {
+    "backend": "the workers run this project's own PyTorch models; there is no engine to choose",
+    "disable_overlap_scheduler": "the engine has no overlap scheduler to switch off",
+    "cuda_graph_config": "TensorRT-LLM's CUDA graph settings do not apply to this engine",
+    "enable_autotuner": "there is no kernel autotuner here",
+    "print_iter_log": "there is no per-iteration log; /metrics reports the steps",
+    "enable_chunked_prefill": "prefill is always chunked by max_num_tokens",
+    "trust_remote_code": "models come from this project's registry; no checkpoint code runs",
+    "max_seq_len": _MODEL_LEN,
+    "max_input_len": _MODEL_LEN,
+    "max_beam_width": "decoding is greedy or sampled, one sequence per request",
+    "enable_attention_dp": _WHOLE_MODEL,
+    "moe_expert_parallel_size": _WHOLE_MODEL,
+    "moe_tensor_parallel_size": _WHOLE_MODEL,
+    "scheduler_config": "the engine schedules by token budget and preempts by recompute",
+    "stream_interval": "each engine step's tokens are streamed as the step ends",
+    "return_perf_metrics": "metrics are always served at /metrics",
+}
+SECTION_IGNORED = {"urls": "this launcher starts its own workers; num_instances says how many"}
+
+_NO_OFFLOAD = "there is no host-memory offload tier"
+_OUR_MANAGER = "the cache manager is kv_cache.manager here (auto picks by model)"
+KV_IGNORED = {
+    "event_buffer_max_size": "KV events always reach the router (prefix_aware polls them)",
+    "enable_partial_reuse": "prefix reuse is by whole blocks",
+    "copy_on_partial_reuse": "prefix reuse is by whole blocks",
+    "dtype": "the cache holds the model's dtype",
+    "mamba_ssm_cache_dtype": "Mamba SSM state is always float32 here",
+    "host_cache_size": _NO_OFFLOAD,
+    "onboard_blocks": _NO_OFFLOAD,
+    "secondary_offload_min_priority": _NO_OFFLOAD,
+    "use_uvm": "the cache is plain device (or, on CPU, host) memory",
+    "attention_dp_events_gather_period_ms": _WHOLE_MODEL,
+    "cross_kv_cache_fraction": "only encoder-decoder models use it",
+    "use_kv_cache_manager_v2": _OUR_MANAGER,
+    "max_util_for_resume": _OUR_MANAGER,
+}
+TRANSCEIVER_IGNORED = {
+    "transceiver_runtime": "the backend alone picks the transceiver implementation here",
+    "max_tokens_in_buffer": "there is no staging buffer: blocks move straight between the caches",
+    "kv_transfer_sender_future_timeout_ms": "kv_transfer_timeout_ms bounds the whole transfer",
+}
+ROUTER_IGNORED = {
+    "use_tokens": "least_loaded always balances by tokens in flight",
+    "model_path": "the router hashes prompts with the served model's tokenizer",
+    "tokens_per_block": "the router takes the block size from kv_cache_config.tokens_per_block",
+    "max_batch_size": "routing does not depend on it",
+    "max_num_tokens": "routing does not depend on it",
+}
+
+_NOT_HERE = "is not supported here; remove it"
+WORKER_REFUSED = {
+    "speculative_config": f"speculative decoding {_NOT_HERE}",
+    "lora_config": f"LoRA {_NOT_HERE}",
+    "enable_lora": f"LoRA {_NOT_HERE}",
+}
+KV_REFUSED = {
+    "max_attention_window": f"a sliding attention window {_NOT_HERE}",
+    "sink_token_length": f"attention sink tokens {_NOT_HERE}",
+    "max_gpu_total_bytes": "a cache budget in bytes is not supported here; "
+    "use kv_cache_config.max_tokens or free_gpu_memory_fraction",
+}
+# Must be 1: these split one instance over devices in ways not implemented here.
+ONE_ONLY = {"pipeline_parallel_size": "pipeline", "context_parallel_size": "context"}
+
+KV_KEYS = {"enable_block_reuse", "max_tokens", "tokens_per_block", "free_gpu_memory_fraction"}
+TOP_KEYS = {
+    "kv_cache_config",
+    "cache_transceiver_config",
+    "conditional_disagg_config",
+    "free_gpu_memory_fraction",
+    "tensor_parallel_size",
+    *ONE_ONLY,
+    *SERVER_IGNORED,
+    *WORKER_IGNORED,
+    *WORKER_REFUSED,
+}
+SECTION_KEYS = {
+    "kv_cache_config",
+    "cache_transceiver_config",
+    "free_gpu_memory_fraction",
+    "router",
+    "model",
+    "dtype",
+    *ONE_ONLY,
+    *SECTION_IGNORED,
+    *WORKER_IGNORED,
+    *WORKER_REFUSED,
+}
+# Same name and meaning in both dialects: never a mix of dialects.
+SHARED_KEYS = {
+    "model",
+    "hostname",
+    "port",
+    "dtype",
+    "max_batch_size",
+    "max_num_tokens",
+    "num_instances",
+    "tensor_parallel_size",
+}

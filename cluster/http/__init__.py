@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP face: routes, request preparation, OpenAI shapes and errors."""

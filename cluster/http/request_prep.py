@@ -1,0 +1,225 @@
+"""From a validated OpenAI request to a `PreparedRequest` and how to render its output.
+
+The server admits a request, then prepares it here: chat images fetched and
+placed, the prompt tokenized (a long one off the event loop,
+`cluster.http.prompt_tokenizer`), its length and sampling fields checked against
+the model (a 400 naming the field otherwise), and the endpoint's rendering
+of deltas (SSE chunk lines, the whole body) bound to the request's id.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.http import openai_format as fmt
+from cluster.http.api_errors import APIError
+from cluster.http.completion import Delta, PreparedRequest
+from cluster.http.image_prompt import (
+    ImageSupport,
+    load_chat_images,
+    place_images,
+    refuse_completion_images,
+)
+from cluster.http.media import MediaConfig
+from cluster.http.prompt_tokenizer import PromptTokenizer
+from cluster.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from engine.multimodal import ImageInput
+from engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The model behind the endpoint.
+
+    name: the id `/v1/models` lists and requests must name.
+    aliases: other accepted names (the checkpoint path).
+    max_model_len: most prompt + output tokens of one request.
+    """
+
+    name: str
+    tokenizer: Any  # models.tokenizer: encode / decode / apply_chat_template
+    max_model_len: int
+    vocab_size: int
+    aliases: tuple[str, ...] = ()
+    images: ImageSupport | None = None  # None: the model takes no images
+    media: MediaConfig = MediaConfig()
+
+
+@dataclass(frozen=True)
+class ResponseShape:
+    """How one endpoint renders its output.
+
+    opening: SSE lines sent before the first token (chat's role chunk).
+    chunk / whole: the SSE line of one delta / the body for all of them.
+    """
+
+    endpoint: str
+    meta: fmt.ResponseMeta
+    opening: list[str]
+    chunk: Callable[[Delta], str]
+    whole: Callable[[Delta], dict[str, Any]]
+    chunk_object: str
+
+
+class RequestPreparer:
+    """Prepares requests for one served model (see the module docstring)."""
+
+    def __init__(self, model: ServedModel) -> None:
+        self.model = model
+        self.prompts = PromptTokenizer(model.tokenizer)
+
+    def close(self) -> None:
+        self.prompts.close()
+
+    async def completion(self, body: CompletionRequest) -> tuple[ResponseShape, PreparedRequest]:
+        if isinstance(body.prompt, str):
+            prompt = await self.prompts.encode(body.prompt)
+        else:
+            prompt = list(body.prompt)
+        refuse_completion_images(prompt, self.model.images)
+        prepared = self._prepare("cmpl", body, prompt, body.max_tokens, body.logprobs)
+        meta = fmt.ResponseMeta(prepared.request_id, int(time.time()), self.model.name)
+        num_top = body.logprobs or 0
+        tokenizer = self.model.tokenizer
+        writer = fmt.ChunkWriter(meta, "text_completion")
+        offset = 0
+
+        def chunk(delta: Delta) -> str:
+            nonlocal offset
+            start, offset = offset, offset + len(delta.text)
+            if delta.logprobs is None:
+                return writer.text_line(delta.text, delta.finish_reason)
+            logprobs = fmt.completion_logprobs(delta, tokenizer, num_top, start)
+            return writer.line(fmt.completion_choice(delta.text, delta.finish_reason, logprobs))
+
+        def whole(delta: Delta) -> dict[str, Any]:
+            logprobs = fmt.completion_logprobs(delta, tokenizer, num_top, 0)
+            return fmt.completion_body(meta, delta, logprobs)
+
+        return ResponseShape("completions", meta, [], chunk, whole, "text_completion"), prepared
+
+    async def chat(self, body: ChatCompletionRequest) -> tuple[ResponseShape, PreparedRequest]:
+        images = await load_chat_images(body, self.model.images, self.model.media)
+        messages = body.template_messages(images.texts)
+        chars = sum(len(message["content"]) for message in messages)
+        prompt = await self.prompts.run(chars, self._render_chat, messages)
+        placed: tuple[ImageInput, ...] = ()
+        if self.model.images is not None:
+            placed = place_images(prompt, images.inputs, self.model.images.vision.image_token_id)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        prepared = self._prepare("chatcmpl", body, prompt, body.output_limit, logprobs, placed)
+        meta = fmt.ResponseMeta(prepared.request_id, int(time.time()), self.model.name)
+        tokenizer = self.model.tokenizer
+        num_top = body.top_logprobs or 0
+        writer = fmt.ChunkWriter(meta, "chat.completion.chunk")
+        opening = [writer.line(fmt.chat_choice({"role": "assistant", "content": ""}, None))]
+
+        def chunk(delta: Delta) -> str:
+            if delta.logprobs is None:
+                return writer.content_line(delta.text, delta.finish_reason)
+            content = {"content": delta.text} if delta.text else {}
+            lp = fmt.chat_logprobs(delta, tokenizer, num_top)
+            return writer.line(fmt.chat_choice(content, delta.finish_reason, lp))
+
+        def whole(delta: Delta) -> dict[str, Any]:
+            return fmt.chat_body(meta, delta, fmt.chat_logprobs(delta, tokenizer, num_top))
+
+        return ResponseShape("chat", meta, opening, chunk, whole, "chat.completion.chunk"), prepared
+
+    def check_model(self, name: str) -> None:
+        if name != self.model.name and name not in self.model.aliases:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.model.name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt's token ids (on `self.prompts`' thread when long)."""
+        try:
+            rendered = self.model.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True
+            )
+        except Exception as exc:  # a template error names the message it disliked
+            raise APIError(
+                400, f"messages: cannot apply the chat template: {exc}", "messages"
+            ) from exc
+        if isinstance(rendered, str):
+            return list(self.model.tokenizer.encode(rendered, add_special_tokens=False))
+        return list(rendered)
+
+    def _prepare(
+        self,
+        prefix: str,
+        body: SamplingFields,
+        prompt: list[int],
+        max_tokens: int | None,
+        logprobs: int | None,
+        images: tuple[ImageInput, ...] = (),
+    ) -> PreparedRequest:
+        limit = self.model.max_model_len
+        if not prompt:
+            raise APIError(400, "prompt: the prompt is empty after tokenization", "prompt")
+        if max(prompt) >= self.model.vocab_size:
+            raise APIError(
+                400, f"prompt: token ids must be below the vocabulary size {self.model.vocab_size}",
+                "prompt",
+            )  # fmt: skip
+        if len(prompt) >= limit:
+            raise APIError(
+                400,
+                f"prompt: {len(prompt)} tokens leave no room for output; this model "
+                f"takes at most {limit} tokens of prompt and output together",
+                "prompt",
+                "context_length_exceeded",
+            )
+        room = limit - len(prompt)
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(
+                400,
+                f"max_tokens: {max_tokens} output tokens do not fit after a {len(prompt)}-token "
+                f"prompt (at most {limit} in total); ask for at most {room}",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        return PreparedRequest(
+            request_id=f"{prefix}-{uuid.uuid4().hex}",
+            prompt_token_ids=prompt,
+            params=_sampling_params(body, max_tokens or room, logprobs),
+            stop_strings=tuple(body.stop_strings),
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            images=images,
+        )
+
+
+def _sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> Any:
+    try:
+        return _build_sampling_params(body, max_tokens, logprobs)
+    except ValueError as exc:  # SamplingParams names the field it rejects
+        raise APIError(400, str(exc), code="invalid_value") from exc
+
+
+def _build_sampling_params(
+    body: SamplingFields, max_tokens: int, logprobs: int | None
+) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_k=body.top_k,
+        top_p=body.top_p,
+        min_p=body.min_p,
+        seed=body.seed,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        stop_token_ids=tuple(body.stop_token_ids),
+        stop=tuple(body.stop_strings),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+    )

@@ -1,0 +1,1 @@
+"""Starting a cluster's workers on Ray: placement groups, actors, checkpoint shipping."""

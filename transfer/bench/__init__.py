@@ -1,0 +1,1 @@
+"""`disagg bench-transfer`: transceiver throughput and latency against raw limits."""

@@ -1,0 +1,1 @@
+"""The NIXL transceiver: one agent per worker, registered pools, one-sided READs by descriptor."""
