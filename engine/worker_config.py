@@ -5,7 +5,7 @@ after every `auto` value has been resolved: the manager is `"v1"` or `"v2"`,
 the transceiver `"python"` or `"nixl"`. Workers never patch it afterwards.
 The one exception is `transfer_wire`: whether `ucxx` imports is a property of
 the worker's node, so "auto" is resolved on the worker when its transceiver
-is built (`transfer.factory.resolve_wire`, logged there).
+is built (`transfer.python.wires.resolve_wire`, logged there).
 """
 
 from __future__ import annotations

@@ -29,11 +29,12 @@ from kvcache.spec import CacheSpec
 from models.embedded.configs import checkpoint_config
 from tests.transfer_harness import BLOCK_SIZE, HYBRID, Endpoint
 from transfer.errors import LayoutMismatch, PeerGone, WireError
-from transfer.factory import WireUnavailable, create_transceiver, resolve_wire
+from transfer.factory import create_transceiver
 from transfer.handle import TransferHandle
 from transfer.python.frames import MAX_HEADER_BYTES, recv_header, send_header
 from transfer.python.transceiver import PythonTransceiver
 from transfer.python.ucx_wire import SMALL_FRAME_BYTES, UcxWire, ucx_importable
+from transfer.python.wires import WireUnavailable, resolve_wire
 
 needs_ucx = pytest.mark.skipif(
     not ucx_importable(), reason="ucxx is not installed; pip install 'disagg[ucx]'"
@@ -234,7 +235,7 @@ def test_importing_ucxx_leaves_the_process_environment_alone() -> None:
     (checked in a fresh process: this one imported ucxx already)."""
     script = (
         "import json, os\n"
-        "from transfer import ucx_wire\n"
+        "from transfer.python import ucx_wire\n"
         "before = dict(os.environ)\n"
         "ucx_wire.import_ucxx()\n"
         "print(json.dumps([dict(os.environ) == before, ucx_wire._context_options]))\n"

@@ -21,7 +21,6 @@ from collections.abc import Callable
 
 from kvcache.layout import LayoutSignature, RequestRegions
 from transfer.errors import LayoutMismatch, PeerGone, UnknownRequest, WireError
-from transfer.factory import wire_unusable_reason
 from transfer.handle import TransferHandle
 from transfer.head_slices import SlicePair, plan_pull
 from transfer.plan import check_bounds
@@ -34,6 +33,7 @@ from transfer.python.frames import (
     send_header,
 )
 from transfer.python.socket_buffers import SocketBuffers
+from transfer.python.wires import wire_unusable_reason
 
 # Dialing a live holder takes milliseconds. A dead UCX holder is only noticed
 # when this runs out (ucxx does not surface a refused connection sooner), so

@@ -36,7 +36,6 @@ import torch
 
 from kvcache.layout import LayoutSignature, RequestRegions
 from transfer.base import Transceiver
-from transfer.factory import create_wire
 from transfer.handle import TransferHandle
 from transfer.plan import Coverage, check_bounds
 from transfer.python.connection import TCP, WIRES, Wire
@@ -44,6 +43,7 @@ from transfer.python.frames import MAX_HEADER_BYTES
 from transfer.python.holder import PythonHolder
 from transfer.python.puller import CONNECT_TIMEOUT_S, PythonPuller
 from transfer.python.socket_buffers import SocketBuffers
+from transfer.python.wires import create_wire
 from transfer.region_arrays import segment_arrays
 
 
@@ -54,7 +54,7 @@ class PythonTransceiver(Transceiver):
         move zero-copy, device buffers through host staging chunks.
     secret: shared by every worker of the cluster; peers without it are dropped.
     host/port: where to listen (the node's own address; port 0 picks one).
-    wire: "tcp" or "ucx" (resolved, see `transfer.factory.resolve_wire`): what
+    wire: "tcp" or "ucx" (resolved, see `transfer.python.wires.resolve_wire`): what
         this worker listens on. Pulls dial whatever wire the handle names.
     max_inflight_bytes: bound on bytes being sent at once over all pulls.
     stage_through_host: copy host buffers through staging chunks as device
