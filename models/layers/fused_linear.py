@@ -30,21 +30,13 @@ one of two other paths where that is faster: the row-major weight through
 measures the paths on the model's own products
 (`models.layers.small_products`) and sets `few_row_paths`, the path per row
 count. A model too small to time keeps `DEFAULT_FEW_ROW_PATHS`: the
-row-major path up to `ROW_MAJOR_MAX_ROWS` rows. On an Intel Xeon one pass
-over SmolLM2-135M's 121 products (weights streamed from memory, 2 threads,
-`python -m benchmarks.linear_paths --model smollm2 --rows 1 2 3 4 8`) took
-20.6 ms row-major against 26.0 blocked at 1 row, 24.0-24.3 against
-27.5-28.1 at 3 rows, but 37.1-37.8 against 28.5-29.0 at 4 rows and 49.0
-against 32.3 at 8; in bf16 the blocked product is the faster at 1 and 2
-rows too (86.1 and 78.6 against 61.0 and 61.7, on a busier machine).
+row-major path up to `ROW_MAJOR_MAX_ROWS` rows (measured per CPU with
+`python -m benchmarks.linear_paths`; `benchmarks/README.md` has the figures).
 
-Every product uses all of torch's threads. Running the products of up to 8
-rows over a weight under 4 MiB on the calling thread alone (so that passive
-OpenMP waits need not wake the team) saved 2-3% of a decode step on a host
-where one thread streamed memory at about 30 GB/s, but on one where one
-thread streams 8.7 GB/s and two 14.9 it made those products 30% slower
-(blocked, 1 to 16 rows: 48-63 ms against 37-48 ms on both threads), so
-that rule is gone: a memory-bound product wants every core's bandwidth.
+Every product uses all of torch's threads: a memory-bound product wants every
+core's bandwidth, and running small products on the calling thread alone
+made them slower on a host where one thread streams well under half of what
+two do.
 
 Anything that gives a layer a new tensor (`model.to(...)` across dtypes or
 devices, assigning a parameter) or writes into a weight after packing makes
