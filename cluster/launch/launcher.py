@@ -380,4 +380,4 @@ def _reason(exc: BaseException) -> str:
 
 
 def _project_root() -> str:
-    return str(Path(__file__).resolve().parents[1])
+    return str(Path(__file__).resolve().parents[2])

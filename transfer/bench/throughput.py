@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         print("no usable transceiver: nixl is not importable", file=sys.stderr)
         return EXIT_USAGE_ERROR
     variants = [(k, w) for k in kinds for w in (args.wires if k == "python" else ["tcp"])]
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     ray.init(
         num_cpus=2,
