@@ -23,11 +23,11 @@ from typing import Any
 
 import uvicorn
 
+from cluster.api.image_prompt import ImageSupport
+from cluster.api.request_prep import ServedModel
+from cluster.api.server import ServerLimits, build_app
 from cluster.config.plan import ClusterPlan
 from cluster.config.schema import ClusterConfig
-from cluster.http.image_prompt import ImageSupport
-from cluster.http.request_prep import ServedModel
-from cluster.http.server import ServerLimits, build_app
 from cluster.launch.launcher import LaunchError, RunningCluster, connect_ray, launch
 from cluster.metrics import ServingMetrics
 from cluster.routing.policies import WorkerState

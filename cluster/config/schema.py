@@ -170,7 +170,7 @@ class ServerSectionConfig(_Strict):
 
 
 class MediaConfig(_Strict):
-    """Where chat image parts may come from, and their limits (see cluster/http/media.py)."""
+    """Where chat image parts may come from, and their limits (see cluster/api/media.py)."""
 
     # Folder whose files `file://` image URLs may name; None refuses them.
     allowed_local_media_path: str | None = None

@@ -158,7 +158,7 @@ def test_the_ignored_tensorrt_llm_keys_are_listed_once_at_startup(server: Server
     assert text.count("  context_servers.urls: this launcher starts its own workers") == 1
 
 
-# The long one is tokenized on the server's tokenizer thread (`cluster.http.prompt_tokenizer`).
+# The long one is tokenized on the server's tokenizer thread (`cluster.api.prompt_tokenizer`).
 @pytest.mark.parametrize(
     "content",
     ["Tell me about the weather", "Tell me about the weather in the mountains. " * 28],

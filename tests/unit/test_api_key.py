@@ -11,15 +11,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.testclient import TestClient
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.http.admission import Admission
-from cluster.http.api_errors import (
+from cluster.api.admission import Admission
+from cluster.api.api_errors import (
     APIError,
     handle_api_error,
     handle_http_error,
     handle_validation_error,
 )
-from cluster.http.guards import RequestGuard
-from cluster.http.protocol import CompletionRequest
+from cluster.api.guards import RequestGuard
+from cluster.api.protocol import CompletionRequest
 from cluster.serve import API_KEY_ENV, add_arguments, build_config
 
 KEY = "sk-test-0123456789"

@@ -13,10 +13,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
-from cluster.bench.stats import SLO, RequestRecord, percentile, summarize
-from cluster.http.api_errors import APIError, handle_validation_error, validation_error
-from cluster.http.completion import Delta
-from cluster.http.openai_format import (
+from cluster.api.api_errors import APIError, handle_validation_error, validation_error
+from cluster.api.completion import Delta
+from cluster.api.openai_format import (
     ChunkWriter,
     ResponseMeta,
     chat_choice,
@@ -29,8 +28,9 @@ from cluster.http.openai_format import (
     sse,
     usage,
 )
-from cluster.http.protocol import ChatCompletionRequest, CompletionRequest
-from cluster.http.stop_strings import StopStringFilter
+from cluster.api.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.api.stop_strings import StopStringFilter
+from cluster.bench.stats import SLO, RequestRecord, percentile, summarize
 from models.embedded.writer import write_checkpoint
 from models.tokenizer import load_tokenizer
 

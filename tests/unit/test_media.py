@@ -1,5 +1,5 @@
 """Image parts at the HTTP edge: where they may come from, how bad ones are refused,
-and how they become placeholder tokens (cluster.http.media, cluster.http.image_prompt)."""
+and how they become placeholder tokens (cluster.api.media, cluster.api.image_prompt)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import pytest
 from PIL import Image
 from pydantic import ValidationError
 
+from cluster.api.api_errors import APIError, validation_error
+from cluster.api.image_prompt import ImageSupport, load_chat_images, place_images
+from cluster.api.media import load_image
+from cluster.api.protocol import ChatCompletionRequest
 from cluster.config.schema import MediaConfig
-from cluster.http.api_errors import APIError, validation_error
-from cluster.http.image_prompt import ImageSupport, load_chat_images, place_images
-from cluster.http.media import load_image
-from cluster.http.protocol import ChatCompletionRequest
 from models.embedded.configs import checkpoint_config
 from models.hf_config import parse_model_config
 from models.image_processing import ImageProcessorConfig

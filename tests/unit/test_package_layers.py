@@ -20,7 +20,7 @@ ALLOWED_ROOMS: dict[str, set[str]] = {
     "cluster.config": set(),
     "cluster.launch": {"cluster.config"},
     "cluster.routing": {"cluster.metrics"},
-    "cluster.http": {"cluster.config", "cluster.routing", "cluster.metrics"},
+    "cluster.api": {"cluster.config", "cluster.routing", "cluster.metrics"},
     "cluster.bench": set(),
     "transfer.nixl": {"transfer.top"},
     "transfer.python": {"transfer.top"},
@@ -47,7 +47,7 @@ def _imported_packages(path: Path) -> set[str]:
 
 
 def _room_of(module: str) -> str | None:
-    """`cluster.http` for `cluster.http.server`; `transfer.top` for a top-level
+    """`cluster.api` for `cluster.api.server`; `transfer.top` for a top-level
     transfer module; `cluster.metrics` for a top-level cluster module."""
     parts = module.split(".")
     if parts[0] not in ("cluster", "transfer") or len(parts) < 2:

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from cluster.http.prompt_tokenizer import INLINE_MAX_CHARS, PromptTokenizer
+from cluster.api.prompt_tokenizer import INLINE_MAX_CHARS, PromptTokenizer
 from models.embedded.tokenizer import train_tokenizer
 from models.tokenizer import Tokenizer
 

@@ -18,7 +18,7 @@ from benchmarks.serve_cpu import (
     parse_args,
     role,
 )
-from cluster.http.stop_strings import StopStringFilter
+from cluster.api.stop_strings import StopStringFilter
 
 
 def _hot(n: int) -> int:

@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.http.stop_strings import StopStringFilter
+from cluster.api.stop_strings import StopStringFilter
 from cluster.metrics import ServingMetrics
 from cluster.routing.router import Router
 from engine.multimodal import ImageInput

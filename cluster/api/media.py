@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cluster.api.api_errors import APIError
 from cluster.config.schema import MediaConfig
-from cluster.http.api_errors import APIError
 
 if TYPE_CHECKING:
     from PIL import Image

@@ -22,7 +22,7 @@ from typing import Any
 
 from starlette.exceptions import HTTPException
 
-from cluster.http.api_errors import error_body
+from cluster.api.api_errors import error_body
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -3,7 +3,7 @@
 Routes: `GET /health`, `GET /metrics` (Prometheus), `GET /v1/models`,
 `POST /v1/completions` and `POST /v1/chat/completions`, each streaming (SSE)
 or not. A request takes an admission slot on arrival (429 when none is
-free), is prepared once (`cluster.http.request_prep`: tokenized, checked), and
+free), is prepared once (`cluster.api.request_prep`: tokenized, checked), and
 holds the slot until its response ends; the router and the workers only
 ever see token ids. A client that disconnects cancels its request: the
 response task is cancelled, which closes the router stream and aborts the
@@ -24,18 +24,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.http import openai_format as fmt
-from cluster.http.admission import DEFAULT_MAX_QUEUED_REQUESTS, Admission
-from cluster.http.api_errors import (
+from cluster.api import openai_format as fmt
+from cluster.api.admission import DEFAULT_MAX_QUEUED_REQUESTS, Admission
+from cluster.api.api_errors import (
     APIError,
     handle_api_error,
     handle_http_error,
     handle_validation_error,
 )
-from cluster.http.completion import CompletionFailedError, Delta, PreparedRequest, stream_completion
-from cluster.http.guards import DEFAULT_MAX_BODY_BYTES, RequestGuard
-from cluster.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-from cluster.http.request_prep import RequestPreparer, ResponseShape, ServedModel
+from cluster.api.completion import CompletionFailedError, Delta, PreparedRequest, stream_completion
+from cluster.api.guards import DEFAULT_MAX_BODY_BYTES, RequestGuard
+from cluster.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from cluster.api.request_prep import RequestPreparer, ResponseShape, ServedModel
 from cluster.metrics import ServingMetrics
 from cluster.routing.policies import NoWorkerError
 from cluster.routing.router import Router

@@ -1,6 +1,6 @@
 """A chat request's images -> placeholder text in the prompt + `ImageInput`s.
 
-Each image part is loaded and decoded (`cluster.http.media`), given the patch grid
+Each image part is loaded and decoded (`cluster.api.media`), given the patch grid
 the checkpoint's preprocessing picks, and stands in the rendered prompt as
 `<img>` + `<image>` x num_tokens + `</img>`. After tokenization every run of
 image tokens is matched to its image, in order, which fixes each image's
@@ -14,9 +14,9 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from cluster.http.api_errors import APIError
-from cluster.http.media import MediaConfig, load_image
-from cluster.http.protocol import ChatCompletionRequest
+from cluster.api.api_errors import APIError
+from cluster.api.media import MediaConfig, load_image
+from cluster.api.protocol import ChatCompletionRequest
 from engine.multimodal import ImageInput
 from models.config import VisionConfig
 from models.image_processing import ImageProcessorConfig, image_prompt_text

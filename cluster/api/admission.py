@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from cluster.http.api_errors import APIError
+from cluster.api.api_errors import APIError
 
 DEFAULT_MAX_QUEUED_REQUESTS = 256
 

@@ -2,7 +2,7 @@
 
 The server admits a request, then prepares it here: chat images fetched and
 placed, the prompt tokenized (a long one off the event loop,
-`cluster.http.prompt_tokenizer`), its length and sampling fields checked against
+`cluster.api.prompt_tokenizer`), its length and sampling fields checked against
 the model (a 400 naming the field otherwise), and the endpoint's rendering
 of deltas (SSE chunk lines, the whole body) bound to the request's id.
 """
@@ -15,18 +15,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.http import openai_format as fmt
-from cluster.http.api_errors import APIError
-from cluster.http.completion import Delta, PreparedRequest
-from cluster.http.image_prompt import (
+from cluster.api import openai_format as fmt
+from cluster.api.api_errors import APIError
+from cluster.api.completion import Delta, PreparedRequest
+from cluster.api.image_prompt import (
     ImageSupport,
     load_chat_images,
     place_images,
     refuse_completion_images,
 )
-from cluster.http.media import MediaConfig
-from cluster.http.prompt_tokenizer import PromptTokenizer
-from cluster.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from cluster.api.media import MediaConfig
+from cluster.api.prompt_tokenizer import PromptTokenizer
+from cluster.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from engine.multimodal import ImageInput
 from engine.sampling import SamplingParams
 

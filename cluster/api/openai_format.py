@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from cluster.http.completion import Delta
+from cluster.api.completion import Delta
 
 
 class TokenText(Protocol):
