@@ -12,6 +12,7 @@ max-length sequence would not fit.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from kvcache.errors import CacheSizingError
@@ -67,6 +68,20 @@ class GpuShare:
             f"MiB of activations; {memory.free / _MIB:.1f} MiB free"
         )
         return min(by_share, by_free), source
+
+
+def host_available_bytes() -> int:
+    """Memory new allocations on this host can take now, in bytes: the kernel's
+    MemAvailable (free memory plus the page cache it can drop), or, where
+    /proc/meminfo does not say, the free physical pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def step_activation_bytes(

@@ -35,7 +35,7 @@ from kvcache.resolution import (
     resolve_manager,
     resolve_transceiver,
 )
-from kvcache.sizing import CacheSizing, size_instance_cache
+from kvcache.sizing import CacheSizing, host_available_bytes, size_instance_cache
 from kvcache.spec import CacheSpec
 from models.checkpoint_source import checkpoint_folder, model_source
 from models.config import ModelConfig
@@ -195,6 +195,7 @@ def resolve_plan(config: ClusterConfig, source: str = "<config>") -> ClusterPlan
     spec = model_config.cache_spec(_dtype(config.dtype))
     model_len = model_config.max_position_embeddings
     max_waiting = config.router.max_queued_requests
+    host_share = _host_share(context, generation)
     instances = tuple(
         _instance(
             settings,
@@ -205,6 +206,7 @@ def resolve_plan(config: ClusterConfig, source: str = "<config>") -> ClusterPlan
             model_len,
             source,
             max_waiting,
+            host_share,
         )
         for settings, manager in ((context, managers[0]), (generation, managers[1]))
         for index in range(settings.num_instances)
@@ -276,9 +278,10 @@ def _instance(
     model_len: int,
     source: str,
     max_num_waiting: int,
+    host_share: int | None,
 ) -> InstancePlan:
     kv = settings.kv_cache
-    max_tokens, memory_bytes = _cache_budget(kv, settings, source)
+    max_tokens, memory_bytes = _cache_budget(kv, settings, host_share)
     sizing = None
     if max_tokens is not None or memory_bytes is not None:
         sizing = _size(spec, settings, max_tokens, memory_bytes, model_len, source)
@@ -320,8 +323,29 @@ def _instance_cpus(settings: RoleSettings, index: int) -> tuple[int, ...]:
     return tuple(settings.cpu_affinity[index * per : (index + 1) * per])
 
 
+def _host_share(*roles: RoleSettings) -> int | None:
+    """Each CPU rank's share of this host's available memory, when a CPU role
+    sizes its cache by `memory_fraction` without `cpu_memory_bytes`: read once,
+    so every instance's fraction applies to the same figure.
+
+    The share divides the memory among all CPU ranks of the plan, as
+    `num_gpus` divides a GPU, so fractions that each stay within 1 never ask
+    for more than the host has together. It is measured where the plan is
+    made (the node `disagg serve` runs on); give `kv_cache.cpu_memory_bytes`
+    where the workers' nodes differ from it.
+    """
+    on_cpu = [role for role in roles if role.num_gpus == 0 and role.num_instances > 0]
+    if not any(
+        role.kv_cache.memory_fraction is not None and role.kv_cache.cpu_memory_bytes is None
+        for role in on_cpu
+    ):
+        return None
+    ranks = sum(role.num_instances * role.tensor_parallel_size for role in on_cpu)
+    return host_available_bytes() // ranks
+
+
 def _cache_budget(
-    kv: KvCacheConfig, settings: RoleSettings, source: str
+    kv: KvCacheConfig, settings: RoleSettings, host_share: int | None
 ) -> tuple[int | None, int | None]:
     """(max_tokens, kv_cache_memory_bytes); exactly one is known, or the
     bytes come later from the GPU probe."""
@@ -332,12 +356,8 @@ def _cache_budget(
         return None, None
     if kv.cpu_memory_bytes is not None and not on_gpu:
         return None, int(kv.cpu_memory_bytes * (kv.memory_fraction or 1.0))
-    if kv.memory_fraction is not None:
-        raise ConfigError(
-            f"{source}: kv_cache.memory_fraction on the CPU instances of "
-            f"{settings.role} servers needs kv_cache.cpu_memory_bytes (the budget the "
-            "fraction applies to), or set kv_cache.max_tokens instead"
-        )
+    if kv.memory_fraction is not None and host_share is not None:
+        return None, int(host_share * kv.memory_fraction)
     return DEFAULT_MAX_TOKENS, None
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
@@ -255,13 +257,36 @@ def test_cpu_affinity_that_cannot_pin_every_instance_is_refused(
         config_from_dict({"model": "m", "generation_servers": section})
 
 
-def test_cpu_memory_fraction_needs_a_cpu_budget(llama_dir: Path) -> None:
-    raw = {"model": str(llama_dir), "kv_cache": {"memory_fraction": 0.5}}
-    with pytest.raises(ConfigError, match="needs kv_cache.cpu_memory_bytes"):
-        resolve_plan(config_from_dict(raw))
-    raw["kv_cache"] = {"memory_fraction": 0.5, "cpu_memory_bytes": 1 << 23}
+def test_a_cpu_memory_fraction_sizes_from_each_rank_share_of_the_host(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("cluster.config.plan.host_available_bytes", lambda: 96 << 20)
+    raw: dict[str, Any] = {
+        "model": str(llama_dir),
+        "context_servers": {"kv_cache": {"memory_fraction": 0.5}},
+        "generation_servers": {"kv_cache": {"memory_fraction": 0.25}},
+    }
+    plan = resolve_plan(config_from_dict(raw))
+    # Two CPU ranks share the host's 96 MiB: 48 MiB each, then each role's fraction.
+    assert [i.kv_cache_memory_bytes for i in plan.instances] == [24 << 20, 12 << 20]
+    assert plan.instances[0].num_blocks == 2 * plan.instances[1].num_blocks
+    raw["context_servers"]["num_instances"] = 2
+    plan = resolve_plan(config_from_dict(raw))
+    assert [i.kv_cache_memory_bytes for i in plan.instances] == [16 << 20, 16 << 20, 8 << 20]
+    # A stated CPU budget is what the fraction applies to, as before.
+    raw = {
+        "model": str(llama_dir),
+        "kv_cache": {"memory_fraction": 0.5, "cpu_memory_bytes": 1 << 23},
+    }
     plan = resolve_plan(config_from_dict(raw))
     assert all(i.kv_cache_memory_bytes == 1 << 22 and i.num_blocks for i in plan.instances)
+
+
+def test_host_available_bytes_is_within_the_physical_memory() -> None:
+    from kvcache.sizing import host_available_bytes
+
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 0 < host_available_bytes() <= physical
 
 
 def test_a_cache_too_small_for_one_sequence_names_the_role(llama_dir: Path) -> None:
