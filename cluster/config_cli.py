@@ -6,8 +6,9 @@
 `check` runs everything `disagg serve` runs before it starts a worker (the
 file read in its dialect, every `auto` rule resolved into the plan, the
 checkpoint checked; `cluster.serve.prepare`), without starting Ray. It prints
-the plan table, the config in our keys as YAML and the keys that do not apply
-here, and exits 0; otherwise it prints serve's error and exits 1.
+the plan table, each role's effective settings with the key each came from
+(`cluster.config.provenance`), the config in our keys as YAML and the keys
+that do not apply here, and exits 0; otherwise it prints serve's error and exits 1.
 `convert` writes the config in our keys (`auto` values stay `auto`), with
 the ignored keys as comments on top.
 """
@@ -49,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_check(args: argparse.Namespace) -> int:
     from cluster.config.plan import format_plan
+    from cluster.config.provenance import format_sources
     from cluster.serve import format_ignored, prepare
 
     try:
@@ -57,6 +59,7 @@ def run_check(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(format_plan(plan))
+    print(f"\n{format_sources(loaded, plan)}")
     print(f"\nconfig in disagg keys:\n{native_yaml(loaded.config)}")
     print(format_ignored(loaded))
     return 0

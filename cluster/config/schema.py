@@ -17,6 +17,7 @@ resolves them once at startup.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -310,12 +311,14 @@ def _conflict(top_key: str, top_value: Any, section_key: str, section_value: Any
 @dataclass(frozen=True)
 class LoadedConfig:
     """A config file as read: the validated config, the dialect it was written
-    in ("disagg" or "tensorrt-llm"), and the keys that were read but do not
-    apply here, each with its reason (`key: reason`)."""
+    in ("disagg" or "tensorrt-llm"), the keys that were read but do not
+    apply here, each with its reason (`key: reason`), and, for a translated
+    file, which key it wrote for each of our dotted keys."""
 
     config: ClusterConfig
     dialect: str
     ignored: tuple[str, ...] = ()
+    key_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 def load_config(path: str | Path) -> ClusterConfig:
@@ -344,7 +347,7 @@ def read_config(path: str | Path) -> LoadedConfig:
     translation = trtllm.translate(raw, source=str(path))
     config = config_from_dict(translation.native, str(path), translation.key_names)
     ignored = tuple(str(item) for item in translation.ignored)
-    return LoadedConfig(config, trtllm.DIALECT, ignored)
+    return LoadedConfig(config, trtllm.DIALECT, ignored, translation.key_names)
 
 
 def config_from_dict(

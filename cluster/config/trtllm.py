@@ -11,14 +11,24 @@ is validated as any disagg config (`cluster.config.schema`). Per key:
     ours         num_gpus, kv_cache.manager, ...   -> kept: a file may mix in
                                                       settings TensorRT-LLM lacks
 
-One setting written in both dialects (`kv_cache.max_tokens` next to
-`kv_cache_config.max_tokens`), or given two different values (top-level
-`free_gpu_memory_fraction` and a section's `kv_cache_config` one, or two
-section routers), is refused naming both keys.
+Precedence is TensorRT-LLM's (`extract_disagg_cfg` in its serve code):
 
-As in TensorRT-LLM, top-level worker keys are defaults for both sections.
-A GPU memory fraction sizes only instances with `num_gpus`; on CPU instances
-the cache is sized as if it were absent, and the ignored list says so.
+- every top-level key that is not one of the disaggregated server's own
+  (`hostname`, `port`, `conditional_disagg_config`, ...) is a worker setting
+  that each section inherits unless it sets the same key itself;
+- a section that sets such a key to another value is refused, naming both:
+  the key is compared whole, so a section `kv_cache_config` must equal a
+  top-level one (TensorRT-LLM refuses the same file);
+- within a section, `kv_cache_config.free_gpu_memory_fraction` wins over a
+  plain `free_gpu_memory_fraction`, whether either was inherited or not (the
+  plain key only seeds the worker's KV cache config).
+
+One setting written in both dialects (`kv_cache.max_tokens` next to
+`kv_cache_config.max_tokens`), or two different section routers (one policy
+serves both pools here), is refused naming both keys.
+
+A memory fraction sizes a GPU instance's cache from its GPU share and a CPU
+instance's from its share of the host's memory (`cluster.config.plan`).
 """
 
 from __future__ import annotations
@@ -49,6 +59,32 @@ DIALECT = "tensorrt-llm"
 TRTLLM, OURS, BOTH = "tensorrt-llm", "disagg", "both"
 
 _ONE_ROUTER = "one router policy serves both pools here"
+# The top-level keys TensorRT-LLM's disaggregated server takes itself (the
+# parameters of its `extract_disagg_cfg`); every other top-level key is a
+# worker setting the sections inherit.
+SERVER_PARAMS = frozenset(
+    {
+        "hostname",
+        "port",
+        "max_retries",
+        "perf_metrics_max_requests",
+        "context_servers",
+        "generation_servers",
+        "conditional_disagg_config",
+        "otlp_config",
+        "disagg_cluster",
+        "node_id",
+        "schedule_style",
+        "allow_request_chat_template",
+        "gen_strip_message_history",
+        "gen_tokids_ctxbytes",
+        "num_workers",
+        "disagg_coordinator_url",
+    }
+)
+# Which of a scope's two fraction keys: `kv_cache_config.free_gpu_memory_fraction`
+# (NESTED) or a plain `free_gpu_memory_fraction` (PLAIN).
+NESTED, PLAIN = "kv_cache_config", "plain"
 
 
 @dataclass(frozen=True)
@@ -99,11 +135,12 @@ class _Translator:
     puts: dict[tuple[str, ...], _Put] = field(default_factory=dict)
     ignored: list[IgnoredKey] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
-    # scope (() or (section,)) -> (fraction, key) still to place by device
-    fractions: dict[tuple[str, ...], tuple[float, str]] = field(default_factory=dict)
+    # scope (() or (section,)) -> NESTED or PLAIN -> (fraction, key), to place per section
+    fractions: dict[tuple[str, ...], dict[str, tuple[Any, str]]] = field(default_factory=dict)
     reuse_scopes: list[tuple[tuple[str, ...], str]] = field(default_factory=list)
 
     def run(self) -> Translation:
+        self._sections_agree_with_inherited_keys()
         for key, value in self.raw.items():
             self._top(key, value)
         if self.errors:
@@ -166,7 +203,7 @@ class _Translator:
         elif key == "cache_transceiver_config":
             self._transceiver(scope, self._mapping(where, value), where)
         elif key == "free_gpu_memory_fraction":
-            self._fraction(scope, value, where)
+            self._fraction(scope, value, where, PLAIN)
         elif key == "router" and not scope:
             self._router(value, where)
         elif key in ONE_ONLY:
@@ -194,7 +231,7 @@ class _Translator:
                 if value is True:
                     self.reuse_scopes.append((scope, written))
             elif key == "free_gpu_memory_fraction":
-                self._fraction(scope, value, written)
+                self._fraction(scope, value, written, NESTED)
             elif key in KV_IGNORED:
                 self._ignore(written, KV_IGNORED[key])
             elif key in KV_REFUSED:
@@ -247,11 +284,8 @@ class _Translator:
             else:
                 self._unknown(written, key, ["type", *ROUTER_IGNORED])
 
-    def _fraction(self, scope: tuple[str, ...], value: Any, written: str) -> None:
-        earlier = self.fractions.get(scope)
-        if earlier is not None and earlier[0] != value:
-            raise ConfigError(self._two_values(earlier[1], earlier[0], written, value))
-        self.fractions[scope] = (value, written)
+    def _fraction(self, scope: tuple[str, ...], value: Any, written: str, kind: str) -> None:
+        self.fractions.setdefault(scope, {})[kind] = (value, written)
 
     def _ours(self, path: tuple[str, ...], value: Any, written: str) -> None:
         """One of our keys in the file: kept, leaf by leaf for a nested block."""
@@ -265,38 +299,45 @@ class _Translator:
     # -- after every key was read -----------------------------------------
 
     def _place_fractions(self) -> None:
-        """A GPU memory fraction sizes the GPU instances of its scope only,
-        and only where max_tokens does not already size the cache."""
-        top = self.fractions.get(())
-        for role in ROLES:
-            section = self.fractions.get((role,))
-            if top is not None and section is not None and top[0] != section[0]:
-                raise ConfigError(self._two_values(top[1], top[0], section[1], section[0]))
-        for scope, (value, written) in self.fractions.items():
-            ours = self.puts.get((*scope, "kv_cache", "memory_fraction"))
-            if ours is not None and ours.dialect == OURS:  # refused on CPU instances too
+        """Each section's fraction, by TensorRT-LLM's precedence, becomes our
+        `kv_cache.memory_fraction` where max_tokens does not already size it:
+        at the top level when both sections take the same top-level key."""
+        chosen = {role: self._section_fraction(role) for role in ROLES}
+        for value, written in dict.fromkeys(c for c in chosen.values() if c is not None):
+            roles = [role for role in ROLES if chosen[role] == (value, written)]
+            top_level = written.split(".")[0] not in ROLES
+            scopes = [()] if top_level and roles == list(ROLES) else [(role,) for role in roles]
+            for scope in scopes:
+                self._place_fraction(scope, value, written)
+
+    def _section_fraction(self, role: str) -> tuple[Any, str] | None:
+        """(fraction, key) a section's workers size by: its own keys over the
+        inherited ones, `kv_cache_config`'s over the plain key."""
+        own, top = self.fractions.get((role,), {}), self.fractions.get((), {})
+        nested = own.get(NESTED) or top.get(NESTED)
+        plain = own.get(PLAIN) or top.get(PLAIN)
+        if nested is not None and plain is not None:
+            self._ignore(
+                plain[1],
+                f"on {role}, {nested[1]} sizes the cache instead (a kv_cache_config "
+                "fraction wins over free_gpu_memory_fraction, as in TensorRT-LLM)",
+            )
+        return nested or plain
+
+    def _place_fraction(self, scope: tuple[str, ...], value: Any, written: str) -> None:
+        for path in {(*scope, "kv_cache", "memory_fraction"), ("kv_cache", "memory_fraction")}:
+            ours = self.puts.get(path)
+            if ours is not None and ours.dialect == OURS:
                 raise ConfigError(self._mixed(ours.key, written, "kv_cache.memory_fraction"))
-            roles = list(scope) if scope else list(ROLES)
-            on_cpu = [role for role in roles if not self._on_gpu(role)]
-            if on_cpu:
-                self._ignore(
-                    written,
-                    f"a GPU memory fraction sizes nothing on the CPU instances of "
-                    f"{' and '.join(on_cpu)}: their cache is sized as if it were absent "
-                    "(kv_cache_config.max_tokens, else the default size)",
-                )
-            if len(on_cpu) == len(roles):
-                continue
-            if (*scope, "kv_cache", "max_tokens") in self.puts:
-                self._ignore(
-                    written,
-                    "kv_cache_config.max_tokens sizes this cache (TensorRT-LLM would take the "
-                    "smaller of the two; give one of them here)",
-                )
-                continue
-            targets = [scope] if not on_cpu else [(role,) for role in roles if role not in on_cpu]
-            for target in targets:
-                self._put((*target, "kv_cache", "memory_fraction"), value, written, TRTLLM)
+        sized = [(*scope, "kv_cache", "max_tokens"), ("kv_cache", "max_tokens")]
+        if any(path in self.puts for path in sized):
+            self._ignore(
+                written,
+                "kv_cache_config.max_tokens sizes this cache (TensorRT-LLM would take the "
+                "smaller of the two; give one of them here)",
+            )
+            return
+        self._put((*scope, "kv_cache", "memory_fraction"), value, written, TRTLLM)
 
     def _reuse_needs_v2(self) -> None:
         """Prefix reuse lives in our V2 manager; a scope that asks for reuse
@@ -304,6 +345,22 @@ class _Translator:
         for scope, written in self.reuse_scopes:
             if (*scope, "kv_cache", "manager") not in self.puts:
                 self._put((*scope, "kv_cache", "manager"), "v2", written, TRTLLM, True)
+
+    def _sections_agree_with_inherited_keys(self) -> None:
+        """TensorRT-LLM's rule: a section inherits each top-level worker key it
+        does not set, and refuses one it sets to another value (whole values)."""
+        for key, value in self.raw.items():
+            if key in SERVER_PARAMS:
+                continue
+            for role in ROLES:
+                section = self.raw.get(role)
+                if isinstance(section, dict) and key in section and section[key] != value:
+                    self.errors.append(
+                        f"{self.source}: {key} is {value!r} at the top level but {role}.{key} "
+                        f"is {section[key]!r}; a section inherits the top-level {key} whole "
+                        "(TensorRT-LLM refuses this file too): set it in one place, or give "
+                        "both the same value"
+                    )
 
     def _sections_agree_with_top_level(self) -> None:
         for path, put in list(self.puts.items()):
@@ -346,11 +403,6 @@ class _Translator:
             f"{hint}; set it in one place, or give both the same value"
         )
 
-    def _on_gpu(self, role: str) -> bool:
-        section = self.raw.get(role) or {}
-        num_gpus = section.get("num_gpus", 0) if isinstance(section, dict) else 0
-        return isinstance(num_gpus, int | float) and num_gpus > 0
-
     def _mapping(self, where: str, value: Any) -> dict[str, Any]:
         if value is None:  # `key:` with nothing under it
             return {}
@@ -360,7 +412,8 @@ class _Translator:
         return {}
 
     def _ignore(self, key: str, reason: str) -> None:
-        self.ignored.append(IgnoredKey(key, reason))
+        if IgnoredKey(key, reason) not in self.ignored:
+            self.ignored.append(IgnoredKey(key, reason))
 
     def _unknown(self, written: str, key: str, valid: list[str]) -> None:
         self.errors.append(f"{self.source}:{written}: unknown key{closest_key_hint(key, valid)}")

@@ -34,10 +34,12 @@ AUTO = "nixl" if NIXL else "python"  # what backend DEFAULT resolves to on a den
 
 # file -> expected plan rows: (instance, manager, transceiver, block, blocks, slots, device)
 PLANS: dict[str, list[tuple[str, ...]]] = {
+    # Each section's kv_cache_config fraction, 0.3 of its rank's half of
+    # HOST_BYTES: 0.3 x 512 MiB in blocks of 8 KiB.
     "1p1d-default.yaml": [
-        ("context-0", "v2", AUTO, "16", "513", "0", "cpu", "1"),
+        ("context-0", "v2", AUTO, "16", "19660", "0", "cpu", "1"),
         # NIXL needs one layout: the generation side follows the context's V2.
-        ("generation-0", "v2" if NIXL else "v1", AUTO, "16", "513", "0", "cpu", "1"),
+        ("generation-0", "v2" if NIXL else "v1", AUTO, "16", "19660", "0", "cpu", "1"),
     ],
     "2p2d-python-reuse.yaml": [
         (f"{role}-{i}", "v2", "python", "16", "513", "0", "cpu", "1")
@@ -66,6 +68,11 @@ PLANS: dict[str, list[tuple[str, ...]]] = {
         ("context-0", "v1", "python", "16", "17", "0", "cpu", "1"),
         ("generation-0", "v1", "python", "16", "17", "0", "cpu", "1"),
     ],
+    # 0.02 and 0.01 of a rank's 512 MiB share of HOST_BYTES, in blocks of 8 KiB.
+    "cache-reuse-fractions.yaml": [
+        ("context-0", "v2", "python", "16", "1310", "0", "cpu", "1"),
+        ("generation-0", "v2", "python", "16", "655", "0", "cpu", "1"),
+    ],
     "nemotron-h-default.yaml": [
         ("context-0", "v2", "python", "16", "129", "64", "cpu", "1"),
         ("generation-0", "v2", "python", "16", "129", "64", "cpu", "1"),
@@ -81,17 +88,18 @@ TRANSLATIONS: dict[str, tuple[dict[str, Any], set[str]]] = {
             "context_servers.kv_cache.enable_block_reuse": True,
             "context_servers.cache_transceiver.backend": "auto",
             "context_servers.cache_transceiver.timeout_s": 30.0,
+            "context_servers.kv_cache.memory_fraction": 0.3,
+            "generation_servers.kv_cache.memory_fraction": 0.3,
         },
         {
             "backend",
             "disable_overlap_scheduler",
+            # Both sections' kv_cache_config fractions win over it.
             "free_gpu_memory_fraction",
-            "context_servers.kv_cache_config.free_gpu_memory_fraction",
             "context_servers.kv_cache_config.enable_partial_reuse",
             "context_servers.kv_cache_config.event_buffer_max_size",
             "context_servers.cache_transceiver_config.max_tokens_in_buffer",
             "context_servers.urls",
-            "generation_servers.kv_cache_config.free_gpu_memory_fraction",
             "generation_servers.urls",
         },
     ),
@@ -151,11 +159,39 @@ TRANSLATIONS: dict[str, tuple[dict[str, Any], set[str]]] = {
             "generation_servers.urls",
         },
     ),
+    "cache-reuse-fractions.yaml": (
+        {
+            "context_servers.kv_cache.memory_fraction": 0.02,
+            "generation_servers.kv_cache.memory_fraction": 0.01,
+            "context_servers.kv_cache.manager": "v2",
+            "generation_servers.kv_cache.enable_block_reuse": True,
+            "context_servers.max_num_tokens": 3000,
+        },
+        {
+            "backend",
+            # Overridden on the generation side only; it sizes the context side.
+            "free_gpu_memory_fraction",
+            "context_servers.kv_cache_config.enable_partial_reuse",
+            "generation_servers.kv_cache_config.enable_partial_reuse",
+            "context_servers.urls",
+            "generation_servers.urls",
+        },
+    ),
     "nemotron-h-default.yaml": (
         {"kv_cache.enable_block_reuse": True, "cache_transceiver.backend": "auto"},
         {"backend", "kv_cache_config.mamba_ssm_cache_dtype"},
     ),
 }
+
+
+# What the host gives new allocations, as the plan reads it: fixed here, so a
+# memory fraction on CPU instances sizes the same cache on any machine.
+HOST_BYTES = 1 << 30
+
+
+@pytest.fixture(autouse=True)
+def fixed_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("cluster.config.plan.host_available_bytes", lambda: HOST_BYTES)
 
 
 @pytest.fixture(scope="module")
@@ -308,22 +344,61 @@ def test_one_setting_in_both_dialects_is_refused_naming_both_keys() -> None:
         _translate(raw)
 
 
-def test_a_setting_given_two_values_is_refused_naming_both_keys() -> None:
+def test_a_section_inherits_top_level_keys_and_its_kv_cache_config_fraction_wins() -> None:
+    # TensorRT-LLM's own disagg_config_cache_reuse.yaml has this shape.
+    raw = {
+        "free_gpu_memory_fraction": 0.15,
+        "context_servers": {"kv_cache_config": {"enable_block_reuse": True}},
+        "generation_servers": {"kv_cache_config": {"free_gpu_memory_fraction": 0.05}},
+    }
+    translation = translate({"model": "m", **raw}, "t.yaml")
+    config = config_from_dict(translation.native, "t.yaml", translation.key_names)
+    assert config.role_settings("context_servers").kv_cache.memory_fraction == 0.15
+    assert config.role_settings("generation_servers").kv_cache.memory_fraction == 0.05
+    assert translation.key_names["generation_servers.kv_cache.memory_fraction"] == (
+        "generation_servers.kv_cache_config.free_gpu_memory_fraction"
+    )
+    assert translation.key_names["context_servers.kv_cache.memory_fraction"] == (
+        "free_gpu_memory_fraction"
+    )
+    # The same holds when the nested fraction is the inherited one.
+    raw = {
+        "kv_cache_config": {"free_gpu_memory_fraction": 0.3},
+        "generation_servers": {"free_gpu_memory_fraction": 0.6},
+    }
+    config = _translate(raw)
+    assert config.kv_cache.memory_fraction == 0.3
+    assert config.role_settings("generation_servers").kv_cache.memory_fraction == 0.3
+
+
+def test_a_section_that_sets_a_top_level_key_to_another_value_is_refused_naming_both() -> None:
     raw = {
         "free_gpu_memory_fraction": 0.2,
-        "context_servers": {"kv_cache_config": {"free_gpu_memory_fraction": 0.3}},
+        "context_servers": {"free_gpu_memory_fraction": 0.3},
     }
-    with pytest.raises(ConfigError, match=r"free_gpu_memory_fraction is 0\.2 but context_servers"):
+    with pytest.raises(
+        ConfigError, match=r"free_gpu_memory_fraction is 0\.2 at the top level but context_servers"
+    ):
         _translate(raw)
+    # The key is compared whole, as TensorRT-LLM does: a section's kv_cache_config
+    # that differs from the top-level one in any field is refused.
     raw = {
         "kv_cache_config": {"tokens_per_block": 16},
-        "generation_servers": {"kv_cache_config": {"tokens_per_block": 32}},
+        "generation_servers": {"kv_cache_config": {"tokens_per_block": 16, "max_tokens": 64}},
     }
     with pytest.raises(ConfigError) as info:
         _translate(raw)
-    assert "kv_cache_config.tokens_per_block is 16 but generation_servers.kv_cache_config" in str(
-        info.value
+    message = str(info.value)
+    assert "kv_cache_config is {'tokens_per_block': 16} at the top level but" in message
+    assert "generation_servers.kv_cache_config is {'tokens_per_block': 16, 'max_tokens': 64}" in (
+        message
     )
+    assert "TensorRT-LLM refuses this file too" in message
+    same = {
+        "kv_cache_config": {"tokens_per_block": 32},
+        "context_servers": {"kv_cache_config": {"tokens_per_block": 32}},
+    }
+    assert _translate(same).role_settings("context_servers").kv_cache.block_size == 32
 
 
 def test_two_different_section_routers_are_refused() -> None:
@@ -373,14 +448,13 @@ def test_refused_values_and_keys_say_what_to_change() -> None:
         _translate(bad)
 
 
-def test_a_gpu_fraction_sizes_gpu_instances_only_and_max_tokens_wins() -> None:
+def test_a_fraction_sizes_gpu_and_cpu_instances_and_max_tokens_wins(tmp_path: Path) -> None:
     gpu = {"context_servers": {"num_gpus": 1}, "generation_servers": {"num_gpus": 1}}
     config = _translate({"free_gpu_memory_fraction": 0.5, **gpu})
     assert config.kv_cache.memory_fraction == 0.5
     mixed = _translate({"free_gpu_memory_fraction": 0.5, "context_servers": {"num_gpus": 1}})
-    assert mixed.kv_cache.memory_fraction is None
-    assert mixed.role_settings("context_servers").kv_cache.memory_fraction == 0.5
-    assert mixed.role_settings("generation_servers").kv_cache.memory_fraction is None
+    assert mixed.kv_cache.memory_fraction == 0.5
+    assert mixed.role_settings("generation_servers").kv_cache.memory_fraction == 0.5
     both = translate(
         {
             "model": "m",
@@ -392,3 +466,40 @@ def test_a_gpu_fraction_sizes_gpu_instances_only_and_max_tokens_wins() -> None:
     assert [str(i).split(":")[0] for i in both.ignored] == [
         "kv_cache_config.free_gpu_memory_fraction"
     ]
+
+
+def test_config_check_says_where_each_effective_value_came_from(
+    checkpoints: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out = _check(CONFIGS / "cache-reuse-fractions.yaml", checkpoints["llama"], capsys)
+    assert code == 0, out
+    lines = out.splitlines()
+    gen = "  generation_servers.kv_cache.memory_fraction = 0.01  <- "
+    assert f"{gen}generation_servers.kv_cache_config.free_gpu_memory_fraction" in lines
+    ctx = "  context_servers.kv_cache.memory_fraction = 0.02  <- "
+    assert f"{ctx}free_gpu_memory_fraction (top level)" in lines
+    # What the fraction gave each rank, the blocks the plan table shows.
+    below = lines[lines.index(f"{ctx}free_gpu_memory_fraction (top level)") + 1]
+    assert below == "    = 0.01 GiB of cache per rank, 1310 blocks"
+    assert "  generation_servers.max_batch_size = 32  <- default" in lines
+    assert "  context_servers.max_num_tokens = 3000  <- context_servers.max_num_tokens" in lines
+
+
+def test_config_check_names_our_own_keys_as_sources(
+    checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "ours.yaml"
+    path.write_text(
+        "model: m\nkv_cache: {block_size: 32}\nmax_batch_size: 8\n"
+        "generation_servers: {kv_cache: {max_tokens: 4096}, max_batch_size: 8}\n"
+    )
+    code, out = _check(path, checkpoints["llama"], capsys)
+    assert code == 0, out
+    lines = out.splitlines()
+    assert "  context_servers.kv_cache.block_size = 32  <- kv_cache.block_size (top level)" in lines
+    assert (
+        "  generation_servers.kv_cache.max_tokens = 4096  <- generation_servers.kv_cache.max_tokens"
+        in lines
+    )
+    assert "  context_servers.max_batch_size = 8  <- max_batch_size (top level)" in lines
+    assert "  generation_servers.max_batch_size = 8  <- generation_servers.max_batch_size" in lines
