@@ -39,6 +39,7 @@ from typing import Any
 from cluster.config.schema import ROLES, ConfigError, closest_key_hint, native_keys_at
 from cluster.config.trtllm_keys import (
     BACKENDS,
+    CONVERSATION_NOTE,
     KV_IGNORED,
     KV_KEYS,
     KV_REFUSED,
@@ -140,6 +141,7 @@ class _Translator:
     reuse_scopes: list[tuple[tuple[str, ...], str]] = field(default_factory=list)
 
     def run(self) -> Translation:
+        self._is_a_disaggregated_config()
         self._sections_agree_with_inherited_keys()
         for key, value in self.raw.items():
             self._top(key, value)
@@ -277,6 +279,8 @@ class _Translator:
             if key == "type" and value in ROUTER_TYPES:
                 dialect = BOTH if value == "round_robin" else TRTLLM
                 self._put(("router", "type"), ROUTER_TYPES[value], written, dialect, value)
+                if value == "conversation":
+                    self._ignore(written, CONVERSATION_NOTE)
             elif key in native_keys_at(("router",)):
                 self._put(("router", key), value, written, OURS)
             elif key in ROUTER_IGNORED:
@@ -345,6 +349,24 @@ class _Translator:
         for scope, written in self.reuse_scopes:
             if (*scope, "kv_cache", "manager") not in self.puts:
                 self._put((*scope, "kv_cache", "manager"), "v2", written, TRTLLM, True)
+
+    def _is_a_disaggregated_config(self) -> None:
+        """TensorRT-LLM's test folders also hold its other YAML files. A
+        disaggregated config names a model or a section (TensorRT-LLM starts one
+        instance of each role for a missing section); a file with neither is
+        one of those others, not something to serve."""
+        if "model" in self.raw or any(role in self.raw for role in ROLES):
+            return
+        kind = (
+            "a metadata server config (trtllm-serve --metadata_server_config_file)"
+            if "server_type" in self.raw
+            else "a worker's --extra_llm_api_options file"
+        )
+        raise ConfigError(
+            f"{self.source}: not a `trtllm-serve disaggregated` config: it sets no model, "
+            f"context_servers or generation_servers (it looks like {kind}); point -c at the "
+            "disaggregated config"
+        )
 
     def _sections_agree_with_inherited_keys(self) -> None:
         """TensorRT-LLM's rule: a section inherits each top-level worker key it

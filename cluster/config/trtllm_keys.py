@@ -12,7 +12,14 @@ ROUTER_TYPES = {
     "round_robin": "round_robin",
     "load_balancing": "least_loaded",
     "kv_cache_aware": "prefix_aware",
+    # A conversation's next turn starts with its whole history, so the worker
+    # holding that prefix is the one prefix_aware picks (`CONVERSATION_NOTE`).
+    "conversation": "prefix_aware",
 }
+CONVERSATION_NOTE = (
+    "runs as prefix_aware: a conversation's next turn starts with its history, so it goes "
+    "to the worker whose cache holds that prefix"
+)
 
 # backend (any case) -> (our backend, our wire or None, why it differs or None).
 # TensorRT-LLM's DEFAULT is NIXL unless an environment variable picks another;
@@ -27,6 +34,12 @@ BACKENDS: dict[str, tuple[str, str | None, str | None]] = {
     "PYTHON": ("python", None, None),
     "MPI": ("python", None, f"MPI {_OVER_TCP}"),
     "MOONCAKE": ("python", None, f"Mooncake {_OVER_TCP}"),
+    "V2": (
+        "auto",
+        None,
+        "TensorRT-LLM's V2 transceiver is its own; the auto rule picks ours (the model's "
+        "preference, else NIXL when it imports)",
+    ),
 }
 
 _ONE_INSTANCE = "the launcher starts one HTTP server in front of the cluster"
@@ -46,6 +59,9 @@ SERVER_IGNORED = {
 }
 
 _WHOLE_MODEL = "no attention or expert parallelism: each instance holds the whole model"
+_GPU_KERNELS = (
+    "TensorRT-LLM's MoE kernel and load-balancer choices; the engine has one MoE path per device"
+)
 _MODEL_LEN = "a request's length is bounded by max_position_embeddings or the cache size"
 WORKER_IGNORED = {
     "backend": "the workers run this project's own PyTorch models; there is no engine to choose",
@@ -64,8 +80,27 @@ WORKER_IGNORED = {
     "scheduler_config": "the engine schedules by token budget and preempts by recompute",
     "stream_interval": "each engine step's tokens are streamed as the step ends",
     "return_perf_metrics": "metrics are always served at /metrics",
+    "enable_iter_perf_stats": "there is no per-iteration log; /metrics reports the steps",
+    "use_cuda_graph": "TensorRT-LLM's CUDA graph settings do not apply to this engine",
+    "moe_config": _GPU_KERNELS,
+    "moe_backend": _GPU_KERNELS,
+    "allreduce_strategy": "tensor-parallel all-reduce runs over the instance's process group "
+    "(gloo on CPU, NCCL on GPU)",
+    "enable_lm_head_tp_in_adp": _WHOLE_MODEL,
+    "cp_config": "context parallelism is not implemented (context_parallel_size must be 1), "
+    "so its settings tune nothing",
+    "build_config": "TensorRT engine build settings; the workers run this project's own models",
+    "pytorch_backend_config": "TensorRT-LLM's PyTorch backend settings do not apply to this engine",
+    "gather_generation_logits": "responses carry OpenAI logprobs, never raw logits, so there "
+    "are no logits to gather",
+    "num_postprocess_workers": "detokenization runs once per request in the HTTP server",
+    "guided_decoding_backend": "structured output is not served here: a request that asks for "
+    "it (response_format, guided_*) gets a 400 naming the field",
 }
-SECTION_IGNORED = {"urls": "this launcher starts its own workers; num_instances says how many"}
+SECTION_IGNORED = {
+    "urls": "this launcher starts its own workers; num_instances says how many",
+    "perf_metrics_max_requests": "metrics are always served at /metrics",
+}
 
 _NO_OFFLOAD = "there is no host-memory offload tier"
 _OUR_MANAGER = "the cache manager is kv_cache.manager here (auto picks by model)"
@@ -83,6 +118,8 @@ KV_IGNORED = {
     "cross_kv_cache_fraction": "only encoder-decoder models use it",
     "use_kv_cache_manager_v2": _OUR_MANAGER,
     "max_util_for_resume": _OUR_MANAGER,
+    "mamba_state_config": "Mamba state snapshots are not kept here, so block reuse stays off "
+    "for hybrid models and their prompts are prefilled whole",
 }
 TRANSCEIVER_IGNORED = {
     "transceiver_runtime": "the backend alone picks the transceiver implementation here",
@@ -95,6 +132,7 @@ ROUTER_IGNORED = {
     "tokens_per_block": "the router takes the block size from kv_cache_config.tokens_per_block",
     "max_batch_size": "routing does not depend on it",
     "max_num_tokens": "routing does not depend on it",
+    "track_routed_blocks": "prefix_aware learns which blocks each worker holds from its KV events",
 }
 
 _NOT_HERE = "is not supported here; remove it"

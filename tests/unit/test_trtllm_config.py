@@ -503,3 +503,58 @@ def test_config_check_names_our_own_keys_as_sources(
     )
     assert "  context_servers.max_batch_size = 8  <- max_batch_size (top level)" in lines
     assert "  generation_servers.max_batch_size = 8  <- generation_servers.max_batch_size" in lines
+
+
+@pytest.mark.parametrize(
+    ("raw", "key", "ours"),
+    [
+        # TensorRT-LLM's conversation router: a turn goes where its history is cached.
+        (
+            {"context_servers": {"router": {"type": "conversation"}}},
+            "context_servers.router.type",
+            ("router.type", "prefix_aware"),
+        ),
+        (
+            {"cache_transceiver_config": {"backend": "V2"}},
+            "cache_transceiver_config.backend",
+            ("cache_transceiver.backend", "auto"),
+        ),
+        (
+            {"kv_cache_config": {"mamba_state_config": {"periodic_snapshot_interval": 256}}},
+            "kv_cache_config.mamba_state_config",
+            None,
+        ),
+        (
+            {"generation_servers": {"perf_metrics_max_requests": 1000}},
+            "generation_servers.perf_metrics_max_requests",
+            None,
+        ),
+        ({"moe_config": {"backend": "CUTLASS"}}, "moe_config", None),
+        ({"gather_generation_logits": True}, "gather_generation_logits", None),
+        ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", None),
+        (
+            {
+                "context_servers": {
+                    "router": {"type": "kv_cache_aware", "track_routed_blocks": True}
+                }
+            },
+            "context_servers.router.track_routed_blocks",
+            ("router.type", "prefix_aware"),
+        ),
+    ],
+)
+def test_keys_of_tensorrt_llm_test_configs_are_served_with_a_listed_reason(
+    raw: dict[str, Any], key: str, ours: tuple[str, Any] | None
+) -> None:
+    translation = translate({"model": "m", **raw}, "t.yaml")
+    reasons = {item.key: item.reason for item in translation.ignored}
+    assert key in reasons and reasons[key], translation.ignored
+    if ours is not None:
+        flat = _dotted(config_from_dict(translation.native).model_dump(exclude_unset=True))
+        assert flat[ours[0]] == ours[1]
+
+
+def test_a_file_that_is_not_a_disaggregated_config_says_what_it_looks_like() -> None:
+    with pytest.raises(ConfigError, match="not a `trtllm-serve disaggregated` config") as info:
+        translate({"cache_transceiver_config": {"backend": "UCX"}}, "gen_extra.yml")
+    assert "a worker's --extra_llm_api_options file" in str(info.value)
