@@ -59,6 +59,7 @@ def build_cache(
             memory_bytes=config.kv_cache_memory_bytes,
             device=config.device,
             gpu_share=gpu_share,
+            num_snapshot_slots=0 if config.snapshots is None else config.snapshots.num_slots,
         )
     manager = create_manager(
         config.manager,
@@ -68,5 +69,6 @@ def build_cache(
         sizing.num_mamba_slots,
         enable_block_reuse=config.enable_block_reuse,
         hash_namespace=cache_namespace(model_config.architecture, spec.dtype),
+        snapshots=config.snapshots,
     )
     return manager, allocate_cache_tensors(manager, config.device), sizing

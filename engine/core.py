@@ -148,7 +148,7 @@ class EngineCore:
 
     def execute(self, plan: StepPlan) -> RunnerOutput:
         """Run the model on a non-empty plan."""
-        return self.runner.execute(plan.sched.sequences)
+        return self.runner.execute(plan.sched.sequences, plan.sched.copies)
 
     def update(self, plan: StepPlan, runner_out: RunnerOutput) -> StepResult:
         """Apply the sampled tokens: advance, stop and free finished requests."""

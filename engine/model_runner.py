@@ -20,6 +20,7 @@ from engine.decode_graphs import DecodeGraphs, build_decode_graphs
 from engine.image_encoder import ImageChunk, ImageEncoder
 from engine.scheduler import ScheduledSequence
 from engine.token_history import TokenHistory, history_for
+from kvcache.snapshots import StateCopies
 from kvcache.views import CacheViews
 from models.batch import ForwardBatch
 from models.host_batch import HostBatch
@@ -64,6 +65,8 @@ class StepInput:
     # Rows that take image embeddings (VL models): rank 0 runs the image path
     # and the model shares the embeddings with the other ranks.
     image_rows: list[int] = field(default_factory=list)
+    # Mamba snapshot loads before the forward and saves after it.
+    copies: StateCopies = field(default_factory=StateCopies)
 
     def to_batch(self, device: torch.device) -> ForwardBatch:
         batch = self.host.to_device(device)
@@ -235,11 +238,16 @@ class ModelRunner:
             batch.image_rows, batch.image_embeds = images
         return batch
 
-    def execute(self, seqs: Sequence[ScheduledSequence]) -> RunnerOutput:
-        """Run one step; return the sampled token of every sampling sequence."""
+    def execute(
+        self, seqs: Sequence[ScheduledSequence], copies: StateCopies | None = None
+    ) -> RunnerOutput:
+        """Run one step (with its snapshot `copies`); return the sampled token
+        of every sampling sequence."""
         timings = StepTimings()
         t0 = time.perf_counter()
         step, image_chunks = self.describe(seqs)
+        if copies:
+            step = replace(step, copies=copies)
         t1 = time.perf_counter()
         with torch.inference_mode():
             logits = self._run(step, image_chunks)
@@ -278,9 +286,13 @@ class ModelRunner:
 
     def _forward(self, step: StepInput, images: Images | None = None) -> torch.Tensor | None:
         batch = self._with_images(step.to_batch(self.device), images)
+        if step.copies:
+            self.caches.apply_loads(step.copies)
         hidden = self.graphs.run(batch) if self.graphs is not None else None
         if hidden is None:
             hidden = self.model.forward(batch, self.caches)
+        if step.copies:
+            self.caches.apply_saves(step.copies)
         if not step.host.num_logits:
             return None
         assert batch.logits_indices is not None

@@ -50,6 +50,7 @@ from typing import Protocol
 
 from engine.request import FinishReason, Request, RequestStatus
 from kvcache.hashing import ContentSpan
+from kvcache.snapshots import StateCopies
 
 
 class BlockManager(Protocol):
@@ -76,7 +77,13 @@ class BlockManager(Protocol):
         self, request_id: str, token_ids: Sequence[int], spans: Sequence[ContentSpan] = ()
     ) -> int: ...
 
-    def free(self, request_id: str) -> None: ...
+    def free(self, request_id: str, num_computed: int | None = None) -> None: ...
+
+    def chunk_limit(self, request_id: str, start: int, num_new: int) -> int: ...
+
+    def take_copies(self) -> StateCopies: ...
+
+    def step_done(self) -> None: ...
 
 
 # A step takes a second (third, ...) waiting prompt only while its prompt
@@ -183,6 +190,8 @@ class SchedulerOutput:
     # `FinishReason.PREEMPTED` and resume through a new context prefill.
     handed_back: list[Request] = field(default_factory=list)
     failed: list[Request] = field(default_factory=list)
+    # Mamba state loads and saves beside the forward (hybrid prefix reuse).
+    copies: StateCopies = field(default_factory=StateCopies)
 
     @property
     def num_tokens(self) -> int:
@@ -249,7 +258,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         if free_blocks:
-            self.manager.free(request.request_id)
+            self.manager.free(request.request_id, request.num_computed_tokens)
 
     @property
     def num_requests(self) -> int:
@@ -280,6 +289,8 @@ class Scheduler:
                 break
             budget -= self._schedule_running(request, uncomputed, budget, out)
         self._admit_waiting(budget, out)
+        if out.sequences:
+            out.copies = self.manager.take_copies()
         return out
 
     def _schedule_running(
@@ -288,7 +299,7 @@ class Scheduler:
         """Schedule a running request with `uncomputed` tokens to compute,
         preempting newer ones for blocks. Returns the budget spent (refunds
         for preempted victims included)."""
-        num_new = min(uncomputed, budget)
+        num_new = self._chunk(request, min(uncomputed, budget))
         if not self._fits_ever(request, num_new):
             self.running.remove(request)
             self._fail(request, out)
@@ -310,7 +321,7 @@ class Scheduler:
             request = self.waiting[0]
             if request.status is RequestStatus.WAITING and request.num_computed_tokens == 0:
                 self._match_prefix(request)
-            num_new = min(request.num_uncomputed_tokens, budget)
+            num_new = self._chunk(request, min(request.num_uncomputed_tokens, budget))
             if not self._fits_ever(request, num_new):
                 self.waiting.popleft()
                 self._fail(request, out)
@@ -338,6 +349,11 @@ class Scheduler:
         request.num_computed_tokens = cached
         request.num_cached_tokens = cached
 
+    def _chunk(self, request: Request, num_new: int) -> int:
+        """`num_new`, or fewer where the manager wants the chunk to end at a
+        Mamba snapshot point."""
+        return self.manager.chunk_limit(request.request_id, request.num_computed_tokens, num_new)
+
     def _allocate(self, request: Request, num_new: int) -> bool:
         total = request.num_computed_tokens + num_new
         # The tokens only name the blocks they fill, for reuse.
@@ -355,7 +371,8 @@ class Scheduler:
         queue, or hand it back when it cannot be recomputed here. Returns the
         budget it had been given this step (0 if none)."""
         self.running.remove(victim)
-        self.manager.free(victim.request_id)
+        # Its chunk of this step (if any) never runs: only what ran is kept.
+        self.manager.free(victim.request_id, victim.num_computed_tokens)
         refund = 0
         for seq in out.sequences:
             if seq.request is victim:
@@ -392,3 +409,4 @@ class Scheduler:
         """Mark each scheduled chunk as computed (call once the forward ran)."""
         for seq in out.sequences:
             seq.request.num_computed_tokens += seq.num_new_tokens
+        self.manager.step_done()

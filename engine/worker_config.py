@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from kvcache.dtypes import DTYPE_NAMES
+from kvcache.snapshots import SnapshotPolicy
 
 if TYPE_CHECKING:
     import torch
@@ -60,8 +61,10 @@ class WorkerConfig:
         state slots a hybrid model gets.
     max_num_waiting: most requests queued for prefill on this worker; more
         are refused at once (the router then tries another worker).
-    enable_block_reuse: prefix reuse (V2 only; ignored with a warning for
-        hybrid models, whose reuse needs Mamba state snapshots).
+    enable_block_reuse: prefix reuse (V2 only; for a hybrid model only with
+        a `snapshots` policy that takes Mamba state snapshots).
+    snapshots: where a hybrid model's Mamba state is snapshotted for reuse,
+        and how many snapshots its cache keeps (`kvcache.snapshots`).
     lease_s: how long a context worker keeps a finished prompt's blocks
         pinned waiting for the generation side to pull them.
     transfer_timeout_s: how long a generation worker waits for one pull.
@@ -100,6 +103,7 @@ class WorkerConfig:
     transfer_wire: str = "tcp"
     tensor_parallel_size: int = 1
     cpu_affinity: tuple[int, ...] = ()
+    snapshots: SnapshotPolicy | None = None
 
     def __post_init__(self) -> None:
         if self.manager not in MANAGERS:

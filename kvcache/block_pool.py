@@ -15,7 +15,7 @@ block is evicted first.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvcache.block import KVBlock
 from kvcache.errors import IntegrityError
@@ -26,9 +26,13 @@ NULL_BLOCK_ID = 0
 
 
 class BlockPool:
-    """Pure-Python pool of `num_blocks` block ids (including the null block)."""
+    """Pure-Python pool of `num_blocks` block ids (including the null block).
 
-    def __init__(self, num_blocks: int) -> None:
+    `on_removed` hears the hash of every published block that stops being
+    matchable (evicted or withdrawn), e.g. to drop what depended on it.
+    """
+
+    def __init__(self, num_blocks: int, on_removed: Callable[[bytes], None] | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(
                 f"a block pool needs the null block plus at least one usable block, got {num_blocks}"
@@ -42,6 +46,7 @@ class BlockPool:
         self.cached: dict[bytes, KVBlock] = {}
         self.events = KVEventLog()
         self.num_evictions = 0
+        self.on_removed = on_removed
 
     @property
     def num_usable_blocks(self) -> int:
@@ -115,12 +120,24 @@ class BlockPool:
         self.events.record(KVEvent(BLOCK_STORED, block_hash, parent_hash, block.block_id))
         return True
 
+    def withdraw(self, block: KVBlock) -> None:
+        """Unpublish an in-use block whose content will not be computed after
+        all (its request left before the step that was to fill it ran)."""
+        if block.block_hash is not None:
+            self._unpublish(block)
+
     def _evict(self, block: KVBlock) -> None:
-        assert block.block_hash is not None
-        del self.cached[block.block_hash]
-        self.events.record(KVEvent(BLOCK_REMOVED, block.block_hash, None, block.block_id))
-        block.block_hash = None
+        self._unpublish(block)
         self.num_evictions += 1
+
+    def _unpublish(self, block: KVBlock) -> None:
+        block_hash = block.block_hash
+        assert block_hash is not None
+        del self.cached[block_hash]
+        self.events.record(KVEvent(BLOCK_REMOVED, block_hash, None, block.block_id))
+        block.block_hash = None
+        if self.on_removed is not None:
+            self.on_removed(block_hash)
 
     def check_integrity(self) -> None:
         """Raise IntegrityError unless free + cached + in use == usable blocks,

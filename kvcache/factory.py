@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvcache.manager import KVCacheManager
 from kvcache.manager_v1 import KVCacheManagerV1
 from kvcache.manager_v2 import KVCacheManagerV2
+from kvcache.snapshots import SnapshotPolicy
 from kvcache.spec import CacheSpec
 
 MANAGER_CLASSES: dict[str, type[KVCacheManager]] = {"v1": KVCacheManagerV1, "v2": KVCacheManagerV2}
@@ -19,6 +20,7 @@ def create_manager(
     *,
     enable_block_reuse: bool = False,
     hash_namespace: str = "",
+    snapshots: SnapshotPolicy | None = None,
 ) -> KVCacheManager:
     """A V1 or V2 manager; `manager` must already be resolved (not "auto")."""
     cls = MANAGER_CLASSES.get(manager)
@@ -31,4 +33,5 @@ def create_manager(
         num_mamba_slots,
         enable_block_reuse=enable_block_reuse,
         hash_namespace=hash_namespace,
+        snapshots=snapshots,
     )

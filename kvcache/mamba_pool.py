@@ -42,7 +42,8 @@ def mamba_state_shape(spec: CacheSpec, kind: str) -> MambaStateShape:
 
 
 class MambaStatePool:
-    """Pure-Python bookkeeping of `num_slots` slot ids `0 .. num_slots - 1`."""
+    """Pure-Python bookkeeping of `num_slots` slot ids, `0 .. num_slots - 1`
+    at first; `exchange` may swap one for a snapshot store's slot."""
 
     def __init__(self, num_slots: int) -> None:
         if num_slots < 1:
@@ -50,6 +51,7 @@ class MambaStatePool:
         self.num_slots = num_slots
         self._free: deque[int] = deque(range(num_slots))
         self._owner: dict[str, int] = {}
+        self._ids = set(range(num_slots))
 
     @property
     def num_free_slots(self) -> int:
@@ -79,6 +81,19 @@ class MambaStatePool:
         if slot is not None:
             self._free.append(slot)
 
+    def exchange(self, request_id: str, replacement: int) -> int:
+        """End `request_id`'s ownership without freeing its slot (a snapshot
+        store keeps the state in it) and take `replacement` as a free slot
+        instead. Returns the request's slot."""
+        slot = self._owner.pop(request_id)
+        self._ids.discard(slot)
+        self._ids.add(replacement)
+        self._free.append(replacement)
+        return slot
+
+    def free_slots(self) -> list[int]:
+        return list(self._free)
+
     def owners(self) -> dict[str, int]:
         return dict(self._owner)
 
@@ -93,9 +108,9 @@ class MambaStatePool:
             problems.append(f"a slot is free twice: {sorted(free)}")
         if set(owned) & set(free):
             problems.append(f"slots both free and owned: {sorted(set(owned) & set(free))}")
-        if sorted(owned + free) != list(range(self.num_slots)):
+        if sorted(owned + free) != sorted(self._ids) or len(self._ids) != self.num_slots:
             problems.append(
-                f"free {len(free)} + owned {len(owned)} slots do not cover 0..{self.num_slots - 1}"
+                f"free {len(free)} + owned {len(owned)} slots do not cover its {self.num_slots}"
             )
         if problems:
             raise IntegrityError("Mamba state pool", problems)

@@ -20,6 +20,12 @@ and on the generation side of a disaggregated cluster:
     allocate_for_transfer(rid, n) -> pull the cache -> finish_transfer(rid, tokens)
                                       \\-> free(rid) on abort
 
+and, with reuse on a hybrid model, once per step (`kvcache.resume`):
+
+    chunk_limit(rid, start, n)           # a prefill chunk ends at a snapshot point
+    take_copies()                        # the step's state copies, as it is built
+    step_done()                          # after it ran
+
 Counters: `prefix_queries` and `prefix_hits` count tokens (prompt tokens asked
 about by `match_prefix`, and tokens it covered); `evictions` counts blocks
 whose cached content was dropped to make room.
@@ -40,6 +46,8 @@ from kvcache.layout import LayoutSignature, RequestRegions
 from kvcache.mamba_pool import MambaStatePool
 from kvcache.pool_layout import CacheLayout, layout_for
 from kvcache.resolution import resolve_block_reuse
+from kvcache.resume import HybridReuse
+from kvcache.snapshots import SnapshotPolicy, StateCopies
 from kvcache.spec import CacheSpec
 
 
@@ -50,6 +58,7 @@ class _RequestState:
     block_hashes: list[bytes] = field(default_factory=list)  # of its leading full blocks
     in_transfer: bool = False
     spans: Sequence[ContentSpan] = ()  # its images, hashed into the blocks they overlap
+    token_ids: Sequence[int] | None = None  # its tokens as last allocated, with reuse
     # `blocks`' ids, kept beside them: every step reads each running table.
     block_ids: list[int] = field(init=False)
 
@@ -67,7 +76,9 @@ class KVCacheManager:
     num_blocks counts every physical block, the null block 0 included.
     num_mamba_slots is required (> 0) for hybrid specs and ignored otherwise.
     enable_block_reuse is honoured only where `resolve_block_reuse` allows it
-    (V2, non-hybrid); otherwise it is off and a log line says why.
+    (V2; for a hybrid model only with a `snapshots` policy that takes
+    snapshots, whose `num_slots` extra Mamba slots hold them); otherwise it
+    is off and a log line says why.
     hash_namespace separates block hashes of different models or dtypes.
     """
 
@@ -82,6 +93,7 @@ class KVCacheManager:
         *,
         enable_block_reuse: bool = False,
         hash_namespace: str = "",
+        snapshots: SnapshotPolicy | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -91,13 +103,25 @@ class KVCacheManager:
             )
         self.spec = spec
         self.block_size = block_size
-        self._pool = BlockPool(num_blocks)
+        self._pool = BlockPool(num_blocks, on_removed=self._block_removed)
         self.mamba_pool = MambaStatePool(num_mamba_slots) if spec.is_hybrid else None
         self.enable_block_reuse = resolve_block_reuse(
-            enable_block_reuse, self.manager_name, spec.is_hybrid
+            enable_block_reuse, self.manager_name, spec.is_hybrid, snapshots
         )
+        self.hybrid_reuse: HybridReuse | None = None
+        num_snapshot_slots = 0
+        if self.enable_block_reuse and self.mamba_pool is not None:
+            assert snapshots is not None  # resolve_block_reuse requires it
+            num_snapshot_slots = snapshots.num_slots
+            self.hybrid_reuse = HybridReuse(
+                snapshots,
+                block_size,
+                self._pool,
+                self.mamba_pool,
+                range(num_mamba_slots, num_mamba_slots + num_snapshot_slots),
+            )
         self.layout: CacheLayout = layout_for(
-            self.manager_name, spec, block_size, num_blocks, num_mamba_slots
+            self.manager_name, spec, block_size, num_blocks, num_mamba_slots + num_snapshot_slots
         )
         self._root_hash = root_hash(hash_namespace)
         self._requests: dict[str, _RequestState] = {}
@@ -179,7 +203,31 @@ class KVCacheManager:
         if token_ids is not None:
             state.spans = spans
             self._publish(state, token_ids)
+            state.token_ids = token_ids
+            if self.hybrid_reuse is not None:
+                slot = self._mamba().slot_of(request_id)
+                assert slot is not None
+                self.hybrid_reuse.plan_save(request_id, state.num_tokens, state.block_hashes, slot)
         return True
+
+    def chunk_limit(self, request_id: str, start: int, num_new: int) -> int:
+        """How many of `num_new` tokens from `start` the request's next chunk
+        computes: fewer only so that it ends at a Mamba snapshot point."""
+        if self.hybrid_reuse is None or num_new <= 1:
+            return num_new
+        return self.hybrid_reuse.chunk_limit(request_id, start, num_new)
+
+    def take_copies(self) -> StateCopies:
+        """The state copies the step being built makes (snapshot loads and
+        saves); call once per step that runs, as it is handed to the model."""
+        if self.hybrid_reuse is None:
+            return StateCopies()
+        return self.hybrid_reuse.take_copies()
+
+    def step_done(self) -> None:
+        """The step whose copies `take_copies` returned has run."""
+        if self.hybrid_reuse is not None:
+            self.hybrid_reuse.step_done()
 
     def match_prefix(
         self, request_id: str, token_ids: Sequence[int], spans: Sequence[ContentSpan] = ()
@@ -212,6 +260,8 @@ class KVCacheManager:
                 break
             hits.append(block)
             hashes.append(parent)
+        if self.hybrid_reuse is not None:
+            return self._resume(request_id, token_ids, spans, hits, hashes)
         if not hits:
             return 0
         self._pool.touch(hits)
@@ -220,16 +270,36 @@ class KVCacheManager:
         self.prefix_hits += num_tokens
         return num_tokens
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str, num_computed: int | None = None) -> None:
         """Release the request's blocks (tail first, so a chain's head is evicted
-        last) and its Mamba slot. A no-op for unknown request ids."""
+        last) and its Mamba slot. A no-op for unknown request ids.
+
+        `num_computed`: the tokens whose cache was computed, when fewer than
+        its table was last sized for (a request preempted before the step it
+        was allocated for ran); blocks published past them are withdrawn. With
+        reuse on a hybrid model the slot's state at that point may be kept as
+        a snapshot (`kvcache.resume`).
+        """
         state = self._requests.pop(request_id, None)
         if state is not None:
+            computed = state.num_tokens if num_computed is None else num_computed
+            if computed < state.num_tokens:
+                self._withdraw(state, computed)
+            if self.hybrid_reuse is not None:
+                self.hybrid_reuse.end(
+                    request_id,
+                    computed if not state.in_transfer else 0,
+                    state.token_ids,
+                    state.block_hashes,
+                    lambda: self._publish_tail(state, computed),
+                )
             held = self._holds.get(request_id)
             if held is not None:
                 held.append(state.blocks)
             else:
                 self._pool.release(state.blocks[::-1])
+        elif self.hybrid_reuse is not None:
+            self.hybrid_reuse.end(request_id, 0, None, (), lambda: None)
         if self.mamba_pool is not None:
             self.mamba_pool.free(request_id)
 
@@ -286,6 +356,7 @@ class KVCacheManager:
         if token_ids is not None:
             state.spans = spans
             self._publish(state, token_ids)
+            state.token_ids = token_ids
 
     # -- queries -------------------------------------------------------------
 
@@ -350,6 +421,80 @@ class KVCacheManager:
         state.num_tokens = max(state.num_tokens, num_tokens)
         return state
 
+    def _resume(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        spans: Sequence[ContentSpan],
+        hits: list[KVBlock],
+        hashes: list[bytes],
+    ) -> int:
+        """A hybrid prompt skips only up to its longest usable snapshot: take
+        the blocks before it and a slot, and plan the snapshot's load."""
+        reuse = self.hybrid_reuse
+        assert reuse is not None
+        bs = self.block_size
+
+        def tail_key(anchor: bytes, index: int, tail: tuple[int, ...]) -> bytes:
+            return hash_block(anchor, tail, _tail_span_keys(index, bs, len(tail), spans))
+
+        snap = reuse.best(request_id, [self._root_hash, *hashes], token_ids, tail_key)
+        if snap is None:
+            return 0
+        num_full = snap.num_tokens // bs
+        blocks = hits[:num_full]
+        tail_block = self._pool.lookup(snap.key) if snap.tail else None
+        pinned = blocks + ([tail_block] if tail_block is not None else [])
+        self._pool.touch(pinned)
+        fresh: list[KVBlock] = []
+        if snap.tail and (tail_block is None or self._pool.num_free_blocks < 1):
+            self._pool.release(pinned[::-1])
+            return 0
+        if snap.tail:
+            fresh = self._pool.allocate(1)
+        slot = self._mamba().allocate(request_id)
+        if slot is None:
+            self._pool.release((pinned + fresh)[::-1])
+            return 0
+        # The tail block stays pinned until its load ran (`HybridReuse.step_done`).
+        state = _RequestState(blocks + fresh, snap.num_tokens, hashes[:num_full])
+        state.token_ids, state.spans = token_ids, spans
+        self._requests[request_id] = state
+        reuse.plan_resume(request_id, snap, slot, tail_block, fresh[0].block_id if fresh else None)
+        self.prefix_hits += snap.num_tokens
+        return snap.num_tokens
+
+    def _publish_tail(
+        self, state: _RequestState, computed: int
+    ) -> tuple[bytes, bytes, KVBlock] | None:
+        """Publish the partial block holding a leaving request's last
+        `computed % block_size` tokens under its tail key: (anchor, key, block)."""
+        bs = self.block_size
+        index = computed // bs
+        if state.token_ids is None or index >= len(state.blocks) or len(state.block_hashes) < index:
+            return None
+        anchor = state.block_hashes[index - 1] if index else self._root_hash
+        tail = list(state.token_ids[index * bs : computed])
+        key = hash_block(anchor, tail, _tail_span_keys(index, bs, len(tail), state.spans))
+        block = state.blocks[index]
+        if block.block_hash is None and self._pool.lookup(key) is None:
+            self._pool.publish(block, key, anchor)
+        return (anchor, key, block) if self._pool.lookup(key) is not None else None
+
+    def _withdraw(self, state: _RequestState, computed: int) -> None:
+        """Unpublish the blocks the request published past its computed tokens."""
+        first = computed // self.block_size
+        for index in range(first, len(state.block_hashes)):
+            block = state.blocks[index]
+            if block.ref_cnt == 1 and block.block_hash == state.block_hashes[index]:
+                self._pool.withdraw(block)
+        del state.block_hashes[first:]
+        state.num_tokens = computed
+
+    def _block_removed(self, block_hash: bytes) -> None:
+        if self.hybrid_reuse is not None:
+            self.hybrid_reuse.store.drop_block(block_hash)
+
     def _publish(self, state: _RequestState, token_ids: Sequence[int]) -> None:
         if not self.enable_block_reuse or state.in_transfer:
             return
@@ -404,5 +549,22 @@ class KVCacheManager:
                 problems.append(f"block {block.block_id} owned by {owners[block.block_id]} tables")
         if self.mamba_pool is not None and set(self.mamba_pool.owners()) != set(self._requests):
             problems.append("Mamba slot owners differ from the requests holding blocks")
+        if self.hybrid_reuse is not None and self.mamba_pool is not None:
+            store = self.hybrid_reuse.store
+            try:
+                store.check_integrity()
+            except IntegrityError as error:
+                problems.extend(error.problems)
+            running = [*self.mamba_pool.owners().values(), *self.mamba_pool.free_slots()]
+            if sorted(running + store.slots()) != list(range(self.layout.num_slots)):
+                problems.append("running and snapshot Mamba slots do not cover the buffer once")
         if problems:
             raise IntegrityError(f"{self.manager_name} KV cache manager", problems)
+
+
+def _tail_span_keys(
+    index: int, block_size: int, length: int, spans: Sequence[ContentSpan]
+) -> tuple[bytes, ...]:
+    """Content hashes of the spans overlapping the first `length` tokens of block `index`."""
+    start = index * block_size
+    return tuple(s.content_hash for s in spans if s.overlaps(start, start + length))

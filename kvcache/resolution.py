@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from kvcache.errors import LayoutConflictError, ResolutionError
+from kvcache.snapshots import SnapshotPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +108,12 @@ def _describe(requested: str, resolved: str) -> str:
     return f"{requested!r} (resolved to {resolved!r} by the model's preference)"
 
 
-def resolve_block_reuse(requested: bool, manager: str, is_hybrid: bool) -> bool:
-    """`kv_cache.enable_block_reuse`: off unless asked, and only under V2 for a
-    model without Mamba layers."""
+def resolve_block_reuse(
+    requested: bool, manager: str, is_hybrid: bool, snapshots: SnapshotPolicy | None = None
+) -> bool:
+    """`kv_cache.enable_block_reuse`: off unless asked, and only under V2; for a
+    hybrid Mamba model only with a snapshot policy that takes snapshots (a KV
+    prefix is reusable only where a Mamba state snapshot ends it)."""
     if not requested:
         return False
     if manager != V2:
@@ -117,10 +121,11 @@ def resolve_block_reuse(requested: bool, manager: str, is_hybrid: bool) -> bool:
             f"block reuse is off: it needs kv_cache.manager 'v2', this worker runs {manager!r}"
         )
         return False
-    if is_hybrid:
+    if is_hybrid and (snapshots is None or not snapshots.takes_any):
         log_once(
-            "block reuse is off for this hybrid Mamba model: reusing a KV prefix needs a "
-            "Mamba state snapshot at the block boundary, which the cache does not keep yet"
+            "block reuse is off for this hybrid Mamba model: reusing a KV prefix needs Mamba "
+            "state snapshots, and kv_cache.snapshots takes none (num_slots 0, or no interval, "
+            "positions, at_end or on_demand)"
         )
         return False
     return True

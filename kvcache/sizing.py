@@ -5,7 +5,8 @@ from memory: a fraction of a stated byte budget (any device), a fraction of
 the instance's share of its GPU (`GpuShare`, measured by the worker after its
 weights are loaded), or, when a CUDA device is given and nothing else, a
 fraction of the device's free memory. Mamba slots (one per running request, default
-`max_batch_size`) come out of the budget first; the rest becomes KV blocks.
+`max_batch_size`, plus the snapshot slots of hybrid prefix reuse) come out of
+the budget first; the rest becomes KV blocks.
 Sizing fails early, naming the numbers and the setting to change, when one
 max-length sequence would not fit.
 """
@@ -13,7 +14,7 @@ max-length sequence would not fit.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvcache.errors import CacheSizingError
 from kvcache.pool_layout import block_major_slot_layout
@@ -109,14 +110,25 @@ class CacheSizing:
     block_size: int
     bytes_per_block: int
     bytes_per_slot: int
+    # Mamba state snapshots (hybrid prefix reuse), slots of the same size.
+    num_snapshot_slots: int = 0
 
     @property
     def num_tokens(self) -> int:
         return (self.num_blocks - 1) * self.block_size
 
     @property
+    def mamba_bytes(self) -> int:
+        """Running and snapshot Mamba slots together."""
+        return (self.num_mamba_slots + self.num_snapshot_slots) * self.bytes_per_slot
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return self.num_snapshot_slots * self.bytes_per_slot
+
+    @property
     def total_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block + self.num_mamba_slots * self.bytes_per_slot
+        return self.num_blocks * self.bytes_per_block + self.mamba_bytes
 
 
 def bytes_per_block(spec: CacheSpec, block_size: int) -> int:
@@ -140,6 +152,7 @@ def size_instance_cache(
     memory_bytes: int | None = None,
     device: object | None = None,
     gpu_share: GpuShare | None = None,
+    num_snapshot_slots: int = 0,
 ) -> CacheSizing:
     """The cache of one serving instance: the plan sizes it with this before any
     worker starts (to print and check it), the worker again to build it.
@@ -160,6 +173,7 @@ def size_instance_cache(
         device=device,
         num_mamba_slots=MAMBA_SLOTS_PER_BATCH_SLOT * max_batch_size,
         gpu_share=gpu_share,
+        num_snapshot_slots=num_snapshot_slots,
     )
 
 
@@ -175,6 +189,7 @@ def size_cache(
     device: object | None = None,
     num_mamba_slots: int | None = None,
     gpu_share: GpuShare | None = None,
+    num_snapshot_slots: int = 0,
 ) -> CacheSizing:
     """Blocks and slots for the cache; see the module docstring for the modes.
 
@@ -191,7 +206,12 @@ def size_cache(
         else 0
     )
     sizing = CacheSizing(
-        0, slots, block_size, bytes_per_block(spec, block_size), bytes_per_mamba_slot(spec)
+        0,
+        slots,
+        block_size,
+        bytes_per_block(spec, block_size),
+        bytes_per_mamba_slot(spec),
+        num_snapshot_slots if spec.is_hybrid else 0,
     )
     needed = -(-max_model_len // block_size)
     is_cuda = device is not None and str(device).startswith("cuda")
@@ -235,7 +255,7 @@ def _from_tokens(
         if result.total_bytes > free:
             raise CacheSizingError(
                 f"the KV cache for max_tokens={max_tokens} ({result.total_bytes / _MIB:.1f} MiB, "
-                f"incl. {sizing.num_mamba_slots} Mamba slots) exceeds the {free / _MIB:.1f} MiB free "
+                f"incl. {_slots(sizing)}) exceeds the {free / _MIB:.1f} MiB free "
                 f"on {device} after weights; lower max_tokens or max_batch_size"
             )
     return result
@@ -244,28 +264,29 @@ def _from_tokens(
 def _from_budget(
     sizing: CacheSizing, budget: int, source: str, max_model_len: int, needed: int
 ) -> CacheSizing:
-    mamba_bytes = sizing.num_mamba_slots * sizing.bytes_per_slot
+    mamba_bytes = sizing.mamba_bytes
     kv_bytes = budget - mamba_bytes
     # One extra block for the null block, which the budget must also hold.
     usable = max(kv_bytes // sizing.bytes_per_block - 1, 0) if sizing.bytes_per_block else 0
     if usable < needed:
         raise CacheSizingError(
             f"KV cache budget {budget / _MIB:.1f} MiB ({source}) minus {mamba_bytes / _MIB:.1f} MiB "
-            f"for {sizing.num_mamba_slots} Mamba slots holds {usable} blocks of "
+            f"for {_slots(sizing)} holds {usable} blocks of "
             f"{sizing.block_size} tokens ({sizing.bytes_per_block} bytes each), but one max-length "
             f"sequence (max_model_len={max_model_len}) needs {needed} blocks "
             f"({(needed + 1) * sizing.bytes_per_block / _MIB:.1f} MiB with the null block); raise the "
             "memory budget (kv_cache.memory_fraction or kv_cache_memory_bytes), or lower "
-            "max_model_len or max_batch_size"
+            "max_model_len, max_batch_size or kv_cache.snapshots.num_slots"
         )
     return _with_blocks(sizing, usable + 1)
 
 
+def _slots(sizing: CacheSizing) -> str:
+    text = f"{sizing.num_mamba_slots} Mamba slots"
+    if sizing.num_snapshot_slots:
+        text += f" and {sizing.num_snapshot_slots} snapshot slots"
+    return text
+
+
 def _with_blocks(sizing: CacheSizing, num_blocks: int) -> CacheSizing:
-    return CacheSizing(
-        num_blocks,
-        sizing.num_mamba_slots,
-        sizing.block_size,
-        sizing.bytes_per_block,
-        sizing.bytes_per_slot,
-    )
+    return replace(sizing, num_blocks=num_blocks)

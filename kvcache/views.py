@@ -6,9 +6,12 @@ them and never allocate cache memory themselves.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from kvcache.snapshots import StateCopies
 
 
 @dataclass
@@ -46,3 +49,24 @@ class CacheViews:
 
     attention: list[AttentionLayerCache]
     mamba: list[MambaLayerCache]
+
+    def apply_loads(self, copies: StateCopies) -> None:
+        """Before a step's forward: snapshot blocks and states into resuming requests'."""
+        self._copy_blocks(copies.block_loads)
+        self._copy_slots(copies.slot_loads)
+
+    def apply_saves(self, copies: StateCopies) -> None:
+        """After a step's forward: requests' states into their snapshot slots."""
+        self._copy_slots(copies.slot_saves)
+
+    def _copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        for layer in self.attention:
+            for source, target in pairs:
+                layer.key_cache[target].copy_(layer.key_cache[source])
+                layer.value_cache[target].copy_(layer.value_cache[source])
+
+    def _copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
+        for layer in self.mamba:
+            for source, target in pairs:
+                layer.conv_state[target].copy_(layer.conv_state[source])
+                layer.ssm_state[target].copy_(layer.ssm_state[source])

@@ -24,7 +24,13 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.config.schema import ClusterConfig, ConfigError, KvCacheConfig, RoleSettings
+from cluster.config.schema import (
+    ClusterConfig,
+    ConfigError,
+    KvCacheConfig,
+    RoleSettings,
+    SnapshotsConfig,
+)
 from engine.checkpoint_copy import CheckpointSource
 from engine.worker_config import WorkerConfig
 from kvcache.errors import CacheSizingError, ResolutionError
@@ -36,6 +42,7 @@ from kvcache.resolution import (
     resolve_transceiver,
 )
 from kvcache.sizing import CacheSizing, host_available_bytes, size_instance_cache
+from kvcache.snapshots import SnapshotPolicy
 from kvcache.spec import CacheSpec
 from models.checkpoint_source import checkpoint_folder, model_source
 from models.config import ModelConfig
@@ -93,6 +100,9 @@ class InstancePlan:
     tensor_parallel_size: int = 1
     # CPU ids its worker process is pinned to; empty: wherever the OS runs it.
     cpu_affinity: tuple[int, ...] = ()
+    # Mamba snapshot policy where block reuse is on for a hybrid model.
+    snapshots: SnapshotPolicy | None = None
+    num_snapshot_bytes: int = 0  # what its snapshot slots take, per rank
 
     @property
     def device(self) -> str:
@@ -134,6 +144,7 @@ class InstancePlan:
             transfer_wire=self.transfer_wire,
             tensor_parallel_size=self.tensor_parallel_size,
             cpu_affinity=self.cpu_affinity,
+            snapshots=self.snapshots,
         )
 
 
@@ -282,16 +293,20 @@ def _instance(
 ) -> InstancePlan:
     kv = settings.kv_cache
     max_tokens, memory_bytes = _cache_budget(kv, settings, host_share)
+    snapshots = snapshot_policy(kv.snapshots, settings.max_batch_size) if spec.is_hybrid else None
+    reuse = resolve_block_reuse(kv.enable_block_reuse, manager, spec.is_hybrid, snapshots)
+    if not reuse:
+        snapshots = None
     sizing = None
     if max_tokens is not None or memory_bytes is not None:
-        sizing = _size(spec, settings, max_tokens, memory_bytes, model_len, source)
+        sizing = _size(spec, settings, max_tokens, memory_bytes, model_len, source, snapshots)
     return InstancePlan(
         name=f"{settings.role}-{index}",
         role=settings.role,
         manager=manager,
         transceiver=transceiver,
         block_size=kv.block_size,
-        enable_block_reuse=resolve_block_reuse(kv.enable_block_reuse, manager, spec.is_hybrid),
+        enable_block_reuse=reuse,
         max_tokens=max_tokens,
         kv_cache_memory_bytes=memory_bytes,
         memory_fraction=kv.memory_fraction,
@@ -311,6 +326,19 @@ def _instance(
         num_cpus=settings.num_cpus,
         cpu_affinity=_instance_cpus(settings, index),
         aggregated=transceiver == NO_TRANSCEIVER,
+        snapshots=snapshots,
+        num_snapshot_bytes=0 if sizing is None else sizing.snapshot_bytes,
+    )
+
+
+def snapshot_policy(config: SnapshotsConfig, max_batch_size: int) -> SnapshotPolicy:
+    """The worker's snapshot policy from `kv_cache.snapshots`."""
+    return SnapshotPolicy(
+        interval=config.interval,
+        at_end=config.at_end,
+        on_demand=config.on_demand,
+        positions=tuple(config.positions),
+        num_slots=max_batch_size if config.num_slots is None else config.num_slots,
     )
 
 
@@ -368,6 +396,7 @@ def _size(
     memory_bytes: int | None,
     model_len: int,
     source: str,
+    snapshots: SnapshotPolicy | None,
 ) -> CacheSizing:
     """The blocks and slots the worker will build, with the worker's own rule."""
     try:
@@ -378,6 +407,7 @@ def _size(
             max_batch_size=settings.max_batch_size,
             max_tokens=max_tokens,
             memory_bytes=memory_bytes,
+            num_snapshot_slots=0 if snapshots is None else snapshots.num_slots,
         )
     except CacheSizingError as exc:
         raise ConfigError(f"{source}: {settings.role}_servers.kv_cache: {exc}") from exc
@@ -392,6 +422,18 @@ def _max_model_len(model_config: ModelConfig, instances: tuple[InstancePlan, ...
 
 def _dtype(value: str) -> str | None:
     return None if value == "auto" else value
+
+
+def _slots_cell(instance: InstancePlan) -> str:
+    """Running Mamba slots, and the snapshot slots of hybrid reuse with their size."""
+    if instance.snapshots is None:
+        return str(instance.num_mamba_slots)
+    size = (
+        f", {instance.num_snapshot_bytes / (1 << 20):.1f} MiB"
+        if instance.num_snapshot_bytes
+        else ""
+    )
+    return f"{instance.num_mamba_slots} + {instance.snapshots.num_slots} snapshots{size}"
 
 
 def format_plan(plan: ClusterPlan) -> str:
@@ -414,7 +456,7 @@ def format_plan(plan: ClusterPlan) -> str:
             i.transceiver,
             str(i.block_size),
             "by memory" if i.num_blocks is None else str(i.num_blocks),
-            str(i.num_mamba_slots),
+            _slots_cell(i),
             i.device if i.tensor_parallel_size == 1 else f"{i.device} x{i.tensor_parallel_size}",
             f"{i.num_cpus:g}"
             + (f" on {','.join(map(str, i.cpu_affinity))}" if i.cpu_affinity else ""),

@@ -94,6 +94,25 @@ class CacheTransceiverConfig(_Strict):
         return value
 
 
+class SnapshotsConfig(_Strict):
+    """Mamba state snapshots, what block reuse on a hybrid model resumes from.
+
+    interval: every this many tokens of a sequence (a multiple of the block
+    size; 0: none). positions: fixed token positions (multiples of the block
+    size). at_end: the live state of every sequence that ends (the next turn
+    of a conversation resumes right after it). on_demand: where a prompt's
+    cached KV runs a block or more past its last snapshot (a shared prefix).
+    num_slots: snapshots kept at once, each the size of one running request's
+    Mamba state; None: max_batch_size.
+    """
+
+    interval: int = Field(default=0, ge=0)
+    positions: list[int] = Field(default_factory=list)
+    at_end: bool = True
+    on_demand: bool = True
+    num_slots: int | None = Field(default=None, ge=0)
+
+
 class KvCacheConfig(_Strict):
     """Cache manager choice and size. Give `max_tokens` or `memory_fraction`, not both."""
 
@@ -103,11 +122,19 @@ class KvCacheConfig(_Strict):
     max_tokens: int | None = Field(default=None, gt=0)
     memory_fraction: float | None = Field(default=None, gt=0, le=1)
     cpu_memory_bytes: int | None = Field(default=None, gt=0)
+    snapshots: SnapshotsConfig = Field(default_factory=SnapshotsConfig)
 
     @model_validator(mode="after")
     def _one_sizing_key(self) -> KvCacheConfig:
         if self.max_tokens is not None and self.memory_fraction is not None:
             raise ValueError("set kv_cache.max_tokens or kv_cache.memory_fraction, not both")
+        snapshots = self.snapshots
+        off_grid = [p for p in (snapshots.interval, *snapshots.positions) if p % self.block_size]
+        if off_grid:
+            raise ValueError(
+                f"kv_cache.snapshots interval and positions must be multiples of "
+                f"kv_cache.block_size ({self.block_size}), got {off_grid}"
+            )
         return self
 
 

@@ -43,6 +43,8 @@ from cluster.config.trtllm_keys import (
     KV_IGNORED,
     KV_KEYS,
     KV_REFUSED,
+    MAMBA_STATE_KEYS,
+    MAMBA_STATE_REFUSED,
     ONE_ONLY,
     ROUTER_IGNORED,
     ROUTER_TYPES,
@@ -234,12 +236,29 @@ class _Translator:
                     self.reuse_scopes.append((scope, written))
             elif key == "free_gpu_memory_fraction":
                 self._fraction(scope, value, written, NESTED)
+            elif key == "mamba_state_config":
+                self._mamba_state(scope, value, written)
             elif key in KV_IGNORED:
                 self._ignore(written, KV_IGNORED[key])
             elif key in KV_REFUSED:
                 self.errors.append(f"{self.source}:{written}: {KV_REFUSED[key]}")
             else:
                 self._unknown(written, key, [*KV_KEYS, *KV_IGNORED, *KV_REFUSED])
+
+    def _mamba_state(self, scope: tuple[str, ...], value: Any, where: str) -> None:
+        """A snapshot policy, TensorRT-LLM's keys onto `kv_cache.snapshots`;
+        the end of every sequence is a snapshot point here too."""
+        for key, item in self._mapping(where, value).items():
+            written = f"{where}.{key}"
+            if key in MAMBA_STATE_KEYS:
+                self._put(
+                    (*scope, "kv_cache", "snapshots", MAMBA_STATE_KEYS[key]), item, written, TRTLLM
+                )
+            elif key in MAMBA_STATE_REFUSED:
+                if item:
+                    self.errors.append(f"{self.source}:{written}: {MAMBA_STATE_REFUSED[key]}")
+            else:
+                self._unknown(written, key, [*MAMBA_STATE_KEYS, *MAMBA_STATE_REFUSED])
 
     def _transceiver(self, scope: tuple[str, ...], block: dict[str, Any], where: str) -> None:
         for key, value in block.items():

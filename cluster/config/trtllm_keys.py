@@ -118,8 +118,6 @@ KV_IGNORED = {
     "cross_kv_cache_fraction": "only encoder-decoder models use it",
     "use_kv_cache_manager_v2": _OUR_MANAGER,
     "max_util_for_resume": _OUR_MANAGER,
-    "mamba_state_config": "Mamba state snapshots are not kept here, so block reuse stays off "
-    "for hybrid models and their prompts are prefilled whole",
 }
 TRANSCEIVER_IGNORED = {
     "transceiver_runtime": "the backend alone picks the transceiver implementation here",
@@ -150,7 +148,24 @@ KV_REFUSED = {
 # Must be 1: these split one instance over devices in ways not implemented here.
 ONE_ONLY = {"pipeline_parallel_size": "pipeline", "context_parallel_size": "context"}
 
-KV_KEYS = {"enable_block_reuse", "max_tokens", "tokens_per_block", "free_gpu_memory_fraction"}
+KV_KEYS = {
+    "enable_block_reuse",
+    "max_tokens",
+    "tokens_per_block",
+    "free_gpu_memory_fraction",
+    "mamba_state_config",
+}
+# kv_cache_config.mamba_state_config -> kv_cache.snapshots
+MAMBA_STATE_KEYS = {
+    "periodic_snapshot_interval": "interval",
+    "additional_snapshot_offsets_from_start": "positions",
+    "enable_branch_snapshot": "on_demand",
+}
+MAMBA_STATE_REFUSED = {
+    "additional_snapshot_offsets_from_end": "snapshots at offsets from a prompt's end are not "
+    "taken here; every sequence's end is (kv_cache.snapshots.at_end), and a shared prefix's "
+    "end once it shows (on_demand); remove the key or leave it empty",
+}
 TOP_KEYS = {
     "kv_cache_config",
     "cache_transceiver_config",

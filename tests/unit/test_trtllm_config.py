@@ -20,6 +20,7 @@ from cluster.config.plan import resolve_plan
 from cluster.config.schema import (
     ConfigError,
     LoadedConfig,
+    SnapshotsConfig,
     config_from_dict,
     load_config,
     read_config,
@@ -73,9 +74,10 @@ PLANS: dict[str, list[tuple[str, ...]]] = {
         ("context-0", "v2", "python", "16", "1310", "0", "cpu", "1"),
         ("generation-0", "v2", "python", "16", "655", "0", "cpu", "1"),
     ],
+    # Reuse on a hybrid keeps max_batch_size (32) Mamba state snapshots.
     "nemotron-h-default.yaml": [
-        ("context-0", "v2", "python", "16", "129", "64", "cpu", "1"),
-        ("generation-0", "v2", "python", "16", "129", "64", "cpu", "1"),
+        ("context-0", "v2", "python", "16", "129", "64 + 32 snapshots, 0.3 MiB", "cpu", "1"),
+        ("generation-0", "v2", "python", "16", "129", "64 + 32 snapshots, 0.3 MiB", "cpu", "1"),
     ],
 }
 
@@ -288,10 +290,24 @@ def test_the_2p2d_translation_is_exactly_the_native_2p2d_config() -> None:
     assert load_config(CONFIGS / "2p2d-python-reuse.yaml") == native
 
 
-def test_reuse_stays_off_for_a_hybrid_model(checkpoints: dict[str, Path]) -> None:
+def test_reuse_on_a_hybrid_model_keeps_snapshots_and_none_without_slots(
+    checkpoints: dict[str, Path],
+) -> None:
     loaded = read_config(CONFIGS / "nemotron-h-default.yaml")
     config = loaded.config.model_copy(update={"model": str(checkpoints["nemotron_h"])})
-    assert not any(i.enable_block_reuse for i in resolve_plan(config).instances)
+    instances = resolve_plan(config).instances
+    assert all(i.enable_block_reuse for i in instances)
+    assert all(i.snapshots is not None and i.snapshots.num_slots == 32 for i in instances)
+    assert all(i.snapshots is not None and i.snapshots.at_end for i in instances)
+    no_slots = config.model_copy(
+        update={
+            "kv_cache": config.kv_cache.model_copy(
+                update={"snapshots": SnapshotsConfig(num_slots=0)}
+            )
+        }
+    )
+    instances = resolve_plan(no_slots).instances
+    assert not any(i.enable_block_reuse or i.snapshots for i in instances)
     reuse = read_config(CONFIGS / "2p2d-python-reuse.yaml").config
     config = reuse.model_copy(update={"model": str(checkpoints["llama"])})
     assert all(i.enable_block_reuse for i in resolve_plan(config).instances)
@@ -520,11 +536,6 @@ def test_config_check_names_our_own_keys_as_sources(
             ("cache_transceiver.backend", "auto"),
         ),
         (
-            {"kv_cache_config": {"mamba_state_config": {"periodic_snapshot_interval": 256}}},
-            "kv_cache_config.mamba_state_config",
-            None,
-        ),
-        (
             {"generation_servers": {"perf_metrics_max_requests": 1000}},
             "generation_servers.perf_metrics_max_requests",
             None,
@@ -552,6 +563,24 @@ def test_keys_of_tensorrt_llm_test_configs_are_served_with_a_listed_reason(
     if ours is not None:
         flat = _dotted(config_from_dict(translation.native).model_dump(exclude_unset=True))
         assert flat[ours[0]] == ours[1]
+
+
+def test_mamba_state_config_becomes_our_snapshot_policy() -> None:
+    state = {
+        "periodic_snapshot_interval": 256,
+        "additional_snapshot_offsets_from_start": [64, 128],
+        "enable_branch_snapshot": False,
+        "additional_snapshot_offsets_from_end": [],
+    }
+    raw = {"model": "m", "kv_cache_config": {"mamba_state_config": state}}
+    flat = _dotted(config_from_dict(translate(raw, "t.yaml").native).model_dump())
+    assert flat["kv_cache.snapshots.interval"] == 256
+    assert flat["kv_cache.snapshots.positions"] == [64, 128]
+    assert flat["kv_cache.snapshots.on_demand"] is False
+    assert flat["kv_cache.snapshots.at_end"] is True
+    state["additional_snapshot_offsets_from_end"] = [0]
+    with pytest.raises(ConfigError, match="additional_snapshot_offsets_from_end: snapshots at"):
+        translate(raw, "t.yaml")
 
 
 def test_a_file_that_is_not_a_disaggregated_config_says_what_it_looks_like() -> None:
