@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from engine.messages import RankCacheUsage
+from engine.messages import RankCacheUsage, WorkerLoad
 
 # Seconds; CPU tiny models sit at the low end, large GPU models further up.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -117,6 +117,21 @@ class ServingMetrics:
             ["worker", "result"],
             registry=r,
         )
+        self.snapshots = Gauge(
+            "disagg_mamba_snapshots",
+            "Hybrid prefix reuse per worker: prompts that found a Mamba state snapshot to "
+            "resume from (hit) or none (miss), snapshots evicted for room (evicted) or "
+            "dropped with a KV block under them (dropped), snapshots held (used) and "
+            "slots for them (total).",
+            ["worker", "kind"],
+            registry=r,
+        )
+        self.snapshot_resumed_tokens = Gauge(
+            "disagg_mamba_snapshot_resumed_tokens",
+            "Prompt tokens each worker skipped by resuming at a Mamba state snapshot.",
+            ["worker"],
+            registry=r,
+        )
         self.dispatch_failures = Counter(
             "disagg_dispatch_failures",
             "Dispatches to a worker that failed (retried elsewhere while nothing was streamed).",
@@ -177,3 +192,16 @@ class ServingMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+    def record_snapshots(self, worker: str, load: WorkerLoad) -> None:
+        """A hybrid worker's snapshot store, as its load report gives it."""
+        for kind, value in (
+            ("hit", load.snapshot_hits),
+            ("miss", load.snapshot_misses),
+            ("evicted", load.snapshot_evictions),
+            ("dropped", load.snapshot_drops),
+            ("used", load.num_snapshots),
+            ("total", load.num_snapshot_slots),
+        ):
+            self.snapshots.labels(worker, kind).set(value)
+        self.snapshot_resumed_tokens.labels(worker).set(load.snapshot_resumed_tokens)

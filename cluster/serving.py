@@ -216,6 +216,7 @@ def build_router(cluster: RunningCluster, config: ClusterConfig, metrics: Servin
         pipeline_above_tokens=chunk["context"] if pipelined else None,
         hold_first_token=config.router.first_token_at == "admission",
         stall_timeout_s=config.router.stall_timeout_s,
+        hybrid=cluster.plan.is_hybrid,
     )
     return Router(endpoints("context"), endpoints("generation"), settings, metrics)
 

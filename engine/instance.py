@@ -147,12 +147,28 @@ class EngineInstance:
             num_tokens_in_flight=in_flight,
             encoder_cache_hits=encoder.stats.hits if encoder is not None else 0,
             encoder_cache_misses=encoder.stats.misses if encoder is not None else 0,
+            **self._snapshot_load(),
             ranks=self.rank_cache_usage(),
             num_steps=self.loop.stats.steps,
             step_busy_s=self.loop.stats.busy_s,
             step_in_flight_s=self.loop.step_in_flight_s,
             node_ip=self.node_ip,
         )
+
+    def _snapshot_load(self) -> dict[str, int]:
+        reuse = self.manager.hybrid_reuse
+        if reuse is None:
+            return {}
+        store = reuse.store
+        return {
+            "snapshot_hits": store.hits,
+            "snapshot_misses": store.misses,
+            "snapshot_evictions": store.evictions,
+            "snapshot_drops": store.dropped,
+            "snapshot_resumed_tokens": reuse.resumed_tokens,
+            "num_snapshots": len(store),
+            "num_snapshot_slots": store.capacity,
+        }
 
     def rank_cache_usage(self) -> tuple[RankCacheUsage, ...]:
         """Each rank's cache and what of it is in use: rank 0's manager counts
@@ -194,6 +210,7 @@ class EngineInstance:
             worker_id=self.worker_id,
             events=list(self.manager.drain_events()),
             encoder_events=encoder.drain_events() if encoder is not None else [],
+            snapshot_events=self.manager.drain_snapshot_events(),
         )
 
     def step_timeline(self) -> list[StepRecord]:

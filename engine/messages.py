@@ -258,6 +258,16 @@ class WorkerLoad:
     # Images the vision encoder served from its cache / ran (VL models).
     encoder_cache_hits: int = 0
     encoder_cache_misses: int = 0
+    # Hybrid prefix reuse: prompts that found / did not find a Mamba
+    # snapshot, snapshots evicted for room / dropped with a KV block under
+    # them, prompt tokens skipped by resuming, snapshots held and slots.
+    snapshot_hits: int = 0
+    snapshot_misses: int = 0
+    snapshot_evictions: int = 0
+    snapshot_drops: int = 0
+    snapshot_resumed_tokens: int = 0
+    num_snapshots: int = 0
+    num_snapshot_slots: int = 0
     ranks: tuple[RankCacheUsage, ...] = ()
     # Engine steps run since start, and the wall seconds they took (the rest
     # of the worker's time its engine idled or waited for the event loop).
@@ -277,6 +287,8 @@ class KVEventBatch:
     worker_id: str
     events: list[Any]
     encoder_events: list[EncoderCacheEvent] = field(default_factory=list)
+    # Mamba snapshots stored / removed (`kvcache.snapshots.SnapshotEvent`).
+    snapshot_events: list[Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,23 @@ def hash_full_blocks(
     return hashes
 
 
+def hash_tail(
+    anchor: BlockHash,
+    index: int,
+    block_size: int,
+    tail: Sequence[int],
+    spans: Sequence[ContentSpan] = (),
+) -> BlockHash:
+    """Hash of the partial block `index` holding `tail` (its first tokens),
+    chained onto `anchor` (the hash of block `index - 1`, or the root): the
+    key of a Mamba snapshot ending inside that block. Its images are those
+    overlapping the tail itself. A full block's hash never equals it (the
+    token count is hashed)."""
+    start = index * block_size
+    keys = tuple(s.content_hash for s in spans if s.overlaps(start, start + len(tail)))
+    return hash_block(anchor, tail, keys)
+
+
 def _encode_extra_key(key: ExtraKey) -> bytes:
     # A type tag and a length prefix keep ("ab",) and ("a", "b") apart.
     if isinstance(key, bool) or not isinstance(key, int | str | bytes):

@@ -41,13 +41,13 @@ from kvcache.block import KVBlock
 from kvcache.block_pool import NULL_BLOCK_ID, BlockPool
 from kvcache.errors import IntegrityError, RequestStateError
 from kvcache.events import KVEvent
-from kvcache.hashing import ContentSpan, hash_block, root_hash, span_keys
+from kvcache.hashing import ContentSpan, hash_block, hash_tail, root_hash, span_keys
 from kvcache.layout import LayoutSignature, RequestRegions
 from kvcache.mamba_pool import MambaStatePool
 from kvcache.pool_layout import CacheLayout, layout_for
 from kvcache.resolution import resolve_block_reuse
 from kvcache.resume import HybridReuse
-from kvcache.snapshots import SnapshotPolicy, StateCopies
+from kvcache.snapshots import SnapshotEvent, SnapshotPolicy, StateCopies
 from kvcache.spec import CacheSpec
 
 
@@ -385,6 +385,13 @@ class KVCacheManager:
         """Blocks published and evicted since the last call, oldest first."""
         return self._pool.events.drain()
 
+    def drain_snapshot_events(self) -> list[SnapshotEvent]:
+        """Mamba snapshots that became usable or stopped being usable since
+        the last call, oldest first (none without hybrid reuse)."""
+        if self.hybrid_reuse is None:
+            return []
+        return self.hybrid_reuse.store.drain_events()
+
     # -- internals -----------------------------------------------------------
 
     def _blocks_for(self, num_tokens: int) -> int:
@@ -436,7 +443,7 @@ class KVCacheManager:
         bs = self.block_size
 
         def tail_key(anchor: bytes, index: int, tail: tuple[int, ...]) -> bytes:
-            return hash_block(anchor, tail, _tail_span_keys(index, bs, len(tail), spans))
+            return hash_tail(anchor, index, bs, tail, spans)
 
         snap = reuse.best(request_id, [self._root_hash, *hashes], token_ids, tail_key)
         if snap is None:
@@ -475,7 +482,7 @@ class KVCacheManager:
             return None
         anchor = state.block_hashes[index - 1] if index else self._root_hash
         tail = list(state.token_ids[index * bs : computed])
-        key = hash_block(anchor, tail, _tail_span_keys(index, bs, len(tail), state.spans))
+        key = hash_tail(anchor, index, bs, tail, state.spans)
         block = state.blocks[index]
         if block.block_hash is None and self._pool.lookup(key) is None:
             self._pool.publish(block, key, anchor)
@@ -560,11 +567,3 @@ class KVCacheManager:
                 problems.append("running and snapshot Mamba slots do not cover the buffer once")
         if problems:
             raise IntegrityError(f"{self.manager_name} KV cache manager", problems)
-
-
-def _tail_span_keys(
-    index: int, block_size: int, length: int, spans: Sequence[ContentSpan]
-) -> tuple[bytes, ...]:
-    """Content hashes of the spans overlapping the first `length` tokens of block `index`."""
-    start = index * block_size
-    return tuple(s.content_hash for s in spans if s.overlaps(start, start + length))

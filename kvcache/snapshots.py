@@ -27,7 +27,7 @@ implies are described by `StateCopies` and done by the model runner.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
@@ -37,6 +37,7 @@ from kvcache.errors import IntegrityError
 SNAPSHOT_STORED: Final = "snapshot_stored"
 SNAPSHOT_REMOVED: Final = "snapshot_removed"
 SnapshotEventKind = Literal["snapshot_stored", "snapshot_removed"]
+_MAX_PENDING_EVENTS = 65536
 # (anchor hash, block index, tail tokens) -> the key of a tail snapshot there.
 TailKey = Callable[[bytes, int, tuple[int, ...]], bytes]
 
@@ -80,11 +81,20 @@ class SnapshotPolicy:
 
 @dataclass(frozen=True)
 class SnapshotEvent:
-    """A snapshot became usable, or stopped being usable, on this worker."""
+    """A snapshot became usable, or stopped being usable, on this worker.
+
+    A router matches it like the worker does: an aligned snapshot (`tail`
+    0) by its key, the hash of the last full block before it; a tail
+    snapshot by the hash of its partial block (`hashing.hash_tail` of the
+    prompt's next `tail` tokens onto `anchor`), which is also a cached
+    block the worker reported.
+    """
 
     kind: SnapshotEventKind
     key: bytes
     num_tokens: int
+    anchor: bytes = b""
+    tail: int = 0
 
 
 @dataclass(eq=False)
@@ -132,7 +142,8 @@ class SnapshotStore:
         self._by_key: OrderedDict[bytes, Snapshot] = OrderedDict()  # LRU first
         self._tails: dict[bytes, list[Snapshot]] = {}  # anchor hash -> tail snapshots
         self._dependents: dict[bytes, set[bytes]] = {}  # block hash -> snapshot keys
-        self.events: list[SnapshotEvent] = []
+        # Drained by the router's polls; bounded for a worker nobody polls.
+        self.events: deque[SnapshotEvent] = deque(maxlen=_MAX_PENDING_EVENTS)
         self.hits = 0
         self.misses = 0
         self.evictions = 0
@@ -228,7 +239,7 @@ class SnapshotStore:
         for block_hash in snap.chain:
             self._dependents.setdefault(block_hash, set()).add(key)
         if ready:
-            self.events.append(SnapshotEvent(SNAPSHOT_STORED, key, num_tokens))
+            self._event(SNAPSHOT_STORED, snap)
         return snap
 
     def adopt(
@@ -253,7 +264,7 @@ class SnapshotStore:
         snap = self._by_key.get(key)
         if snap is not None and not snap.ready:
             snap.ready = True
-            self.events.append(SnapshotEvent(SNAPSHOT_STORED, key, snap.num_tokens))
+            self._event(SNAPSHOT_STORED, snap)
 
     def discard(self, key: bytes) -> None:
         """Forget a snapshot that will not be written after all."""
@@ -300,10 +311,17 @@ class SnapshotStore:
                 del self._dependents[block_hash]
         self._free.append(snap.slot)
         if snap.ready:
-            self.events.append(SnapshotEvent(SNAPSHOT_REMOVED, snap.key, snap.num_tokens))
+            self._event(SNAPSHOT_REMOVED, snap)
+
+    def _event(self, kind: SnapshotEventKind, snap: Snapshot) -> None:
+        self.events.append(
+            SnapshotEvent(kind, snap.key, snap.num_tokens, snap.anchor, len(snap.tail))
+        )
 
     def drain_events(self) -> list[SnapshotEvent]:
-        events, self.events = self.events, []
+        events = []
+        while self.events:  # the step thread may append meanwhile
+            events.append(self.events.popleft())
         return events
 
     # -- integrity -----------------------------------------------------------

@@ -7,8 +7,10 @@ the router records the dispatch afterwards.
 - `round_robin`: the next worker in a fixed cycle.
 - `least_loaded`: fewest tokens in flight (prompt + requested output tokens
   of requests dispatched and not finished), then fewest queued requests.
-- `prefix_aware`: the worker holding the longest run of the prompt's leading
-  block hashes (learned from the workers' KV events), then the one whose
+- `prefix_aware`: the worker that can skip the most of the prompt: the
+  longest run of its leading block hashes (learned from the workers' KV
+  events), or for a hybrid Mamba model only up to the furthest Mamba
+  snapshot those blocks reach (learned from its snapshot events), then the one whose
   encoder cache holds the most of the request's images (learned from its
   encoder-cache events; this is what a repeated image+text finds where block
   reuse is off, as for hybrid models); ties go to the least loaded, and
@@ -17,17 +19,47 @@ the router records the dispatch afterwards.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from engine.multimodal import EncoderCacheEvent
+from kvcache.hashing import ContentSpan, hash_tail
 
 POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware")
 
 
 class NoWorkerError(RuntimeError):
     """The pool has no healthy worker left to route to."""
+
+
+class PromptPrefix(list[bytes]):
+    """A prompt's chained full-block hashes (the list itself), with what a
+    hybrid worker's tail snapshots are matched against: the prompt's tokens
+    and images, the block size and the root hash they were hashed with."""
+
+    def __init__(
+        self,
+        hashes: Iterable[bytes],
+        tokens: Sequence[int],
+        block_size: int,
+        root: bytes,
+        spans: Sequence[ContentSpan] = (),
+    ) -> None:
+        super().__init__(hashes)
+        self.tokens, self.block_size, self.root, self.spans = tokens, block_size, root, spans
+
+    def tail_key(self, anchor: bytes, index: int, length: int) -> bytes:
+        start = index * self.block_size
+        tail = self.tokens[start : start + length]
+        return hash_tail(anchor, index, self.block_size, tail, self.spans)
+
+
+@dataclass(frozen=True)
+class SnapshotRecord:
+    anchor: bytes
+    tail: int  # tokens past the anchor's block boundary (0: aligned)
+    num_tokens: int
 
 
 @dataclass
@@ -38,10 +70,13 @@ class WorkerState:
         the request ends, so it is exact between load reports.
     num_queued: the worker's last reported queue length.
     cached_blocks: block hashes the worker reported as stored and not removed.
+    snapshots: its Mamba snapshots by key (hybrid models), from its events.
     encoded_images: content hashes of the images the worker's encoder cache
         reported as stored and not evicted.
     healthy: False once a call to the worker failed; such workers get no
         new requests.
+    block_size / hybrid: its cache's block size, and whether it serves a
+        hybrid Mamba model (a cached prefix then counts up to a snapshot).
     """
 
     name: str
@@ -52,23 +87,69 @@ class WorkerState:
     cached_blocks: set[bytes] = field(default_factory=set)
     encoded_images: set[bytes] = field(default_factory=set)
     healthy: bool = True
+    block_size: int = 1
+    hybrid: bool = False
+    snapshots: dict[bytes, SnapshotRecord] = field(default_factory=dict)
+    tails: dict[bytes, set[bytes]] = field(default_factory=dict)  # anchor -> tail keys
 
     def prefix_match(self, block_hashes: Sequence[bytes]) -> int:
-        """Leading blocks of the prompt this worker holds.
+        """Prompt tokens this worker can skip: its leading cached blocks.
 
         Block hashes chain over their parent, so a hit after a miss cannot be
-        reused; counting stops at the first miss.
+        reused; counting stops at the first miss. A hybrid worker resumes
+        only at a Mamba snapshot: the furthest one those blocks reach (a tail
+        snapshot, into the next block, needs the prompt's tokens, which a
+        `PromptPrefix` carries), at most one token short of the prompt.
         """
         matched = 0
         for block_hash in block_hashes:
             if block_hash not in self.cached_blocks:
                 break
             matched += 1
-        return matched
+        if not self.hybrid:
+            return matched * self.block_size
+        return self._resumable(block_hashes, matched)
+
+    def _resumable(self, block_hashes: Sequence[bytes], matched: int) -> int:
+        bs = self.block_size
+        prefix = block_hashes if isinstance(block_hashes, PromptPrefix) else None
+        limit = len(prefix.tokens) - 1 if prefix is not None else matched * bs
+        for j in range(matched, -1, -1):
+            if prefix is not None:
+                anchor = prefix.root if j == 0 else block_hashes[j - 1]
+                best = 0
+                for key in self.tails.get(anchor, ()):
+                    record = self.snapshots[key]
+                    end = j * bs + record.tail
+                    fits = best < end <= limit and key in self.cached_blocks
+                    if fits and prefix.tail_key(anchor, j, record.tail) == key:
+                        best = end
+                if best:
+                    return best
+            if j and j * bs <= limit and block_hashes[j - 1] in self.snapshots:
+                return j * bs
+        return 0
 
     def apply_kv_event(self, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
         self.cached_blocks.difference_update(removed)
         self.cached_blocks.update(stored)
+
+    def apply_snapshot_events(self, events: Sequence[Any]) -> None:
+        """`kvcache.snapshots.SnapshotEvent`s, oldest first."""
+        for event in events:
+            if event.kind == "snapshot_stored":
+                self.snapshots[event.key] = SnapshotRecord(
+                    event.anchor, event.tail, event.num_tokens
+                )
+                if event.tail:
+                    self.tails.setdefault(event.anchor, set()).add(event.key)
+                continue
+            record = self.snapshots.pop(event.key, None)
+            if record is not None and record.tail:
+                keys = self.tails.get(record.anchor, set())
+                keys.discard(event.key)
+                if not keys:
+                    self.tails.pop(record.anchor, None)
 
     def image_match(self, image_hashes: Sequence[bytes]) -> int:
         """The request's images whose embeddings this worker has cached."""
@@ -162,8 +243,8 @@ class PrefixAwarePolicy:
         healthy = _healthy(workers)
 
         def score(worker: WorkerState) -> tuple[int, int, int, int]:
-            # Longest prefix first, then most images already encoded, then
-            # least loaded (hence the negations).
+            # Most prompt tokens skipped first, then most images already
+            # encoded, then least loaded (hence the negations).
             tokens, queued = _load_key(worker)
             images = worker.image_match(image_hashes)
             return (worker.prefix_match(block_hashes), images, -tokens, -queued)

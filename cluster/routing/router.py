@@ -53,6 +53,7 @@ from typing import Any
 from cluster.metrics import ServingMetrics
 from cluster.routing.context_calls import ContextCalls
 from cluster.routing.continuation import Continuation
+from cluster.routing.policies import PromptPrefix
 from cluster.routing.worker_channel import WorkerChannel
 from cluster.routing.worker_poller import UnresponsiveWorkerError, WorkerEndpoint, WorkerPoller
 from cluster.routing.worker_pool import WorkerPool, abort_everywhere, dispatch_failed
@@ -89,6 +90,8 @@ class RoutingSettings:
     hold_first_token: bool = False
     # A worker that answers no poll for this long has its requests moved.
     stall_timeout_s: float = 30.0
+    # A hybrid Mamba model: a cached prefix counts only up to a snapshot.
+    hybrid: bool = False
 
 
 class Router:
@@ -108,6 +111,12 @@ class Router:
         self.settings = settings
         self.metrics = metrics
         self._root = root_hash(settings.hash_namespace)
+        for endpoints, block_size in (
+            (self.context, settings.context_block_size),
+            (self.generation, settings.generation_block_size),
+        ):
+            for endpoint in endpoints:
+                endpoint.state.block_size, endpoint.state.hybrid = block_size, settings.hybrid
         self._poller = WorkerPoller(lambda: self.workers, metrics, self._stalled)
         self._channels = {e.name: WorkerChannel(e.name, e.actor) for e in self.generation}
         self._context_calls = {e.name: ContextCalls(e.name, e.actor) for e in self.context}
@@ -144,14 +153,16 @@ class Router:
 
     def block_hashes(
         self, prompt: Sequence[int], block_size: int, images: Sequence[ImageInput] = ()
-    ) -> list[bytes]:
+    ) -> PromptPrefix:
         """Chained hashes of the prompt's full blocks, as the workers compute them
-        (each with the content hashes of the images overlapping it)."""
-        return hash_full_blocks(prompt, block_size, self._root, spans=images)
+        (each with the content hashes of the images overlapping it), with the
+        prompt itself for the tail snapshots of a hybrid model."""
+        hashes = hash_full_blocks(prompt, block_size, self._root, spans=images)
+        return PromptPrefix(hashes, prompt, block_size, self._root, images)
 
     def _routing_hashes(
         self, prompt: Sequence[int], block_size: int, images: Sequence[ImageInput]
-    ) -> list[bytes]:
+    ) -> Sequence[bytes]:
         """`block_hashes` where routing can use them: while no worker reports a
         cached block (block reuse off, or nothing stored yet) every prefix
         match is 0 whatever the hashes, so none are computed."""
@@ -162,13 +173,14 @@ class Router:
     def runs_locally(self, prompt: Sequence[int], hashes: Sequence[bytes]) -> bool:
         """Conditional disaggregation: is the uncached prompt short enough?
 
-        `hashes` are the prompt's block hashes at the generation block size.
+        `hashes` are the prompt's block hashes at the generation block size;
+        the uncached part is what the best generation worker cannot skip
+        (for a hybrid model: past its furthest usable snapshot).
         """
         if not self.context:
             return True
         cached = max((e.state.prefix_match(hashes) for e in self.generation), default=0)
-        uncached = len(prompt) - cached * self.settings.generation_block_size
-        return uncached <= self.settings.max_local_prefill_length
+        return len(prompt) - cached <= self.settings.max_local_prefill_length
 
     async def generate(
         self,

@@ -146,6 +146,10 @@ class WorkerPoller:
         removed = [e.block_hash for e in batch.events if e.kind == "removed"]
         state.apply_kv_event(stored, removed)
         metrics.cached_blocks.labels(name).set(len(state.cached_blocks))
+        if batch.snapshot_events:
+            state.apply_snapshot_events(batch.snapshot_events)
+        if load.num_snapshot_slots:
+            metrics.record_snapshots(name, load)
         if batch.encoder_events or state.encoded_images:
             state.apply_encoder_events(batch.encoder_events)
             metrics.encoded_images.labels(name).set(len(state.encoded_images))

@@ -11,6 +11,7 @@ from cluster.routing.policies import (
     LeastLoadedPolicy,
     NoWorkerError,
     PrefixAwarePolicy,
+    PromptPrefix,
     RoundRobinPolicy,
     WorkerState,
     make_policy,
@@ -18,6 +19,8 @@ from cluster.routing.policies import (
 from cluster.routing.router import Router, RoutingSettings
 from cluster.routing.worker_poller import SILENT, STEP_HUNG, UnresponsiveWorkerError, WorkerEndpoint
 from engine.multimodal import EncoderCacheEvent, ImageInput
+from kvcache.hashing import hash_full_blocks, hash_tail, root_hash
+from kvcache.snapshots import SnapshotEvent, SnapshotEventKind
 
 
 def _h(*ids: int) -> list[bytes]:
@@ -208,3 +211,48 @@ async def test_a_worker_stalled_past_the_stall_timeout_has_its_requests_moved() 
     failure = queue.get_nowait()
     assert isinstance(failure, UnresponsiveWorkerError)
     assert "generation-0 has computed one engine step for 31 s" in str(failure)
+
+
+def _snapshot(
+    kind: SnapshotEventKind, key: bytes, num_tokens: int, anchor: bytes = b"", tail: int = 0
+) -> SnapshotEvent:
+    return SnapshotEvent(kind, key, num_tokens, anchor, tail)
+
+
+def test_a_hybrid_worker_skips_only_up_to_its_furthest_usable_snapshot() -> None:
+    root = root_hash("")
+    prompt = list(range(1, 15))  # 3 full blocks of 4, then 2 tokens
+    hashes = hash_full_blocks(prompt, 4, root)
+    worker = WorkerState("w0", block_size=4, hybrid=True)
+    worker.apply_kv_event(hashes, [])
+    assert (
+        worker.prefix_match(PromptPrefix(hashes, prompt, 4, root)) == 0
+    )  # KV alone resumes nothing
+    worker.apply_snapshot_events([_snapshot("snapshot_stored", hashes[1], 8)])
+    assert worker.prefix_match(PromptPrefix(hashes, prompt, 4, root)) == 8
+    # A tail snapshot one token into block 3, on a cached partial block.
+    tail_key = hash_tail(hashes[2], 3, 4, prompt[12:13])
+    worker.apply_kv_event([tail_key], [])
+    worker.apply_snapshot_events([_snapshot("snapshot_stored", tail_key, 13, hashes[2], 1)])
+    assert worker.prefix_match(PromptPrefix(hashes, prompt, 4, root)) == 13
+    other = prompt[:12] + [99, 98]  # same blocks, another tail
+    assert worker.prefix_match(PromptPrefix(hashes, other, 4, root)) == 8
+    # The tail's block evicted: the snapshot no longer counts.
+    worker.apply_kv_event([], [tail_key])
+    assert worker.prefix_match(PromptPrefix(hashes, prompt, 4, root)) == 8
+    worker.apply_snapshot_events([_snapshot("snapshot_removed", hashes[1], 8)])
+    assert worker.prefix_match(PromptPrefix(hashes, prompt, 4, root)) == 0
+
+
+def test_prefix_aware_prefers_the_worker_that_resumes_further_not_the_one_with_more_kv() -> None:
+    root = root_hash("")
+    prompt = list(range(1, 15))
+    hashes = hash_full_blocks(prompt, 4, root)
+    more_kv = WorkerState("w0", block_size=4, hybrid=True)
+    more_kv.apply_kv_event(hashes, [])
+    more_kv.apply_snapshot_events([_snapshot("snapshot_stored", hashes[0], 4)])
+    snapshot = WorkerState("w1", block_size=4, hybrid=True)
+    snapshot.apply_kv_event(hashes[:2], [])
+    snapshot.apply_snapshot_events([_snapshot("snapshot_stored", hashes[1], 8)])
+    prefix = PromptPrefix(hashes, prompt, 4, root)
+    assert PrefixAwarePolicy().choose([more_kv, snapshot], prefix).name == "w1"
