@@ -107,8 +107,9 @@ class Translation:
 
 
 def is_trtllm(raw: dict[str, Any]) -> bool:
-    """Whether the mapping uses any key (or router type) only TensorRT-LLM has."""
-    if set(raw) & (TOP_KEYS - set(native_keys_at(()))):
+    """Whether the mapping uses any key (or router type) only TensorRT-LLM has,
+    or is one of its metadata server configs (which `translate` names)."""
+    if set(raw) & (TOP_KEYS - set(native_keys_at(()))) or "server_type" in raw:
         return True
     router = raw.get("router")
     if isinstance(router, dict) and router.get("type") in set(ROUTER_TYPES) - {"round_robin"}:

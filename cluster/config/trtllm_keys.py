@@ -62,6 +62,8 @@ _WHOLE_MODEL = "no attention or expert parallelism: each instance holds the whol
 _GPU_KERNELS = (
     "TensorRT-LLM's MoE kernel and load-balancer choices; the engine has one MoE path per device"
 )
+_NO_BOUNCE = "there is no bounce buffer: blocks move straight between the caches"
+_OUR_SAMPLER = "every worker samples with this project's own torch sampler (engine/sampling.py)"
 _MODEL_LEN = "a request's length is bounded by max_position_embeddings or the cache size"
 WORKER_IGNORED = {
     "backend": "the workers run this project's own PyTorch models; there is no engine to choose",
@@ -96,6 +98,10 @@ WORKER_IGNORED = {
     "num_postprocess_workers": "detokenization runs once per request in the HTTP server",
     "guided_decoding_backend": "structured output is not served here: a request that asks for "
     "it (response_format, guided_*) gets a 400 naming the field",
+    "use_torch_sampler": _OUR_SAMPLER,
+    "sampler_type": _OUR_SAMPLER,
+    "env_overrides": "worker processes inherit the environment of `disagg serve`; set the "
+    "variables there",
 }
 SECTION_IGNORED = {
     "urls": "this launcher starts its own workers; num_instances says how many",
@@ -122,6 +128,9 @@ KV_IGNORED = {
 TRANSCEIVER_IGNORED = {
     "transceiver_runtime": "the backend alone picks the transceiver implementation here",
     "max_tokens_in_buffer": "there is no staging buffer: blocks move straight between the caches",
+    "kv_cache_bounce_size_mb": _NO_BOUNCE,
+    "agent_bounce_buffer_enable": _NO_BOUNCE,
+    "agent_bounce_params": _NO_BOUNCE,
     "kv_transfer_sender_future_timeout_ms": "kv_transfer_timeout_ms bounds the whole transfer",
 }
 ROUTER_IGNORED = {

@@ -541,6 +541,26 @@ def test_config_check_names_our_own_keys_as_sources(
             None,
         ),
         ({"moe_config": {"backend": "CUTLASS"}}, "moe_config", None),
+        (
+            {"context_servers": {"use_torch_sampler": True}},
+            "context_servers.use_torch_sampler",
+            None,
+        ),
+        (
+            {"context_servers": {"sampler_type": "TRTLLMSampler"}},
+            "context_servers.sampler_type",
+            None,
+        ),
+        (
+            {"generation_servers": {"env_overrides": {"TLLM_BENCHMARK_REQ_QUEUES_SIZE": "64"}}},
+            "generation_servers.env_overrides",
+            None,
+        ),
+        (
+            {"context_servers": {"cache_transceiver_config": {"kv_cache_bounce_size_mb": 128}}},
+            "context_servers.cache_transceiver_config.kv_cache_bounce_size_mb",
+            None,
+        ),
         ({"gather_generation_logits": True}, "gather_generation_logits", None),
         ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend", None),
         (
@@ -587,3 +607,7 @@ def test_a_file_that_is_not_a_disaggregated_config_says_what_it_looks_like() -> 
     with pytest.raises(ConfigError, match="not a `trtllm-serve disaggregated` config") as info:
         translate({"cache_transceiver_config": {"backend": "UCX"}}, "gen_extra.yml")
     assert "a worker's --extra_llm_api_options file" in str(info.value)
+    etcd = {"server_type": "etcd", "hostname": "localhost", "port": 2379}
+    assert is_trtllm(etcd)
+    with pytest.raises(ConfigError, match="looks like a metadata server config"):
+        translate(etcd, "etcd_config.yaml")
