@@ -1,6 +1,9 @@
 """Routing that knows where Mamba snapshots live: a Nemotron-H hybrid served
 with one context and two generation workers, block reuse on, prefix-aware
-routing and `max_local_prefill_length: 32`.
+routing and `max_local_prefill_length: 32`; the generation instances are
+two tensor-parallel ranks each (the context instance one: each generation
+rank pulls its heads and Mamba channels), so a snapshot's copies run on
+every rank.
 
 Turn 1 of each conversation (a 50-token prompt) is disaggregated: the
 context worker prefills, a generation worker decodes and keeps the
@@ -50,7 +53,7 @@ def server(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         "kv_cache": {"manager": "v2", "enable_block_reuse": True, "max_tokens": 2048},
         "max_batch_size": 4,
         "context_servers": {"num_instances": 1},
-        "generation_servers": {"num_instances": 2},
+        "generation_servers": {"num_instances": 2, "tensor_parallel_size": 2},
     }
     path = tmp_path_factory.mktemp("routing") / "config.yaml"
     path.write_text(yaml.safe_dump(config))
