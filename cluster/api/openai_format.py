@@ -117,8 +117,14 @@ def merge(deltas: Sequence[Delta]) -> Delta:
 # --- /v1/completions -------------------------------------------------------
 
 
+def token_name(token_id: int, tokenizer: TokenText, as_id: bool) -> str:
+    """How logprobs name a token: its text, or `token_id:N` when the request
+    asked for ids (`return_tokens_as_token_ids`, as vLLM names them)."""
+    return f"token_id:{token_id}" if as_id else token_text(tokenizer.token_bytes(token_id))
+
+
 def completion_logprobs(
-    delta: Delta, tokenizer: TokenText, num_top: int, text_offset: int
+    delta: Delta, tokenizer: TokenText, num_top: int, text_offset: int, as_ids: bool = False
 ) -> dict[str, Any] | None:
     """The legacy completions `logprobs` object for the tokens of `delta`."""
     if delta.logprobs is None:
@@ -131,13 +137,13 @@ def completion_logprobs(
     for token in raw:
         offsets.append(at)
         at += len(text.decode(token))
-    tokens = [token_text(token) for token in raw]
+    tokens = [token_name(t, tokenizer, as_ids) for t in delta.token_ids]
     tops = delta.top_logprobs or [[] for _ in tokens]
     return {
         "tokens": tokens,
         "token_logprobs": list(delta.logprobs),
         "top_logprobs": [
-            {token_text(tokenizer.token_bytes(t)): lp for t, lp in top[:num_top]} for top in tops
+            {token_name(t, tokenizer, as_ids): lp for t, lp in top[:num_top]} for top in tops
         ],
         "text_offset": offsets,
     }
@@ -179,7 +185,9 @@ def usage_chunk(meta: ResponseMeta, obj: str, whole: Delta) -> dict[str, Any]:
 # --- /v1/chat/completions --------------------------------------------------
 
 
-def chat_logprobs(delta: Delta, tokenizer: TokenText, num_top: int) -> dict[str, Any] | None:
+def chat_logprobs(
+    delta: Delta, tokenizer: TokenText, num_top: int, as_ids: bool = False
+) -> dict[str, Any] | None:
     if delta.logprobs is None:
         return None
     tops = delta.top_logprobs or [[] for _ in delta.token_ids]
@@ -188,11 +196,11 @@ def chat_logprobs(delta: Delta, tokenizer: TokenText, num_top: int) -> dict[str,
         raw = tokenizer.token_bytes(token_id)
         content.append(
             {
-                "token": token_text(raw),
+                "token": token_name(token_id, tokenizer, as_ids),
                 "logprob": lp,
                 "bytes": list(raw),
                 "top_logprobs": [
-                    {"token": token_text(b), "logprob": v, "bytes": list(b)}
+                    {"token": token_name(i, tokenizer, as_ids), "logprob": v, "bytes": list(b)}
                     for i, v in top[:num_top]
                     for b in (tokenizer.token_bytes(i),)
                 ],

@@ -60,6 +60,8 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # vLLM's extension: logprobs name each token "token_id:N" instead of its text.
+    return_tokens_as_token_ids: bool = False
     user: str | None = None
 
     @field_validator("n")

@@ -85,6 +85,7 @@ class RequestPreparer:
         meta = fmt.ResponseMeta(prepared.request_id, int(time.time()), self.model.name)
         num_top = body.logprobs or 0
         tokenizer = self.model.tokenizer
+        as_ids = body.return_tokens_as_token_ids
         writer = fmt.ChunkWriter(meta, "text_completion")
         offset = 0
 
@@ -93,11 +94,11 @@ class RequestPreparer:
             start, offset = offset, offset + len(delta.text)
             if delta.logprobs is None:
                 return writer.text_line(delta.text, delta.finish_reason)
-            logprobs = fmt.completion_logprobs(delta, tokenizer, num_top, start)
+            logprobs = fmt.completion_logprobs(delta, tokenizer, num_top, start, as_ids)
             return writer.line(fmt.completion_choice(delta.text, delta.finish_reason, logprobs))
 
         def whole(delta: Delta) -> dict[str, Any]:
-            logprobs = fmt.completion_logprobs(delta, tokenizer, num_top, 0)
+            logprobs = fmt.completion_logprobs(delta, tokenizer, num_top, 0, as_ids)
             return fmt.completion_body(meta, delta, logprobs)
 
         return ResponseShape("completions", meta, [], chunk, whole, "text_completion"), prepared
@@ -115,6 +116,7 @@ class RequestPreparer:
         meta = fmt.ResponseMeta(prepared.request_id, int(time.time()), self.model.name)
         tokenizer = self.model.tokenizer
         num_top = body.top_logprobs or 0
+        as_ids = body.return_tokens_as_token_ids
         writer = fmt.ChunkWriter(meta, "chat.completion.chunk")
         opening = [writer.line(fmt.chat_choice({"role": "assistant", "content": ""}, None))]
 
@@ -122,11 +124,11 @@ class RequestPreparer:
             if delta.logprobs is None:
                 return writer.content_line(delta.text, delta.finish_reason)
             content = {"content": delta.text} if delta.text else {}
-            lp = fmt.chat_logprobs(delta, tokenizer, num_top)
+            lp = fmt.chat_logprobs(delta, tokenizer, num_top, as_ids)
             return writer.line(fmt.chat_choice(content, delta.finish_reason, lp))
 
         def whole(delta: Delta) -> dict[str, Any]:
-            return fmt.chat_body(meta, delta, fmt.chat_logprobs(delta, tokenizer, num_top))
+            return fmt.chat_body(meta, delta, fmt.chat_logprobs(delta, tokenizer, num_top, as_ids))
 
         return ResponseShape("chat", meta, opening, chunk, whole, "chat.completion.chunk"), prepared
 

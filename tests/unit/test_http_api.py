@@ -300,6 +300,14 @@ def test_merged_deltas_give_text_usage_and_logprob_offsets() -> None:
     assert logprobs["tokens"] == ["y", "z"]
     assert logprobs["token_logprobs"] == [-0.5, -1.0]
     assert logprobs["text_offset"] == [10, 11]
+    # return_tokens_as_token_ids: the same logprobs, each token named by its id.
+    by_id = completion_logprobs(whole, Letters(), 0, 10, as_ids=True)
+    assert by_id is not None and by_id["tokens"] == ["token_id:1", "token_id:2"]
+    chat = chat_logprobs(whole, Letters(), 0, as_ids=True)
+    assert chat is not None and [e["token"] for e in chat["content"]] == [
+        "token_id:1",
+        "token_id:2",
+    ]
 
 
 def test_logprobs_show_a_token_with_part_of_a_character_as_its_bytes(tmp_path: Path) -> None:
