@@ -141,7 +141,7 @@ def vllm_env(setup: Setup, cpus: tuple[int, ...], **extra: str) -> dict[str, str
     return env
 
 
-def _vllm_serve(setup: Setup, port: int, extra: list[str]) -> list[str]:
+def vllm_serve_argv(setup: Setup, port: int, extra: list[str]) -> list[str]:
     caching = "--enable-prefix-caching" if setup.prefix_caching else "--no-enable-prefix-caching"
     return [
         vllm_executable(setup),
@@ -158,7 +158,7 @@ def _vllm_serve(setup: Setup, port: int, extra: list[str]) -> list[str]:
 def vllm_aggregated(setup: Setup) -> Launch:
     proc = GroupProcess(
         "vllm-agg",
-        _vllm_serve(setup, setup.port, []),
+        vllm_serve_argv(setup, setup.port, []),
         vllm_env(setup, setup.cpus),
         setup.log("vllm-agg"),
         cpus=setup.server_cpus(setup.cpus),
@@ -188,7 +188,7 @@ def vllm_1p1d(setup: Setup) -> Launch:
             **dict([UCX_WORKER_LOCK]),
         )
         transfer = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"}
-        argv = _vllm_serve(setup, port, ["--kv-transfer-config", json.dumps(transfer)])
+        argv = vllm_serve_argv(setup, port, ["--kv-transfer-config", json.dumps(transfer)])
         log = setup.log(f"vllm-{role}")
         procs.append(GroupProcess(f"vllm-{role}", argv, env, log, setup.server_cpus(cpus)))
         urls.append(f"http://127.0.0.1:{port}")
@@ -258,7 +258,7 @@ def aggregated_sections(config: dict[str, Any], threads: int) -> tuple[dict[str,
     return local, "prefill local on the generation instance (1 thread; context idles)"
 
 
-def _ours(setup: Setup, key: str, config: dict[str, Any], label: str) -> Launch:
+def ours_launch(setup: Setup, key: str, config: dict[str, Any], label: str) -> Launch:
     path = setup.workdir / f"{key}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     argv = [sys.executable, "-m", "cluster.cli", "serve", "-c", str(path)]
@@ -274,7 +274,7 @@ def ours_aggregated(setup: Setup) -> Launch:
         config = config | {"generation_servers": generation}
         if not accepts(config):
             raise ValueError("this checkout's config has no generation_servers.cpu_affinity")
-    return _ours(setup, "ours-agg", config, f"disagg {how}")
+    return ours_launch(setup, "ours-agg", config, f"disagg {how}")
 
 
 def pinned_1p1d(config: dict[str, Any], setup: Setup) -> tuple[dict[str, Any], str]:
@@ -308,7 +308,7 @@ def ours_1p1d(backend: str) -> Callable[[Setup], Launch]:
         config, how = pinned_1p1d(base_config(setup, backend), setup)
         config, when = first_token_setting(config, setup)
         label = f"disagg 1P1D {backend} ({how}; first token at {when})"
-        return _ours(setup, f"ours-1p1d-{backend}", config, label)
+        return ours_launch(setup, f"ours-1p1d-{backend}", config, label)
 
     return launch
 

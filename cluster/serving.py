@@ -217,6 +217,11 @@ def build_router(cluster: RunningCluster, config: ClusterConfig, metrics: Servin
         hold_first_token=config.router.first_token_at == "admission",
         stall_timeout_s=config.router.stall_timeout_s,
         hybrid=cluster.plan.is_hybrid,
+        generation_keeps_sequences=all(
+            i.enable_block_reuse and (i.snapshots is None or i.snapshots.at_end)
+            for i in cluster.plan.instances
+            if i.role == "generation"
+        ),
     )
     return Router(endpoints("context"), endpoints("generation"), settings, metrics)
 

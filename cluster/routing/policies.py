@@ -91,6 +91,12 @@ class WorkerState:
     hybrid: bool = False
     snapshots: dict[bytes, SnapshotRecord] = field(default_factory=dict)
     tails: dict[bytes, set[bytes]] = field(default_factory=dict)  # anchor -> tail keys
+    # Blocks and snapshots expected from a sequence that just ended here
+    # (`expect_sequence`), each with the poll after which it is dropped
+    # unless the worker's own events confirm it.
+    expected_blocks: dict[bytes, int] = field(default_factory=dict)
+    expected_snapshots: dict[bytes, int] = field(default_factory=dict)
+    polls: int = 0
 
     def prefix_match(self, block_hashes: Sequence[bytes]) -> int:
         """Prompt tokens this worker can skip: its leading cached blocks.
@@ -133,10 +139,47 @@ class WorkerState:
     def apply_kv_event(self, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
         self.cached_blocks.difference_update(removed)
         self.cached_blocks.update(stored)
+        for block_hash in (*stored, *removed):
+            self.expected_blocks.pop(block_hash, None)
+
+    def expect_sequence(self, prefix: PromptPrefix, num_tokens: int) -> None:
+        """A sequence ended on this worker with the cache of its first
+        `num_tokens` tokens (`prefix`: its tokens, hashed as the worker does).
+        Its blocks, and for a hybrid model the snapshot the worker keeps at
+        its end, count at once: its next turn may follow before the worker's
+        next report. Each expires two reports later unless one confirms it."""
+        bs = prefix.block_size
+        full = list(prefix[: num_tokens // bs])
+        expiry = self.polls + 2
+        expected = [h for h in full if h not in self.cached_blocks]
+        self.cached_blocks.update(expected)
+        if self.hybrid and num_tokens:
+            index, tail = num_tokens // bs, num_tokens % bs
+            anchor = full[-1] if full else prefix.root
+            key = prefix.tail_key(anchor, index, tail) if tail else anchor
+            if key not in self.snapshots:
+                self.snapshots[key] = SnapshotRecord(anchor, tail, num_tokens)
+                if tail:
+                    self.tails.setdefault(anchor, set()).add(key)
+                    if key not in self.cached_blocks:
+                        self.cached_blocks.add(key)
+                        expected.append(key)
+                self.expected_snapshots[key] = expiry
+        for block_hash in expected:
+            self.expected_blocks[block_hash] = expiry
+
+    def end_poll(self) -> None:
+        """One report applied: expectations no report confirmed in time go."""
+        self.polls += 1
+        for block_hash in _due(self.expected_blocks, self.polls):
+            self.cached_blocks.discard(block_hash)
+        for key in _due(self.expected_snapshots, self.polls):
+            self._forget_snapshot(key)
 
     def apply_snapshot_events(self, events: Sequence[Any]) -> None:
         """`kvcache.snapshots.SnapshotEvent`s, oldest first."""
         for event in events:
+            self.expected_snapshots.pop(event.key, None)
             if event.kind == "snapshot_stored":
                 self.snapshots[event.key] = SnapshotRecord(
                     event.anchor, event.tail, event.num_tokens
@@ -144,12 +187,15 @@ class WorkerState:
                 if event.tail:
                     self.tails.setdefault(event.anchor, set()).add(event.key)
                 continue
-            record = self.snapshots.pop(event.key, None)
-            if record is not None and record.tail:
-                keys = self.tails.get(record.anchor, set())
-                keys.discard(event.key)
-                if not keys:
-                    self.tails.pop(record.anchor, None)
+            self._forget_snapshot(event.key)
+
+    def _forget_snapshot(self, key: bytes) -> None:
+        record = self.snapshots.pop(key, None)
+        if record is not None and record.tail:
+            keys = self.tails.get(record.anchor, set())
+            keys.discard(key)
+            if not keys:
+                self.tails.pop(record.anchor, None)
 
     def image_match(self, image_hashes: Sequence[bytes]) -> int:
         """The request's images whose embeddings this worker has cached."""
@@ -228,6 +274,14 @@ class LeastLoadedPolicy:
         healthy = _healthy(workers)
         best = min(_load_key(w) for w in healthy)
         return self._ties.pick([w for w in healthy if _load_key(w) == best])
+
+
+def _due(expected: dict[bytes, int], polls: int) -> list[bytes]:
+    """Take the keys whose expiry has come out of `expected`."""
+    due = [key for key, expiry in expected.items() if expiry <= polls]
+    for key in due:
+        del expected[key]
+    return due
 
 
 class PrefixAwarePolicy:

@@ -92,6 +92,10 @@ class RoutingSettings:
     stall_timeout_s: float = 30.0
     # A hybrid Mamba model: a cached prefix counts only up to a snapshot.
     hybrid: bool = False
+    # Generation workers keep each finished sequence's cache (block reuse on;
+    # for a hybrid model with a snapshot at each sequence's end): the router
+    # counts it as soon as the sequence ends (`WorkerState.expect_sequence`).
+    generation_keeps_sequences: bool = False
 
 
 class Router:
@@ -370,6 +374,7 @@ class Router:
             endpoint.state.tokens_in_flight += cost
             streamed = False
             started = time.perf_counter()
+            outputs = [request.context.first_token_id] if request.context is not None else []
             try:
                 channel = self._channels[endpoint.name]
                 async with contextlib.aclosing(channel.stream(request)) as events:
@@ -379,6 +384,9 @@ class Router:
                         if event.cache_ready and request.context is not None:
                             self._record_transfer(request.context, started)
                         streamed = True
+                        outputs += event.token_ids
+                        if event.finish_reason in ("stop", "length"):
+                            self._kept(endpoint, request, outputs)
                         yield event
                         if event.finished:
                             return
@@ -396,6 +404,17 @@ class Router:
         raise RequestFailedError(
             request.request_id, "generation phase failed: " + "; ".join(errors)
         )
+
+    def _kept(
+        self, endpoint: WorkerEndpoint, request: GenerationRequest, outputs: list[int]
+    ) -> None:
+        """A sequence ended on `endpoint`: with reuse there, the cache of all
+        its tokens but the last (never fed back) stays, for its next turn."""
+        if not self.settings.generation_keeps_sequences:
+            return
+        tokens = [*request.prompt_token_ids, *outputs]
+        prefix = self.block_hashes(tokens, self.settings.generation_block_size, request.images)
+        endpoint.state.expect_sequence(prefix, len(tokens) - 1)
 
     def _record_transfer(self, context: ContextResult, started: float) -> None:
         """The pull ends before the generation worker's first token: time it,

@@ -148,6 +148,7 @@ class WorkerPoller:
         metrics.cached_blocks.labels(name).set(len(state.cached_blocks))
         if batch.snapshot_events:
             state.apply_snapshot_events(batch.snapshot_events)
+        state.end_poll()
         if load.num_snapshot_slots:
             metrics.record_snapshots(name, load)
         if batch.encoder_events or state.encoded_images:

@@ -256,3 +256,28 @@ def test_prefix_aware_prefers_the_worker_that_resumes_further_not_the_one_with_m
     snapshot.apply_snapshot_events([_snapshot("snapshot_stored", hashes[1], 8)])
     prefix = PromptPrefix(hashes, prompt, 4, root)
     assert PrefixAwarePolicy().choose([more_kv, snapshot], prefix).name == "w1"
+
+
+def test_a_sequence_that_ended_counts_at_once_until_reports_confirm_or_drop_it() -> None:
+    root = root_hash("")
+    tokens = list(range(1, 12))  # 2 full blocks of 4, and 3 tokens
+    prefix = PromptPrefix(hash_full_blocks(tokens, 4, root), tokens, 4, root)
+    worker = WorkerState("w0", block_size=4, hybrid=True)
+    worker.expect_sequence(prefix, 10)  # the last token was never fed back
+    turn2 = tokens[:10] + [50, 51, 52, 53]
+    next_prefix = PromptPrefix(hash_full_blocks(turn2, 4, root), turn2, 4, root)
+    assert worker.prefix_match(next_prefix) == 10
+    # A report confirms the blocks and the snapshot: they outlive the expiry.
+    tail_key = hash_tail(prefix[1], 2, 4, tokens[8:10])
+    worker.apply_kv_event([*prefix[:2], tail_key], [])
+    worker.apply_snapshot_events([_snapshot("snapshot_stored", tail_key, 10, prefix[1], 2)])
+    for _ in range(3):
+        worker.end_poll()
+    assert worker.prefix_match(next_prefix) == 10
+    # Unconfirmed expectations go after two reports.
+    other = WorkerState("w1", block_size=4, hybrid=True)
+    other.expect_sequence(prefix, 10)
+    other.end_poll()
+    assert other.prefix_match(next_prefix) == 10
+    other.end_poll()
+    assert other.prefix_match(next_prefix) == 0 and not other.cached_blocks
