@@ -192,9 +192,8 @@ async def _converse(url: str, model: str, workload: Workload, vocab: int, ours: 
 def _launch(server: str, setup: Setup, workload: Workload) -> Launch:
     if server == "vllm-agg":
         argv = vllm_serve_argv(setup, setup.port, ["--enable-prompt-tokens-details"])
-        proc = GroupProcess(
-            "vllm-agg", argv, vllm_env(setup, setup.cpus), setup.log("vllm-agg"), setup.cpus
-        )
+        log = setup.log(f"vllm-agg-{'on' if setup.prefix_caching else 'off'}")
+        proc = GroupProcess("vllm-agg", argv, vllm_env(setup, setup.cpus), log, setup.cpus)
         label = f"vLLM-CPU aggregated, prefix caching {'on' if setup.prefix_caching else 'off'}"
         return Launch(label, (setup.port,), [proc], [setup.url])
     config = base_config(setup, "python")
@@ -224,15 +223,23 @@ def measure(model: str, server: str, setup: Setup, workload: Workload, vocab: in
         ours = server.startswith("ours")
         run.turns = asyncio.run(_converse(setup.url, served, workload, vocab, ours))
     except (RuntimeError, OSError, httpx.HTTPError, KeyError) as exc:
-        tail = launch.processes[0].log_tail().strip().splitlines()
-        reason = next((line for line in reversed(tail) if "Error" in line), str(exc))
-        run.failure = reason.strip()[:200]
+        run.failure = _root_cause(launch.processes[0].log_path, str(exc))
         print(f"   failed: {run.failure}", flush=True)
     finally:
         for proc in reversed(launch.processes):
             proc.stop()
         check_ports_free(launch.ports)
     return run
+
+
+def _root_cause(log: Path, fallback: str) -> str:
+    """The first exception a server's log names other than the RuntimeError
+    that wraps it (vLLM's engine start-up reports its cause first)."""
+    # A traceback's last line, bare or after a log prefix ("... [file.py:953] ").
+    pattern = r"(?:^|\] )(\w+(?:Error|Exception)): (.+)$"
+    found = re.findall(pattern, log.read_text(errors="replace"), re.M)
+    causes = [f"{kind}: {text}" for kind, text in found if kind != "RuntimeError"]
+    return (causes[0] if causes else fallback).strip()[:200]
 
 
 # ----------------------------------------------------------------- report

@@ -298,8 +298,8 @@ class KVCacheManager:
                 held.append(state.blocks)
             else:
                 self._pool.release(state.blocks[::-1])
-        elif self.hybrid_reuse is not None:
-            self.hybrid_reuse.end(request_id, 0, None, (), lambda: None)
+        elif self.hybrid_reuse is not None:  # a match that took nothing may have planned
+            self.hybrid_reuse.forget(request_id)
         if self.mamba_pool is not None:
             self.mamba_pool.free(request_id)
 

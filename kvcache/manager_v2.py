@@ -8,8 +8,8 @@ With `enable_block_reuse`, full blocks are published under chained content
 hashes; a new request takes the longest cached chain (`match_prefix`), and
 unreferenced cached blocks are evicted least recently freed first. Blocks
 received by transfer are published only once `finish_transfer` says their
-bytes have arrived. Hybrid models keep reuse off (no Mamba snapshot at a block
-boundary yet).
+bytes have arrived. A hybrid model resumes only where a Mamba state snapshot
+ends the cached prefix (`kvcache.resume`, `kvcache.snapshots`).
 """
 
 from __future__ import annotations

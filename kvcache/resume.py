@@ -163,12 +163,7 @@ class HybridReuse:
         was planned for it and never ran, then, with `at_end`, keep its slot
         as a snapshot of those tokens. `tail()` publishes its partial last
         block and returns (anchor, key, block), None where it cannot."""
-        self._points.pop(request_id, None)
-        for save in self._saves.pop(request_id, ()):
-            self.store.discard(save.key)
-        resume = self._resumes.pop(request_id, None)
-        if resume is not None:  # its state never reached the slot
-            self._unplan(resume)
+        if self.forget(request_id):  # its state never reached the slot
             return
         slot = self._mamba.slot_of(request_id)
         if not self.policy.at_end or slot is None or token_ids is None or computed < 1:
@@ -192,6 +187,17 @@ class HybridReuse:
         replacement = self.store.adopt(chain[-1], computed, slot, chain, anchor, tail_tokens)
         if replacement is not None:
             self._mamba.exchange(request_id, replacement)
+
+    def forget(self, request_id: str) -> bool:
+        """Cancel what was planned for `request_id` and has not run; True
+        when that included loading a snapshot into its slot."""
+        self._points.pop(request_id, None)
+        for save in self._saves.pop(request_id, ()):
+            self.store.discard(save.key)
+        resume = self._resumes.pop(request_id, None)
+        if resume is not None:
+            self._unplan(resume)
+        return resume is not None
 
     def _unplan(self, resume: _Resume) -> None:
         self.store.unpin(resume.snapshot)
@@ -227,6 +233,3 @@ class HybridReuse:
             self.store.mark_ready(save.key)
         self._running_resumes = []
         self._running_saves = []
-
-    def has_planned(self, request_id: str) -> bool:
-        return request_id in self._resumes or request_id in self._saves

@@ -160,10 +160,6 @@ class SnapshotStore:
     def get(self, key: bytes) -> Snapshot | None:
         return self._by_key.get(key)
 
-    @property
-    def num_free_slots(self) -> int:
-        return len(self._free)
-
     def best(
         self,
         anchors: Sequence[bytes],

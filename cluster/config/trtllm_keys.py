@@ -18,7 +18,8 @@ ROUTER_TYPES = {
 }
 CONVERSATION_NOTE = (
     "runs as prefix_aware: a conversation's next turn starts with its history, so it goes "
-    "to the worker whose cache holds that prefix"
+    "to the worker that can skip the most of it (for a hybrid model: up to the Mamba "
+    "snapshot kept at the end of the last turn)"
 )
 
 # backend (any case) -> (our backend, our wire or None, why it differs or None).
@@ -108,12 +109,16 @@ SECTION_IGNORED = {
     "perf_metrics_max_requests": "metrics are always served at /metrics",
 }
 
+_PARTIAL = (
+    "a dense model reuses whole blocks; a hybrid one also the partial block a sequence's "
+    "end snapshot lies in, always copied, whatever this key says"
+)
 _NO_OFFLOAD = "there is no host-memory offload tier"
 _OUR_MANAGER = "the cache manager is kv_cache.manager here (auto picks by model)"
 KV_IGNORED = {
     "event_buffer_max_size": "KV events always reach the router (prefix_aware polls them)",
-    "enable_partial_reuse": "prefix reuse is by whole blocks",
-    "copy_on_partial_reuse": "prefix reuse is by whole blocks",
+    "enable_partial_reuse": _PARTIAL,
+    "copy_on_partial_reuse": _PARTIAL,
     "dtype": "the cache holds the model's dtype",
     "mamba_ssm_cache_dtype": "Mamba SSM state is always float32 here",
     "host_cache_size": _NO_OFFLOAD,

@@ -13,7 +13,7 @@ the router records the dispatch afterwards.
   snapshot those blocks reach (learned from its snapshot events), then the one whose
   encoder cache holds the most of the request's images (learned from its
   encoder-cache events; this is what a repeated image+text finds where block
-  reuse is off, as for hybrid models); ties go to the least loaded, and
+  reuse is off); ties go to the least loaded, and
   remaining ties rotate so equal workers share the load.
 """
 

@@ -3,7 +3,7 @@ transceiver, through the OpenAI API.
 
 Two four-turn conversations share a system prompt; each turn's prompt is the
 last turn's prompt and answer plus a new user part, in token ids. Every
-answer equals transformers' greedy continuation, each token from a full
+answer equals transformers' greedy continuation (logprobs within 1e-4), each token from a full
 forward of the sequence so far (transformers' cached one-token path clamps
 the Mamba time step differently, see `models/layers/mamba2.py`, and on a
 tiny random model that alone flips near ties), and from the second turn on
@@ -30,6 +30,7 @@ from transfer.nixl.agent import nixl_available
 
 NEW_TOKENS = 8
 TURNS = 4
+LOGPROB_TOLERANCE = 1e-4
 
 MODES = {
     "aggregated": {"context_servers": {"num_instances": 0}},
@@ -73,12 +74,17 @@ def server(
         stop_group(running.process)
 
 
-def full_forward_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
-    ids = list(prompt)
+def full_forward_greedy(
+    model: torch.nn.Module, prompt: list[int], new_tokens: int
+) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their logprobs, each from a full forward of the sequence so far."""
+    ids, logprobs = list(prompt), []
     with torch.no_grad():
         for _ in range(new_tokens):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
+            scores = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+            ids.append(int(scores.argmax()))
+            logprobs.append(float(scores[ids[-1]]))
+    return ids[len(prompt) :], logprobs
 
 
 def test_each_turn_equals_transformers_and_resumes_where_the_last_left_off(
@@ -92,17 +98,25 @@ def test_each_turn_equals_transformers_and_resumes_where_the_last_left_off(
     conversations = [system + [rng.randrange(10, 500) for _ in range(6 + c)] for c in range(2)]
     client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=120)
     for turn in range(TURNS):
-        expected = [full_forward_greedy(model, p, NEW_TOKENS) for p in conversations]
+        references = [full_forward_greedy(model, p, NEW_TOKENS) for p in conversations]
+        expected = [tokens for tokens, _ in references]
         for c, prompt in enumerate(conversations):
             reply = client.completions.create(
                 model=checkpoint.name,
                 prompt=prompt,
                 max_tokens=NEW_TOKENS,
                 temperature=0,
+                logprobs=0,
                 extra_body={"ignore_eos": True},  # transformers' greedy runs NEW_TOKENS
             )
             want = tokenizer.decode(expected[c], skip_special_tokens=True)
             assert reply.choices[0].text == want, (mode, turn, c)
+            served = reply.choices[0].logprobs
+            assert served is not None and served.token_logprobs is not None
+            gaps = [
+                abs(a - b) for a, b in zip(served.token_logprobs, references[c][1], strict=True)
+            ]
+            assert max(gaps) < LOGPROB_TOLERANCE, (mode, turn, c, gaps)
             details = reply.usage.prompt_tokens_details
             cached = 0 if details is None else details.cached_tokens or 0
             if turn > 0:

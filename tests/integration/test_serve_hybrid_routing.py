@@ -94,7 +94,7 @@ def test_turn_two_runs_on_the_generation_worker_holding_turn_ones_snapshot(
     prompts = [[rng.randrange(10, 500) for _ in range(50)] for _ in range(CONVERSATIONS)]
 
     def ask(prompt: list[int]) -> tuple[list[int], int]:
-        expected = full_forward_greedy(model, prompt, NEW_TOKENS)
+        expected, _ = full_forward_greedy(model, prompt, NEW_TOKENS)
         reply = client.completions.create(
             model=checkpoint.name,
             prompt=prompt,

@@ -121,6 +121,14 @@ def messages(template: str, url: str) -> list[dict[str, Any]]:
 
 def expected_text(checkpoint: Path, reference: Any, template: str, image: Image.Image) -> str:
     """transformers' greedy answer on the same pixels, prompt and tokenizer."""
+    return expected_chat_text(checkpoint, reference, [template], image)
+
+
+def expected_chat_text(
+    checkpoint: Path, reference: Any, turns: list[str], image: Image.Image
+) -> str:
+    """transformers' greedy answer to a chat whose first user turn holds the
+    image (`turns`: user, assistant, user, ... texts, the first with {image})."""
     from transformers import AutoTokenizer
 
     from models.hf_config import load_model_config
@@ -134,11 +142,13 @@ def expected_text(checkpoint: Path, reference: Any, template: str, image: Image.
     assert vision is not None
     processing = load_image_processor_config(checkpoint, vision)
     grid = processing.patch_grid(image.height, image.width)
-    text = template.format(image=image_prompt_text(processing.num_image_tokens(grid), "<image>"))
+    placeholder = image_prompt_text(processing.num_image_tokens(grid), "<image>")
+    chat = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": text}
+        for i, text in enumerate([turns[0].format(image=placeholder), *turns[1:]])
+    ]
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-    )
+    rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
     with torch.no_grad():
         out = reference.generate(

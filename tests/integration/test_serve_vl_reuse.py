@@ -26,6 +26,7 @@ from tests.integration.test_serve_images import (
     LONG,
     MAX_TOKENS,
     data_url,
+    expected_chat_text,
     messages,
     picture,
     tiny_omni,
@@ -67,41 +68,6 @@ def reference(checkpoint: Path) -> Any:
     return NemotronH_Omni_Reasoning_V3.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
 
-def expected_chat(checkpoint: Path, reference: Any, turns: list[str], image: Any) -> str:
-    """transformers' greedy answer to a chat whose first user turn holds the
-    image (`turns`: user, assistant, user, ... texts, the first with {image})."""
-    from transformers import AutoTokenizer
-
-    from models.hf_config import load_model_config
-    from models.image_processing import (
-        image_prompt_text,
-        load_image_processor_config,
-        preprocess_image,
-    )
-
-    vision = load_model_config(checkpoint).vision
-    assert vision is not None
-    processing = load_image_processor_config(checkpoint, vision)
-    grid = processing.patch_grid(image.height, image.width)
-    placeholder = image_prompt_text(processing.num_image_tokens(grid), "<image>")
-    chat = [
-        {"role": "user" if i % 2 == 0 else "assistant", "content": text}
-        for i, text in enumerate([turns[0].format(image=placeholder), *turns[1:]])
-    ]
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
-    with torch.no_grad():
-        out = reference.generate(
-            torch.tensor([ids]),
-            pixel_values=preprocess_image(image, grid, processing),
-            image_grid_hw=torch.tensor(processing.encoder_grids(grid)),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-        )
-    return str(tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True))
-
-
 def chat(client: openai.OpenAI, history: list[dict[str, Any]]) -> tuple[str, int, int]:
     """(answer, prompt tokens, cached tokens)."""
     response = client.chat.completions.create(
@@ -124,7 +90,7 @@ def test_turn_two_with_the_image_resumes_after_turn_one(
     for seed, image in ((1, picture(1)), (2, picture(2))):
         first = messages(LONG, data_url(image))
         answer, prompt_tokens, cached = chat(client, first)
-        assert answer == expected_chat(checkpoint, reference, [LONG], image), seed
+        assert answer == expected_chat_text(checkpoint, reference, [LONG], image), seed
         # Nothing resumable yet: the other image's blocks end where this one begins.
         assert cached == 0, seed
         second = [
@@ -133,5 +99,5 @@ def test_turn_two_with_the_image_resumes_after_turn_one(
             {"role": "user", "content": FOLLOW_UP},
         ]
         follow, _, cached = chat(client, second)
-        assert follow == expected_chat(checkpoint, reference, [LONG, answer, FOLLOW_UP], image)
+        assert follow == expected_chat_text(checkpoint, reference, [LONG, answer, FOLLOW_UP], image)
         assert cached == prompt_tokens, (seed, cached, prompt_tokens)

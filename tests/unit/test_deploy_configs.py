@@ -34,6 +34,7 @@ def test_expected_files_exist() -> None:
         "2p1d.yaml",
         "2p2d.yaml",
         "nemotron-h-python.yaml",
+        "nemotron-h-reuse.yaml",
         "nixl.yaml",
     }
 
@@ -108,6 +109,8 @@ def test_disagg_config_resolves_a_plan(
         assert len({i.manager for i in plan.instances}) == 1
     if arch == "nemotron_h":
         assert plan.is_hybrid and {i.manager for i in plan.instances} == {"v2"}
+    if arch == "nemotron_h" and raw["kv_cache"].get("enable_block_reuse"):
+        assert all(i.enable_block_reuse and i.snapshots for i in plan.instances)
     ranks = raw["generation_servers"].get("tensor_parallel_size", 1)
     assert {i.tensor_parallel_size for i in plan.of_role("generation")} == {ranks}
 
