@@ -53,6 +53,13 @@ class ServingMetrics:
         self.prompt_tokens = Counter(
             "disagg_prompt_tokens", "Prompt tokens of finished requests.", registry=r
         )
+        self.cached_prompt_tokens = Histogram(
+            "disagg_cached_prompt_tokens",
+            "Prompt tokens each finished request skipped (its cached_tokens): KV blocks, "
+            "and for a hybrid model only up to the Mamba snapshot it resumed from.",
+            buckets=(0, 16, 64, 256, 1024, 4096, 16384, 65536),
+            registry=r,
+        )
         self.generation_tokens = Counter(
             "disagg_generation_tokens", "Generated tokens of finished requests.", registry=r
         )

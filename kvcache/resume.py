@@ -65,7 +65,8 @@ class HybridReuse:
         self._pool = pool
         self._mamba = mamba
         # Planned for the step being built, per request.
-        self._points: dict[str, list[int]] = {}  # on-demand snapshot points
+        # On-demand snapshot point of a request: (position, key there).
+        self._points: dict[str, tuple[int, bytes]] = {}
         self._resumes: dict[str, _Resume] = {}
         self._saves: dict[str, list[_Save]] = {}
         # Taken into the step that runs now.
@@ -89,7 +90,7 @@ class HybridReuse:
         matched = (len(anchors) - 1) * self.block_size
         resumable = snap.num_tokens if snap is not None else 0
         if self.policy.on_demand and matched >= resumable + self.block_size:
-            self._points[request_id] = [matched]
+            self._points[request_id] = (matched, anchors[-1])
         else:
             self._points.pop(request_id, None)
         return snap
@@ -114,7 +115,7 @@ class HybridReuse:
         """`num_new`, or fewer so that the chunk from `start` ends at the next
         snapshot point."""
         end = start + num_new
-        points = [*self.policy.positions, *self._points.get(request_id, ())]
+        points = [*self.policy.positions, *self._demand(request_id)]
         interval = self.policy.interval
         if interval:
             points.append((start // interval + 1) * interval)
@@ -126,8 +127,15 @@ class HybridReuse:
         return (
             (policy.interval > 0 and num_tokens % policy.interval == 0)
             or num_tokens in policy.positions
-            or num_tokens in self._points.get(request_id, ())
+            or num_tokens in self._demand(request_id)
         )
+
+    def _demand(self, request_id: str) -> tuple[int, ...]:
+        """The request's on-demand point, unless a snapshot there is kept or
+        planned already (another request sharing the prefix takes it: this
+        one's chunks need not stop there)."""
+        point = self._points.get(request_id)
+        return (point[0],) if point is not None and point[1] not in self.store else ()
 
     def plan_save(
         self, request_id: str, num_tokens: int, block_hashes: Sequence[bytes], slot: int

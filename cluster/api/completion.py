@@ -121,6 +121,7 @@ async def stream_completion(
             if finish is not None:
                 latency.done()
                 metrics.prompt_tokens.inc(len(request.prompt_token_ids))
+                metrics.cached_prompt_tokens.observe(num_cached)
                 metrics.generation_tokens.inc(len(output_ids))
                 return
         raise CompletionFailedError("the token stream ended without a finish reason")

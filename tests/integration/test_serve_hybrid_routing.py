@@ -110,10 +110,14 @@ def test_turn_two_runs_on_the_generation_worker_holding_turn_ones_snapshot(
     _wait_for_snapshots(server, CONVERSATIONS)
     routed = _metric(server, "disagg_routed_requests_total")
     context_before = sum(v for k, v in routed.items() if ("phase", "context") in k)
+    skipped = 0
     for prompt, answer in zip(prompts, answers, strict=True):
         turn2 = prompt + answer + [rng.randrange(10, 500) for _ in range(5)]
         _, cached = ask(turn2)
         assert cached == len(turn2) - 6
+        skipped += cached
+    text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
+    assert f"disagg_cached_prompt_tokens_sum {float(skipped)}" in text
     routed = _metric(server, "disagg_routed_requests_total")
     assert sum(v for k, v in routed.items() if ("phase", "context") in k) == context_before
     whole = {dict(k)["worker"]: v for k, v in routed.items() if ("phase", "whole") in k}

@@ -192,3 +192,20 @@ def test_reuse_stays_off_for_a_hybrid_model_without_snapshot_slots() -> None:
 def test_snapshot_points_off_the_block_grid_are_refused() -> None:
     with pytest.raises(ValueError, match="multiples of the block size"):
         manager(interval=6)
+
+
+def test_only_the_first_request_at_a_shared_boundary_stops_its_chunk_there() -> None:
+    m = manager(at_end=False)
+    system = list(range(1, 9))
+    run_to_end(m, "a", system + [50, 51, 52], 11)
+    assert m.match_prefix("b", system + [60, 61, 62]) == 0
+    assert m.match_prefix("c", system + [70, 71, 72]) == 0
+    assert m.chunk_limit("b", 0, 11) == 8 and m.chunk_limit("c", 0, 11) == 8
+    assert m.allocate_slots("b", 8, (system + [60, 61, 62])[:8])
+    # b's save is planned: c computes its whole prompt in one chunk.
+    assert m.chunk_limit("c", 0, 11) == 11
+    m.take_copies()
+    m.step_done()
+    m.free("b")
+    m.free("c")
+    m.check_integrity()
