@@ -28,10 +28,7 @@ from dataclasses import dataclass
 from kvcache.block import KVBlock
 from kvcache.block_pool import BlockPool
 from kvcache.mamba_pool import MambaStatePool
-from kvcache.snapshots import Snapshot, SnapshotPolicy, SnapshotStore, StateCopies
-
-# (anchor hash, block index, tail tokens) -> the key of a tail snapshot there.
-TailKey = Callable[[bytes, int, tuple[int, ...]], bytes]
+from kvcache.snapshots import Snapshot, SnapshotPolicy, SnapshotStore, StateCopies, TailKey
 
 
 @dataclass
