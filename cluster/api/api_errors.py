@@ -74,9 +74,18 @@ def validation_error(errors: Sequence[Any]) -> APIError:
     # Pydantic puts the union member's type name in the path; drop it.
     loc = [p for p in loc if not p.startswith(("str", "list[", "function-"))] or loc
     param = ".".join(loc) or None
-    msg = str(first.get("msg", "invalid value"))
+    # A validator's ValueError reads "Value error, <ours>": keep ours.
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON ({msg})", code="json_invalid")
+    if param is None and first.get("type") in ("model_attributes_type", "dict_type"):
+        # A body that is not a JSON object, often JSON sent without its content type.
+        return APIError(
+            400,
+            "the request body must be a JSON object, sent with the header "
+            "Content-Type: application/json",
+            code="invalid_body",
+        )
     if first.get("type") == "extra_forbidden":
         msg = "unknown parameter"
     elif first.get("type") == "missing":

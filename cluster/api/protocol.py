@@ -286,3 +286,37 @@ class ChatCompletionRequest(SamplingFields):
             }
             for m in self.messages
         ]
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's `POST /tokenize`: a prompt, or chat messages rendered with the
+    checkpoint's template (text parts only)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send a prompt or messages, one of the two")
+        for i, message in enumerate(self.messages or ()):
+            if any(isinstance(part, ImagePart) for part in message.parts()):
+                raise ValueError(f"messages[{i}]: /tokenize takes text parts only")
+        if self.prompt is not None:
+            _unicode_text(self.prompt)
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's `POST /detokenize`: token ids back to text."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    tokens: list[int]

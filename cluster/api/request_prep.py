@@ -26,7 +26,14 @@ from cluster.api.image_prompt import (
 )
 from cluster.api.media import MediaConfig
 from cluster.api.prompt_tokenizer import PromptTokenizer
-from cluster.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from cluster.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TextPart,
+    TokenizeRequest,
+)
 from engine.multimodal import ImageInput
 from engine.sampling import SamplingParams
 
@@ -141,11 +148,53 @@ class RequestPreparer:
                 code="model_not_found",
             )
 
-    def _render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's `/tokenize` answer: the ids a completion or chat request
+        with this input would be prefilled with."""
+        if body.model is not None:
+            self.check_model(body.model)
+        tokenizer = self.model.tokenizer
+        if body.prompt is not None:
+            ids = list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        else:
+            assert body.messages is not None
+            messages = [
+                {
+                    "role": m.role,
+                    "content": "".join(p.text for p in m.parts() if isinstance(p, TextPart)),
+                }
+                for m in body.messages
+            ]
+            ids = self._render_chat(messages, body.add_generation_prompt)
+        answer: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": self.model.max_model_len,
+            "tokens": ids,
+        }
+        if body.return_token_strs:
+            answer["token_strs"] = [fmt.token_text(tokenizer.token_bytes(t)) for t in ids]
+        return answer
+
+    def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        if body.model is not None:
+            self.check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < self.model.vocab_size]
+        if bad:
+            raise APIError(
+                400,
+                f"tokens: ids must be in [0, {self.model.vocab_size}) for this model, got {bad[:5]}",
+                param="tokens",
+                code="invalid_value",
+            )
+        return {"prompt": self.model.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    def _render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
         """The prompt's token ids (on `self.prompts`' thread when long)."""
         try:
             rendered = self.model.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True
+                messages, add_generation_prompt=add_generation_prompt
             )
         except Exception as exc:  # a template error names the message it disliked
             raise APIError(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -34,7 +35,13 @@ from cluster.api.api_errors import (
 )
 from cluster.api.completion import CompletionFailedError, Delta, PreparedRequest, stream_completion
 from cluster.api.guards import DEFAULT_MAX_BODY_BYTES, RequestGuard
-from cluster.api.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from cluster.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
+)
 from cluster.api.request_prep import RequestPreparer, ResponseShape, ServedModel
 from cluster.metrics import ServingMetrics
 from cluster.routing.policies import NoWorkerError
@@ -72,8 +79,13 @@ def build_app(
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/metrics", api.metrics_text, methods=["GET"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", api.model_card, methods=["GET"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
+    # vLLM's extra routes, in its shapes.
+    app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
+    app.add_api_route("/version", api.version, methods=["GET"])
     return app
 
 
@@ -108,9 +120,25 @@ class _OpenAIRoutes:
         return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._card()]}
+
+    async def model_card(self, model_id: str) -> dict[str, Any]:
+        """`GET /v1/models/{id}` (`client.models.retrieve`): the card, or a 404."""
+        self.prep.check_model(model_id)
+        return self._card()
+
+    def _card(self) -> dict[str, Any]:
         card = {"id": self.model.name, "object": "model", "created": self.created}
-        card |= {"owned_by": "disagg", "max_model_len": self.model.max_model_len}
-        return {"object": "list", "data": [card]}
+        return card | {"owned_by": "disagg", "max_model_len": self.model.max_model_len}
+
+    async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
+        return self.prep.tokenize(body)
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
+        return self.prep.detokenize(body)
+
+    async def version(self) -> dict[str, str]:
+        return {"version": importlib.metadata.version("disagg")}
 
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
         self.prep.check_model(body.model)

@@ -348,6 +348,26 @@ class LoadedConfig:
     key_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
+class _DuplicateKey(yaml.YAMLError):
+    """A mapping sets one key twice (plain YAML keeps the last silently)."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.safe_load`, refusing a key given twice in one mapping."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in lines:
+                raise _DuplicateKey(
+                    f"key {key!r} is set twice, on lines {lines[key]} and {line}; keep one"
+                )
+            lines[key] = line
+        return super().construct_mapping(node, deep)
+
+
 def load_config(path: str | Path) -> ClusterConfig:
     """Read and validate a disagg YAML file; raises `ConfigError` naming file:key."""
     return read_config(path).config
@@ -362,9 +382,11 @@ def read_config(path: str | Path) -> LoadedConfig:
 
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the config file ({exc.strerror})") from exc
+    except _DuplicateKey as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(raw, dict):

@@ -197,6 +197,39 @@ def test_errors_are_openai_errors_with_the_right_status(server: Server) -> None:
     assert [m.id for m in models.data] == [server.model]
 
 
+def test_model_retrieve_tokenize_detokenize_and_version(server: Server, reference: tuple) -> None:
+    client = _client(server)
+    assert client.models.retrieve(server.model).id == server.model
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("other-model")
+    _, tokenizer = reference
+    base = server.url.removesuffix("/v1")
+    text = "Once upon a time"
+    tokens = httpx.post(base + "/tokenize", json={"model": server.model, "prompt": text}).json()
+    assert tokens["tokens"] == tokenizer(text)["input_ids"]  # type: ignore[operator]
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] > 0
+    back = httpx.post(base + "/detokenize", json={"tokens": tokens["tokens"]}).json()
+    assert back["prompt"] == tokenizer.decode(tokens["tokens"])  # type: ignore[attr-defined]
+    # Chat messages give the ids a chat completion with them is prefilled with.
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat = httpx.post(base + "/tokenize", json={"messages": messages}).json()
+    rendered = tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    assert chat["tokens"] == tokenizer(rendered, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+    reply = client.chat.completions.create(
+        model=server.model,
+        messages=messages,
+        max_tokens=1,  # type: ignore[arg-type]
+    )
+    assert reply.usage is not None and reply.usage.prompt_tokens == chat["count"]
+    bad = httpx.post(base + "/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = httpx.post(base + "/tokenize", json={"prompt": "x", "messages": messages})
+    assert both.status_code == 400 and "one of the two" in both.json()["error"]["message"]
+    assert httpx.get(base + "/version").json()["version"] == "0.1.0"
+
+
 def test_32_concurrent_requests_on_2p2d(server: Server, reference: tuple) -> None:
     tokenizer = reference[1]
     prompts = [f"Request number {i} asks about the {w}" for i, w in enumerate(["sea", "sky"] * 16)]

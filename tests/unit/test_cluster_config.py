@@ -101,6 +101,20 @@ def test_the_stall_timeout_must_be_positive() -> None:
     assert config.router.stall_timeout_s == 5.0
 
 
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path: Path) -> None:
+    path = _write(
+        tmp_path, "model: m\nkv_cache:\n  block_size: 16\n  max_tokens: 64\n  block_size: 32\n"
+    )
+    with pytest.raises(ConfigError, match="key 'block_size' is set twice, on lines 3 and 5"):
+        load_config(path)
+    # The same key in two different mappings is two keys.
+    both = _write(
+        tmp_path,
+        "model: m\nkv_cache: {block_size: 16}\ncontext_servers:\n  kv_cache: {block_size: 16}\n",
+    )
+    assert load_config(both).kv_cache.block_size == 16
+
+
 def test_missing_file_and_non_mapping_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "absent.yaml")

@@ -90,6 +90,17 @@ def test_more_than_one_choice_and_broken_json_have_clear_messages() -> None:
     assert response.status_code == 400
     assert response.json()["error"]["param"] is None
     assert "not valid JSON" in response.json()["error"]["message"]
+    # JSON sent as text/plain (curl -d without -H): say what to send.
+    response = TestClient(app).post(
+        "/v1/completions",
+        content=b'{"model": "m", "prompt": "x"}',
+        headers={"content-type": "text/plain"},
+    )
+    assert response.status_code == 400
+    assert "Content-Type: application/json" in response.json()["error"]["message"]
+    # A validator's message comes without pydantic's "Value error," prefix.
+    response = TestClient(app).post("/v1/completions", json={"model": "m", "prompt": "x", "n": 3})
+    assert response.json()["error"]["message"].startswith("n: only n=1 is supported")
 
 
 def test_a_seed_must_fit_64_bits() -> None:
