@@ -18,6 +18,8 @@ from engine.sampling import MAX_SEED, MAX_TOP_K, MIN_SEED
 
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
+# Prompts one /v1/completions request may list (each runs as its own request).
+MAX_PROMPTS = 64
 
 
 def _unicode_text(value: str) -> str:
@@ -109,15 +111,19 @@ class SamplingFields(BaseModel):
 
 # OpenAI's /v1/completions has no image input; its chat endpoint has.
 _NO_COMPLETION_IMAGES = (
-    "/v1/completions takes text only (one string or one list of token ids); "
+    "/v1/completions takes text only (strings or lists of token ids); "
     "send images as image_url content parts to /v1/chat/completions"
 )
 
 
-class CompletionRequest(SamplingFields):
-    """`POST /v1/completions`: one prompt, as text or token ids."""
+Prompt = str | list[int]
 
-    prompt: str | list[int]
+
+class CompletionRequest(SamplingFields):
+    """`POST /v1/completions`: a prompt as text or token ids, or a list of
+    such prompts (answered as one choice each, `index` = its position)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
@@ -128,28 +134,56 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
+    def _prompt_shapes(cls, value: Any) -> Any:
         # Element types in one C-level pass: a prompt runs to thousands of ids.
         types = set(map(type, value)) if isinstance(value, list) else set()
-        is_ids = isinstance(value, list) and types <= {int}
         if any(issubclass(t, dict) for t in types):
             raise ValueError(_NO_COMPLETION_IMAGES)
-        if not isinstance(value, str) and not is_ids:
-            raise ValueError(
-                "prompt must be one string or one list of token ids; send one request per prompt"
-            )
-        return value
+        if isinstance(value, str) or (isinstance(value, list) and types <= {int}):
+            return value
+        if isinstance(value, list) and (types == {str} or types == {list}):
+            if len(value) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
+            return value
+        raise ValueError(
+            "prompt must be a string, a list of token ids, or a list of either "
+            "(all strings or all token-id lists)"
+        )
 
     @field_validator("prompt")
     @classmethod
-    def _non_empty_prompt(cls, value: str | list[int]) -> str | list[int]:
+    def _non_empty_prompt(
+        cls, value: str | list[int] | list[str] | list[list[int]]
+    ) -> str | list[int] | list[str] | list[list[int]]:
         if len(value) == 0:
             raise ValueError("prompt must not be empty")
-        if isinstance(value, list) and min(value) < 0:
-            raise ValueError("prompt token ids must be non-negative")
-        if isinstance(value, str):
-            _unicode_text(value)
+        one = isinstance(value, str) or isinstance(value[0], int)
+        prompts: list[Prompt] = [value] if one else list(value)  # type: ignore[arg-type, list-item]
+        for i, prompt in enumerate(prompts):
+            where = "" if one else f"prompt {i}: "
+            if len(prompt) == 0:
+                raise ValueError(f"{where}prompt must not be empty")
+            if isinstance(prompt, str):
+                _unicode_text(prompt)
+            elif min(prompt) < 0:
+                raise ValueError(f"{where}prompt token ids must be non-negative")
         return value
+
+    @model_validator(mode="after")
+    def _lists_answer_whole(self) -> CompletionRequest:
+        if self.stream and self.prompt_list() is not None:
+            raise ValueError(
+                "a list of prompts is answered whole: send stream: false, "
+                "or stream one request per prompt"
+            )
+        return self
+
+    def prompt_list(self) -> list[Prompt] | None:
+        """The prompts of a listed prompt (None for a single prompt)."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            return None
+        return list(prompt)  # type: ignore[arg-type]
 
     @field_validator("multi_modal_data")
     @classmethod

@@ -85,8 +85,9 @@ class RequestPreparer:
     async def completion(self, body: CompletionRequest) -> tuple[ResponseShape, PreparedRequest]:
         if isinstance(body.prompt, str):
             prompt = await self.prompts.encode(body.prompt)
-        else:
-            prompt = list(body.prompt)
+        else:  # one prompt of token ids: a listed prompt runs as one request each
+            assert body.prompt_list() is None
+            prompt = list(body.prompt)  # type: ignore[arg-type]
         refuse_completion_images(prompt, self.model.images)
         prepared = self._prepare("cmpl", body, prompt, body.max_tokens, body.logprobs)
         meta = fmt.ResponseMeta(prepared.request_id, int(time.time()), self.model.name)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.metadata
+import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from cluster.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    Prompt,
     SamplingFields,
     TokenizeRequest,
 )
@@ -142,7 +144,34 @@ class _OpenAIRoutes:
 
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
         self.prep.check_model(body.model)
+        prompts = body.prompt_list()
+        if prompts is not None:
+            return await self._listed_completions(body, prompts, http)
         return await self._serve("completions", lambda: self.prep.completion(body), body, http)
+
+    async def _listed_completions(
+        self, body: CompletionRequest, prompts: list[Prompt], http: Request
+    ) -> Response:
+        """A list of prompts, as OpenAI answers it: each prompt runs as a
+        request of its own (admitted, prepared and routed apart, all at
+        once), and the answer lists their choices by position with their
+        usage summed. One failing fails the whole answer and ends the rest."""
+
+        async def one(prompt: Prompt) -> dict[str, Any]:
+            single = body.model_copy(update={"prompt": prompt})
+            response = await self._serve(
+                "completions", lambda: self.prep.completion(single), single, http
+            )
+            return json.loads(bytes(response.body))  # type: ignore[no-any-return]
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(one(prompt)) for prompt in prompts]
+        except BaseExceptionGroup as failed:
+            raise failed.exceptions[0] from None
+        answers = [task.result() for task in tasks]
+        choices = [answer["choices"][0] | {"index": i} for i, answer in enumerate(answers)]
+        return JSONResponse(answers[0] | {"choices": choices, "usage": _summed_usage(answers)})
 
     async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
         self.prep.check_model(body.model)
@@ -262,6 +291,21 @@ class _OpenAIRoutes:
             return task.result()
         except (CompletionFailedError, RequestFailedError, NoWorkerError) as exc:
             raise APIError(500, str(exc), code="generation_failed") from exc
+
+
+def _summed_usage(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    usages = [answer["usage"] for answer in answers]
+    total = {
+        key: sum(u[key] for u in usages) for key in usages[0] if key != "prompt_tokens_details"
+    }
+    cached = [
+        u["prompt_tokens_details"]["cached_tokens"]
+        for u in usages
+        if u.get("prompt_tokens_details")
+    ]
+    if cached:
+        total["prompt_tokens_details"] = {"cached_tokens": sum(cached)}
+    return total
 
 
 class _Once:

@@ -197,6 +197,29 @@ def test_errors_are_openai_errors_with_the_right_status(server: Server) -> None:
     assert [m.id for m in models.data] == [server.model]
 
 
+def test_a_prompt_list_answers_each_prompt_with_its_own_greedy_text(
+    server: Server, reference: tuple
+) -> None:
+    client = _client(server)
+    listed = client.completions.create(
+        model=server.model, prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert [c.index for c in listed.choices] == list(range(len(PROMPTS)))
+    _, tokenizer = reference
+    for choice, prompt in zip(listed.choices, PROMPTS, strict=True):
+        ids = tokenizer(prompt)["input_ids"]  # type: ignore[operator]
+        assert choice.text == _greedy(reference, ids, MAX_TOKENS)
+    singles = [
+        client.completions.create(
+            model=server.model, prompt=p, max_tokens=MAX_TOKENS, temperature=0
+        )
+        for p in PROMPTS
+    ]
+    assert listed.usage is not None
+    assert listed.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles if s.usage)
+    assert listed.usage.completion_tokens == len(PROMPTS) * MAX_TOKENS
+
+
 def test_model_retrieve_tokenize_detokenize_and_version(server: Server, reference: tuple) -> None:
     client = _client(server)
     assert client.models.retrieve(server.model).id == server.model

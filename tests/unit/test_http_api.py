@@ -137,10 +137,22 @@ def test_missing_prompt_and_empty_prompt_are_rejected() -> None:
     assert empty.param == "prompt" and "must not be empty" in empty.message
 
 
-def test_a_batch_of_prompts_is_refused_with_a_clear_message() -> None:
-    error = validation_error(_errors(CompletionRequest, {"model": "m", "prompt": ["a", "b"]}))
-    assert error.param == "prompt"
-    assert "one request per prompt" in error.message
+def test_a_list_of_prompts_is_taken_whole_and_its_misshapes_named() -> None:
+    listed = CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"]})
+    assert listed.prompt_list() == ["a", "b"]
+    ids = CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2], [3]]})
+    assert ids.prompt_list() == [[1, 2], [3]]
+    assert CompletionRequest.model_validate({"model": "m", "prompt": [1, 2]}).prompt_list() is None
+    cases = [
+        ({"prompt": ["a", [1]]}, "all strings or all token-id lists"),
+        ({"prompt": ["a", ""]}, "prompt 1: prompt must not be empty"),
+        ({"prompt": [[1], [-1]]}, "prompt 1: prompt token ids must be non-negative"),
+        ({"prompt": ["a"] * 65}, "at most 64 prompts"),
+        ({"prompt": ["a", "b"], "stream": True}, "answered whole"),
+    ]
+    for extra, message in cases:
+        error = validation_error(_errors(CompletionRequest, {"model": "m", **extra}))
+        assert message in error.message, (extra, error.message)
 
 
 @pytest.mark.parametrize(
@@ -167,8 +179,8 @@ def test_completion_prompt_may_be_token_ids() -> None:
 @pytest.mark.parametrize(
     ("prompt", "message"),
     [
-        ([1, True, 3], "one list of token ids"),
-        ([1, 2.0], "one list of token ids"),
+        ([1, True, 3], "a list of token ids, or a list of either"),
+        ([1, 2.0], "a list of token ids, or a list of either"),
         ([4, -1, 2], "must be non-negative"),
         ([], "must not be empty"),
     ],
