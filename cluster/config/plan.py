@@ -236,8 +236,19 @@ def resolve_plan(config: ClusterConfig, source: str = "<config>") -> ClusterPlan
 
 
 def _not_a_local_model(model: str, source: str) -> str:
-    """Nothing is downloaded at run time: a hub id must become a folder first."""
+    """Nothing is downloaded at run time: a hub id must become a folder first.
+    A path like the example configs' `checkpoints/tiny-llama` is a folder
+    `disagg make-checkpoint` writes, not a hub id."""
     message = f"{source}:model: {model!r} is not a local folder or file"
+    written = _made_by_make_checkpoint(model)
+    if written is not None:
+        return (
+            f"{message}: there is no such folder under {Path.cwd()}; write it with "
+            f"`disagg make-checkpoint {written} {model}` (or point model, or --model, at "
+            "your own checkpoint folder)"
+        )
+    if model.startswith(("./", "../", "/")) or Path(Path(model).parts[0]).is_dir():
+        return f"{message}: no such path under {Path.cwd()}"
     if HUB_ID.fullmatch(model):
         message += (
             "; it looks like a Hugging Face Hub id, and nothing is downloaded here: "
@@ -245,6 +256,17 @@ def _not_a_local_model(model: str, source: str) -> str:
             "and set model (or --model) to that folder"
         )
     return message
+
+
+def _made_by_make_checkpoint(model: str) -> str | None:
+    """The `disagg make-checkpoint` flags that write a folder named like
+    `model`'s last part (`tiny-llama`, `mini-nemotron-h`, ...); None when
+    it is not named that way."""
+    size, _, family = Path(model).name.partition("-")
+    arch = {"llama": "llama", "nemotron-h": "nemotron_h", "nemotron-vl": "nemotron_vl"}.get(family)
+    if arch is None or size not in ("tiny", "small", "mini"):
+        return None
+    return f"--arch {arch}" + ("" if size == "tiny" else f" --size {size}")
 
 
 def _rank_spec(

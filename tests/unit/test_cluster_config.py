@@ -341,3 +341,22 @@ def test_section_resources_place_roles_and_refuse_what_ray_sizes_itself() -> Non
         config_from_dict({"model": "m", "generation_servers": {"resources": {"GPU": 1}}})
     with pytest.raises(ConfigError, match="resources.decode is 0"):
         config_from_dict({"model": "m", "generation_servers": {"resources": {"decode": 0}}})
+
+
+def test_a_missing_example_checkpoint_says_how_to_write_it_not_a_hub_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    cases = {
+        "checkpoints/tiny-llama": "`disagg make-checkpoint --arch llama checkpoints/tiny-llama`",
+        "checkpoints/mini-nemotron-h": "--arch nemotron_h --size mini checkpoints/mini-nemotron-h",
+        "models/absent": f"no such path under {tmp_path}",
+        "./absent": f"no such path under {tmp_path}",
+    }
+    for model, message in cases.items():
+        with pytest.raises(ConfigError) as info:
+            resolve_plan(config_from_dict({"model": model}, source="c.yaml"))
+        assert message in str(info.value) and "Hub id" not in str(info.value), model
+    with pytest.raises(ConfigError, match="looks like a Hugging Face Hub id"):
+        resolve_plan(config_from_dict({"model": "org/some-model"}, source="c.yaml"))
