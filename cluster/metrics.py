@@ -53,6 +53,13 @@ class ServingMetrics:
         self.prompt_tokens = Counter(
             "disagg_prompt_tokens", "Prompt tokens of finished requests.", registry=r
         )
+        self.error_responses = Counter(
+            "disagg_error_responses",
+            "Requests answered with an error status (refused at the edge, or failed before "
+            "their first token), by status and OpenAI error code.",
+            ["status", "code"],
+            registry=r,
+        )
         self.cached_prompt_tokens = Histogram(
             "disagg_cached_prompt_tokens",
             "Prompt tokens each finished request skipped (its cached_tokens): KV blocks, "

@@ -52,12 +52,20 @@ class RequestGuard:
     max_body_bytes: largest request body accepted, in bytes.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        max_body_bytes: int,
+        on_refused: Callable[[int, str], None] | None = None,
+    ) -> None:
         if max_body_bytes <= 0:
             raise ValueError(f"max_body_bytes must be positive, got {max_body_bytes}")
         self.app = app
         self.api_key = api_key or None
         self.max_body_bytes = max_body_bytes
+        # Hears (status, code) of every request this guard refuses.
+        self.on_refused = on_refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -65,14 +73,19 @@ class RequestGuard:
             return
         headers = _headers(scope)
         if not self._authorized(scope, headers):
-            await _refuse(send, 401, _unauthorized_message(headers), "invalid_api_key")
+            await self._refuse(send, 401, _unauthorized_message(headers), "invalid_api_key")
             return
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             message = too_large_message(int(declared), self.max_body_bytes)
-            await _refuse(send, 413, message, "request_too_large")
+            await self._refuse(send, 413, message, "request_too_large")
             return
         await self.app(scope, _CountingReceive(receive, self.max_body_bytes), send)
+
+    async def _refuse(self, send: Send, status: int, message: str, code: str) -> None:
+        if self.on_refused is not None:
+            self.on_refused(status, code)
+        await _refuse(send, status, message, code)
 
     def _authorized(self, scope: Scope, headers: dict[str, str]) -> bool:
         if self.api_key is None or scope.get("path") in OPEN_PATHS:

@@ -74,10 +74,19 @@ def build_app(
     limits = limits or ServerLimits()
     api = _OpenAIRoutes(router, model, metrics, Admission(limits.max_queued_requests))
     app = FastAPI(title="disagg", lifespan=api.lifespan)
-    app.add_middleware(RequestGuard, api_key=limits.api_key, max_body_bytes=limits.max_body_bytes)
-    app.add_exception_handler(APIError, handle_api_error)
-    app.add_exception_handler(RequestValidationError, handle_validation_error)
-    app.add_exception_handler(StarletteHTTPException, handle_http_error)
+
+    def count(status: int, code: str | None) -> None:
+        metrics.error_responses.labels(str(status), code or "none").inc()
+
+    app.add_middleware(
+        RequestGuard,
+        api_key=limits.api_key,
+        max_body_bytes=limits.max_body_bytes,
+        on_refused=count,
+    )
+    app.add_exception_handler(APIError, _counted(handle_api_error, count))
+    app.add_exception_handler(RequestValidationError, _counted(handle_validation_error, count))
+    app.add_exception_handler(StarletteHTTPException, _counted(handle_http_error, count))
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/metrics", api.metrics_text, methods=["GET"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
@@ -291,6 +300,20 @@ class _OpenAIRoutes:
             return task.result()
         except (CompletionFailedError, RequestFailedError, NoWorkerError) as exc:
             raise APIError(500, str(exc), code="generation_failed") from exc
+
+
+def _counted(
+    handler: Callable[[Request, Exception], Awaitable[JSONResponse]],
+    count: Callable[[int, str | None], None],
+) -> Callable[[Request, Exception], Awaitable[JSONResponse]]:
+    """`handler`, counting each error response it makes by status and code."""
+
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        response = await handler(request, exc)
+        count(response.status_code, json.loads(bytes(response.body))["error"].get("code"))
+        return response
+
+    return handle
 
 
 def _summed_usage(answers: list[dict[str, Any]]) -> dict[str, Any]:

@@ -184,8 +184,15 @@ def test_chat_completions_use_the_checkpoint_template(
     assert text == expected
 
 
+def _error_responses(server: Server) -> dict[tuple[str, str], float]:
+    text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
+    pattern = r'disagg_error_responses_total\{code="(\w+)",status="(\d+)"\} ([0-9.]+)'
+    return {(status, code): float(v) for code, status, v in re.findall(pattern, text)}
+
+
 def test_errors_are_openai_errors_with_the_right_status(server: Server) -> None:
     client = _client(server)
+    before = _error_responses(server)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="other-model", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError) as info:
@@ -195,6 +202,15 @@ def test_errors_are_openai_errors_with_the_right_status(server: Server) -> None:
         client.completions.create(model=server.model, prompt="x", extra_body={"bogus": 1})
     models = client.models.list()
     assert [m.id for m in models.data] == [server.model]
+    # Every refusal is counted in /metrics by status and code.
+    after = _error_responses(server)
+
+    def gained(key: tuple[str, str]) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert gained(("404", "model_not_found")) == 1
+    assert gained(("400", "extra_forbidden")) == 1
+    assert gained(("400", "context_length_exceeded")) == 1
 
 
 def test_a_prompt_list_answers_each_prompt_with_its_own_greedy_text(

@@ -156,3 +156,26 @@ def test_api_key_comes_from_the_flag_or_the_environment(
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     assert build_config(parse()).api_key == "from-env"
     assert build_config(parse("--api-key", "flag-wins")).api_key == "flag-wins"
+
+
+def test_the_guard_reports_each_refusal_by_status_and_code() -> None:
+    refused: list[tuple[int, str]] = []
+    app = FastAPI()
+    app.add_middleware(
+        RequestGuard,
+        api_key=KEY,
+        max_body_bytes=LIMIT,
+        on_refused=lambda s, c: refused.append((s, c)),
+    )
+
+    @app.post("/v1/completions")
+    async def completions() -> dict[str, str]:
+        return {"ok": "yes"}
+
+    client = TestClient(app)
+    client.post("/v1/completions", json=BODY)
+    big = {"Authorization": f"Bearer {KEY}", "content-length": str(LIMIT + 1)}
+    client.post("/v1/completions", content=b"x" * (LIMIT + 1), headers=big)
+    passed = client.post("/v1/completions", json=BODY, headers={"Authorization": f"Bearer {KEY}"})
+    assert passed.status_code == 200
+    assert refused == [(401, "invalid_api_key"), (413, "request_too_large")]
