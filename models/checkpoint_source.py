@@ -41,6 +41,11 @@ def _gguf_file(path: Path) -> Path | None:
         if not path.is_file():
             raise CheckpointError(f"GGUF file {path} not found")
         return path
+    if path.is_file():
+        raise CheckpointError(
+            f"{path} is a file, not a checkpoint: name a folder holding config.json and "
+            f"*.safetensors, or a {GGUF_SUFFIX} file"
+        )
     if not path.is_dir() or (path / "config.json").exists():
         return None
     candidates = sorted(path.glob(f"*{GGUF_SUFFIX}"))

@@ -53,12 +53,19 @@ def _header_tensors(folder: Path) -> Iterator[tuple[str, object]]:
     """`(name, meta tensor of the stored shape)` for every tensor in the checkpoint,
     read from the safetensors headers only."""
     import torch
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     from models.loader import checkpoint_files
 
     for path in checkpoint_files(folder):
-        with safe_open(str(path), framework="pt", device="cpu") as shard:
+        try:
+            shard = safe_open(str(path), framework="pt", device="cpu")
+        except SafetensorError as exc:
+            raise ValueError(
+                f"{path} is not a readable safetensors file ({exc}); it is truncated or "
+                "damaged: copy or write it again"
+            ) from exc
+        with shard:
             for name in shard.keys():  # noqa: SIM118 - safe_open is not a mapping
                 shape = shard.get_slice(name).get_shape()
                 yield name, torch.empty(shape, device="meta")

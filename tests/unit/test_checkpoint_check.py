@@ -42,3 +42,19 @@ def test_the_check_of_every_model_family_imports_no_dynamo(checkpoints: list[Pat
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == []
+
+
+def test_a_truncated_safetensors_file_is_one_config_error(
+    checkpoints: list[Path], tmp_path: Path
+) -> None:
+    import shutil
+
+    from cluster.config.checkpoint_check import check_checkpoint
+    from cluster.config.schema import ConfigError
+
+    folder = shutil.copytree(checkpoints[0], tmp_path / "truncated")
+    weights = folder / "model.safetensors"
+    with weights.open("r+b") as file:
+        file.truncate(weights.stat().st_size // 2)
+    with pytest.raises(ConfigError, match="model.safetensors is not a readable safetensors file"):
+        check_checkpoint(folder, "c.yaml")

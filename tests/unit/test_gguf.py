@@ -174,3 +174,15 @@ def test_a_folder_with_several_gguf_files_asks_for_one(tmp_path: Path) -> None:
     (tmp_path / "b.gguf").write_bytes(b"")
     with pytest.raises(CheckpointError, match=r"several GGUF files \(a.gguf, b.gguf\)"):
         checkpoint_folder(tmp_path)
+
+
+def test_a_file_that_is_not_gguf_is_named_as_a_file_not_a_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("# not a model\n")
+    with pytest.raises(CheckpointError, match=r"README.md is a file, not a checkpoint"):
+        checkpoint_folder(readme)
+    assert main(["serve", "--model", str(readme)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "is a file, not a checkpoint" in err
