@@ -84,7 +84,7 @@ FIELD_CASES: list[tuple[dict[str, Any], str]] = [
     ({"stop": [f"s{i}" for i in range(17)]}, "stop"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": 42}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", [1]]}, "prompt"),
     ({"stream": "yes"}, "stream"),
     ({"logprobs": 100}, "logprobs"),
 ]
