@@ -220,14 +220,18 @@ def mamba_state_update(
     z: torch.Tensor | None = None,
     dt_limit: DtLimit = NO_DT_LIMIT,
     dt_softplus: bool = True,
+    out_slot_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mamba2 decode step, state updated in place; see `models.kernels.mamba_state_update`."""
+    """Mamba2 decode step, state updated in place (or written to
+    `out_slot_indices`); see `models.kernels.mamba_state_update`."""
     impl = (
         mamba_kernel.mamba_state_update
         if use_triton(x.device)
         else mamba_kernel.mamba_state_update_ref
     )
-    return impl(state, slot_indices, x, dt, dt_bias, A, B, C, D, z, dt_limit, dt_softplus)
+    return impl(
+        state, slot_indices, x, dt, dt_bias, A, B, C, D, z, dt_limit, dt_softplus, out_slot_indices
+    )
 
 
 def gather_blocks(

@@ -9,7 +9,9 @@ For each sequence `b` (one new token), head `h` of group `g = h // (nheads // ng
     y     = y * silu(z[b, h])                          (only when z is given)
 
 `A` is the negative decay per head (`-exp(A_log)`), as Mamba2 stores it after
-loading. The state row `state[slot[b]]` is overwritten with the new `S`; the
+loading. The state row `state[slot[b]]` is overwritten with the new `S`
+(or, with `out_slot_indices`, row `state[out_slot[b]]` is, and the row read
+stays as it was: a speculative verify keeps the state after every position); the
 slot pool is `[num_slots, nheads, head_dim, dstate]` and may be a strided view
 (e.g. one layer of the V2 Mamba buffer). All arithmetic is float32; `y` is
 returned in `x`'s dtype. Slots in `slot_indices` must be distinct.
@@ -41,6 +43,7 @@ def check_update_inputs(
     B: torch.Tensor,
     C: torch.Tensor,
     z: torch.Tensor | None,
+    out_slot_indices: torch.Tensor | None = None,
 ) -> None:
     """Raise `MambaShapeError` when the inputs break the module contract."""
     if state.dim() != 4 or x.dim() != 3:
@@ -75,6 +78,11 @@ def check_update_inputs(
         )
     if z is not None and z.shape != x.shape:
         raise MambaShapeError(f"z must match x {tuple(x.shape)}; got {tuple(z.shape)}")
+    if out_slot_indices is not None and out_slot_indices.shape != slot_indices.shape:
+        raise MambaShapeError(
+            f"out_slot_indices must match slot_indices {tuple(slot_indices.shape)}; got "
+            f"{tuple(out_slot_indices.shape)}"
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -84,7 +92,7 @@ def check_update_inputs(
 
 @triton.jit
 def _state_update_kernel(
-    state_ptr, slot_ptr, x_ptr, dt_ptr, dt_bias_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, out_ptr,
+    state_ptr, slot_ptr, out_slot_ptr, x_ptr, dt_ptr, dt_bias_ptr, a_ptr, b_ptr, c_ptr, d_ptr, z_ptr, out_ptr,
     dt_min, dt_max,
     stride_sn, stride_sh, stride_sp, stride_ss,
     stride_xb, stride_xh, stride_xp,
@@ -130,7 +138,9 @@ def _state_update_kernel(
     )
     decay = tl.exp(a * dt)
     s = s * decay + (dt * x)[:, None] * b_vec.to(tl.float32)[None, :]
-    tl.store(state_ptr + s_offs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
+    out_slot = tl.load(out_slot_ptr + seq).to(tl.int64)
+    o_offs = s_offs + (out_slot - slot) * stride_sn
+    tl.store(state_ptr + o_offs, s.to(state_ptr.dtype.element_ty), mask=s_mask)
 
     y = tl.sum(s * c_vec.to(tl.float32)[None, :], axis=1)
     y += x * tl.load(d_ptr + head).to(tl.float32)
@@ -160,12 +170,14 @@ def mamba_state_update(
     z: torch.Tensor | None = None,
     dt_limit: DtLimit = NO_DT_LIMIT,
     dt_softplus: bool = True,
+    out_slot_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton Mamba2 decode step; updates `state[slot_indices]` in place, returns y.
+    """Triton Mamba2 decode step; updates `state[slot_indices]` in place (or
+    writes `state[out_slot_indices]`), returns y.
 
     See the module docstring for the math and shapes.
     """
-    check_update_inputs(state, slot_indices, x, dt, B, C, z)
+    check_update_inputs(state, slot_indices, x, dt, B, C, z, out_slot_indices)
     batch, nheads, head_dim = x.shape
     out = torch.empty_like(x)
     if batch == 0:
@@ -174,7 +186,8 @@ def mamba_state_update(
     z_arg = z if z is not None else x
     grid = (batch, nheads, triton.cdiv(head_dim, _ROWS))
     _state_update_kernel[grid](
-        state, slot_indices, x, dt, dt_bias, A, B, C, D, z_arg, out,
+        state, slot_indices, slot_indices if out_slot_indices is None else out_slot_indices,
+        x, dt, dt_bias, A, B, C, D, z_arg, out,
         float(dt_limit[0]), float(dt_limit[1]),
         *state.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(),
         *z_arg.stride(), *out.stride(),
@@ -204,9 +217,10 @@ def mamba_state_update_ref(
     z: torch.Tensor | None = None,
     dt_limit: DtLimit = NO_DT_LIMIT,
     dt_softplus: bool = True,
+    out_slot_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference for `mamba_state_update`, in float32 torch ops."""
-    check_update_inputs(state, slot_indices, x, dt, B, C, z)
+    check_update_inputs(state, slot_indices, x, dt, B, C, z, out_slot_indices)
     heads_per_group = x.shape[1] // B.shape[1]
     slots = slot_indices.long()
     xf = x.float()
@@ -219,7 +233,8 @@ def mamba_state_update_ref(
     c_heads = C.float().repeat_interleave(heads_per_group, dim=1)
     decay = torch.exp(step * A.float()[None, :, None, None])
     new_state = state[slots].float() * decay + step * xf[..., None] * b_heads
-    state.index_copy_(0, slots, new_state.to(state.dtype))
+    written = slots if out_slot_indices is None else out_slot_indices.long()
+    state.index_copy_(0, written, new_state.to(state.dtype))
     y = torch.einsum("bhpn,bhn->bhp", new_state, c_heads) + xf * D.float()[None, :, None]
     if z is not None:
         y = y * F.silu(z.float())

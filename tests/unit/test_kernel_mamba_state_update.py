@@ -150,3 +150,24 @@ def test_rejects_heads_not_divisible_by_groups() -> None:
     pool = torch.zeros(1, 3, 4, 4, device=DEVICE)
     with pytest.raises(MambaShapeError, match="not a multiple of ngroups"):
         mamba_state_update(pool, **inputs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kernel", [mamba_state_update, mamba_state_update_ref])
+def test_out_slots_take_the_new_state_and_the_read_slots_keep_theirs(kernel: object) -> None:
+    """A verify step reads one slot and writes another: the result equals an
+    in-place update of a copy, and the slot read is left as it was."""
+    case = CASES["two_groups"]
+    torch.manual_seed(3)
+    inputs = _inputs(case, torch.float32, with_z=False)
+    pool = _state_pool(case)
+    out_slots = torch.tensor([1, 6, 4], device=DEVICE)
+    in_place, moved = pool.clone(), pool.clone()
+    y_in_place = mamba_state_update_ref(in_place[:, 0], **inputs)  # type: ignore[arg-type]
+    y = kernel(moved[:, 0], **inputs, out_slot_indices=out_slots)  # type: ignore[operator]
+    torch.testing.assert_close(y, y_in_place, atol=1e-5, rtol=1e-5)
+    for read, written in zip(case.slots, out_slots.tolist(), strict=True):
+        torch.testing.assert_close(moved[written, 0], in_place[read, 0], atol=1e-5, rtol=1e-5)
+        assert torch.equal(moved[read, 0], pool[read, 0])
+    untouched = torch.ones(NUM_SLOTS, LAYERS, dtype=torch.bool)
+    untouched[out_slots.tolist(), 0] = False
+    assert torch.equal(moved[untouched], pool[untouched])
