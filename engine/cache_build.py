@@ -60,6 +60,7 @@ def build_cache(
             device=config.device,
             gpu_share=gpu_share,
             num_snapshot_slots=0 if config.snapshots is None else config.snapshots.num_slots,
+            verify_depth=verify_depth(config),
         )
     manager = create_manager(
         config.manager,
@@ -70,5 +71,12 @@ def build_cache(
         enable_block_reuse=config.enable_block_reuse,
         hash_namespace=cache_namespace(model_config.architecture, spec.dtype),
         snapshots=config.snapshots,
+        num_verify_slots=sizing.num_verify_slots,
+        verify_depth=verify_depth(config),
     )
     return manager, allocate_cache_tensors(manager, config.device), sizing
+
+
+def verify_depth(config: WorkerConfig) -> int:
+    """Drafts a step verifies per sequence (0 without speculative decoding)."""
+    return 0 if config.speculative is None else config.speculative.num_speculative_tokens

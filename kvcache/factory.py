@@ -21,6 +21,8 @@ def create_manager(
     enable_block_reuse: bool = False,
     hash_namespace: str = "",
     snapshots: SnapshotPolicy | None = None,
+    num_verify_slots: int = 0,
+    verify_depth: int = 0,
 ) -> KVCacheManager:
     """A V1 or V2 manager; `manager` must already be resolved (not "auto")."""
     cls = MANAGER_CLASSES.get(manager)
@@ -34,4 +36,6 @@ def create_manager(
         enable_block_reuse=enable_block_reuse,
         hash_namespace=hash_namespace,
         snapshots=snapshots,
+        num_verify_slots=num_verify_slots,
+        verify_depth=verify_depth,
     )

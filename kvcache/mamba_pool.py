@@ -91,6 +91,18 @@ class MambaStatePool:
         self._free.append(replacement)
         return slot
 
+    def replace(self, request_id: str, slot: int) -> int:
+        """Give `request_id` the slot `slot` from outside the pool (a verify
+        lane's, which holds its state now) in place of its own, which is
+        returned and leaves the pool."""
+        old = self._owner[request_id]
+        if slot in self._ids:
+            raise RequestStateError(f"slot {slot} is already one of the pool's")
+        self._owner[request_id] = slot
+        self._ids.discard(old)
+        self._ids.add(slot)
+        return old
+
     def free_slots(self) -> list[int]:
         return list(self._free)
 

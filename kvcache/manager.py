@@ -26,6 +26,12 @@ and, with reuse on a hybrid model, once per step (`kvcache.resume`):
     take_copies()                        # the step's state copies, as it is built
     step_done()                          # after it ran
 
+and, with speculative decoding on a hybrid model (`kvcache.verify_slots`):
+
+    draft_limit(rid, start, k)           # drafts a verify may take here
+    take_verify_slots(rid, k)            # scratch slots of its draft positions
+    settle_verify(rid, accepted, k)      # after it ran: the accepted state stays
+
 Counters: `prefix_queries` and `prefix_hits` count tokens (prompt tokens asked
 about by `match_prefix`, and tokens it covered); `evictions` counts blocks
 whose cached content was dropped to make room.
@@ -49,6 +55,7 @@ from kvcache.resolution import resolve_block_reuse
 from kvcache.resume import HybridReuse
 from kvcache.snapshots import SnapshotEvent, SnapshotPolicy, StateCopies
 from kvcache.spec import CacheSpec
+from kvcache.verify_slots import VerifySlots
 
 
 @dataclass
@@ -94,6 +101,8 @@ class KVCacheManager:
         enable_block_reuse: bool = False,
         hash_namespace: str = "",
         snapshots: SnapshotPolicy | None = None,
+        num_verify_slots: int = 0,
+        verify_depth: int = 0,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -120,8 +129,15 @@ class KVCacheManager:
                 self.mamba_pool,
                 range(num_mamba_slots, num_mamba_slots + num_snapshot_slots),
             )
+        # Speculative verify steps of a hybrid model: lanes of `verify_depth`
+        # scratch slots (`kvcache.verify_slots`, sized by `kvcache.sizing`).
+        self.verify: VerifySlots | None = None
+        num_slots = num_mamba_slots + num_snapshot_slots
+        if num_verify_slots and self.mamba_pool is not None:
+            self.verify = VerifySlots(range(num_slots, num_slots + num_verify_slots), verify_depth)
+            num_slots += num_verify_slots
         self.layout: CacheLayout = layout_for(
-            self.manager_name, spec, block_size, num_blocks, num_mamba_slots + num_snapshot_slots
+            self.manager_name, spec, block_size, num_blocks, num_slots
         )
         self._root_hash = root_hash(hash_namespace)
         self._requests: dict[str, _RequestState] = {}
@@ -217,6 +233,58 @@ class KVCacheManager:
             return num_new
         return self.hybrid_reuse.chunk_limit(request_id, start, num_new)
 
+    def draft_limit(self, request_id: str, start: int, num_drafts: int) -> int:
+        """How many of `num_drafts` drafts a verify of the request's token at
+        `start` may take: on a hybrid model none without verify slots, and
+        with reuse, fewer so that no snapshot point falls inside the verify
+        or at its end (only an accepted state may become a snapshot; a plain
+        decode that ends at a point saves there)."""
+        if self.mamba_pool is None or num_drafts <= 0:
+            return max(num_drafts, 0)
+        if self.verify is None:
+            return 0
+        num_drafts = min(num_drafts, self.verify.depth)
+        reuse = self.hybrid_reuse
+        if reuse is None:
+            return num_drafts
+        length = reuse.chunk_limit(request_id, start, num_drafts + 1)
+        if reuse.is_point(request_id, start + length):
+            length -= 1
+        return max(length - 1, 0)
+
+    def take_verify_slots(self, request_id: str, num_drafts: int) -> tuple[int, ...] | None:
+        """The scratch slots of the request's `num_drafts` draft positions in
+        the step being built (hybrid models; () for others); None when none
+        are left."""
+        if self.mamba_pool is None:
+            return ()
+        if self.verify is None:
+            return None
+        return self.verify.take(request_id, num_drafts)
+
+    def settle_verify(
+        self,
+        request_id: str,
+        accepted: int,
+        drafted: int,
+        token_ids: Sequence[int] | None = None,
+    ) -> None:
+        """The request's verify ran and kept `accepted` of `drafted` drafts.
+
+        With reuse, `token_ids` (its tokens up to what is computed now, the
+        accepted drafts included) publish the blocks those drafts filled."""
+        if self.verify is not None:
+            self.verify.settle(request_id, accepted, drafted, self._mamba())
+        state = self._requests.get(request_id)
+        if token_ids is not None and state is not None:
+            self._publish(state, token_ids)
+            state.token_ids = token_ids
+
+    def cancel_verify(self, request_id: str) -> None:
+        """The request's verify in the step being built will not run."""
+        if self.verify is not None:
+            self.verify.cancel(request_id)
+
     def take_copies(self) -> StateCopies:
         """The state copies the step being built makes (snapshot loads and
         saves); call once per step that runs, as it is handed to the model."""
@@ -228,6 +296,8 @@ class KVCacheManager:
         """The step whose copies `take_copies` returned has run."""
         if self.hybrid_reuse is not None:
             self.hybrid_reuse.step_done()
+        if self.verify is not None:
+            self.verify.step_done()
 
     def match_prefix(
         self, request_id: str, token_ids: Sequence[int], spans: Sequence[ContentSpan] = ()
@@ -280,6 +350,7 @@ class KVCacheManager:
         reuse on a hybrid model the slot's state at that point may be kept as
         a snapshot (`kvcache.resume`).
         """
+        self.cancel_verify(request_id)
         state = self._requests.pop(request_id, None)
         if state is not None:
             computed = state.num_tokens if num_computed is None else num_computed
@@ -556,14 +627,20 @@ class KVCacheManager:
                 problems.append(f"block {block.block_id} owned by {owners[block.block_id]} tables")
         if self.mamba_pool is not None and set(self.mamba_pool.owners()) != set(self._requests):
             problems.append("Mamba slot owners differ from the requests holding blocks")
-        if self.hybrid_reuse is not None and self.mamba_pool is not None:
-            store = self.hybrid_reuse.store
-            try:
-                store.check_integrity()
-            except IntegrityError as error:
-                problems.extend(error.problems)
-            running = [*self.mamba_pool.owners().values(), *self.mamba_pool.free_slots()]
-            if sorted(running + store.slots()) != list(range(self.layout.num_slots)):
-                problems.append("running and snapshot Mamba slots do not cover the buffer once")
+        if self.mamba_pool is not None:
+            slots = [*self.mamba_pool.owners().values(), *self.mamba_pool.free_slots()]
+            if self.hybrid_reuse is not None:
+                store = self.hybrid_reuse.store
+                try:
+                    store.check_integrity()
+                except IntegrityError as error:
+                    problems.extend(error.problems)
+                slots += store.slots()
+            if self.verify is not None:
+                slots += self.verify.slots()
+            if sorted(slots) != list(range(self.layout.num_slots)):
+                problems.append(
+                    "running, snapshot and verify Mamba slots do not cover the buffer once"
+                )
         if problems:
             raise IntegrityError(f"{self.manager_name} KV cache manager", problems)

@@ -112,6 +112,8 @@ class CacheSizing:
     bytes_per_slot: int
     # Mamba state snapshots (hybrid prefix reuse), slots of the same size.
     num_snapshot_slots: int = 0
+    # Scratch slots of speculative verify steps (`kvcache.verify_slots`).
+    num_verify_slots: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -119,8 +121,9 @@ class CacheSizing:
 
     @property
     def mamba_bytes(self) -> int:
-        """Running and snapshot Mamba slots together."""
-        return (self.num_mamba_slots + self.num_snapshot_slots) * self.bytes_per_slot
+        """Running, snapshot and verify Mamba slots together."""
+        slots = self.num_mamba_slots + self.num_snapshot_slots + self.num_verify_slots
+        return slots * self.bytes_per_slot
 
     @property
     def snapshot_bytes(self) -> int:
@@ -153,6 +156,7 @@ def size_instance_cache(
     device: object | None = None,
     gpu_share: GpuShare | None = None,
     num_snapshot_slots: int = 0,
+    verify_depth: int = 0,
 ) -> CacheSizing:
     """The cache of one serving instance: the plan sizes it with this before any
     worker starts (to print and check it), the worker again to build it.
@@ -174,7 +178,14 @@ def size_instance_cache(
         num_mamba_slots=MAMBA_SLOTS_PER_BATCH_SLOT * max_batch_size,
         gpu_share=gpu_share,
         num_snapshot_slots=num_snapshot_slots,
+        num_verify_slots=num_verify_slots(max_batch_size, verify_depth),
     )
+
+
+def num_verify_slots(max_batch_size: int, verify_depth: int) -> int:
+    """Scratch slots of a hybrid cache whose steps verify `verify_depth`
+    drafts per sequence: one lane of that depth per sequence of a step."""
+    return max_batch_size * verify_depth
 
 
 def size_cache(
@@ -190,6 +201,7 @@ def size_cache(
     num_mamba_slots: int | None = None,
     gpu_share: GpuShare | None = None,
     num_snapshot_slots: int = 0,
+    num_verify_slots: int = 0,
 ) -> CacheSizing:
     """Blocks and slots for the cache; see the module docstring for the modes.
 
@@ -212,6 +224,7 @@ def size_cache(
         bytes_per_block(spec, block_size),
         bytes_per_mamba_slot(spec),
         num_snapshot_slots if spec.is_hybrid else 0,
+        num_verify_slots if spec.is_hybrid else 0,
     )
     needed = -(-max_model_len // block_size)
     is_cuda = device is not None and str(device).startswith("cuda")
@@ -285,6 +298,8 @@ def _slots(sizing: CacheSizing) -> str:
     text = f"{sizing.num_mamba_slots} Mamba slots"
     if sizing.num_snapshot_slots:
         text += f" and {sizing.num_snapshot_slots} snapshot slots"
+    if sizing.num_verify_slots:
+        text += f" and {sizing.num_verify_slots} verify slots"
     return text
 
 
