@@ -22,6 +22,7 @@ from engine.messages import EventItem, StepTokens, TokenEvent
 from engine.model_runner import ModelRunner, RunnerOutput, SampledToken, StepTimings
 from engine.request import FinishReason, Request
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.speculation.drafts import Drafter
 
 # Decides whether a request must stop after its newest token; returns the
 # reason or None. Built per request by the worker (EOS, stop tokens, stop
@@ -75,8 +76,12 @@ class EngineCore:
         runner: ModelRunner,
         make_stop_check: Callable[[Request], StopCheck],
         context_only: bool = False,
+        drafter: Drafter | None = None,
     ) -> None:
         self.scheduler = scheduler
+        # Speculative decoding: the scheduler asks it for drafts, the verify
+        # outcomes go back to it (`engine.speculation.drafts`).
+        self.drafter = drafter
         self.runner = runner
         self.make_stop_check = make_stop_check
         self.context_only = context_only
@@ -154,34 +159,52 @@ class EngineCore:
         """Apply the sampled tokens: advance, stop and free finished requests."""
         sched, result = plan.sched, plan.result
         timings = result.timings = runner_out.timings
-        self.scheduler.commit(sched)
+        ended, kept = self._apply_samples(sched, runner_out, result)
+        self.scheduler.commit(sched, kept)
+        for request, reason in ended:
+            request.finish(reason)
+            keep = reason is FinishReason.HANDOFF
+            self.scheduler.remove(request, free_blocks=not keep)
+            (result.handoffs if keep else result.finished).append(request)
+            self._forget(request.request_id)
         model_s = timings.build_s + timings.forward_s + timings.sample_s
         self.scheduler.pacing.observe(sched.num_tokens, sched.num_prompt_tokens, model_s)
-        self._apply_samples(sched, runner_out.sampled, result)
         result.prefilling = [seq.request for seq in sched.sequences if not seq.samples]
         return result
 
     def _apply_samples(
-        self,
-        sched: SchedulerOutput,
-        sampled: Sequence[SampledToken | None],
-        result: StepResult,
-    ) -> None:
+        self, sched: SchedulerOutput, runner_out: RunnerOutput, result: StepResult
+    ) -> tuple[list[tuple[Request, FinishReason]], list[int | None]]:
+        """Append each sequence's new tokens, stopping where a request stops,
+        and build the step's events. Returns the requests that end, with
+        why, and per verify the drafts that stay computed (`Scheduler.commit`)."""
         plain = StepTokens(time.time())  # the step's tokens were sampled together
         ids, token_ids = plain.request_ids, plain.token_ids
         prompt_lens, cached = plain.num_prompt_tokens, plain.num_cached_tokens
         events = result.events
-        stop_checks = self._stop_checks
-        for seq, token in zip(sched.sequences, sampled, strict=True):
+        ended: list[tuple[Request, FinishReason]] = []
+        kept: list[int | None] = []
+        accepted = runner_out.accepted
+        for i, (seq, token) in enumerate(zip(sched.sequences, runner_out.sampled, strict=True)):
+            kept.append(None)
             if token is None:
                 continue
             request = seq.request
             want = _wants_logprobs(request.params)
-            if want:
-                request.append_output(token.token_id, token.logprob, token.top_logprobs)
-            else:
-                request.append_output(token.token_id)
-            reason = stop_checks[request.request_id](request)
+            drafts = accepted.get(i)
+            if drafts is not None:
+                num, reason = self._append_all(request, [*drafts, token], want)
+                kept[i] = num - 1
+                if self.drafter is not None:
+                    self.drafter.record(request.request_id, len(seq.drafts), len(drafts))
+                if reason is None and self.context_only:
+                    reason = FinishReason.HANDOFF
+                events.append(self._token_event(request, reason, want, plain.timestamp, num))
+                if reason is not None:
+                    ended.append((request, reason))
+                continue
+            self._append(request, token, want)
+            reason = self._stop_checks[request.request_id](request)
             if reason is None and self.context_only:
                 reason = FinishReason.HANDOFF
             if reason is None and not want:
@@ -190,29 +213,50 @@ class EngineCore:
                 prompt_lens.append(len(request.prompt_token_ids))
                 cached.append(request.num_cached_tokens)
                 continue
-            if reason is None:
-                events.append(self._token_event(request, None, want, plain.timestamp))
-                continue
-            request.finish(reason)
-            keep = reason is FinishReason.HANDOFF
-            self.scheduler.remove(request, free_blocks=not keep)
-            (result.handoffs if keep else result.finished).append(request)
             events.append(self._token_event(request, reason, want, plain.timestamp))
-            self._forget(request.request_id)
+            if reason is not None:
+                ended.append((request, reason))
         if plain:
             result.tokens = plain
+        return ended, kept
+
+    def _append_all(
+        self, request: Request, tokens: Sequence[SampledToken], want_logprobs: bool
+    ) -> tuple[int, FinishReason | None]:
+        """Append a verify's tokens one by one until the request stops.
+        Returns how many it kept and the reason it stops (None: it runs on)."""
+        stop_check = self._stop_checks[request.request_id]
+        for num, token in enumerate(tokens, start=1):
+            self._append(request, token, want_logprobs)
+            reason = stop_check(request)
+            if reason is not None:
+                return num, reason
+        return len(tokens), None
+
+    @staticmethod
+    def _append(request: Request, token: SampledToken, want_logprobs: bool) -> None:
+        if want_logprobs:
+            request.append_output(token.token_id, token.logprob, token.top_logprobs)
+        else:
+            request.append_output(token.token_id)
 
     @staticmethod
     def _token_event(
-        request: Request, reason: FinishReason | None, want_logprobs: bool, sampled_at: float
+        request: Request,
+        reason: FinishReason | None,
+        want_logprobs: bool,
+        sampled_at: float,
+        num_tokens: int = 1,
     ) -> TokenEvent:
-        """The event of `request`'s newest token (and its logprobs when it asked for them)."""
+        """The event of `request`'s newest `num_tokens` tokens (and their
+        logprobs when it asked for them)."""
         logprobs, top = request.output_logprobs, request.output_top_logprobs
+        n = num_tokens
         return TokenEvent(
             request_id=request.request_id,
-            token_ids=[request.output_token_ids[-1]],
-            logprobs=[logprobs[-1]] if want_logprobs and logprobs else None,
-            top_logprobs=[top[-1]] if want_logprobs and top else None,
+            token_ids=request.output_token_ids[-n:],
+            logprobs=logprobs[-n:] if want_logprobs and logprobs else None,
+            top_logprobs=top[-n:] if want_logprobs and top else None,
             finish_reason=reason.value if reason is not None else None,
             num_prompt_tokens=len(request.prompt_token_ids),
             num_cached_tokens=request.num_cached_tokens,
@@ -239,6 +283,8 @@ class EngineCore:
         self.requests.pop(request_id, None)
         self._stop_checks.pop(request_id, None)
         self.runner.release(request_id)
+        if self.drafter is not None:
+            self.drafter.forget(request_id)
 
 
 def _wants_logprobs(params: Any) -> bool:

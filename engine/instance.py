@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -23,6 +24,7 @@ from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request
 from engine.sampling import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.speculation.drafts import Drafter
 from engine.step_timeline import StepRecord
 from engine.stop import StopChecker
 from engine.tensor_parallel import RankCapacity, RankGroup
@@ -97,11 +99,16 @@ class EngineInstance:
         sizes = graph_batch_sizes(config.max_batch_size) if with_graphs else ()
         runner.prepare(-(-longest // config.block_size), sizes)
         eos = model_config.eos_token_ids or tokenizer.eos_token_ids
+        # Drafts are verified where requests decode: a context worker samples
+        # only the first token.
+        speculative = config.speculative if role != "context" else None
+        drafter = Drafter(speculative) if speculative is not None else None
         core = EngineCore(
-            _build_scheduler(config, manager),
+            _build_scheduler(config, manager, drafter),
             runner,
             make_stop_check=lambda req: _stop_check(req, eos, tokenizer),
             context_only=role == "context",
+            drafter=drafter,
         )
         return cls(
             config=config,
@@ -148,6 +155,7 @@ class EngineInstance:
             encoder_cache_hits=encoder.stats.hits if encoder is not None else 0,
             encoder_cache_misses=encoder.stats.misses if encoder is not None else 0,
             **self._snapshot_load(),
+            **self._speculation_load(),
             ranks=self.rank_cache_usage(),
             num_steps=self.loop.stats.steps,
             step_busy_s=self.loop.stats.busy_s,
@@ -155,7 +163,7 @@ class EngineInstance:
             node_ip=self.node_ip,
         )
 
-    def _snapshot_load(self) -> dict[str, int]:
+    def _snapshot_load(self) -> dict[str, Any]:
         reuse = self.manager.hybrid_reuse
         if reuse is None:
             return {}
@@ -168,6 +176,19 @@ class EngineInstance:
             "snapshot_resumed_tokens": reuse.resumed_tokens,
             "num_snapshots": len(store),
             "num_snapshot_slots": store.capacity,
+        }
+
+    def _speculation_load(self) -> dict[str, Any]:
+        drafter = self.core.drafter
+        if drafter is None:
+            return {}
+        stats = drafter.stats
+        return {
+            "spec_verifies": stats.verifies,
+            "spec_drafted": stats.drafted,
+            "spec_accepted": stats.accepted,
+            "spec_drafted_at": tuple(stats.drafted_at),
+            "spec_accepted_at": tuple(stats.accepted_at),
         }
 
     def rank_cache_usage(self) -> tuple[RankCacheUsage, ...]:
@@ -239,7 +260,9 @@ def _build_image_encoder(
     return ImageEncoder(model, processing, torch.device(config.device))
 
 
-def _build_scheduler(config: WorkerConfig, manager: KVCacheManager) -> Scheduler:
+def _build_scheduler(
+    config: WorkerConfig, manager: KVCacheManager, drafter: Drafter | None = None
+) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
             max_num_tokens=config.max_num_tokens,
@@ -249,6 +272,7 @@ def _build_scheduler(config: WorkerConfig, manager: KVCacheManager) -> Scheduler
             max_num_waiting=config.max_num_waiting,
         ),
         manager,
+        drafter,
     )
 
 

@@ -5,6 +5,12 @@ bookkeeping. Once per step it flattens the scheduled chunks into one
 `ForwardBatch` (input ids, positions, block tables, slot mapping, Mamba
 slots, logits indices), runs `model.forward` under `torch.inference_mode()`,
 turns the last position of every sampling sequence into logits and samples.
+
+A verify sequence (a token and its drafts, `engine.speculation`) samples at
+every one of its positions, each as a plain decode would sample there, and
+keeps its drafts up to the first that differs (`engine.speculation.verify`).
+A seeded request's generator then stands where plain decoding would have
+left it: one draw per token it kept.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 from engine.decode_graphs import DecodeGraphs, build_decode_graphs
 from engine.image_encoder import ImageChunk, ImageEncoder
 from engine.scheduler import ScheduledSequence
+from engine.speculation.verify import num_accepted
 from engine.token_history import TokenHistory, history_for
 from kvcache.snapshots import StateCopies
 from kvcache.views import CacheViews
@@ -93,9 +100,13 @@ class StepTimings:
 
 @dataclass
 class RunnerOutput:
-    # One entry per scheduled sequence, None where the chunk does not sample.
+    # One entry per scheduled sequence, None where the chunk does not sample;
+    # for a verify, the token after its accepted drafts.
     sampled: list[SampledToken | None] = field(default_factory=list)
     timings: StepTimings = field(default_factory=StepTimings)
+    # Verifies only, by sequence index: the accepted drafts, as sampled
+    # (with their logprobs), before `sampled[i]`.
+    accepted: dict[int, list[SampledToken]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -128,6 +139,8 @@ class ModelRunner:
         self.histories: dict[str, TokenHistory] = {}
         # Captured decode steps (CUDA only), set by `prepare`.
         self.graphs: DecodeGraphs | None = None
+        # A seeded verify's generator state before its draws (`_rewind`).
+        self._verify_states: dict[str, torch.Tensor] = {}
 
     def prepare(self, max_blocks_per_seq: int, graph_batch_sizes: Sequence[int] = ()) -> None:
         """Startup, before any request: compile the decode kernels and, on
@@ -185,6 +198,7 @@ class ModelRunner:
         mamba_slots: list[int] = []
         logits_indices: list[int] = []
         image_chunks: list[ImageChunk] = []
+        verify_slots: list[tuple[int, ...]] = []
         bs = self.block_size
         for seq in seqs:
             req = seq.request
@@ -196,6 +210,12 @@ class ModelRunner:
                 input_ids.append(req.token_at(start))
                 positions.append(start)
                 slot_mapping.append(table[start // bs] * bs + start % bs)
+            elif seq.drafts:  # a verify: the last token, then its drafts
+                input_ids.append(req.token_at(start))
+                input_ids.extend(seq.drafts)
+                positions.extend(range(start, end))
+                slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                logits_indices.extend(range(len(input_ids) - end + start, len(input_ids) - 1))
             else:
                 input_ids.extend(req.token_ids_between(start, end))
                 positions.extend(range(start, end))
@@ -206,6 +226,7 @@ class ModelRunner:
             tables.append(table)
             if self.is_hybrid:
                 mamba_slots.append(_require_slot(self.addressing, req.request_id))
+                verify_slots.append(seq.verify_slots)
             if seq.samples:
                 logits_indices.append(len(input_ids) - 1)
         step = StepInput(
@@ -220,6 +241,7 @@ class ModelRunner:
                 block_size=bs,
                 mamba_slots=mamba_slots if self.is_hybrid else None,
                 logits_indices=logits_indices,
+                verify_slots=verify_slots if any(verify_slots) else (),
             )
         )
         return step, image_chunks
@@ -258,9 +280,33 @@ class ModelRunner:
             tokens = self._sample(logits, sampling) if logits is not None else []
         t3 = time.perf_counter()
         timings.build_s, timings.forward_s, timings.sample_s = t1 - t0, t2 - t1, t3 - t2
+        out = RunnerOutput(timings=timings)
         it = iter(tokens)
-        sampled = [next(it) if s.samples else None for s in seqs]
-        return RunnerOutput(sampled=sampled, timings=timings)
+        for i, seq in enumerate(seqs):
+            if not seq.samples:
+                out.sampled.append(None)
+                continue
+            if not seq.drafts:
+                out.sampled.append(next(it))
+                continue
+            rows = [next(it) for _ in range(len(seq.drafts) + 1)]
+            kept = num_accepted(seq.drafts, [row.token_id for row in rows])
+            self._rewind(seq.request, len(rows), kept + 1)
+            out.accepted[i] = rows[:kept]
+            out.sampled.append(rows[kept])
+        return out
+
+    def _rewind(self, request: Any, drawn: int, used: int) -> None:
+        """A seeded sampled request drew `drawn` values for the rows of its
+        verify and keeps `used` tokens: leave its generator as `used` plain
+        steps would have (`_uniform_draws` takes one value per row)."""
+        state = self._verify_states.pop(request.request_id, None)
+        generator = self.generators.get(request.request_id)
+        if state is None or generator is None or used == drawn:
+            return
+        generator.set_state(state)
+        for _ in range(used):
+            torch.rand(1, dtype=torch.float64, generator=generator, device=generator.device)
 
     def follow(self, step: StepInput) -> None:
         """Run rank 0's `step` on this rank's shard (ranks 1.. of a
@@ -301,6 +347,7 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget per-request sampling state (its seeded generator, its token history)."""
         self.generators.pop(request_id, None)
+        self._verify_states.pop(request_id, None)
         self.histories.pop(request_id, None)
 
     def _sample(
@@ -308,15 +355,21 @@ class ModelRunner:
     ) -> list[SampledToken]:
         from engine.sampling import make_generator
 
-        reqs = [s.request for s in seqs]
+        reqs: list[Any] = []
         generators = []
-        for req in reqs:
+        for seq in seqs:
+            req = seq.request
             if req.request_id not in self.generators:
                 seed = getattr(req.params, "seed", None)
                 self.generators[req.request_id] = (
                     make_generator(seed, self.device) if seed is not None else None
                 )
-            generators.append(self.generators[req.request_id])
+            generator = self.generators[req.request_id]
+            rows = 1 + len(seq.drafts)
+            if seq.drafts and generator is not None and not req.params.is_greedy:
+                self._verify_states[req.request_id] = generator.get_state()
+            reqs.extend([req] * rows)
+            generators.extend([generator] * rows)
         vocab = logits.shape[-1]
         histories = [
             history_for(self.histories, r.request_id, r.prompt_token_ids, r.output_token_ids, vocab)

@@ -34,6 +34,12 @@ again; only when none is left does the newest of the others go:
   `FinishReason.PREEMPTED`, and the router resumes it with a fresh context
   prefill of its prompt and the tokens already sent (`cluster.routing.continuation`).
 
+With speculative decoding a decoding request may bring drafts
+(`engine.speculation`): its step computes its last token and up to k drafts
+(a verify), from the same budget, and `commit` advances it by what the
+verify accepted. Drafts never cost a preemption: when their blocks or
+verify slots are short, the request decodes one token instead.
+
 A request that needs more tokens than the whole cache holds fails with
 `FinishReason.ERROR` instead of looping. Waiting requests never preempt
 running ones; they wait until blocks come free.
@@ -51,6 +57,12 @@ from typing import Protocol
 from engine.request import FinishReason, Request, RequestStatus
 from kvcache.hashing import ContentSpan
 from kvcache.snapshots import StateCopies
+
+
+class DraftSource(Protocol):
+    """Where decoding requests get their drafts (`engine.speculation.drafts.Drafter`)."""
+
+    def propose(self, request: Request, limit: int) -> Sequence[int]: ...
 
 
 class BlockManager(Protocol):
@@ -80,6 +92,16 @@ class BlockManager(Protocol):
     def free(self, request_id: str, num_computed: int | None = None) -> None: ...
 
     def chunk_limit(self, request_id: str, start: int, num_new: int) -> int: ...
+
+    def draft_limit(self, request_id: str, start: int, num_drafts: int) -> int: ...
+
+    def take_verify_slots(self, request_id: str, num_drafts: int) -> tuple[int, ...] | None: ...
+
+    def settle_verify(
+        self, request_id: str, accepted: int, drafted: int, token_ids: Sequence[int] | None
+    ) -> None: ...
+
+    def cancel_verify(self, request_id: str) -> None: ...
 
     def take_copies(self) -> StateCopies: ...
 
@@ -175,6 +197,10 @@ class ScheduledSequence:
     num_new_tokens: int
     start: int
     samples: bool
+    # A verify: the drafts after the request's last token (the chunk's other
+    # tokens), and on a hybrid model the Mamba scratch slots of their positions.
+    drafts: tuple[int, ...] = ()
+    verify_slots: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, request: Request, num_new_tokens: int) -> ScheduledSequence:
@@ -216,9 +242,12 @@ class QueueFullError(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, manager: BlockManager, drafter: DraftSource | None = None
+    ) -> None:
         self.config = config
         self.manager = manager
+        self.drafter = drafter
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.pacing = PromptPacing()
@@ -299,6 +328,11 @@ class Scheduler:
         """Schedule a running request with `uncomputed` tokens to compute,
         preempting newer ones for blocks. Returns the budget spent (refunds
         for preempted victims included)."""
+        if uncomputed == 1 and self.drafter is not None and budget > 1:
+            verify = self._verify(request, budget)
+            if verify is not None:
+                out.sequences.append(verify)
+                return verify.num_new_tokens
         num_new = self._chunk(request, min(uncomputed, budget))
         if not self._fits_ever(request, num_new):
             self.running.remove(request)
@@ -313,6 +347,24 @@ class Scheduler:
         start = request.num_computed_tokens
         out.sequences.append(ScheduledSequence(request, num_new, start, num_new == uncomputed))
         return spent + num_new
+
+    def _verify(self, request: Request, budget: int) -> ScheduledSequence | None:
+        """The request's last token and its drafts as one verify chunk, when
+        it has drafts and their blocks (and verify slots) are free; None to
+        decode it as one token."""
+        assert self.drafter is not None
+        start = request.num_computed_tokens
+        room = min(budget, self.config.max_model_tokens - start) - 1
+        limit = self.manager.draft_limit(request.request_id, start, room)
+        if limit <= 0:
+            return None
+        drafts = tuple(self.drafter.propose(request, limit))[:limit]
+        if not drafts or not self._allocate(request, 1 + len(drafts)):
+            return None
+        slots = self.manager.take_verify_slots(request.request_id, len(drafts))
+        if slots is None:
+            return None
+        return ScheduledSequence(request, 1 + len(drafts), start, True, drafts, slots)
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
@@ -373,6 +425,7 @@ class Scheduler:
         self.running.remove(victim)
         # Its chunk of this step (if any) never runs: only what ran is kept.
         self.manager.free(victim.request_id, victim.num_computed_tokens)
+        self.manager.cancel_verify(victim.request_id)
         refund = 0
         for seq in out.sequences:
             if seq.request is victim:
@@ -405,8 +458,23 @@ class Scheduler:
 
     # ---- after the model ran ----------------------------------------------
 
-    def commit(self, out: SchedulerOutput) -> None:
-        """Mark each scheduled chunk as computed (call once the forward ran)."""
-        for seq in out.sequences:
-            seq.request.num_computed_tokens += seq.num_new_tokens
+    def commit(self, out: SchedulerOutput, accepted: Sequence[int | None] = ()) -> None:
+        """Mark each scheduled chunk as computed (call once the forward ran
+        and the sampled tokens were appended). `accepted[i]`, for a verify
+        `out.sequences[i]`: how many of its drafts stay computed (its last
+        token always does); all of them when not given."""
+        for i, seq in enumerate(out.sequences):
+            request = seq.request
+            if not seq.drafts:
+                request.num_computed_tokens += seq.num_new_tokens
+                continue
+            num = accepted[i] if i < len(accepted) else None
+            num = len(seq.drafts) if num is None else num
+            request.num_computed_tokens += 1 + num
+            tokens = (
+                request.token_ids_upto(request.num_computed_tokens)
+                if self.manager.enable_block_reuse
+                else None
+            )
+            self.manager.settle_verify(request.request_id, num, len(seq.drafts), tokens)
         self.manager.step_done()

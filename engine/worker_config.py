@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from engine.speculation.config import SpeculativeConfig
 from kvcache.dtypes import DTYPE_NAMES
 from kvcache.snapshots import SnapshotPolicy
 
@@ -79,6 +80,7 @@ class WorkerConfig:
         the holder's handle names.
     cpu_affinity: CPU ids the worker process is pinned to (every thread);
         empty: wherever the OS runs it.
+    speculative: speculative decoding (`engine.speculation`); None: off.
     """
 
     checkpoint: str
@@ -104,6 +106,7 @@ class WorkerConfig:
     tensor_parallel_size: int = 1
     cpu_affinity: tuple[int, ...] = ()
     snapshots: SnapshotPolicy | None = None
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.manager not in MANAGERS:

@@ -43,6 +43,10 @@ class StepShape:
     context_lens: tuple[int, ...]
     seq_lens: tuple[int, ...]
     mamba_slots: tuple[int, ...] | None = None
+    # Speculative verifies of a hybrid model: per sequence, the scratch slots
+    # of its draft positions (`kvcache.verify_slots`), () for the others;
+    # empty when the step verifies nothing.
+    verify_slots: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def of_tensors(cls, batch: ForwardBatch) -> StepShape:
@@ -82,6 +86,12 @@ class StepShape:
         return tuple(i for i in range(self.num_seqs) if starts[i + 1] - starts[i] > 1)
 
     @functools.cached_property
+    def verify_seqs(self) -> tuple[int, ...]:
+        """Sequences that verify drafts on a hybrid model (chunks whose Mamba
+        state is kept after every position, `VerifyRounds`)."""
+        return tuple(i for i, slots in enumerate(self.verify_slots) if slots)
+
+    @functools.cached_property
     def fresh_seqs(self) -> tuple[int, ...]:
         """Sequences with nothing in the cache yet (their Mamba state starts at zero)."""
         return tuple(i for i, ctx in enumerate(self.context_lens) if ctx == 0)
@@ -112,6 +122,46 @@ class MambaRows:
             [slots[i] for i in single],
             [slots[i] for i in shape.fresh_seqs],
         )
+
+
+@dataclass(frozen=True)
+class VerifyRound:
+    """Position j of every verify sequence that has one, as one batched Mamba
+    step: the token rows, the slots their state is read from and the slots
+    the new state goes to (see `kvcache.verify_slots`)."""
+
+    rows: torch.Tensor
+    read_slots: torch.Tensor
+    write_slots: torch.Tensor
+
+    @staticmethod
+    def host_lists(shape: StepShape) -> list[tuple[list[int], list[int], list[int]]]:
+        """Per position, `(rows, read_slots, write_slots)` as host lists."""
+        verify, slots = shape.verify_seqs, shape.mamba_slots
+        if not verify or slots is None:
+            return []
+        starts = shape.query_start_loc
+        depth = max(len(shape.verify_slots[i]) for i in verify)
+        rounds: list[tuple[list[int], list[int], list[int]]] = []
+        for j in range(depth + 1):
+            rows: list[int] = []
+            read: list[int] = []
+            write: list[int] = []
+            for i in verify:
+                scratch = shape.verify_slots[i]
+                drafts = len(scratch)
+                if starts[i + 1] - starts[i] != drafts + 1:
+                    raise ValueError(
+                        f"sequence {i} verifies {drafts} drafts but brings "
+                        f"{starts[i + 1] - starts[i]} tokens"
+                    )
+                if j > drafts:
+                    continue
+                rows.append(starts[i] + j)
+                read.append(slots[i] if j == 0 else scratch[j - 1])
+                write.append(slots[i] if j == drafts else scratch[j])
+            rounds.append((rows, read, write))
+        return rounds
 
 
 @dataclass(frozen=True)
@@ -211,6 +261,16 @@ class ForwardBatch:
 
     # Derived once per step and shared by every attention layer. The batch is
     # never mutated after the runner builds it, so caching is safe.
+
+    @functools.cached_property
+    def verify_rounds(self) -> list[VerifyRound]:
+        """The step's speculative verifies on a hybrid model, position by
+        position (`VerifyRound`); empty without any."""
+        device = self.seq_lens.device
+        return [
+            VerifyRound(*(torch.tensor(v, dtype=torch.int64, device=device) for v in lists))
+            for lists in VerifyRound.host_lists(self.shape)
+        ]
 
     @functools.cached_property
     def slot_blocks_offsets(self) -> tuple[torch.Tensor, torch.Tensor]:

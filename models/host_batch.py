@@ -62,14 +62,17 @@ class HostBatch:
         mamba_slots: Sequence[int] | None = None,
         logits_indices: Sequence[int] | None = None,
         table_width: int | None = None,
+        verify_slots: Sequence[Sequence[int]] = (),
     ) -> HostBatch:
         """Block tables are padded with the null block to `table_width`
-        (default: the longest)."""
+        (default: the longest). `verify_slots`: per sequence, the Mamba
+        scratch slots of its draft positions (hybrid verifies; see `StepShape`)."""
         shape = StepShape(
             tuple(query_start_loc),
             tuple(context_lens),
             tuple(seq_lens),
             None if mamba_slots is None else tuple(mamba_slots),
+            tuple(map(tuple, verify_slots)),
         )
         width = table_width if table_width is not None else max(map(len, block_tables), default=0)
         mamba_lists = MambaRows.host_lists(shape) if mamba_slots is not None else ([], [], [])

@@ -16,7 +16,10 @@ cleared first); any other sequence continues from what its slot holds, whether
 it brings one decode token or a further prompt chunk. Prefill chunks run the
 chunked scan one sequence at a time; single-token steps are batched into one
 call of the decode-step state update (`models.kernels.dispatch`: the Triton
-kernel on CUDA, its torch twin on CPU).
+kernel on CUDA, its torch twin on CPU). A speculative verify (a token and its
+drafts) runs as decode steps too, one batched call per draft position, each
+writing its state into the next scratch slot (`kvcache.verify_slots`), so the
+state after any accepted position survives.
 
 Time step rule: `dt = clamp(softplus(dt_raw + dt_bias), *time_step_limit)` in
 every path, prefill and decode alike. (transformers' Nemotron-H instead clamps
@@ -112,10 +115,12 @@ def causal_conv_step(
     slots: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
+    out_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One conv step for b sequences: x `[b, D]`; reads and rewrites `conv_state[slots]`."""
+    """One conv step for b sequences: x `[b, D]`; reads `conv_state[slots]` and
+    rewrites it (or writes `conv_state[out_slots]`, leaving the read rows)."""
     window = torch.cat([conv_state[slots].to(x.dtype), x[:, :, None]], dim=-1)  # [b, D, K]
-    conv_state[slots] = window[:, :, 1:].to(conv_state.dtype)
+    conv_state[slots if out_slots is None else out_slots] = window[:, :, 1:].to(conv_state.dtype)
     out = (window * weight).sum(-1)
     return out + bias if bias is not None else out
 
@@ -195,8 +200,14 @@ class Mamba2Mixer(nn.Module):
         if shape.single_token_seqs:
             step = rows.step_rows
             y[step] = self._step(xbc[step], dt_raw[step], rows.step_slots, cache)
+        for verify in batch.verify_rounds:
+            at = verify.rows
+            y[at] = self._step(xbc[at], dt_raw[at], verify.read_slots, cache, verify.write_slots)
         starts = shape.query_start_loc
+        verifying = set(shape.verify_seqs)
         for i in shape.chunk_seqs:
+            if i in verifying:
+                continue
             start, end = starts[i], starts[i + 1]
             y[start:end] = self._prefill(
                 xbc[start:end], dt_raw[start:end], shape.mamba_slots[i], cache
@@ -233,11 +244,19 @@ class Mamba2Mixer(nn.Module):
         return y + x.float() * self.D.float()[:, None]
 
     def _step(
-        self, xbc: torch.Tensor, dt_raw: torch.Tensor, slots: torch.Tensor, cache: MambaLayerCache
+        self,
+        xbc: torch.Tensor,
+        dt_raw: torch.Tensor,
+        slots: torch.Tensor,
+        cache: MambaLayerCache,
+        out_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """b single tokens `[b, conv_dim]` -> y `[b, H, P]` float32 (D skip included)."""
+        """b single tokens `[b, conv_dim]` -> y `[b, H, P]` float32 (D skip
+        included); the new states go to `out_slots` when given."""
         weight = self.conv1d.weight.squeeze(1)
-        conv_out = causal_conv_step(xbc, cache.conv_state, slots, weight, self.conv1d.bias)
+        conv_out = causal_conv_step(
+            xbc, cache.conv_state, slots, weight, self.conv1d.bias, out_slots
+        )
         x, B, C = self._split_xbc(conv_out)
         return dispatch.mamba_state_update(
             cache.ssm_state,
@@ -250,6 +269,7 @@ class Mamba2Mixer(nn.Module):
             C,
             self.D,
             dt_limit=self.config.time_step_limit,
+            out_slot_indices=out_slots,
         ).float()
 
 
