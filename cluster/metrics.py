@@ -146,6 +146,20 @@ class ServingMetrics:
             ["worker"],
             registry=r,
         )
+        self.spec_tokens = Gauge(
+            "disagg_spec_tokens",
+            "Speculative decoding per worker since it started: draft tokens verified "
+            "(drafted), accepted, and verifies run (one request's drafts in one step).",
+            ["worker", "kind"],
+            registry=r,
+        )
+        self.spec_acceptance = Gauge(
+            "disagg_spec_acceptance",
+            "Speculative decoding per worker and draft position (1 = the first draft): "
+            "the share of verifies reaching that position that accepted its draft.",
+            ["worker", "position"],
+            registry=r,
+        )
         self.dispatch_failures = Counter(
             "disagg_dispatch_failures",
             "Dispatches to a worker that failed (retried elsewhere while nothing was streamed).",
@@ -206,6 +220,20 @@ class ServingMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+    def record_speculation(self, worker: str, load: WorkerLoad) -> None:
+        """A worker's speculative decoding totals, as its load report gives them."""
+        for kind, value in (
+            ("drafted", load.spec_drafted),
+            ("accepted", load.spec_accepted),
+            ("verifies", load.spec_verifies),
+        ):
+            self.spec_tokens.labels(worker, kind).set(value)
+        for position, (drafted, accepted) in enumerate(
+            zip(load.spec_drafted_at, load.spec_accepted_at, strict=True), start=1
+        ):
+            rate = accepted / drafted if drafted else 0.0
+            self.spec_acceptance.labels(worker, str(position)).set(rate)
 
     def record_snapshots(self, worker: str, load: WorkerLoad) -> None:
         """A hybrid worker's snapshot store, as its load report gives it."""

@@ -268,6 +268,14 @@ class WorkerLoad:
     snapshot_resumed_tokens: int = 0
     num_snapshots: int = 0
     num_snapshot_slots: int = 0
+    # Speculative decoding since start: verifies (one request's, one step),
+    # drafts verified and accepted, and per draft position (1, 2, ...) the
+    # verifies that reached it and that accepted it.
+    spec_verifies: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_drafted_at: tuple[int, ...] = ()
+    spec_accepted_at: tuple[int, ...] = ()
     ranks: tuple[RankCacheUsage, ...] = ()
     # Engine steps run since start, and the wall seconds they took (the rest
     # of the worker's time its engine idled or waited for the event loop).

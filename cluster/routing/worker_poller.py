@@ -151,6 +151,8 @@ class WorkerPoller:
         state.end_poll()
         if load.num_snapshot_slots:
             metrics.record_snapshots(name, load)
+        if load.spec_drafted_at:
+            metrics.record_speculation(name, load)
         if batch.encoder_events or state.encoded_images:
             state.apply_encoder_events(batch.encoder_events)
             metrics.encoded_images.labels(name).set(len(state.encoded_images))
