@@ -12,6 +12,8 @@ managers fails here with one message, so nothing is started for it.
 
 With `context_servers.num_instances: 0` the plan is aggregated only: every
 generation instance runs whole requests (role "aggregated", no transceiver).
+With `speculative_config` set, the title says how the generation (or
+aggregated) instances draft; context instances never do.
 
 An instance of N tensor-parallel ranks shows its device as `cpu xN` and asks
 for its cpus once per rank; its blocks and slots are each rank's (every rank
@@ -31,7 +33,9 @@ from cluster.config.schema import (
     RoleSettings,
     SnapshotsConfig,
 )
+from cluster.config.speculation import describe_speculation, worker_speculation
 from engine.checkpoint_copy import CheckpointSource
+from engine.speculation.config import SpeculativeConfig, SpeculativeConfigError
 from engine.worker_config import WorkerConfig
 from kvcache.errors import CacheSizingError, ResolutionError
 from kvcache.hashing import cache_namespace
@@ -103,6 +107,9 @@ class InstancePlan:
     # Mamba snapshot policy where block reuse is on for a hybrid model.
     snapshots: SnapshotPolicy | None = None
     num_snapshot_bytes: int = 0  # what its snapshot slots take, per rank
+    num_verify_slots: int = 0  # Mamba scratch slots of speculative verifies (hybrids)
+    # How its worker drafts; None: no speculative decoding (every context instance).
+    speculative: SpeculativeConfig | None = None
 
     @property
     def device(self) -> str:
@@ -145,6 +152,7 @@ class InstancePlan:
             tensor_parallel_size=self.tensor_parallel_size,
             cpu_affinity=self.cpu_affinity,
             snapshots=self.snapshots,
+            speculative=self.speculative,
         )
 
 
@@ -319,9 +327,13 @@ def _instance(
     reuse = resolve_block_reuse(kv.enable_block_reuse, manager, spec.is_hybrid, snapshots)
     if not reuse:
         snapshots = None
+    speculative = _speculative(settings, source)
+    depth = 0 if speculative is None else speculative.num_speculative_tokens
     sizing = None
     if max_tokens is not None or memory_bytes is not None:
-        sizing = _size(spec, settings, max_tokens, memory_bytes, model_len, source, snapshots)
+        sizing = _size(
+            spec, settings, max_tokens, memory_bytes, model_len, source, snapshots, depth
+        )
     return InstancePlan(
         name=f"{settings.role}-{index}",
         role=settings.role,
@@ -350,7 +362,16 @@ def _instance(
         aggregated=transceiver == NO_TRANSCEIVER,
         snapshots=snapshots,
         num_snapshot_bytes=0 if sizing is None else sizing.snapshot_bytes,
+        num_verify_slots=0 if sizing is None else sizing.num_verify_slots,
+        speculative=speculative,
     )
+
+
+def _speculative(settings: RoleSettings, source: str) -> SpeculativeConfig | None:
+    try:
+        return worker_speculation(settings.speculative_config, settings.role)
+    except SpeculativeConfigError as exc:
+        raise ConfigError(f"{source}: {settings.role}_servers.speculative_config: {exc}") from exc
 
 
 def snapshot_policy(config: SnapshotsConfig, max_batch_size: int) -> SnapshotPolicy:
@@ -419,8 +440,10 @@ def _size(
     model_len: int,
     source: str,
     snapshots: SnapshotPolicy | None,
+    verify_depth: int = 0,
 ) -> CacheSizing:
-    """The blocks and slots the worker will build, with the worker's own rule."""
+    """The blocks and slots the worker will build, with the worker's own rule
+    (`verify_depth`: drafts a verify takes, for a hybrid's verify slots)."""
     try:
         return size_instance_cache(
             spec,
@@ -430,6 +453,7 @@ def _size(
             max_tokens=max_tokens,
             memory_bytes=memory_bytes,
             num_snapshot_slots=0 if snapshots is None else snapshots.num_slots,
+            verify_depth=verify_depth,
         )
     except CacheSizingError as exc:
         raise ConfigError(f"{source}: {settings.role}_servers.kv_cache: {exc}") from exc
@@ -447,15 +471,17 @@ def _dtype(value: str) -> str | None:
 
 
 def _slots_cell(instance: InstancePlan) -> str:
-    """Running Mamba slots, and the snapshot slots of hybrid reuse with their size."""
+    """Running Mamba slots, the snapshot slots of hybrid reuse with their
+    size, and the verify slots of speculative decoding."""
+    verify = f" + {instance.num_verify_slots} verify" if instance.num_verify_slots else ""
     if instance.snapshots is None:
-        return str(instance.num_mamba_slots)
+        return f"{instance.num_mamba_slots}{verify}"
     size = (
         f", {instance.num_snapshot_bytes / (1 << 20):.1f} MiB"
         if instance.num_snapshot_bytes
         else ""
     )
-    return f"{instance.num_mamba_slots} + {instance.snapshots.num_slots} snapshots{size}"
+    return f"{instance.num_mamba_slots} + {instance.snapshots.num_slots} snapshots{verify}{size}"
 
 
 def format_plan(plan: ClusterPlan) -> str:
@@ -493,4 +519,14 @@ def format_plan(plan: ClusterPlan) -> str:
             f"model {plan.checkpoint} ({plan.architecture}), aggregated only: no context "
             "instances, every request runs whole on a generation instance"
         )
-    return "\n".join([title, *(line.rstrip() for line in lines)])
+    return "\n".join([title + _speculation_note(plan), *(line.rstrip() for line in lines)])
+
+
+def _speculation_note(plan: ClusterPlan) -> str:
+    """`; speculative decoding on generation instances: ngram, ...`, or "" when off.
+    Only the generation role drafts, so one setting covers the plan."""
+    for instance in plan.instances:
+        if instance.speculative is not None:
+            how = describe_speculation(instance.speculative)
+            return f"; speculative decoding on {instance.worker_role} instances: {how}"
+    return ""

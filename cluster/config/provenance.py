@@ -7,6 +7,8 @@ see which of two places that could set a value actually did:
     generation_servers.kv_cache.memory_fraction = 0.05
         from generation_servers.kv_cache_config.free_gpu_memory_fraction
         (1.0 GiB of the 20.4 GiB this host gives each CPU rank)
+    generation_servers.speculative_config.num_speculative_tokens = 4
+        from generation_servers.speculative_config.max_draft_len
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from cluster.config.plan import ClusterPlan
 from cluster.config.schema import ROLES, ClusterConfig, LoadedConfig, ServerSectionConfig
+from cluster.config.speculation import CONTEXT_DOES_NOT_DRAFT, SpeculativeDecodingConfig
 
 # Settings a section takes from its own keys only.
 SECTION_ONLY = ("num_instances", "tensor_parallel_size", "num_gpus", "num_cpus")
@@ -63,6 +66,7 @@ def setting_sources(loaded: LoadedConfig) -> list[Source]:
         for name in SCALARS:
             origin = _scalar(config, section, role, name)
             rows.append(_row(loaded, role, name, getattr(settings, name), origin))
+        rows += _speculation(loaded, role, settings.speculative_config)
     return rows
 
 
@@ -85,6 +89,37 @@ def _row(loaded: LoadedConfig, role: str, name: str, value: Any, origin: str | N
     if written.split(".")[0] not in ROLES:
         written += " (top level)"
     return Source(setting, value, written)
+
+
+def _speculation(
+    loaded: LoadedConfig, role: str, block: SpeculativeDecodingConfig | None
+) -> list[Source]:
+    """One row when the role does not draft, else one per field. The block is
+    the section's when it sets one, else the top level's, whole: a field it
+    leaves out is the default, never the other block's."""
+    section: ServerSectionConfig = getattr(loaded.config, role)
+    if "speculative_config" in section.model_fields_set:
+        origin: str | None = f"{role}.speculative_config"
+    elif "speculative_config" in loaded.config.model_fields_set:
+        origin = "speculative_config"
+    else:
+        origin = None
+    if block is not None and role == "context_servers":
+        return [Source(f"{role}.speculative_config", None, CONTEXT_DOES_NOT_DRAFT)]
+    if block is None:
+        return [_row(loaded, role, "speculative_config", None, origin)]
+    replaced = origin != "speculative_config" and loaded.config.speculative_config is not None
+    rows = []
+    for name in SpeculativeDecodingConfig.model_fields:
+        value = getattr(block, name)
+        if name in block.model_fields_set:
+            rows.append(_row(loaded, role, f"speculative_config.{name}", value, f"{origin}.{name}"))
+        elif replaced:
+            why = f"default ({origin} replaces the top-level block whole)"
+            rows.append(Source(f"{role}.speculative_config.{name}", value, why))
+        else:
+            rows.append(_row(loaded, role, f"speculative_config.{name}", value, None))
+    return rows
 
 
 def _nested(config: ClusterConfig, role: str, block: str, name: str) -> str | None:

@@ -4,7 +4,10 @@ Top-level keys are defaults for both `context_servers` and
 `generation_servers`; a section may override the kv_cache, cache_transceiver
 and scheduler keys for its role. Setting one key to two *different* values at
 the top level and in a section is an error, because the reader cannot tell
-which one wins. `auto` values stay `auto` here; `cluster.config.plan.resolve_plan`
+which one wins. `speculative_config` is the exception: a section's block (or
+`null`, off) replaces the top-level one whole for that section, because one
+block describes one drafting method and its fields mean something only
+together. `auto` values stay `auto` here; `cluster.config.plan.resolve_plan`
 resolves them once at startup.
 
     model: checkpoints/tiny-llama
@@ -27,6 +30,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cluster.config.speculation import SpeculativeDecodingConfig
 from transfer.python.ucx_wire import UCX_INSTALL_HINT, ucx_importable
 
 ROLES = ("context_servers", "generation_servers")
@@ -157,6 +161,8 @@ class ServerSectionConfig(_Strict):
     cache_transceiver: CacheTransceiverConfig | None = None
     max_num_tokens: int | None = Field(default=None, gt=0)
     max_batch_size: int | None = Field(default=None, gt=0)
+    # Replaces the top-level block for this section when set (null: off here).
+    speculative_config: SpeculativeDecodingConfig | None = None
 
     @field_validator("resources")
     @classmethod
@@ -225,6 +231,8 @@ class RoleSettings(_Strict):
     max_num_tokens: int
     max_batch_size: int
     dtype: str
+    # As configured for the role; a context worker never drafts (see plan).
+    speculative_config: SpeculativeDecodingConfig | None = None
 
 
 class ClusterConfig(_Strict):
@@ -244,6 +252,8 @@ class ClusterConfig(_Strict):
     max_num_tokens: int = Field(default=2048, gt=0)
     max_batch_size: int = Field(default=32, gt=0)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # Speculative decoding on the instances that decode; None (or null): off.
+    speculative_config: SpeculativeDecodingConfig | None = None
     context_servers: ServerSectionConfig = ServerSectionConfig()
     generation_servers: ServerSectionConfig = ServerSectionConfig()
 
@@ -292,8 +302,19 @@ class ClusterConfig(_Strict):
             kv_cache=KvCacheConfig.model_validate(kv_cache),
             cache_transceiver=CacheTransceiverConfig.model_validate(transceiver),
             dtype=self.dtype,
+            speculative_config=_section_speculation(self, section),
             **scalars,
         )
+
+
+def _section_speculation(
+    top: ClusterConfig, section: ServerSectionConfig
+) -> SpeculativeDecodingConfig | None:
+    """The section's `speculative_config` when it sets one (`null` included),
+    else the top level's: the block is replaced whole, never merged."""
+    if "speculative_config" in section.model_fields_set:
+        return section.speculative_config
+    return top.speculative_config
 
 
 def _merge_scalar(top: ClusterConfig, section: ServerSectionConfig, name: str, key: str) -> Any:

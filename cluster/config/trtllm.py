@@ -6,6 +6,7 @@ A file is in this dialect when it uses any key only TensorRT-LLM has
 is validated as any disagg config (`cluster.config.schema`). Per key:
 
     translated   kv_cache_config.max_tokens        -> kv_cache.max_tokens
+                 speculative_config (NGram)        -> speculative_config (ngram)
     ignored      urls, backend: pytorch, ...       -> listed with the reason
     refused      pipeline_parallel_size: 2, ...    -> ConfigError naming it
     ours         num_gpus, kv_cache.manager, ...   -> kept: a file may mix in
@@ -39,12 +40,16 @@ from typing import Any
 from cluster.config.schema import ROLES, ConfigError, closest_key_hint, native_keys_at
 from cluster.config.trtllm_keys import (
     BACKENDS,
+    CONTEXT_SPECULATION,
     CONVERSATION_NOTE,
     KV_IGNORED,
     KV_KEYS,
     KV_REFUSED,
     MAMBA_STATE_KEYS,
     MAMBA_STATE_REFUSED,
+    NGRAM_IGNORED,
+    NGRAM_KEYS,
+    NGRAM_MATCH_DEFAULT,
     ONE_ONLY,
     ROUTER_IGNORED,
     ROUTER_TYPES,
@@ -56,6 +61,7 @@ from cluster.config.trtllm_keys import (
     TRANSCEIVER_IGNORED,
     WORKER_IGNORED,
     WORKER_REFUSED,
+    refused_decoding_type,
 )
 
 DIALECT = "tensorrt-llm"
@@ -108,14 +114,19 @@ class Translation:
 
 def is_trtllm(raw: dict[str, Any]) -> bool:
     """Whether the mapping uses any key (or router type) only TensorRT-LLM has,
-    or is one of its metadata server configs (which `translate` names)."""
+    a `speculative_config` with its `decoding_type`, or is one of its metadata
+    server configs (which `translate` names)."""
     if set(raw) & (TOP_KEYS - set(native_keys_at(()))) or "server_type" in raw:
         return True
     router = raw.get("router")
     if isinstance(router, dict) and router.get("type") in set(ROUTER_TYPES) - {"round_robin"}:
         return True
+    sections = [raw[s] for s in ROLES if isinstance(raw.get(s), dict)]
+    speculative = [scope.get("speculative_config") for scope in (raw, *sections)]
+    if any(isinstance(block, dict) and "decoding_type" in block for block in speculative):
+        return True
     section_only = SECTION_KEYS - set(native_keys_at(("context_servers",)))
-    return any(isinstance(raw.get(s), dict) and set(raw[s]) & section_only for s in ROLES)
+    return any(set(section) & section_only for section in sections)
 
 
 def translate(raw: dict[str, Any], source: str = "<config>") -> Translation:
@@ -209,6 +220,8 @@ class _Translator:
             self._transceiver(scope, self._mapping(where, value), where)
         elif key == "free_gpu_memory_fraction":
             self._fraction(scope, value, where, PLAIN)
+        elif key == "speculative_config":
+            self._speculative(scope, value, where)
         elif key == "router" and not scope:
             self._router(value, where)
         elif key in ONE_ONLY:
@@ -260,6 +273,48 @@ class _Translator:
                     self.errors.append(f"{self.source}:{written}: {MAMBA_STATE_REFUSED[key]}")
             else:
                 self._unknown(written, key, [*MAMBA_STATE_KEYS, *MAMBA_STATE_REFUSED])
+
+    def _speculative(self, scope: tuple[str, ...], value: Any, where: str) -> None:
+        """TensorRT-LLM's NGram decoding config onto our `speculative_config`;
+        a block in our keys (no `decoding_type`) is kept as ours."""
+        if value is None:  # no speculative decoding, as when absent
+            return
+        if scope == ("context_servers",):
+            self._ignore(where, CONTEXT_SPECULATION)
+            return
+        block = self._mapping(where, value)
+        path = (*scope, "speculative_config")
+        if "decoding_type" not in block:
+            if block and not set(block) & {*NGRAM_KEYS, *NGRAM_IGNORED}:
+                self._ours(path, block, where)
+            else:
+                self.errors.append(
+                    f"{self.source}:{where}: has no decoding_type; TensorRT-LLM needs one: "
+                    "set decoding_type: NGram"
+                )
+            return
+        kind, written_kind = block["decoding_type"], f"{where}.decoding_type"
+        if str(kind).lower() != "ngram":
+            self.errors.append(f"{self.source}:{written_kind}: {refused_decoding_type(kind)}")
+            return
+        if "max_draft_len" not in block:
+            self.errors.append(
+                f"{self.source}:{where}: NGram needs max_draft_len (the drafts a step, > 0), "
+                "as in TensorRT-LLM"
+            )
+        # TensorRT-LLM tries n-gram sizes from the largest down to 1.
+        self._put((*path, "method"), "ngram", written_kind, TRTLLM, kind)
+        self._put((*path, "prompt_lookup_min"), 1, written_kind, TRTLLM, kind)
+        if "max_matching_ngram_size" not in block:
+            self._put((*path, "prompt_lookup_max"), NGRAM_MATCH_DEFAULT, written_kind, TRTLLM, kind)
+        for key, item in block.items():
+            written = f"{where}.{key}"
+            if key in NGRAM_KEYS:
+                self._put((*path, NGRAM_KEYS[key]), item, written, TRTLLM)
+            elif key in NGRAM_IGNORED:
+                self._ignore(written, NGRAM_IGNORED[key])
+            elif key != "decoding_type":
+                self._unknown(written, key, ["decoding_type", *NGRAM_KEYS, *NGRAM_IGNORED])
 
     def _transceiver(self, scope: tuple[str, ...], block: dict[str, Any], where: str) -> None:
         for key, value in block.items():

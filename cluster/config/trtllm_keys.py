@@ -149,7 +149,6 @@ ROUTER_IGNORED = {
 
 _NOT_HERE = "is not supported here; remove it"
 WORKER_REFUSED = {
-    "speculative_config": f"speculative decoding {_NOT_HERE}",
     "lora_config": f"LoRA {_NOT_HERE}",
     "enable_lora": f"LoRA {_NOT_HERE}",
 }
@@ -159,6 +158,76 @@ KV_REFUSED = {
     "max_gpu_total_bytes": "a cache budget in bytes is not supported here; "
     "use kv_cache_config.max_tokens or free_gpu_memory_fraction",
 }
+# speculative_config with decoding_type NGram -> our speculative_config (method
+# ngram). TensorRT-LLM looks up n-grams from max_matching_ngram_size down to
+# 1, so prompt_lookup_min is 1.
+NGRAM_KEYS = {
+    "max_draft_len": "num_speculative_tokens",
+    "max_matching_ngram_size": "prompt_lookup_max",
+}
+NGRAM_MATCH_DEFAULT = 2  # TensorRT-LLM's max_matching_ngram_size when unset
+_NO_POOL = "drafts follow the latest earlier match of the sequence's own last n tokens"
+_PER_REQUEST = (
+    "each request's draft length follows its own acceptance here, growing after a fully "
+    "accepted verify and pausing after repeated misses (engine.speculation.drafts)"
+)
+_EXACT = (
+    "a verify step keeps plain decoding's output for greedy and sampled requests alike: "
+    "drafts count while they equal the tokens it samples (engine.speculation.verify)"
+)
+_NO_DRAFT_MODEL = "n-gram drafting uses no draft model"
+NGRAM_IGNORED = {
+    "is_keep_all": f"{_NO_POOL}: there is no pool of matches to keep",
+    "is_use_oldest": f"{_NO_POOL} (TensorRT-LLM's default is the oldest)",
+    "is_public_pool": "each request drafts from its own tokens only (TensorRT-LLM's default "
+    "pool is shared by all requests)",
+    "max_total_draft_tokens": "n-gram drafts are one chain of max_draft_len tokens "
+    "(TensorRT-LLM sets it so for NGram too)",
+    "max_concurrency": _PER_REQUEST,
+    "draft_len_schedule": _PER_REQUEST,
+    "acceptance_window": _PER_REQUEST,
+    "acceptance_length_threshold": _PER_REQUEST,
+    "use_rejection_sampling": _EXACT,
+    "allow_advanced_sampling": _EXACT,
+    "speculative_model": _NO_DRAFT_MODEL,
+    "speculative_model_dir": _NO_DRAFT_MODEL,
+    "load_format": _NO_DRAFT_MODEL,
+}
+# Context workers sample only a request's first token; drafting runs where decoding does.
+CONTEXT_SPECULATION = (
+    "context workers sample only a request's first token; drafting runs on the generation "
+    "workers (set speculative_config there or at the top level)"
+)
+_ONLY_NGRAM = (
+    "use decoding_type: NGram (prompt lookup, no draft model) or remove speculative_config"
+)
+# decoding_type (any case) -> what it is, for the refusal.
+DECODING_TYPES_REFUSED = {
+    "mtp": "MTP drafting (the model's multi-token prediction layers, as in Nemotron-H) "
+    "is not available in this build yet",
+    "eagle": "EAGLE draft heads are not available here",
+    "eagle3": "EAGLE-3 draft heads are not available here",
+    "medusa": "Medusa heads are not available here",
+    "lookahead": "lookahead decoding is not available here",
+    "draft_target": "a separate draft model is not available here",
+    "drafttarget": "a separate draft model is not available here",
+    "user_provided": "a user-provided drafter is not available here",
+    "userprovided": "a user-provided drafter is not available here",
+    "auto": "TensorRT-LLM's automatic choice is not available here",
+    "sa": "suffix automaton drafting is not available here",
+    "pard": "PARD parallel drafting is not available here",
+    "dflash": "DFlash drafting is not available here",
+}
+
+
+def refused_decoding_type(decoding_type: object) -> str:
+    """What to change for a speculative_config.decoding_type other than NGram."""
+    what = DECODING_TYPES_REFUSED.get(str(decoding_type).lower())
+    if what is None:
+        return f"{decoding_type!r} is not a decoding type; {_ONLY_NGRAM}"
+    return f"{decoding_type}: {what}; {_ONLY_NGRAM}"
+
+
 # Must be 1: these split one instance over devices in ways not implemented here.
 ONE_ONLY = {"pipeline_parallel_size": "pipeline", "context_parallel_size": "context"}
 
@@ -182,6 +251,7 @@ MAMBA_STATE_REFUSED = {
 }
 TOP_KEYS = {
     "kv_cache_config",
+    "speculative_config",
     "cache_transceiver_config",
     "conditional_disagg_config",
     "free_gpu_memory_fraction",
@@ -193,6 +263,7 @@ TOP_KEYS = {
 }
 SECTION_KEYS = {
     "kv_cache_config",
+    "speculative_config",
     "cache_transceiver_config",
     "free_gpu_memory_fraction",
     "router",

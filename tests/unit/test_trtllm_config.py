@@ -26,6 +26,7 @@ from cluster.config.schema import (
     read_config,
 )
 from cluster.config.trtllm import is_trtllm, translate
+from engine.speculation.config import SpeculativeConfig
 from transfer.nixl.agent import nixl_available
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,6 +79,10 @@ PLANS: dict[str, list[tuple[str, ...]]] = {
     "nemotron-h-default.yaml": [
         ("context-0", "v2", "python", "16", "129", "64 + 32 snapshots, 0.3 MiB", "cpu", "1"),
         ("generation-0", "v2", "python", "16", "129", "64 + 32 snapshots, 0.3 MiB", "cpu", "1"),
+    ],
+    "ngram-speculative.yaml": [
+        ("context-0", "v1", "python", "16", "129", "0", "cpu", "1"),
+        ("generation-0", "v1", "python", "16", "129", "0", "cpu", "1"),
     ],
 }
 
@@ -182,6 +187,25 @@ TRANSLATIONS: dict[str, tuple[dict[str, Any], set[str]]] = {
     "nemotron-h-default.yaml": (
         {"kv_cache.enable_block_reuse": True, "cache_transceiver.backend": "auto"},
         {"backend", "kv_cache_config.mamba_ssm_cache_dtype"},
+    ),
+    "ngram-speculative.yaml": (
+        {
+            "generation_servers.speculative_config.method": "ngram",
+            "generation_servers.speculative_config.num_speculative_tokens": 4,
+            "generation_servers.speculative_config.prompt_lookup_min": 1,
+            "generation_servers.speculative_config.prompt_lookup_max": 3,
+        },
+        {
+            "backend",
+            "disable_overlap_scheduler",
+            # A context worker samples only the first token: it never drafts.
+            "context_servers.speculative_config",
+            "generation_servers.speculative_config.is_keep_all",
+            "generation_servers.speculative_config.is_use_oldest",
+            "generation_servers.speculative_config.is_public_pool",
+            "context_servers.urls",
+            "generation_servers.urls",
+        },
     ),
 }
 
@@ -611,3 +635,103 @@ def test_a_file_that_is_not_a_disaggregated_config_says_what_it_looks_like() -> 
     assert is_trtllm(etcd)
     with pytest.raises(ConfigError, match="looks like a metadata server config"):
         translate(etcd, "etcd_config.yaml")
+
+
+# -- speculative_config: NGram translated, every other decoding type refused --
+
+
+def test_ngram_becomes_our_ngram_speculation_on_the_generation_workers(
+    checkpoints: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    loaded = read_config(CONFIGS / "ngram-speculative.yaml")
+    config = loaded.config.model_copy(update={"model": str(checkpoints["llama"])})
+    context, generation = resolve_plan(config).instances
+    assert context.speculative is None
+    assert generation.speculative == SpeculativeConfig(
+        "ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3
+    )
+    code, out = _check(CONFIGS / "ngram-speculative.yaml", checkpoints["llama"], capsys)
+    assert code == 0, out
+    lines = out.splitlines()
+    assert lines[0].endswith(
+        "; speculative decoding on generation instances: ngram, 4 drafts a step from n-grams "
+        "of 3 down to 1"
+    )
+    spec = "  generation_servers.speculative_config"
+    assert f"{spec}.num_speculative_tokens = 4  <- {spec[2:]}.max_draft_len" in lines
+    assert f"{spec}.prompt_lookup_max = 3  <- {spec[2:]}.max_matching_ngram_size" in lines
+    assert f"{spec}.method = 'ngram'  <- {spec[2:]}.decoding_type" in lines
+    assert f"{spec}.prompt_lookup_min = 1  <- {spec[2:]}.decoding_type" in lines
+
+
+def test_a_top_level_ngram_block_is_inherited_and_max_matching_defaults_as_there() -> None:
+    block = {"decoding_type": "NGram", "max_draft_len": 2}
+    translation = translate({"model": "m", "speculative_config": block}, "t.yaml")
+    assert translation.native["speculative_config"] == {
+        "method": "ngram",
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 2,  # TensorRT-LLM's max_matching_ngram_size default
+        "num_speculative_tokens": 2,
+    }
+    assert translation.ignored == ()
+    config = config_from_dict(translation.native)
+    assert config.role_settings("generation_servers").speculative_config is not None
+    # Our keys in a TensorRT-LLM file are kept as ours.
+    ours = _translate({"backend": "pytorch", "speculative_config": {"num_speculative_tokens": 5}})
+    assert ours.speculative_config.num_speculative_tokens == 5
+
+
+def test_a_speculative_config_with_a_decoding_type_marks_the_dialect() -> None:
+    block = {"decoding_type": "NGram", "max_draft_len": 2}
+    assert is_trtllm({"model": "m", "generation_servers": {"speculative_config": block}})
+    assert not is_trtllm({"model": "m", "speculative_config": {"num_speculative_tokens": 2}})
+
+
+@pytest.mark.parametrize(
+    ("block", "message"),
+    [
+        (
+            {"decoding_type": "MTP", "num_nextn_predict_layers": 1},
+            "speculative_config.decoding_type: MTP: MTP drafting .* is not available in this "
+            "build yet; use decoding_type: NGram",
+        ),
+        (
+            {"decoding_type": "Eagle3", "max_draft_len": 3, "speculative_model": "d"},
+            "speculative_config.decoding_type: Eagle3: EAGLE-3 draft heads are not available "
+            "here; use decoding_type: NGram",
+        ),
+        (
+            {"decoding_type": "Guess"},
+            "speculative_config.decoding_type: 'Guess' is not a decoding type; use "
+            "decoding_type: NGram",
+        ),
+        ({"decoding_type": "NGram"}, "speculative_config: NGram needs max_draft_len"),
+        ({"max_draft_len": 3}, "speculative_config: has no decoding_type; .*NGram"),
+        (
+            {"decoding_type": "NGram", "max_draft_len": 3, "max_matching_ngram": 2},
+            "speculative_config.max_matching_ngram: unknown key; did you mean "
+            "'max_matching_ngram_size'",
+        ),
+        (
+            {"decoding_type": "NGram", "max_draft_len": 0},
+            r"speculative_config.max_draft_len \(our \S*num_speculative_tokens\): .* 1",
+        ),
+    ],
+)
+def test_other_decoding_types_and_bad_ngram_keys_are_refused_by_name(
+    block: dict[str, Any], message: str
+) -> None:
+    for where, raw in (
+        ("", {"speculative_config": block}),
+        ("generation_servers.", {"generation_servers": {"speculative_config": block}}),
+    ):
+        with pytest.raises(ConfigError, match=f"t.yaml:{where}{message}"):
+            _translate(raw)
+
+
+def test_a_context_section_block_is_listed_as_ignored_not_translated() -> None:
+    block = {"decoding_type": "MTP"}
+    translation = translate({"model": "m", "context_servers": {"speculative_config": block}})
+    assert "speculative_config" not in translation.native.get("context_servers", {})
+    reasons = {item.key: item.reason for item in translation.ignored}
+    assert "first token" in reasons["context_servers.speculative_config"]

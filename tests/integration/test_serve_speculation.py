@@ -1,0 +1,140 @@
+"""Speculative decoding served: n-gram drafts on a Llama and on a
+Nemotron-H hybrid, aggregated and 1P1D over each transceiver, through the
+OpenAI API.
+
+Prompts repeat a passage and ask for more of it; every answer equals
+transformers' greedy continuation of the same token ids (each token from a
+full forward of the sequence so far) with logprobs within 1e-4, streamed
+answers equal whole ones, and /metrics shows the drafts the generation side
+verified (on the Llama, accepted ones too).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.serve_process import ServeProcess, start_serve, stop_group
+from transfer.nixl.agent import nixl_available
+
+NEW_TOKENS = 16
+LOGPROB_TOLERANCE = 1e-4
+
+MODES = {
+    "aggregated": {"context_servers": {"num_instances": 0}},
+    "1p1d-python": {"cache_transceiver": {"backend": "python"}},
+    "1p1d-nixl": {"cache_transceiver": {"backend": "nixl"}},
+}
+CASES = [(arch, mode) for arch in ("llama", "nemotron_h") for mode in MODES]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{a}-{m}" for a, m in CASES])
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path, ServeProcess]]:
+    from models.embedded.writer import ensure_checkpoint
+
+    arch, mode = request.param
+    if mode == "1p1d-nixl" and not nixl_available():
+        pytest.fail("the nixl package is part of the project's install; it must import")
+    checkpoint = ensure_checkpoint(tmp_path_factory.getbasetemp() / f"spec-{arch}", arch, "tiny")
+    config = {
+        "model": str(checkpoint),
+        "conditional_disagg": {"max_local_prefill_length": 0},
+        "kv_cache": {"max_tokens": 2048},
+        "max_batch_size": 4,
+        "context_servers": {"num_instances": 1},
+        "generation_servers": {"num_instances": 1},
+        "speculative_config": {
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        },
+    }
+    for key, value in MODES[mode].items():
+        config[key] = {**config.get(key, {}), **value}
+    path = tmp_path_factory.mktemp(f"{arch}-{mode}") / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    running = start_serve(path, checkpoint)
+    try:
+        yield mode, checkpoint, running
+    finally:
+        stop_group(running.process)
+
+
+def full_forward_greedy(
+    model: torch.nn.Module, prompt: list[int], new_tokens: int
+) -> tuple[list[int], list[float]]:
+    ids, logprobs = list(prompt), []
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            scores = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+            ids.append(int(scores.argmax()))
+            logprobs.append(float(scores[ids[-1]]))
+    return ids[len(prompt) :], logprobs
+
+
+def spec_totals(url: str) -> dict[str, float]:
+    """`disagg_spec_tokens` summed over workers, by kind."""
+    base = url.removesuffix("/v1")
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    totals: dict[str, float] = {}
+    for kind, value in re.findall(
+        r'^disagg_spec_tokens\{[^}]*kind="(\w+)"[^}]*\} (\S+)$', text, re.M
+    ):
+        totals[kind] = totals.get(kind, 0.0) + float(value)
+    return totals
+
+
+def test_answers_equal_transformers_with_drafts_verified(
+    server: tuple[str, Path, ServeProcess],
+) -> None:
+    mode, checkpoint, running = server
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=120)
+    rng = random.Random(3)
+    for n in range(3):
+        passage = [rng.randrange(10, 400) for _ in range(24 + 4 * n)]
+        prompt = passage + passage[:5]
+        want, want_logprobs = full_forward_greedy(model, prompt, NEW_TOKENS)
+        reply = client.completions.create(
+            model=checkpoint.name,
+            prompt=prompt,
+            max_tokens=NEW_TOKENS,
+            temperature=0,
+            logprobs=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+        )
+        text = tokenizer.decode(want, skip_special_tokens=True)
+        choice = reply.choices[0]
+        served = choice.logprobs
+        assert served is not None and served.token_logprobs is not None
+        assert served.tokens == [f"token_id:{t}" for t in want], (mode, n)
+        assert choice.text == text
+        gaps = [abs(a - b) for a, b in zip(served.token_logprobs, want_logprobs, strict=True)]
+        assert max(gaps) < LOGPROB_TOLERANCE, (mode, n, gaps)
+        stream = client.completions.create(
+            model=checkpoint.name,
+            prompt=prompt,
+            max_tokens=NEW_TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == text
+    totals = spec_totals(running.url)
+    assert totals.get("drafted", 0) > 0, totals
+    if checkpoint.name.endswith("llama"):
+        assert totals.get("accepted", 0) > 0, totals
