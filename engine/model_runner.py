@@ -299,14 +299,16 @@ class ModelRunner:
     def _rewind(self, request: Any, drawn: int, used: int) -> None:
         """A seeded sampled request drew `drawn` values for the rows of its
         verify and keeps `used` tokens: leave its generator as `used` plain
-        steps would have (`_uniform_draws` takes one value per row)."""
+        steps would have (one `draw_uniform` per row)."""
+        from engine.sampling import draw_uniform
+
         state = self._verify_states.pop(request.request_id, None)
         generator = self.generators.get(request.request_id)
         if state is None or generator is None or used == drawn:
             return
         generator.set_state(state)
         for _ in range(used):
-            torch.rand(1, dtype=torch.float64, generator=generator, device=generator.device)
+            draw_uniform(generator)
 
     def follow(self, step: StepInput) -> None:
         """Run rank 0's `step` on this rank's shard (ranks 1.. of a

@@ -355,9 +355,14 @@ def _uniform_draws(
     draws = torch.rand(len(params), dtype=torch.float64)
     for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
         if generator is not None and not p.is_greedy:
-            own = torch.rand(1, dtype=torch.float64, generator=generator, device=generator.device)
-            draws[row] = own.item()
+            draws[row] = draw_uniform(generator)
     return draws.to(device)
+
+
+def draw_uniform(generator: torch.Generator) -> float:
+    """One U[0, 1) value from a seeded row's generator: what a sampling step
+    takes from it per row (`_uniform_draws`)."""
+    return torch.rand(1, dtype=torch.float64, generator=generator, device=generator.device).item()
 
 
 def _finite_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -92,6 +92,12 @@ class StepShape:
         return tuple(i for i, slots in enumerate(self.verify_slots) if slots)
 
     @functools.cached_property
+    def scan_seqs(self) -> tuple[int, ...]:
+        """Prompt chunks that run the Mamba chunked scan: every chunk but a verify."""
+        verifying = set(self.verify_seqs)
+        return tuple(i for i in self.chunk_seqs if i not in verifying)
+
+    @functools.cached_property
     def fresh_seqs(self) -> tuple[int, ...]:
         """Sequences with nothing in the cache yet (their Mamba state starts at zero)."""
         return tuple(i for i, ctx in enumerate(self.context_lens) if ctx == 0)

@@ -204,10 +204,7 @@ class Mamba2Mixer(nn.Module):
             at = verify.rows
             y[at] = self._step(xbc[at], dt_raw[at], verify.read_slots, cache, verify.write_slots)
         starts = shape.query_start_loc
-        verifying = set(shape.verify_seqs)
-        for i in shape.chunk_seqs:
-            if i in verifying:
-                continue
+        for i in shape.scan_seqs:
             start, end = starts[i], starts[i + 1]
             y[start:end] = self._prefill(
                 xbc[start:end], dt_raw[start:end], shape.mamba_slots[i], cache

@@ -25,6 +25,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.greedy_reference import full_forward_greedy
 from tests.serve_process import ServeProcess, start_serve, stop_group
 from transfer.nixl.agent import nixl_available
 
@@ -72,19 +73,6 @@ def server(
         yield mode, running
     finally:
         stop_group(running.process)
-
-
-def full_forward_greedy(
-    model: torch.nn.Module, prompt: list[int], new_tokens: int
-) -> tuple[list[int], list[float]]:
-    """Greedy tokens and their logprobs, each from a full forward of the sequence so far."""
-    ids, logprobs = list(prompt), []
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            scores = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
-            ids.append(int(scores.argmax()))
-            logprobs.append(float(scores[ids[-1]]))
-    return ids[len(prompt) :], logprobs
 
 
 def test_each_turn_equals_transformers_and_resumes_where_the_last_left_off(
