@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.greedy_reference import full_forward_greedy
 from tests.serve_process import ServeProcess, start_serve, stop_group
 from transfer.nixl.agent import nixl_available
 
@@ -70,18 +72,6 @@ def server(
         yield mode, checkpoint, running
     finally:
         stop_group(running.process)
-
-
-def full_forward_greedy(
-    model: torch.nn.Module, prompt: list[int], new_tokens: int
-) -> tuple[list[int], list[float]]:
-    ids, logprobs = list(prompt), []
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            scores = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
-            ids.append(int(scores.argmax()))
-            logprobs.append(float(scores[ids[-1]]))
-    return ids[len(prompt) :], logprobs
 
 
 def spec_totals(url: str) -> dict[str, float]:
@@ -134,7 +124,15 @@ def test_answers_equal_transformers_with_drafts_verified(
             extra_body={"ignore_eos": True},
         )
         assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == text
-    totals = spec_totals(running.url)
+    # The router reports what it last polled from the workers: wait for the
+    # report of the requests above (their totals stop growing).
+    totals, deadline = spec_totals(running.url), time.monotonic() + 30
+    while time.monotonic() < deadline:
+        time.sleep(1.5)
+        latest = spec_totals(running.url)
+        if latest == totals and totals.get("verifies", 0) > 0:
+            break
+        totals = latest
     assert totals.get("drafted", 0) > 0, totals
     if checkpoint.name.endswith("llama"):
         assert totals.get("accepted", 0) > 0, totals
