@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "mtp")
+# Methods whose drafter is a part of the model that also runs on context
+# workers (the first drafts travel with the first token).
+MODEL_METHODS = ("mtp",)
 # The most drafts one step verifies per request: the verify rows of a
 # request grow the step's logits and, on a hybrid model, its Mamba scratch
 # slots (one per draft position and batch row).
@@ -19,7 +22,9 @@ class SpeculativeConfigError(ValueError):
 class SpeculativeConfig:
     """How a worker drafts and how many tokens it verifies a step.
 
-    method: "ngram" (prompt lookup over the request's own tokens).
+    method: "ngram" (prompt lookup over the request's own tokens) or "mtp"
+        (the checkpoint's multi-token-prediction layers, run after every
+        forward on the target's hidden states; `engine.speculation.mtp`).
     num_speculative_tokens: drafts verified per request and step (k).
     prompt_lookup_min / prompt_lookup_max: the n-gram sizes tried, longest
         first: the sequence's last n tokens are looked up in its earlier
@@ -30,6 +35,12 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+
+    @property
+    def uses_model(self) -> bool:
+        """Drafts come from the model's own layers (which then run on every
+        role, and whose attention KV lives in the paged cache)."""
+        return self.method in MODEL_METHODS
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
