@@ -80,10 +80,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from types import FrameType
+from typing import TypeVar
 
 import httpx
 
@@ -118,6 +121,9 @@ WARMUP_PROMPTS = 16
 WARMUP_SEED = 0
 # max_model_len over prompt + output: a random prompt re-tokenizes to a few more tokens.
 LENGTH_MARGIN = 64
+REASON_CHARS = 120  # of a failure's first line, in its row
+RunT = TypeVar("RunT")  # what one row of a server's turn measures (`serve_runs`)
+RowT = TypeVar("RowT")
 
 
 @dataclass(frozen=True)
@@ -136,19 +142,38 @@ def rate_seeds(rates: Sequence[str], base_seed: int) -> list[tuple[str, int]]:
     return [(rate, base_seed + 1 + i) for i, rate in enumerate(rates)]
 
 
+def random_dataset(workload: Workload) -> list[str]:
+    """`vllm bench serve`'s arguments for the random workload: token-id
+    prompts of `input_len` on `/v1/completions`, `output_len` out, EOS ignored."""
+    return [
+        *("--backend", "openai", "--dataset-name", "random"),
+        *("--random-input-len", str(workload.input_len)),
+        *("--random-output-len", str(workload.output_len), "--ignore-eos"),
+    ]
+
+
 def bench_command(
-    setup: Setup, model_id: str, workload: Workload, rate: str, seed: int, out: Path
+    setup: Setup,
+    model_id: str,
+    workload: Workload,
+    rate: str,
+    seed: int,
+    out: Path,
+    dataset: Sequence[str] | None = None,
 ) -> list[str]:
-    """`vllm bench serve`'s command line, pinned to the serving CPUs where the setup has them."""
+    """`vllm bench serve`'s command line, pinned to the serving CPUs where the setup has them.
+
+    dataset: the arguments that say what is sent (backend, dataset and its
+        lengths, sampling); None: `random_dataset(workload)`.
+    """
     argv = [
         vllm_executable(setup),
-        *("bench", "serve", "--backend", "openai", "--base-url", setup.url),
-        *("--model", model_id, "--tokenizer", str(setup.model), "--dataset-name", "random"),
-        *("--random-input-len", str(workload.input_len)),
-        *("--random-output-len", str(workload.output_len)),
-        *("--num-prompts", str(workload.num_prompts), "--ignore-eos"),
+        *("bench", "serve", "--base-url", setup.url),
+        *("--model", model_id, "--tokenizer", str(setup.model)),
+        *(random_dataset(workload) if dataset is None else dataset),
+        *("--num-prompts", str(workload.num_prompts)),
         *("--request-rate", rate, "--seed", str(seed)),
-        *("--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99"),
+        *("--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99"),
         *("--save-result", "--result-dir", str(out.parent), "--result-filename", out.name),
         "--disable-tqdm",
     ]
@@ -156,9 +181,15 @@ def bench_command(
 
 
 def run_client(
-    setup: Setup, workload: Workload, rate: str, seed: int, name: str, timeout_s: float
+    setup: Setup,
+    workload: Workload,
+    rate: str,
+    seed: int,
+    name: str,
+    timeout_s: float,
+    dataset: Sequence[str] | None = None,
 ) -> Measurement:
-    """`vllm bench serve` once against the server at `setup.url`."""
+    """`vllm bench serve` once against the server at `setup.url` (`dataset`: see `bench_command`)."""
     # The model id the server lists (the client's own lookup needs vLLM's extra "root" field).
     model_id = httpx.get(setup.url + "/v1/models", timeout=30).json()["data"][0]["id"]
     out = setup.workdir / f"{name}.json"
@@ -166,7 +197,7 @@ def run_client(
     env = vllm_env(setup, setup.cpus)
     with setup.log(f"{name}.client").open("ab") as log:
         code = subprocess.run(
-            bench_command(setup, model_id, workload, rate, seed, out),
+            bench_command(setup, model_id, workload, rate, seed, out, dataset),
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -203,44 +234,119 @@ def wait_ready(launch: Launch, index: int, timeout_s: float) -> None:
     raise RuntimeError(f"{proc.name} not ready after {timeout_s:.0f} s; log {proc.log_path}")
 
 
+@contextmanager
+def running(launch: Launch, startup_timeout_s: float) -> Iterator[None]:
+    """`launch`'s processes started and each ready; on leaving (a failure
+    or Ctrl-C included) all stopped, last first, and their ports free again.
+    `PortBusy` when a port is held before they start."""
+    check_ports_free(launch.ports)
+    try:
+        for proc in launch.processes:
+            proc.start()
+        for i in range(len(launch.processes)):
+            wait_ready(launch, i, startup_timeout_s)
+        yield
+    finally:
+        for proc in reversed(launch.processes):
+            proc.stop()
+        check_ports_free(launch.ports)
+
+
+def failure_reason(exc: BaseException) -> str:
+    """A failure's first line, short enough for a table cell."""
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:REASON_CHARS]
+
+
+def serve_runs(
+    launch: Launch,
+    startup_timeout_s: float,
+    warm_up: Callable[[], None],
+    runs: Sequence[RunT],
+    measure: Callable[[RunT], RowT],
+    failed: Callable[[RunT, str], RowT],
+) -> list[RowT]:
+    """One server's turn: `launch` started (`running`), `warm_up()`, the
+    row `measure(run)` for each of `runs`, and stopped.
+
+    Where the server or the client fails (exits, times out, an HTTP error)
+    the turn ends there: each run not measured yet is `failed(run, reason)`
+    and the caller goes on to its next server. `PortBusy` and Ctrl-C end the
+    whole benchmark (`measure_each`).
+    """
+    started = time.monotonic()
+    rows: list[RowT] = []
+    try:
+        with running(launch, startup_timeout_s):
+            print(f"   up in {time.monotonic() - started:.0f} s", flush=True)
+            warm_up()
+            for run in runs:
+                rows.append(measure(run))
+    except (RuntimeError, subprocess.TimeoutExpired, OSError, httpx.HTTPError) as exc:
+        if isinstance(exc, PortBusy):
+            raise
+        print(f"   failed: {exc}", flush=True)
+        rows += [failed(run, failure_reason(exc)) for run in runs[len(rows) :]]
+    return rows
+
+
+def measure_each(
+    turns: Iterable[Callable[[], list[RowT]]], format_rows: Callable[[list[RowT]], str]
+) -> tuple[list[RowT], int | None]:
+    """Each turn's rows, one turn after another, and None when all ran; else
+    the rows so far and the exit code, once it printed why it stopped and
+    `format_rows` of them: 130 on Ctrl-C (or SIGTERM, `stop_on_sigterm`), 1
+    when a server's port is held. Every server started is stopped either way
+    (`running`)."""
+    rows: list[RowT] = []
+    try:
+        for turn in turns:
+            rows += turn()
+    except KeyboardInterrupt:
+        print("\ninterrupted; every server started is stopped. Rows so far:\n")
+        print(format_rows(rows))
+        return rows, 130
+    except PortBusy as exc:
+        print(f"\nstopped: {exc}. Rows so far:\n")
+        print(format_rows(rows))
+        return rows, 1
+    return rows, None
+
+
+def server_roots(launch: Launch) -> list[int]:
+    """The pids of `launch`'s started processes, roots of the trees whose CPU is counted."""
+    return [proc.process.pid for proc in launch.processes if proc.process is not None]
+
+
 def serve_and_measure(
     key: str, setup: Setup, workload: Workload, rates: Sequence[str], args: argparse.Namespace
 ) -> list[Row]:
     launch = TARGETS[key](setup)
     print(f"== {key}: {launch.label}", flush=True)
-    check_ports_free(launch.ports)
-    started = time.monotonic()
-    try:
-        for proc in launch.processes:
-            proc.start()
-        for i in range(len(launch.processes)):
-            wait_ready(launch, i, args.startup_timeout)
-        print(f"   up in {time.monotonic() - started:.0f} s", flush=True)
+
+    def warm_up() -> None:
         warm = Workload(workload.input_len, workload.output_len, WARMUP_PROMPTS, WARMUP_SEED)
         run_client(setup, warm, "inf", WARMUP_SEED, f"{key}-warmup", args.client_timeout)
-        rows = []
-        roots = [proc.process.pid for proc in launch.processes if proc.process is not None]
-        for rate, seed in rate_seeds(rates, workload.seed):
-            client_cpu, server_before = children_cpu_seconds(), tree_cpu_seconds(roots)
-            m = run_client(setup, workload, rate, seed, f"{key}-rate{rate}", args.client_timeout)
-            server = cpu_by_name(server_before, tree_cpu_seconds(roots))
-            client_cpu = children_cpu_seconds() - client_cpu
-            print(
-                f"   rate {rate}: {m.output_tok_s:.0f} out tok/s in {m.duration_s:.2f} s; "
-                f"CPU-s while the client ran (its start-up included): {format_cpu(server)}, "
-                f"the client {client_cpu:.2f}",
-                flush=True,
-            )
-            rows.append(Row(key, launch.label, rate, setup.prefix_caching, m, server_cpu=server))
-        return rows
-    except (RuntimeError, subprocess.TimeoutExpired, OSError, httpx.HTTPError) as exc:
-        print(f"   failed: {exc}", flush=True)
-        reason = str(exc).splitlines()[0][:80]
-        return [Row(key, launch.label, r, setup.prefix_caching, None, reason) for r in rates]
-    finally:
-        for proc in reversed(launch.processes):
-            proc.stop()
-        check_ports_free(launch.ports)
+
+    def measure(run: tuple[str, int]) -> Row:
+        rate, seed = run
+        roots = server_roots(launch)
+        client_cpu, server_before = children_cpu_seconds(), tree_cpu_seconds(roots)
+        m = run_client(setup, workload, rate, seed, f"{key}-rate{rate}", args.client_timeout)
+        server = cpu_by_name(server_before, tree_cpu_seconds(roots))
+        client_cpu = children_cpu_seconds() - client_cpu
+        print(
+            f"   rate {rate}: {m.output_tok_s:.0f} out tok/s in {m.duration_s:.2f} s; "
+            f"CPU-s while the client ran (its start-up included): {format_cpu(server)}, "
+            f"the client {client_cpu:.2f}",
+            flush=True,
+        )
+        return Row(key, launch.label, rate, setup.prefix_caching, m, server_cpu=server)
+
+    def failed(run: tuple[str, int], reason: str) -> Row:
+        return Row(key, launch.label, run[0], setup.prefix_caching, None, reason)
+
+    runs = rate_seeds(rates, workload.seed)
+    return serve_runs(launch, args.startup_timeout, warm_up, runs, measure, failed)
 
 
 def measure_offline(setup: Setup, workload: Workload, timeout_s: float) -> list[Row]:
@@ -258,7 +364,7 @@ def measure_offline(setup: Setup, workload: Workload, timeout_s: float) -> list[
         tok_s = float(json.loads(out.read_text())["ours"]["output_tok_s"])
     except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
         print(f"   failed: {exc}", flush=True)
-        return [Row(OFFLINE, OFFLINE_LABEL, "inf", False, None, str(exc).splitlines()[0][:80])]
+        return [Row(OFFLINE, OFFLINE_LABEL, "inf", False, None, failure_reason(exc))]
     finally:
         proc.stop()
     print(f"   {tok_s:.0f} out tok/s", flush=True)
@@ -275,7 +381,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     servers = list(TARGETS)
     servers.insert(servers.index("ours-agg") + 1, OFFLINE)  # close in time to its served twin
     parser.add_argument("--servers", nargs="+", choices=servers, default=servers)
-    parser.add_argument("--rates", nargs="+", type=_rate, default=None)
+    parser.add_argument("--rates", nargs="+", type=rate_arg, default=None)
     parser.add_argument("--quick", action="store_true", help=f"rates {' '.join(QUICK_RATES)}")
     parser.add_argument(
         "--model", help=f"a local HF folder, or {SMOLLM2!r} (default: the anchor Llama)"
@@ -286,10 +392,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0, help="rate i uses seed + 1 + i")
     parser.add_argument("--prefix-caching", action="store_true", help="on for both sides")
-    parser.add_argument("--cpus", type=_cpus, default=(0, 1), help="CPU set, e.g. 0,1")
+    parser.add_argument("--cpus", type=cpus_arg, default=(0, 1), help="CPU set, e.g. 0,1")
     parser.add_argument(
         "--serving-cpus",
-        type=_cpus,
+        type=cpus_arg,
         default=(),
         help="run the servers' HTTP and routing processes and the client here, "
         "the engines alone on --cpus (default: all share --cpus)",
@@ -304,12 +410,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=("prefill", "admission"),
         help="our 1P1D's router.first_token_at (default: the config's default; the label says)",
     )
-    parser.add_argument("--port", type=int, default=18100, help="first of the ports used")
-    parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
-    parser.add_argument("--workdir", type=Path, help="logs and configs (default: a temp dir)")
-    parser.add_argument("--json", type=Path, help="also write the rows to this file")
-    parser.add_argument("--startup-timeout", type=float, default=600.0)
-    parser.add_argument("--client-timeout", type=float, default=900.0)
+    add_run_arguments(parser)
     args = parser.parse_args(argv)
     if args.rates is None:
         args.rates = list(QUICK_RATES if args.quick else DEFAULT_RATES)
@@ -329,14 +430,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _rate(text: str) -> str:
-    value = float(text)  # ValueError -> argparse's "invalid _rate value"
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of where a comparison runs and for how long, shared
+    with `benchmarks.spec_compare`."""
+    parser.add_argument("--port", type=int, default=18100, help="first of the ports used")
+    parser.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON)
+    parser.add_argument(
+        "--workdir", type=Path, help="logs and the files the run writes (default: a temp dir)"
+    )
+    parser.add_argument("--json", type=Path, help="also write the rows to this file")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--client-timeout", type=float, default=900.0)
+
+
+def rate_arg(text: str) -> str:
+    value = float(text)  # ValueError -> argparse's "invalid rate_arg value"
     if not (value > 0):
         raise argparse.ArgumentTypeError(f"a rate is a positive number or inf, got {text!r}")
     return "inf" if math.isinf(value) else text
 
 
-def _cpus(text: str) -> tuple[int, ...]:
+def cpus_arg(text: str) -> tuple[int, ...]:
     try:
         cpus = tuple(int(c) for c in text.split(","))
     except ValueError:
@@ -385,7 +499,7 @@ def make_setup(args: argparse.Namespace) -> Setup:
     )
 
 
-def _stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
+def stop_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # unwinds through every `finally` that stops a server
 
 
@@ -393,28 +507,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     setup = make_setup(args)
     workload = Workload(args.input_len, args.output_len, args.num_prompts, args.seed)
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     where = f"CPUs {setup.cpus}"
     if setup.serving_cpus:
         where = f"engines on CPUs {setup.cpus}, serving side and client on {setup.serving_cpus}"
     print(f"model {setup.model}, {where}, logs in {setup.workdir}", flush=True)
     print(f"vLLM processes load {VLLM_SITE / 'sitecustomize.py'} (see its docstring)", flush=True)
-    rows: list[Row] = []
     started = time.monotonic()
-    try:
-        for key in args.servers:
-            if key == OFFLINE:
-                rows += measure_offline(setup, workload, args.client_timeout)
-            else:
-                rows += serve_and_measure(key, setup, workload, args.rates, args)
-    except KeyboardInterrupt:
-        print("\ninterrupted; every server started is stopped. Rows so far:\n")
-        print(format_table(rows))
-        return 130
-    except PortBusy as exc:
-        print(f"\nstopped: {exc}. Rows so far:\n")
-        print(format_table(rows))
-        return 1
+    turns = [
+        partial(measure_offline, setup, workload, args.client_timeout)
+        if key == OFFLINE
+        else partial(serve_and_measure, key, setup, workload, args.rates, args)
+        for key in args.servers
+    ]
+    rows, stopped = measure_each(turns, format_table)
+    if stopped is not None:
+        return stopped
     print(
         f"\n{workload.num_prompts} prompts per rate, {workload.input_len} tokens in, "
         f"{workload.output_len} out (EOS ignored), dtype {setup.dtype}, "

@@ -15,8 +15,10 @@ processes may run on both sets, its engines' OpenMP threads bound to `cpus`;
 the 1P1D proxy and the client run on `serving_cpus`.
 
 Every server is reached at `http://127.0.0.1:<port>`, gets the same batch
-limits (`Setup.max_num_seqs`, `Setup.max_num_tokens`) and prefix caching
-(vLLM) / block reuse (ours) on or off together.
+limits (`Setup.max_num_seqs`, `Setup.max_num_tokens`), prefix caching
+(vLLM) / block reuse (ours) on or off together, and speculative decoding
+(`Setup.speculative_config`, vLLM's keys: `--speculative-config` there, the
+`speculative_config` block here) on or off together.
 
 The vLLM processes load `benchmarks/vllm_site/sitecustomize.py`, which gives
 NIXL agents the progress-thread delay ours use (nixl's default spins a core per
@@ -29,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +71,8 @@ class Setup:
     # CPUs of everything but the engines (servers' HTTP and routing, the
     # client); empty: they share `cpus` with the engines.
     serving_cpus: tuple[int, ...] = ()
+    # Speculative decoding in vLLM's keys (`{"method": "ngram", ...}`); None: off.
+    speculative_config: Mapping[str, Any] | None = None
 
     @property
     def front_cpus(self) -> tuple[int, ...]:
@@ -143,6 +147,8 @@ def vllm_env(setup: Setup, cpus: tuple[int, ...], **extra: str) -> dict[str, str
 
 def vllm_serve_argv(setup: Setup, port: int, extra: list[str]) -> list[str]:
     caching = "--enable-prefix-caching" if setup.prefix_caching else "--no-enable-prefix-caching"
+    if setup.speculative_config is not None:
+        extra = ["--speculative-config", json.dumps(dict(setup.speculative_config)), *extra]
     return [
         vllm_executable(setup),
         "serve",
@@ -210,6 +216,7 @@ def vllm_1p1d(setup: Setup) -> Launch:
 
 
 def base_config(setup: Setup, backend: str) -> dict[str, Any]:
+    speculation = setup.speculative_config
     return {
         "model": str(setup.model),
         "hostname": "127.0.0.1",
@@ -226,6 +233,7 @@ def base_config(setup: Setup, backend: str) -> dict[str, Any]:
         },
         "max_num_tokens": setup.max_num_tokens,
         "max_batch_size": setup.max_num_seqs,
+        **({} if speculation is None else {"speculative_config": dict(speculation)}),
     }
 
 

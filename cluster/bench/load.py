@@ -8,7 +8,9 @@ word sequences; with `--tokenizer CHECKPOINT` they are token id lists of
 exactly `--input-len` tokens. Requests arrive as a Poisson process at
 `--request-rate` per second (default: all at once), with at most
 `--max-concurrency` in flight. Every request streams, so TTFT and the
-inter-token gaps are measured on the client side.
+inter-token gaps are measured on the client side. Where the server's
+`/metrics` reports speculative decoding (ours or vLLM's), the summary adds
+the run's acceptance rate and mean accepted length (`cluster.bench.speculation`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from cluster.bench.speculation import format_speculation, read_settled, read_spec_totals, run_totals
 from cluster.bench.stats import SLO, RequestRecord, format_summary, summarize
 
 _WORDS = [
@@ -230,13 +233,23 @@ def run(args: argparse.Namespace) -> int:
         e2e_s=_seconds(args.slo_e2e_ms),
     )
     prompts = make_prompts(args)
+    root = api_base(args.base_url).removesuffix("/v1")  # where /metrics is
+    spec_before = read_spec_totals(root)
     try:
         records, duration = asyncio.run(run_benchmark(args, prompts))
     except httpx.HTTPError as exc:
         print(f"error: cannot reach {args.base_url}: {exc}", file=sys.stderr)
         return 1
     summary = summarize(records, duration, slo)
-    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    speculation = run_totals(spec_before, read_settled(root))
+    if speculation is not None:
+        summary["speculation"] = speculation.as_dict()
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(format_summary(summary))
+        if speculation is not None:
+            print(format_speculation(speculation))
     if args.plot:
         from cluster.bench.plot import PlotUnavailableError, plot_run
 

@@ -9,11 +9,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
-import yaml
 
 from benchmarks.pd_proxy import decode_request, prefill_request
 from benchmarks.process_group import (
@@ -28,13 +29,17 @@ from benchmarks.process_group import (
 from benchmarks.serve_compare import (
     bench_command,
     children_cpu_seconds,
+    failure_reason,
     format_cpu,
+    measure_each,
     parse_args,
     rate_seeds,
+    running,
+    serve_runs,
 )
 from benchmarks.serve_targets import (
     OFFLINE,
-    Setup,
+    Launch,
     accepts,
     aggregated_sections,
     base_config,
@@ -47,21 +52,7 @@ from benchmarks.serve_targets import (
     vllm_aggregated,
 )
 from cluster.config.schema import RouterConfig
-
-
-def _setup(tmp_path: Path, prefix_caching: bool = False) -> Setup:
-    return Setup(
-        model=tmp_path / "model",
-        dtype="float32",
-        cpus=(0, 1),
-        port=18100,
-        max_num_seqs=64,
-        max_num_tokens=2048,
-        max_model_len=384,
-        prefix_caching=prefix_caching,
-        vllm_python=tmp_path / "venv" / "bin" / "python",
-        workdir=tmp_path,
-    )
+from tests.compare_setup import compare_setup, served_config
 
 
 def test_defaults_quick_and_rates() -> None:
@@ -105,18 +96,12 @@ def test_serving_cpus_are_parsed_and_leave_one_cpu_engines_to_aggregated_servers
     assert parse_args([]).serving_cpus == ()
 
 
-def _yaml(serve_argv: list[str]) -> dict[str, Any]:
-    """The config a `disagg serve -c PATH` command line names."""
-    assert serve_argv[-2] == "-c"
-    return dict(yaml.safe_load(Path(serve_argv[-1]).read_text()))
-
-
 def test_serving_cpus_keep_the_engines_cpus_to_themselves(tmp_path: Path) -> None:
-    split = dataclasses.replace(_setup(tmp_path), cpus=(0,), serving_cpus=(1,))
+    split = compare_setup(tmp_path, cpus=(0,), serving_cpus=(1,))
     ours = ours_aggregated(split)
     (proc,) = ours.processes
     assert proc.argv[:3] == ["taskset", "-c", "1"]  # the serving process and Ray's daemons
-    config = _yaml(proc.argv)
+    config = served_config(proc.argv)
     assert config["generation_servers"]["cpu_affinity"] == [0] and accepts(config)
     assert "engines on CPU 0, the rest on 1" in ours.label
     (vllm,) = vllm_aggregated(split).processes
@@ -125,15 +110,15 @@ def test_serving_cpus_keep_the_engines_cpus_to_themselves(tmp_path: Path) -> Non
     assert ours_offline(split, 64, 256, 64, tmp_path / "o.json").argv[:3] == ["taskset", "-c", "0"]
     client = bench_command(split, "m", _workload(), "inf", 7, tmp_path / "r.json")
     assert client[:3] == ["taskset", "-c", "1"] and client[3].endswith("vllm")
-    shared = ours_aggregated(_setup(tmp_path))
+    shared = ours_aggregated(compare_setup(tmp_path))
     assert shared.processes[0].argv[:3] == ["taskset", "-c", "0,1"] and "[" not in shared.label
-    assert "cpu_affinity" not in _yaml(shared.processes[0].argv)["generation_servers"]
+    assert "cpu_affinity" not in served_config(shared.processes[0].argv)["generation_servers"]
 
 
 def test_serving_cpus_put_each_1p1d_instance_on_its_own_engine_cpu(tmp_path: Path) -> None:
-    split = dataclasses.replace(_setup(tmp_path), serving_cpus=(2,))
+    split = compare_setup(tmp_path, serving_cpus=(2,))
     (proc,) = ours_1p1d("python")(split).processes
-    config = _yaml(proc.argv)
+    config = served_config(proc.argv)
     assert proc.argv[:3] == ["taskset", "-c", "2"]
     assert config["context_servers"] == {"cpu_affinity": [0]}
     assert config["generation_servers"] == {"cpu_affinity": [1]}
@@ -148,7 +133,7 @@ def test_serving_cpus_put_each_1p1d_instance_on_its_own_engine_cpu(tmp_path: Pat
         "-c",
         "2",
     ]
-    assert vllm_1p1d(_setup(tmp_path)).processes[2].argv[0] != "taskset"
+    assert vllm_1p1d(compare_setup(tmp_path)).processes[2].argv[0] != "taskset"
     with pytest.raises(ValueError, match="one CPU per instance"):
         pinned_1p1d(base_config(split, "python"), dataclasses.replace(split, pin_instances=False))
 
@@ -163,7 +148,7 @@ def test_client_command_carries_the_workload(tmp_path: Path) -> None:
     from benchmarks.serve_compare import Workload
 
     out = tmp_path / "r.json"
-    argv = bench_command(_setup(tmp_path), "m", Workload(256, 64, 64, 0), "inf", 7, out)
+    argv = bench_command(compare_setup(tmp_path), "m", Workload(256, 64, 64, 0), "inf", 7, out)
     joined = " ".join(argv)
     assert argv[0] == str(tmp_path / "venv" / "bin" / "vllm")
     for part in ("--random-input-len 256", "--random-output-len 64", "--num-prompts 64"):
@@ -173,7 +158,7 @@ def test_client_command_carries_the_workload(tmp_path: Path) -> None:
 
 
 def test_offline_command_runs_the_served_workload(tmp_path: Path) -> None:
-    proc = ours_offline(_setup(tmp_path), 64, 256, 32, tmp_path / "o.json")
+    proc = ours_offline(compare_setup(tmp_path), 64, 256, 32, tmp_path / "o.json")
     joined = " ".join(proc.argv)
     assert proc.argv[:3] == ["taskset", "-c", "0,1"] and "benchmarks.vllm_compare" in joined
     assert "--skip-vllm" in proc.argv and "--engine-only" in proc.argv
@@ -183,7 +168,7 @@ def test_offline_command_runs_the_served_workload(tmp_path: Path) -> None:
 
 
 def test_our_configs_validate_and_aggregated_says_how(tmp_path: Path) -> None:
-    setup = _setup(tmp_path)
+    setup = compare_setup(tmp_path)
     for backend in ("python", "nixl"):
         assert accepts(base_config(setup, backend))
     config, how = aggregated_sections(base_config(setup, "python"), threads=2)
@@ -197,7 +182,7 @@ def test_our_configs_validate_and_aggregated_says_how(tmp_path: Path) -> None:
 
 
 def test_our_1p1d_pins_one_core_per_instance_unless_told_not_to(tmp_path: Path) -> None:
-    setup = _setup(tmp_path)
+    setup = compare_setup(tmp_path)
     config, how = pinned_1p1d(base_config(setup, "python"), setup)
     assert accepts(config) and how == "1 core each"
     assert config["context_servers"] == {"cpu_affinity": [0]}
@@ -208,7 +193,7 @@ def test_our_1p1d_pins_one_core_per_instance_unless_told_not_to(tmp_path: Path) 
 
 
 def test_our_1p1d_says_when_its_router_sends_the_first_token(tmp_path: Path) -> None:
-    setup = _setup(tmp_path)
+    setup = compare_setup(tmp_path)
     config, when = first_token_setting(base_config(setup, "python"), setup)
     assert when == RouterConfig().first_token_at and "first_token_at" not in config["router"]
     chosen = dataclasses.replace(setup, first_token_at="prefill")
@@ -218,9 +203,9 @@ def test_our_1p1d_says_when_its_router_sends_the_first_token(tmp_path: Path) -> 
 
 
 def test_block_reuse_follows_prefix_caching(tmp_path: Path) -> None:
-    kv = base_config(_setup(tmp_path, prefix_caching=True), "nixl")["kv_cache"]
+    kv = base_config(compare_setup(tmp_path, prefix_caching=True), "nixl")["kv_cache"]
     assert kv["enable_block_reuse"] and kv["manager"] == "v2"
-    assert not base_config(_setup(tmp_path), "nixl")["kv_cache"]["enable_block_reuse"]
+    assert not base_config(compare_setup(tmp_path), "nixl")["kv_cache"]["enable_block_reuse"]
 
 
 def test_proxy_splits_a_request_into_prefill_and_decode() -> None:
@@ -310,3 +295,76 @@ def test_server_cpu_is_split_by_process_name_across_the_tree(tmp_path: Path) -> 
     assert list(spent) == ["burner", "python"]
     assert spent["burner"] >= 0.25 and spent["python"] < 0.1
     assert format_cpu(spent).startswith(f"server {sum(spent.values()):.2f} (")
+
+
+def _sleepers(tmp_path: Path, *names: str) -> Launch:
+    procs = [
+        GroupProcess(
+            name,
+            [sys.executable, "-c", "import time; time.sleep(60)"],
+            {},
+            tmp_path / f"{name}.log",
+        )
+        for name in names
+    ]
+    return Launch("sleepers", (), procs, [None] * len(procs))  # nothing to wait for
+
+
+def test_running_stops_every_process_when_a_run_fails(tmp_path: Path) -> None:
+    launch = _sleepers(tmp_path, "server", "proxy")
+    procs = launch.processes
+    with pytest.raises(RuntimeError, match="client failed"), running(launch, 5.0):
+        assert all(p.alive() for p in procs)
+        raise RuntimeError("client failed")
+    assert not any(p.alive() for p in procs)
+
+
+def test_a_turn_keeps_its_measured_rows_and_fails_the_rest(tmp_path: Path) -> None:
+    launch = _sleepers(tmp_path, "server")
+    done: list[str] = []
+
+    def measure(rate: str) -> str:
+        assert launch.processes[0].alive()
+        if rate == "8":
+            raise httpx.ReadTimeout("")  # no message: the reason is its type
+        done.append(rate)
+        return f"{rate} ok"
+
+    rows = serve_runs(
+        launch, 5.0, lambda: done.append("warm"), ["2", "8", "inf"], measure, "{} {}".format
+    )
+    assert done == ["warm", "2"]
+    assert rows == ["2 ok", "8 ReadTimeout", "inf ReadTimeout"]
+    assert not launch.processes[0].alive()
+    assert failure_reason(RuntimeError("x" * 200 + "\nmore")) == "x" * 120
+
+
+def test_a_held_port_ends_the_benchmark_and_ctrl_c_keeps_the_rows(tmp_path: Path) -> None:
+    def busy() -> list[str]:
+        raise PortBusy("port 1 is in use by pid 2")
+
+    def interrupted() -> list[str]:
+        raise KeyboardInterrupt
+
+    def turn(name: str) -> Callable[[], list[str]]:
+        return lambda: [name]
+
+    printed: list[list[str]] = []
+
+    def table(rows: list[str]) -> str:
+        printed.append(list(rows))
+        return "the table"
+
+    assert measure_each([turn("a"), turn("b")], table) == (["a", "b"], None)
+    assert printed == []  # the caller prints the finished rows
+    assert measure_each([turn("a"), busy, turn("never")], table) == (["a"], 1)
+    assert measure_each([turn("a"), interrupted, turn("never")], table) == (["a"], 130)
+    assert printed == [["a"], ["a"]]  # the rows so far, printed where it stopped
+
+    def held() -> None:
+        raise PortBusy("port 1 is in use by pid 2")
+
+    launch = _sleepers(tmp_path, "s")
+    with pytest.raises(PortBusy):
+        serve_runs(launch, 5.0, held, ["1"], lambda r: r, "{} {}".format)
+    assert not launch.processes[0].alive()
