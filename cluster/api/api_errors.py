@@ -5,7 +5,8 @@ Every failure the HTTP server reports goes through `APIError`, so clients
 expect: 400 for a bad request (validation included, naming the field), 401
 without the API key, 404 for an unknown model or route, 413 for a body over
 the size limit, 429 (with `Retry-After`) when the server is full, 503 when no
-worker can take the request, 500 for a failure inside the cluster.
+worker can take the request, 500 for a failure inside the cluster. Every
+error carries a `code` (never null), which `/metrics` counts refusals by.
 """
 
 from __future__ import annotations
@@ -28,6 +29,17 @@ _TYPES = {
     500: "internal_server_error",
     503: "service_unavailable",
 }
+# The code of an error raised without one of its own.
+_CODES = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    429: "server_overloaded",
+    500: "internal_error",
+    503: "service_unavailable",
+}
 
 
 class APIError(Exception):
@@ -43,7 +55,7 @@ class APIError(Exception):
         self.status = status
         self.message = message
         self.param = param
-        self.code = code
+        self.code = code if code is not None else default_code(status)
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
@@ -53,9 +65,12 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def error_body(
-    status: int, message: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
+def default_code(status: int) -> str:
+    """The `code` of an error raised without one."""
+    return _CODES.get(status, "invalid_request" if status < 500 else "internal_error")
+
+
+def error_body(status: int, message: str, param: str | None, code: str) -> dict[str, Any]:
     return {
         "error": {
             "message": message,
@@ -108,7 +123,7 @@ async def handle_http_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     status = exc.status_code
     message = str(exc.detail) if status != 404 else "no such route; see /v1/models"
-    code = "request_too_large" if status == 413 else None
+    code = {404: "unknown_route"}.get(status)
     if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's body parse failure
         message = f"the request body is not valid UTF-8 ({exc.__cause__.reason}); send UTF-8 JSON"
         code = "json_invalid"

@@ -89,6 +89,7 @@ def place_images(
             400,
             "messages: the text holds the image placeholder token; send images as image_url parts",
             "messages",
+            "invalid_image",
         )
     return tuple(
         replace(image, offset=offset) for image, (offset, _) in zip(images, runs, strict=True)

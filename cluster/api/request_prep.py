@@ -199,7 +199,7 @@ class RequestPreparer:
             )
         except Exception as exc:  # a template error names the message it disliked
             raise APIError(
-                400, f"messages: cannot apply the chat template: {exc}", "messages"
+                400, f"messages: cannot apply the chat template: {exc}", "messages", "invalid_value"
             ) from exc
         if isinstance(rendered, str):
             return list(self.model.tokenizer.encode(rendered, add_special_tokens=False))
@@ -216,11 +216,13 @@ class RequestPreparer:
     ) -> PreparedRequest:
         limit = self.model.max_model_len
         if not prompt:
-            raise APIError(400, "prompt: the prompt is empty after tokenization", "prompt")
+            raise APIError(
+                400, "prompt: the prompt is empty after tokenization", "prompt", "invalid_value"
+            )
         if max(prompt) >= self.model.vocab_size:
             raise APIError(
                 400, f"prompt: token ids must be below the vocabulary size {self.model.vocab_size}",
-                "prompt",
+                "prompt", "invalid_value",
             )  # fmt: skip
         if len(prompt) >= limit:
             raise APIError(
