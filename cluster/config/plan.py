@@ -13,7 +13,10 @@ managers fails here with one message, so nothing is started for it.
 With `context_servers.num_instances: 0` the plan is aggregated only: every
 generation instance runs whole requests (role "aggregated", no transceiver).
 With `speculative_config` set, the title says how the generation (or
-aggregated) instances draft; context instances never do.
+aggregated) instances draft: with ngram context instances never do; with mtp
+they run the checkpoint's MTP layers too (and send the first drafts), so
+their caches hold the MTP attention layer as well. MTP needs a checkpoint
+with MTP layers and one rank per instance; either missing fails here.
 
 An instance of N tensor-parallel ranks shows its device as `cpu xN` and asks
 for its cpus once per rank; its blocks and slots are each rank's (every rank
@@ -32,8 +35,15 @@ from cluster.config.schema import (
     KvCacheConfig,
     RoleSettings,
     SnapshotsConfig,
+    speculation_origin,
 )
-from cluster.config.speculation import describe_speculation, worker_speculation
+from cluster.config.speculation import (
+    describe_speculation,
+    mtp_checkpoint_problem,
+    mtp_model_config,
+    mtp_ranks_problem,
+    worker_speculation,
+)
 from engine.checkpoint_copy import CheckpointSource
 from engine.speculation.config import SpeculativeConfig, SpeculativeConfigError
 from engine.worker_config import WorkerConfig
@@ -48,8 +58,9 @@ from kvcache.resolution import (
 from kvcache.sizing import CacheSizing, host_available_bytes, size_instance_cache
 from kvcache.snapshots import SnapshotPolicy
 from kvcache.spec import CacheSpec
-from models.checkpoint_source import checkpoint_folder, model_source
+from models.checkpoint_source import GGUF_SUFFIX, checkpoint_folder, model_source
 from models.config import ModelConfig
+from models.errors import CheckpointError, TokenizerError
 from models.errors import ConfigError as ModelConfigError
 from models.hf_config import load_model_config
 from models.registry import check_tensor_parallel, model_preferences
@@ -108,7 +119,8 @@ class InstancePlan:
     snapshots: SnapshotPolicy | None = None
     num_snapshot_bytes: int = 0  # what its snapshot slots take, per rank
     num_verify_slots: int = 0  # Mamba scratch slots of speculative verifies (hybrids)
-    # How its worker drafts; None: no speculative decoding (every context instance).
+    # How its worker drafts; None: no speculative decoding (a context
+    # instance unless the model drafts, as with mtp).
     speculative: SpeculativeConfig | None = None
 
     @property
@@ -184,16 +196,22 @@ class ClusterPlan:
         return sum(i.num_cpus * i.tensor_parallel_size for i in self.instances)
 
 
-def resolve_plan(config: ClusterConfig, source: str = "<config>") -> ClusterPlan:
-    """Resolve every `auto` of `config`; raises `ConfigError` naming what to change."""
+def resolve_plan(
+    config: ClusterConfig, source: str = "<config>", model_key: str | None = None
+) -> ClusterPlan:
+    """Resolve every `auto` of `config`; raises `ConfigError` naming what to change.
+
+    `source` names the config in messages; `model_key`, where its `model`
+    was set when that is elsewhere (`--model`; default `<source>:model`)."""
+    model_key = model_key or f"{source}:model"
     try:
         # A GGUF file becomes its cached checkpoint folder here, once.
         checkpoint = checkpoint_folder(config.model)
         model_config = load_model_config(checkpoint)
     except (OSError, ValueError) as exc:
         if not Path(config.model).exists():
-            raise ConfigError(_not_a_local_model(config.model, source)) from exc
-        raise ConfigError(f"{source}:model: cannot load {config.model}: {exc}") from exc
+            raise ConfigError(_not_a_local_model(config.model, model_key)) from exc
+        raise ConfigError(f"{model_key}: {_unloadable(config.model, exc)}") from exc
     preferred_manager, preferred_transceiver = model_preferences(model_config.architecture)
     context = config.role_settings("context_servers")
     generation = config.role_settings("generation_servers")
@@ -215,21 +233,29 @@ def resolve_plan(config: ClusterConfig, source: str = "<config>") -> ClusterPlan
     model_len = model_config.max_position_embeddings
     max_waiting = config.router.max_queued_requests
     host_share = _host_share(context, generation)
-    instances = tuple(
-        _instance(
-            settings,
-            index,
-            manager,
-            transceiver,
-            _rank_spec(model_config, settings, _dtype(config.dtype), source),
-            model_len,
-            source,
-            max_waiting,
-            host_share,
+    instances: tuple[InstancePlan, ...] = ()
+    for settings, manager in ((context, managers[0]), (generation, managers[1])):
+        if settings.num_instances == 0:
+            continue
+        speculative = _speculative(config, settings, model_config, checkpoint, source)
+        # With MTP the worker's cache holds the MTP attention layer too.
+        role_model = mtp_model_config(model_config, speculative)
+        rank_spec = _rank_spec(role_model, settings, _dtype(config.dtype), source)
+        instances += tuple(
+            _instance(
+                settings,
+                index,
+                manager,
+                transceiver,
+                rank_spec,
+                speculative,
+                model_len,
+                source,
+                max_waiting,
+                host_share,
+            )
+            for index in range(settings.num_instances)
         )
-        for settings, manager in ((context, managers[0]), (generation, managers[1]))
-        for index in range(settings.num_instances)
-    )
     return ClusterPlan(
         checkpoint=str(checkpoint),
         model_source=str(model_source(config.model).resolve()),
@@ -243,11 +269,11 @@ def resolve_plan(config: ClusterConfig, source: str = "<config>") -> ClusterPlan
     )
 
 
-def _not_a_local_model(model: str, source: str) -> str:
+def _not_a_local_model(model: str, model_key: str) -> str:
     """Nothing is downloaded at run time: a hub id must become a folder first.
     A path like the example configs' `checkpoints/tiny-llama` is a folder
     `disagg make-checkpoint` writes, not a hub id."""
-    message = f"{source}:model: {model!r} is not a local folder or file"
+    message = f"{model_key}: {model!r} is not a local folder or file"
     written = _made_by_make_checkpoint(model)
     if written is not None:
         return (
@@ -255,7 +281,9 @@ def _not_a_local_model(model: str, source: str) -> str:
             f"`disagg make-checkpoint {written} {model}` (or point model, or --model, at "
             "your own checkpoint folder)"
         )
-    if model.startswith(("./", "../", "/")) or Path(Path(model).parts[0]).is_dir():
+    if Path(model).is_absolute():
+        return f"{message}: no such path"
+    if model.startswith(("./", "../")) or Path(Path(model).parts[0]).is_dir():
         return f"{message}: no such path under {Path.cwd()}"
     if HUB_ID.fullmatch(model):
         message += (
@@ -264,6 +292,20 @@ def _not_a_local_model(model: str, source: str) -> str:
             "and set model (or --model) to that folder"
         )
     return message
+
+
+def _unloadable(model: str, exc: Exception) -> str:
+    """Why an existing `model` does not load. The loaders' own errors name the
+    file and what is wrong; anything else came from the GGUF reader running
+    past the end of a file that is cut short."""
+    if isinstance(exc, CheckpointError | ModelConfigError | TokenizerError):
+        return str(exc)
+    if Path(model).suffix == GGUF_SUFFIX:
+        return (
+            f"{model} is not a readable GGUF file ({exc}); it is truncated or damaged: "
+            "copy or download it again"
+        )
+    return f"cannot load {model}: {exc}"
 
 
 def _made_by_make_checkpoint(model: str) -> str | None:
@@ -316,6 +358,7 @@ def _instance(
     manager: str,
     transceiver: str,
     spec: CacheSpec,
+    speculative: SpeculativeConfig | None,
     model_len: int,
     source: str,
     max_num_waiting: int,
@@ -327,7 +370,6 @@ def _instance(
     reuse = resolve_block_reuse(kv.enable_block_reuse, manager, spec.is_hybrid, snapshots)
     if not reuse:
         snapshots = None
-    speculative = _speculative(settings, source)
     depth = 0 if speculative is None else speculative.num_speculative_tokens
     sizing = None
     if max_tokens is not None or memory_bytes is not None:
@@ -367,11 +409,29 @@ def _instance(
     )
 
 
-def _speculative(settings: RoleSettings, source: str) -> SpeculativeConfig | None:
+def _speculative(
+    config: ClusterConfig,
+    settings: RoleSettings,
+    model_config: ModelConfig,
+    checkpoint: Path,
+    source: str,
+) -> SpeculativeConfig | None:
+    """How the role's workers draft; MTP also needs the checkpoint's MTP
+    layers and one rank per instance. Raises `ConfigError` naming the key."""
+    section = f"{settings.role}_servers"
     try:
-        return worker_speculation(settings.speculative_config, settings.role)
+        speculative = worker_speculation(settings.speculative_config, settings.role)
     except SpeculativeConfigError as exc:
-        raise ConfigError(f"{source}: {settings.role}_servers.speculative_config: {exc}") from exc
+        raise ConfigError(f"{source}: {section}.speculative_config: {exc}") from exc
+    if speculative is None or not speculative.uses_model:
+        return speculative
+    key = f"{speculation_origin(config, section)}.method"
+    problem = mtp_checkpoint_problem(model_config, checkpoint, key) or mtp_ranks_problem(
+        section, settings.tensor_parallel_size, key
+    )
+    if problem is not None:
+        raise ConfigError(f"{source}:{problem}")
+    return speculative
 
 
 def snapshot_policy(config: SnapshotsConfig, max_batch_size: int) -> SnapshotPolicy:
@@ -524,9 +584,14 @@ def format_plan(plan: ClusterPlan) -> str:
 
 def _speculation_note(plan: ClusterPlan) -> str:
     """`; speculative decoding on generation instances: ngram, ...`, or "" when off.
-    Only the generation role drafts, so one setting covers the plan."""
-    for instance in plan.instances:
-        if instance.speculative is not None:
-            how = describe_speculation(instance.speculative)
-            return f"; speculative decoding on {instance.worker_role} instances: {how}"
-    return ""
+    With ngram only the generation (or aggregated) role drafts; with mtp the
+    context role runs the MTP layers too. The verifying role's setting is named."""
+    drafting = [(i.worker_role, s) for i in plan.instances if (s := i.speculative) is not None]
+    if not drafting:
+        return ""
+    roles = " and ".join(dict.fromkeys(role for role, _ in drafting))
+    speculative = drafting[-1][1]
+    note = f"; speculative decoding on {roles} instances: {describe_speculation(speculative)}"
+    if speculative.uses_model and "context" in roles:
+        note += " (context instances send the first drafts with the first token)"
+    return note

@@ -17,8 +17,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.config.plan import ClusterPlan
-from cluster.config.schema import ROLES, ClusterConfig, LoadedConfig, ServerSectionConfig
-from cluster.config.speculation import CONTEXT_DOES_NOT_DRAFT, SpeculativeDecodingConfig
+from cluster.config.schema import (
+    ROLES,
+    ClusterConfig,
+    LoadedConfig,
+    ServerSectionConfig,
+    speculation_origin,
+)
+from cluster.config.speculation import (
+    CONTEXT_DOES_NOT_DRAFT,
+    CONTEXT_DRAFTS_MTP,
+    SpeculativeDecodingConfig,
+)
 
 # Settings a section takes from its own keys only.
 SECTION_ONLY = ("num_instances", "tensor_parallel_size", "num_gpus", "num_cpus")
@@ -94,23 +104,18 @@ def _row(loaded: LoadedConfig, role: str, name: str, value: Any, origin: str | N
 def _speculation(
     loaded: LoadedConfig, role: str, block: SpeculativeDecodingConfig | None
 ) -> list[Source]:
-    """One row when the role does not draft, else one per field. The block is
-    the section's when it sets one, else the top level's, whole: a field it
-    leaves out is the default, never the other block's."""
-    section: ServerSectionConfig = getattr(loaded.config, role)
-    if "speculative_config" in section.model_fields_set:
-        origin: str | None = f"{role}.speculative_config"
-    elif "speculative_config" in loaded.config.model_fields_set:
-        origin = "speculative_config"
-    else:
-        origin = None
-    if block is not None and role == "context_servers":
+    """One row when the role does not draft, else one per field its method
+    reads. The block is the section's when it sets one, else the top level's,
+    whole: a field it leaves out is the default, never the other block's.
+    With mtp a context section's rows say that its workers draft too."""
+    origin = speculation_origin(loaded.config, role)
+    if block is not None and role == "context_servers" and not block.uses_model:
         return [Source(f"{role}.speculative_config", None, CONTEXT_DOES_NOT_DRAFT)]
     if block is None:
         return [_row(loaded, role, "speculative_config", None, origin)]
     replaced = origin != "speculative_config" and loaded.config.speculative_config is not None
     rows = []
-    for name in SpeculativeDecodingConfig.model_fields:
+    for name in block.drafted_fields():
         value = getattr(block, name)
         if name in block.model_fields_set:
             rows.append(_row(loaded, role, f"speculative_config.{name}", value, f"{origin}.{name}"))
@@ -119,6 +124,8 @@ def _speculation(
             rows.append(Source(f"{role}.speculative_config.{name}", value, why))
         else:
             rows.append(_row(loaded, role, f"speculative_config.{name}", value, None))
+    if role == "context_servers":  # drafting there means mtp
+        rows[0] = Source(rows[0].setting, rows[0].value, f"{rows[0].origin}; {CONTEXT_DRAFTS_MTP}")
     return rows
 
 

@@ -7,8 +7,9 @@ the top level and in a section is an error, because the reader cannot tell
 which one wins. `speculative_config` is the exception: a section's block (or
 `null`, off) replaces the top-level one whole for that section, because one
 block describes one drafting method and its fields mean something only
-together. `auto` values stay `auto` here; `cluster.config.plan.resolve_plan`
-resolves them once at startup.
+together; with method mtp both sections must use it (its attention KV is
+part of the cache that moves between them). `auto` values stay `auto`
+here; `cluster.config.plan.resolve_plan` resolves them once at startup.
 
     model: checkpoints/tiny-llama
     port: 8000
@@ -30,7 +31,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cluster.config.speculation import SpeculativeDecodingConfig
+from cluster.config.speculation import SpeculativeDecodingConfig, mtp_roles_disagree
 from transfer.python.ucx_wire import UCX_INSTALL_HINT, ucx_importable
 
 ROLES = ("context_servers", "generation_servers")
@@ -231,7 +232,7 @@ class RoleSettings(_Strict):
     max_num_tokens: int
     max_batch_size: int
     dtype: str
-    # As configured for the role; a context worker never drafts (see plan).
+    # As configured for the role; a context worker drafts only with mtp (see plan).
     speculative_config: SpeculativeDecodingConfig | None = None
 
 
@@ -252,7 +253,8 @@ class ClusterConfig(_Strict):
     max_num_tokens: int = Field(default=2048, gt=0)
     max_batch_size: int = Field(default=32, gt=0)
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # Speculative decoding on the instances that decode; None (or null): off.
+    # Speculative decoding on the instances that decode (with mtp, on context
+    # instances too); None (or null): off.
     speculative_config: SpeculativeDecodingConfig | None = None
     context_servers: ServerSectionConfig = ServerSectionConfig()
     generation_servers: ServerSectionConfig = ServerSectionConfig()
@@ -268,6 +270,19 @@ class ClusterConfig(_Strict):
                 "generation instance; set it to 1 or more (context_servers.num_instances "
                 "may be 0: requests then run whole on generation instances)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _both_roles_agree_on_mtp(self) -> ClusterConfig:
+        if self.context_servers.num_instances == 0:  # aggregated: no cache moves
+            return self
+        blocks = [
+            (self.role_settings(role).speculative_config, speculation_origin(self, role))
+            for role in ROLES
+        ]
+        problem = mtp_roles_disagree(*blocks[0], *blocks[1])
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
@@ -315,6 +330,16 @@ def _section_speculation(
     if "speculative_config" in section.model_fields_set:
         return section.speculative_config
     return top.speculative_config
+
+
+def speculation_origin(config: ClusterConfig, section_name: str) -> str | None:
+    """The key a section's `speculative_config` comes from: its own block, the
+    top-level one, or None where neither is set."""
+    if "speculative_config" in getattr(config, section_name).model_fields_set:
+        return f"{section_name}.speculative_config"
+    if "speculative_config" in config.model_fields_set:
+        return "speculative_config"
+    return None
 
 
 def _merge_scalar(top: ClusterConfig, section: ServerSectionConfig, name: str, key: str) -> Any:
