@@ -6,7 +6,7 @@ A file is in this dialect when it uses any key only TensorRT-LLM has
 is validated as any disagg config (`cluster.config.schema`). Per key:
 
     translated   kv_cache_config.max_tokens        -> kv_cache.max_tokens
-                 speculative_config (NGram)        -> speculative_config (ngram)
+                 speculative_config (NGram, MTP)   -> speculative_config (ngram, mtp)
     ignored      urls, backend: pytorch, ...       -> listed with the reason
     refused      pipeline_parallel_size: 2, ...    -> ConfigError naming it
     ours         num_gpus, kv_cache.manager, ...   -> kept: a file may mix in
@@ -47,6 +47,10 @@ from cluster.config.trtllm_keys import (
     KV_REFUSED,
     MAMBA_STATE_KEYS,
     MAMBA_STATE_REFUSED,
+    MTP_DEFAULT_ONLY,
+    MTP_DRAFTS_DEFAULT,
+    MTP_IGNORED,
+    MTP_KEYS,
     NGRAM_IGNORED,
     NGRAM_KEYS,
     NGRAM_MATCH_DEFAULT,
@@ -275,28 +279,38 @@ class _Translator:
                 self._unknown(written, key, [*MAMBA_STATE_KEYS, *MAMBA_STATE_REFUSED])
 
     def _speculative(self, scope: tuple[str, ...], value: Any, where: str) -> None:
-        """TensorRT-LLM's NGram decoding config onto our `speculative_config`;
-        a block in our keys (no `decoding_type`) is kept as ours."""
+        """TensorRT-LLM's NGram or MTP decoding config onto our
+        `speculative_config`; a block in our keys (no `decoding_type`) is kept
+        as ours. A context section's block is ignored unless it is MTP (whose
+        layers run on context workers too)."""
         if value is None:  # no speculative decoding, as when absent
             return
-        if scope == ("context_servers",):
+        block = self._mapping(where, value)
+        kind = block.get("decoding_type", block.get("method"))
+        if scope == ("context_servers",) and str(kind).lower() != "mtp":
             self._ignore(where, CONTEXT_SPECULATION)
             return
-        block = self._mapping(where, value)
         path = (*scope, "speculative_config")
         if "decoding_type" not in block:
-            if block and not set(block) & {*NGRAM_KEYS, *NGRAM_IGNORED}:
+            if block and not set(block) & {*NGRAM_KEYS, *NGRAM_IGNORED, *MTP_KEYS, *MTP_IGNORED}:
                 self._ours(path, block, where)
             else:
                 self.errors.append(
                     f"{self.source}:{where}: has no decoding_type; TensorRT-LLM needs one: "
-                    "set decoding_type: NGram"
+                    "set decoding_type: NGram or MTP"
                 )
             return
+        if str(kind).lower() == "mtp":
+            self._mtp(path, block, where)
+        elif str(kind).lower() == "ngram":
+            self._ngram(path, block, where)
+        else:
+            self.errors.append(
+                f"{self.source}:{where}.decoding_type: {refused_decoding_type(kind)}"
+            )
+
+    def _ngram(self, path: tuple[str, ...], block: dict[str, Any], where: str) -> None:
         kind, written_kind = block["decoding_type"], f"{where}.decoding_type"
-        if str(kind).lower() != "ngram":
-            self.errors.append(f"{self.source}:{written_kind}: {refused_decoding_type(kind)}")
-            return
         if "max_draft_len" not in block:
             self.errors.append(
                 f"{self.source}:{where}: NGram needs max_draft_len (the drafts a step, > 0), "
@@ -315,6 +329,44 @@ class _Translator:
                 self._ignore(written, NGRAM_IGNORED[key])
             elif key != "decoding_type":
                 self._unknown(written, key, ["decoding_type", *NGRAM_KEYS, *NGRAM_IGNORED])
+
+    def _mtp(self, path: tuple[str, ...], block: dict[str, Any], where: str) -> None:
+        """MTP: num_nextn_predict_layers drafts a step (TensorRT-LLM's default
+        1), drafted by the checkpoint's MTP layers on both roles."""
+        kind, written_kind = block["decoding_type"], f"{where}.decoding_type"
+        self._put((*path, "method"), "mtp", written_kind, TRTLLM, kind)
+        drafts = block.get("num_nextn_predict_layers", MTP_DRAFTS_DEFAULT)
+        if "num_nextn_predict_layers" not in block:
+            self._put((*path, "num_speculative_tokens"), drafts, written_kind, TRTLLM, kind)
+        for key, item in block.items():
+            written = f"{where}.{key}"
+            if key in MTP_KEYS:
+                self._put((*path, MTP_KEYS[key]), item, written, TRTLLM)
+            elif key == "max_draft_len":
+                self._mtp_draft_len(item, drafts, written)
+            elif key in MTP_DEFAULT_ONLY:
+                default, why = MTP_DEFAULT_ONLY[key]
+                if item == default:
+                    self._ignore(written, f"{item!r} is TensorRT-LLM's default and what runs here")
+                else:
+                    self.errors.append(f"{self.source}:{written}: is {item!r}, but {why}")
+            elif key in MTP_IGNORED:
+                self._ignore(written, MTP_IGNORED[key])
+            elif key != "decoding_type":
+                valid = ["decoding_type", "max_draft_len", *MTP_KEYS, *MTP_DEFAULT_ONLY]
+                self._unknown(written, key, [*valid, *MTP_IGNORED])
+
+    def _mtp_draft_len(self, value: Any, drafts: Any, written: str) -> None:
+        """TensorRT-LLM replaces an MTP block's max_draft_len with
+        num_nextn_predict_layers; a different value is refused, not dropped."""
+        if value == drafts:
+            self._ignore(written, "num_nextn_predict_layers sets the drafts a step for MTP")
+            return
+        self.errors.append(
+            f"{self.source}:{written}: is {value!r}, but for MTP num_nextn_predict_layers "
+            f"({drafts!r}) is the drafts a step (TensorRT-LLM replaces max_draft_len with "
+            "it); remove max_draft_len, or set num_nextn_predict_layers to the drafts you want"
+        )
 
     def _transceiver(self, scope: tuple[str, ...], block: dict[str, Any], where: str) -> None:
         for key, value in block.items():

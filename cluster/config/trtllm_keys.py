@@ -193,18 +193,69 @@ NGRAM_IGNORED = {
     "speculative_model_dir": _NO_DRAFT_MODEL,
     "load_format": _NO_DRAFT_MODEL,
 }
-# Context workers sample only a request's first token; drafting runs where decoding does.
-CONTEXT_SPECULATION = (
-    "context workers sample only a request's first token; drafting runs on the generation "
-    "workers (set speculative_config there or at the top level)"
+# speculative_config with decoding_type MTP -> our speculative_config (method
+# mtp). In TensorRT-LLM num_nextn_predict_layers is the drafts a step (its
+# validator sets max_draft_len to it); a one-layer checkpoint's MTP module
+# runs once per draft (its MTP-Eagle mode), as drafts chain here.
+MTP_KEYS = {"num_nextn_predict_layers": "num_speculative_tokens"}
+MTP_DRAFTS_DEFAULT = 1  # TensorRT-LLM's num_nextn_predict_layers when unset
+_RELAXED_ONLY = "only relaxed acceptance reads it (use_relaxed_acceptance_for_thinking), off here"
+_MTP_EVERY_STEP = (
+    "MTP drafts every step here: its layers run after every forward anyway, and each "
+    "request verifies what they drafted (engine.speculation.drafts)"
 )
-_ONLY_NGRAM = (
-    "use decoding_type: NGram (prompt lookup, no draft model) or remove speculative_config"
+_MTP_NO_DRAFT_MODEL = "MTP drafts with the checkpoint's own MTP layers, no draft model"
+MTP_IGNORED = {
+    "relaxed_topk": _RELAXED_ONLY,
+    "relaxed_delta": _RELAXED_ONLY,
+    "begin_thinking_phase_token": _RELAXED_ONLY,
+    "end_thinking_phase_token": _RELAXED_ONLY,
+    "max_total_draft_tokens": "MTP drafts are one chain of num_nextn_predict_layers tokens "
+    "(TensorRT-LLM sets it so for MTP too)",
+    "max_concurrency": _MTP_EVERY_STEP,
+    "draft_len_schedule": _MTP_EVERY_STEP,
+    "acceptance_window": _MTP_EVERY_STEP,
+    "acceptance_length_threshold": _MTP_EVERY_STEP,
+    "use_rejection_sampling": _EXACT,
+    "allow_advanced_sampling": _EXACT,
+    "speculative_model": _MTP_NO_DRAFT_MODEL,
+    "speculative_model_dir": _MTP_NO_DRAFT_MODEL,
+    "load_format": _MTP_NO_DRAFT_MODEL,
+}
+# MTP keys whose TensorRT-LLM default is what runs here -> (that default,
+# why another value is refused). At the default they are ignored.
+MTP_DEFAULT_ONLY: dict[str, tuple[object, str]] = {
+    "use_relaxed_acceptance_for_thinking": (
+        False,
+        "relaxed acceptance would keep drafts that differ from the token a step samples; "
+        "here a draft counts only while it equals it, so output is the same as without "
+        "speculation: remove the key or set it false",
+    ),
+    "use_mtp_vanilla": (
+        False,
+        "vanilla MTP (one MTP module per draft) is not implemented: drafts chain the "
+        "checkpoint's MTP module, each fed the one before (TensorRT-LLM's MTP-Eagle): "
+        "remove the key or set it false",
+    ),
+    "mtp_eagle_one_model": (
+        True,
+        "two-model MTP is not implemented: the MTP layers run inside the target model's "
+        "step (TensorRT-LLM's one-model form): remove the key or set it true",
+    ),
+}
+# Context workers sample only a request's first token; n-gram drafting runs
+# where decoding does (an MTP block on context_servers is translated: context
+# workers run the MTP layers too).
+CONTEXT_SPECULATION = (
+    "context workers sample only a request's first token; n-gram drafting runs on the "
+    "generation workers (set speculative_config there or at the top level)"
+)
+_AVAILABLE_TYPES = (
+    "use decoding_type: NGram (prompt lookup, no draft model) or MTP (the checkpoint's "
+    "own MTP layers), or remove speculative_config"
 )
 # decoding_type (any case) -> what it is, for the refusal.
 DECODING_TYPES_REFUSED = {
-    "mtp": "MTP drafting (the model's multi-token prediction layers, as in Nemotron-H) "
-    "is not available in this build yet",
     "eagle": "EAGLE draft heads are not available here",
     "eagle3": "EAGLE-3 draft heads are not available here",
     "medusa": "Medusa heads are not available here",
@@ -221,11 +272,11 @@ DECODING_TYPES_REFUSED = {
 
 
 def refused_decoding_type(decoding_type: object) -> str:
-    """What to change for a speculative_config.decoding_type other than NGram."""
+    """What to change for a speculative_config.decoding_type other than NGram or MTP."""
     what = DECODING_TYPES_REFUSED.get(str(decoding_type).lower())
     if what is None:
-        return f"{decoding_type!r} is not a decoding type; {_ONLY_NGRAM}"
-    return f"{decoding_type}: {what}; {_ONLY_NGRAM}"
+        return f"{decoding_type!r} is not a decoding type; {_AVAILABLE_TYPES}"
+    return f"{decoding_type}: {what}; {_AVAILABLE_TYPES}"
 
 
 # Must be 1: these split one instance over devices in ways not implemented here.

@@ -8,7 +8,9 @@ plan written here. Two of them are also served end to end with greedy parity
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +85,13 @@ PLANS: dict[str, list[tuple[str, ...]]] = {
     "ngram-speculative.yaml": [
         ("context-0", "v1", "python", "16", "129", "0", "cpu", "1"),
         ("generation-0", "v1", "python", "16", "129", "0", "cpu", "1"),
+    ],
+    # 0.1 of a rank's 512 MiB share of HOST_BYTES, in blocks that hold the MTP
+    # attention layer's KV beside the backbone's two (6421 blocks without it);
+    # one draft a step on both roles.
+    "nemotron-h-one-mtp.yaml": [
+        ("context-0", "v2", "python", "16", "4281", "64 + 32 verify", "cpu", "1"),
+        ("generation-0", "v2", "python", "16", "4281", "64 + 32 verify", "cpu", "1"),
     ],
 }
 
@@ -207,6 +216,21 @@ TRANSLATIONS: dict[str, tuple[dict[str, Any], set[str]]] = {
             "generation_servers.urls",
         },
     ),
+    "nemotron-h-one-mtp.yaml": (
+        {
+            "speculative_config.method": "mtp",
+            "speculative_config.num_speculative_tokens": 1,
+            "kv_cache.memory_fraction": 0.1,
+            "context_servers.tensor_parallel_size": 1,
+        },
+        {
+            "backend",
+            "cuda_graph_config",
+            "disable_overlap_scheduler",
+            "context_servers.enable_attention_dp",
+            "generation_servers.enable_attention_dp",
+        },
+    ),
 }
 
 
@@ -225,10 +249,19 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from models.embedded.writer import ensure_checkpoint
 
     root = tmp_path_factory.mktemp("trtllm")
-    return {arch: ensure_checkpoint(root / arch, arch, "tiny") for arch in ("llama", "nemotron_h")}
+    held = {arch: ensure_checkpoint(root / arch, arch, "tiny") for arch in ("llama", "nemotron_h")}
+    # The same weights with one MTP step declared (attention + MoE, as released).
+    mtp = root / "nemotron_h_mtp"
+    shutil.copytree(held["nemotron_h"], mtp)
+    raw = json.loads((mtp / "config.json").read_text())
+    raw |= {"num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*E"}
+    (mtp / "config.json").write_text(json.dumps(raw))
+    return held | {"nemotron_h_mtp": mtp}
 
 
 def _model_for(name: str, checkpoints: dict[str, Path]) -> Path:
+    if "mtp" in name:
+        return checkpoints["nemotron_h_mtp"]
     return checkpoints["nemotron_h" if name.startswith("nemotron") else "llama"]
 
 
@@ -372,7 +405,10 @@ def _native(raw: dict[str, Any]) -> tuple[dict[str, Any], str, dict[str, str]]:
 
 
 def test_one_setting_in_both_dialects_is_refused_naming_both_keys() -> None:
-    raw = {"kv_cache": {"max_tokens": 4096}, "kv_cache_config": {"max_tokens": 4096}}
+    raw: dict[str, Any] = {
+        "kv_cache": {"max_tokens": 4096},
+        "kv_cache_config": {"max_tokens": 4096},
+    }
     with pytest.raises(ConfigError) as info:
         _translate(raw)
     message = str(info.value)
@@ -637,7 +673,7 @@ def test_a_file_that_is_not_a_disaggregated_config_says_what_it_looks_like() -> 
         translate(etcd, "etcd_config.yaml")
 
 
-# -- speculative_config: NGram translated, every other decoding type refused --
+# -- speculative_config: NGram and MTP translated, every other decoding type refused --
 
 
 def test_ngram_becomes_our_ngram_speculation_on_the_generation_workers(
@@ -691,14 +727,10 @@ def test_a_speculative_config_with_a_decoding_type_marks_the_dialect() -> None:
     ("block", "message"),
     [
         (
-            {"decoding_type": "MTP", "num_nextn_predict_layers": 1},
-            "speculative_config.decoding_type: MTP: MTP drafting .* is not available in this "
-            "build yet; use decoding_type: NGram",
-        ),
-        (
             {"decoding_type": "Eagle3", "max_draft_len": 3, "speculative_model": "d"},
-            "speculative_config.decoding_type: Eagle3: EAGLE-3 draft heads are not available "
-            "here; use decoding_type: NGram",
+            r"speculative_config.decoding_type: Eagle3: EAGLE-3 draft heads are not available "
+            r"here; use decoding_type: NGram \(prompt lookup, no draft model\) or MTP \(the "
+            r"checkpoint's own MTP layers\), or remove speculative_config$",
         ),
         (
             {"decoding_type": "Guess"},
@@ -706,7 +738,11 @@ def test_a_speculative_config_with_a_decoding_type_marks_the_dialect() -> None:
             "decoding_type: NGram",
         ),
         ({"decoding_type": "NGram"}, "speculative_config: NGram needs max_draft_len"),
-        ({"max_draft_len": 3}, "speculative_config: has no decoding_type; .*NGram"),
+        ({"max_draft_len": 3}, "speculative_config: has no decoding_type; .*NGram or MTP"),
+        (
+            {"num_nextn_predict_layers": 2},
+            "speculative_config: has no decoding_type; .*NGram or MTP",
+        ),
         (
             {"decoding_type": "NGram", "max_draft_len": 3, "max_matching_ngram": 2},
             "speculative_config.max_matching_ngram: unknown key; did you mean "
@@ -729,9 +765,109 @@ def test_other_decoding_types_and_bad_ngram_keys_are_refused_by_name(
             _translate(raw)
 
 
-def test_a_context_section_block_is_listed_as_ignored_not_translated() -> None:
-    block = {"decoding_type": "MTP"}
+def test_a_context_section_ngram_block_is_listed_as_ignored_not_translated() -> None:
+    block = {"decoding_type": "NGram", "max_draft_len": 2}
     translation = translate({"model": "m", "context_servers": {"speculative_config": block}})
     assert "speculative_config" not in translation.native.get("context_servers", {})
     reasons = {item.key: item.reason for item in translation.ignored}
     assert "first token" in reasons["context_servers.speculative_config"]
+
+
+def test_mtp_becomes_our_mtp_on_both_roles_with_its_drafts_a_step(
+    checkpoints: dict[str, Path],
+) -> None:
+    # num_nextn_predict_layers is the drafts a step; TensorRT-LLM's default is 1.
+    for block, drafts in (
+        ({"decoding_type": "MTP", "num_nextn_predict_layers": 3}, 3),
+        ({"decoding_type": "MTP"}, 1),
+    ):
+        translation = translate({"model": "m", "speculative_config": block}, "t.yaml")
+        assert translation.native["speculative_config"] == {
+            "method": "mtp",
+            "num_speculative_tokens": drafts,
+        }
+        assert translation.ignored == ()
+        config = config_from_dict(translation.native).model_copy(
+            update={"model": str(checkpoints["nemotron_h_mtp"])}
+        )
+        mtp = SpeculativeConfig("mtp", num_speculative_tokens=drafts)
+        assert [i.speculative for i in resolve_plan(config).instances] == [mtp, mtp]
+    # Both sections may set it; a context section's MTP block is translated.
+    block = {"decoding_type": "MTP", "num_nextn_predict_layers": 2}
+    sections = {
+        role: {"speculative_config": block} for role in ("context_servers", "generation_servers")
+    }
+    translation = translate({"model": "m", **sections}, "t.yaml")
+    for role in ("context_servers", "generation_servers"):
+        assert translation.native[role]["speculative_config"]["method"] == "mtp"
+        assert translation.key_names[f"{role}.speculative_config.num_speculative_tokens"] == (
+            f"{role}.speculative_config.num_nextn_predict_layers"
+        )
+
+
+def test_mtp_keys_at_what_runs_here_are_ignored_and_other_values_refused() -> None:
+    block = {
+        "decoding_type": "MTP",
+        "num_nextn_predict_layers": 2,
+        "max_draft_len": 2,
+        "use_relaxed_acceptance_for_thinking": False,
+        "relaxed_topk": 10,
+        "relaxed_delta": 0.01,
+        "use_mtp_vanilla": False,
+        "mtp_eagle_one_model": True,
+        "max_total_draft_tokens": 2,
+        "acceptance_window": 8,
+    }
+    translation = translate({"model": "m", "speculative_config": block}, "t.yaml")
+    assert translation.native["speculative_config"] == {
+        "method": "mtp",
+        "num_speculative_tokens": 2,
+    }
+    reasons = {item.key.split(".")[-1]: item.reason for item in translation.ignored}
+    assert set(reasons) == set(block) - {"decoding_type", "num_nextn_predict_layers"}
+    assert reasons["use_mtp_vanilla"] == "False is TensorRT-LLM's default and what runs here"
+    assert "relaxed acceptance" in reasons["relaxed_topk"]
+    assert "num_nextn_predict_layers sets" in reasons["max_draft_len"]
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        (
+            "use_relaxed_acceptance_for_thinking",
+            True,
+            "is True, but relaxed acceptance would keep drafts that differ from the token a "
+            "step samples",
+        ),
+        ("use_mtp_vanilla", True, r"is True, but vanilla MTP \(one MTP module per draft\)"),
+        ("mtp_eagle_one_model", False, "is False, but two-model MTP is not implemented"),
+        (
+            "max_draft_len",
+            3,
+            r"is 3, but for MTP num_nextn_predict_layers \(1\) is the drafts a step",
+        ),
+        ("relaxed_top_k", 3, "unknown key; did you mean 'relaxed_topk'"),
+    ],
+)
+def test_mtp_keys_that_would_change_behaviour_are_refused_by_name(
+    key: str, value: Any, message: str
+) -> None:
+    block = {"decoding_type": "MTP", "num_nextn_predict_layers": 1, key: value}
+    for where, raw in (
+        ("", {"speculative_config": block}),
+        ("context_servers.", {"context_servers": {"speculative_config": block}}),
+    ):
+        with pytest.raises(
+            ConfigError, match=f"^t.yaml:{where}speculative_config.{key}: {message}"
+        ):
+            _translate(raw)
+
+
+def test_mtp_on_one_section_only_is_refused_naming_both() -> None:
+    block = {"decoding_type": "MTP", "num_nextn_predict_layers": 1}
+    with pytest.raises(ConfigError) as info:
+        _translate({"generation_servers": {"speculative_config": block}})
+    assert str(info.value).startswith(
+        "t.yaml: context_servers has no speculative_config but generation_servers drafts with "
+        "method mtp (generation_servers.speculative_config); the MTP attention layer's KV"
+    )
