@@ -1,8 +1,16 @@
 """The parsed, frozen model configuration every model class is built from.
 
 `ModelConfig` is architecture-neutral: dense decoders leave `mamba` and `moe`
-unset; hybrid models list each layer's kind in `layer_types`. Parsing from a
+unset; hybrid models list each layer's kind in `layer_types`, and their
+multi-token-prediction (MTP) layers' kinds in `mtp_layer_types`. Parsing from a
 checkpoint's config.json lives in `models/hf_config.py`.
+
+With `use_mtp` the MTP attention layers own paged KV too, after the backbone's
+(backbone pattern "M*M*", MTP pattern "*E"):
+
+    model layer index     0  1  2  3 | 4  5           (MTP layer i -> 4 + i)
+    kind                  M  *  M  * | *  E
+    attention ordinal        0     1 | 2              caches.attention[2]: MTP layer 0
 """
 
 from __future__ import annotations
@@ -187,13 +195,31 @@ class ModelConfig:
     tp: TensorParallelShard = field(default_factory=TensorParallelShard)
     # Which of the whole model's heads a rank's cache holds; None: all.
     cache_shard: HeadShard | None = None
+    # The checkpoint's multi-token-prediction layers (Nemotron-H `mtp.*`):
+    # how many predict steps it ships and the kinds of one step's layers.
+    num_nextn_predict_layers: int = 0
+    mtp_layer_types: tuple[str, ...] = ()
+    # Build and load the MTP layers, whose attention KV joins the cache (the
+    # engine sets it when it drafts with them).
+    use_mtp: bool = False
 
     @property
     def num_hidden_layers(self) -> int:
         return len(self.layer_types)
 
     def layers_of(self, *kinds: str) -> tuple[int, ...]:
+        """Backbone layers of these kinds (the MTP layers are not among them)."""
         return tuple(i for i, kind in enumerate(self.layer_types) if kind in kinds)
+
+    def mtp_attention_layers(self) -> tuple[int, ...]:
+        """Model layer indices of the MTP attention layers that own paged KV:
+        `num_hidden_layers + i` for MTP layer i; empty unless `use_mtp`."""
+        if not self.use_mtp:
+            return ()
+        first = self.num_hidden_layers
+        return tuple(
+            first + i for i, kind in enumerate(self.mtp_layer_types) if kind in KV_LAYER_KINDS
+        )
 
     def cache_spec(self, dtype: str | None = None) -> CacheSpec:
         """Cache shapes for this model; `dtype` overrides the KV/conv dtype."""
@@ -206,7 +232,7 @@ class ModelConfig:
         return CacheSpec(
             num_kv_heads=self.num_key_value_heads,
             head_dim=self.head_dim,
-            attention_layers=self.layers_of(*KV_LAYER_KINDS),
+            attention_layers=self.layers_of(*KV_LAYER_KINDS) + self.mtp_attention_layers(),
             dtype=dtype or self.dtype,
             mamba_layers=mamba_layers,
             conv_state_shape=conv,

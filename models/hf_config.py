@@ -5,7 +5,9 @@ Supported families:
 - dense decoders: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`;
 - `NemotronHForCausalLM` in both layer-list styles (`hybrid_override_pattern`
   characters `M * - E`, or the newer `layers_block_type` list) and with the
-  legacy `mamba_*` field aliases;
+  legacy `mamba_*` field aliases; its multi-token-prediction layers from
+  `num_nextn_predict_layers` and `mtp_hybrid_override_pattern` (or
+  `mtp_layers_block_type`);
 - VL / Omni wrappers around Nemotron-H, whose language model config is nested
   under `llm_config` or `text_config`. The result keeps the outer architecture
   name (it selects the wrapper class) and takes every field from the nested
@@ -317,6 +319,11 @@ def _parse_rope(f: _Fields) -> RopeConfig:
 
 def _parse_nemotron_h(f: _Fields, architecture: str) -> ModelConfig:
     layer_types = _hybrid_layer_types(f)
+    num_mtp = f.integer("num_nextn_predict_layers", default=0, positive=False)
+    if num_mtp < 0:
+        raise f.error(f"field 'num_nextn_predict_layers' must be 0 or more, got {num_mtp}")
+    mtp_layer_types = _mtp_layer_types(f, num_mtp) if num_mtp else ()
+    all_kinds = layer_types + mtp_layer_types
     return ModelConfig(
         architecture=architecture,
         layer_types=layer_types,
@@ -328,7 +335,9 @@ def _parse_nemotron_h(f: _Fields, architecture: str) -> ModelConfig:
         # Nemotron-H attention layers carry no positional encoding; Mamba orders tokens.
         rope=None,
         mamba=_parse_mamba(f) if MAMBA in layer_types else None,
-        moe=_parse_moe(f) if MOE in layer_types else None,
+        moe=_parse_moe(f) if MOE in all_kinds else None,
+        num_nextn_predict_layers=num_mtp,
+        mtp_layer_types=mtp_layer_types,
         **_common_fields(f),
     )
 
@@ -358,6 +367,39 @@ def _hybrid_layer_types(f: _Fields) -> tuple[str, ...]:
         raise f.error(
             f"field 'hybrid_override_pattern' has {len(pattern)} layers but "
             f"num_hidden_layers is {num_layers}"
+        )
+    return tuple(_PATTERN_CHARS[c] for c in pattern)
+
+
+def _mtp_layer_types(f: _Fields, num_mtp: int) -> tuple[str, ...]:
+    """One MTP step's layer kinds: `mtp_hybrid_override_pattern` (what the
+    released checkpoints ship) or `mtp_layers_block_type` (what transformers'
+    `NemotronHConfig` serializes)."""
+    pattern = f.first("mtp_hybrid_override_pattern")
+    if pattern is None and f.has("mtp_layers_block_type"):
+        block_types = f.first("mtp_layers_block_type")
+        if not isinstance(block_types, list) or not block_types:
+            raise f.error("field 'mtp_layers_block_type' must be a non-empty list of layer kinds")
+        unknown = sorted({t for t in block_types if t not in _BLOCK_TYPES}, key=str)
+        if unknown:
+            raise f.error(
+                f"field 'mtp_layers_block_type' has unknown kinds {unknown}; "
+                f"use {sorted(_BLOCK_TYPES)}"
+            )
+        return tuple(_BLOCK_TYPES[t] for t in block_types)
+    if pattern is None:
+        raise f.error(
+            f"num_nextn_predict_layers is {num_mtp} but field 'mtp_hybrid_override_pattern' "
+            'is missing; give the MTP layers\' pattern (e.g. "*E") or set '
+            "num_nextn_predict_layers to 0"
+        )
+    if not isinstance(pattern, str) or not pattern:
+        raise f.error("field 'mtp_hybrid_override_pattern' must be a non-empty string")
+    unknown_chars = sorted(set(pattern) - set(_PATTERN_CHARS))
+    if unknown_chars:
+        raise f.error(
+            f"field 'mtp_hybrid_override_pattern' has unknown characters {unknown_chars}; "
+            "use * (attention), - (mlp), E (moe)"
         )
     return tuple(_PATTERN_CHARS[c] for c in pattern)
 

@@ -11,12 +11,16 @@ mixer is chosen by `config.layer_types[i]` (the checkpoint's pattern letter):
 Attention carries no RoPE: transformers' `NemotronHAttention` applies none
 (the Mamba layers order the tokens), so `batch.positions` is unused here.
 
+The layers themselves live in `models/nemotron_h_block.py`; with
+`config.use_mtp` the model also owns the multi-token-prediction layers
+(`models/nemotron_h_mtp.py`), run by `mtp_forward`.
+
 Module names follow the checkpoint: `backbone.embeddings`,
-`backbone.layers.N.{norm,mixer.*}`, `backbone.norm_f`, `lm_head`. Per-expert
-tensors stay per expert (`mixer.experts.N.{up,down}_proj.weight`), as on disk.
-Also accepted when loading: transformers' in-memory prefix `model.` for
-`backbone.`; skipped: multi-token-prediction tensors (`mtp.*`), which
-transformers ignores too.
+`backbone.layers.N.{norm,mixer.*}`, `backbone.norm_f`, `lm_head`, `mtp.layers.N.*`.
+Per-expert tensors stay per expert (`mixer.experts.N.{up,down}_proj.weight`),
+as on disk. Also accepted when loading: transformers' in-memory prefix
+`model.` for `backbone.`. Without `use_mtp` the MTP tensors (`mtp.*`) are
+skipped, as transformers skips them; with it they are loaded and required.
 """
 
 from __future__ import annotations
@@ -27,95 +31,17 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from kvcache.views import AttentionLayerCache, CacheViews
+from kvcache.views import CacheViews
 from models.base import CausalLM
 from models.batch import ForwardBatch
 from models.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig
 from models.errors import ConfigError
-from models.kernels import dispatch
-from models.layers.attention import paged_attention
-from models.layers.mamba2 import Mamba2Mixer
-from models.layers.moe import NemotronHMoE
 from models.layers.norm import RMSNorm
-from models.layers.relu2_mlp import Relu2MLP
 from models.layers.vocab_parallel import VocabParallelEmbedding
+from models.nemotron_h_block import HYBRID_LAYER_KINDS, NemotronHBlock
+from models.nemotron_h_mtp import MTP_PREFIX, NemotronHMTP, check_mtp_config
 from models.sharding import vocab_rows_per_rank
-from models.tensor_parallel import all_reduce, gather_vocab
-
-HYBRID_LAYER_KINDS = (MAMBA, ATTENTION, MLP, MOE)
-_SKIPPED_PREFIXES = ("mtp.",)
-
-
-class NemotronHAttention(nn.Module):
-    """GQA self-attention without positional encoding; K/V live in the paged cache."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.scale = self.head_dim**-0.5
-        hidden = config.hidden_size
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        # transformers builds these without bias whatever `attention_bias` says.
-        self.q_proj = nn.Linear(hidden, q_size, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_size, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_size, bias=False)
-        self.o_proj = nn.Linear(q_size, hidden, bias=False)
-
-    def forward(
-        self, hidden: torch.Tensor, batch: ForwardBatch, layer_cache: AttentionLayerCache
-    ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, layer_cache, batch, self.scale)
-        return self.o_proj(out.reshape(num_tokens, -1))
-
-
-class NemotronHBlock(nn.Module):
-    """`x + mixer(norm(x))`; `ordinal` indexes this layer's cache among its kind."""
-
-    def __init__(self, config: ModelConfig, kind: str, ordinal: int) -> None:
-        super().__init__()
-        self.kind = kind
-        self.ordinal = ordinal
-        self.tp = config.tp  # every mixer's output is a partial sum across ranks
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mixer = _build_mixer(config, kind)
-
-    def forward(
-        self, hidden: torch.Tensor, batch: ForwardBatch, caches: CacheViews
-    ) -> torch.Tensor:
-        x = self.norm(hidden)
-        if self.kind == MAMBA:
-            out = self.mixer(x, batch, caches.mamba[self.ordinal])
-        elif self.kind == ATTENTION:
-            out = self.mixer(x, batch, caches.attention[self.ordinal])
-        elif self.kind == MOE:
-            # On a GPU (or where its kernels are forced, as in tests) a decode
-            # step must not read the routing back: that stalls the stream and
-            # breaks graph capture. On CPU the chosen-experts loop costs less.
-            sync_free = batch.is_decode_only and dispatch.use_triton(x.device)
-            out = self.mixer(x, sync_free=sync_free)
-        else:
-            out = self.mixer(x)
-        return hidden + all_reduce(out, self.tp)
-
-
-def _build_mixer(config: ModelConfig, kind: str) -> nn.Module:
-    if kind == MAMBA:
-        if config.mamba is None:
-            raise ConfigError(f"{config.architecture}: a mamba layer needs the mamba settings")
-        return Mamba2Mixer(config.hidden_size, config.mamba)
-    if kind == ATTENTION:
-        return NemotronHAttention(config)
-    if kind == MLP:
-        return Relu2MLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
-    if config.moe is None:
-        raise ConfigError(f"{config.architecture}: a moe layer needs the MoE settings")
-    return NemotronHMoE(config.hidden_size, config.moe, shared_bias=config.mlp_bias)
+from models.tensor_parallel import gather_vocab
 
 
 class NemotronHBackbone(nn.Module):
@@ -160,10 +86,49 @@ class NemotronHForCausalLM(CausalLM):
         # This rank's vocab rows (all of them with one rank).
         rows = vocab_rows_per_rank(config.vocab_size, config.tp.size)
         self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
-        self.num_attention_layers = len(config.layers_of(ATTENTION))
+        # The MTP shares the embedding and lm_head above; it has none of its own.
+        self.mtp = NemotronHMTP(config) if config.use_mtp else None
+        # Cache views: the backbone's attention layers, then the MTP's.
+        self.num_attention_layers = len(config.layers_of(ATTENTION)) + len(
+            config.mtp_attention_layers()
+        )
         self.num_mamba_layers = len(config.layers_of(MAMBA))
 
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the model was built with its MTP layers (`config.use_mtp`)."""
+        return self.mtp is not None
+
     def forward(self, batch: ForwardBatch, caches: CacheViews) -> torch.Tensor:
+        self._check_caches(caches)
+        return self.backbone(batch, caches)
+
+    def mtp_forward(
+        self,
+        input_ids: torch.Tensor,
+        target_hidden: torch.Tensor,
+        batch: ForwardBatch,
+        caches: CacheViews,
+    ) -> torch.Tensor:
+        """The MTP layers' hidden states `[T, hidden]` (turned into draft logits
+        by `compute_logits`, and the next chained step's `target_hidden`).
+
+        Row t predicts the token after `input_ids[t]`: `input_ids[t]` is the
+        token at `batch.positions[t] + 1` and `target_hidden[t]` the hidden
+        state `forward` (or the previous MTP step) returned at
+        `batch.positions[t]`. The MTP attention K/V is written at
+        `batch.positions` through `batch.slot_mapping`.
+        """
+        if self.mtp is None:
+            raise ValueError(
+                f"{type(self).__name__} was built without its MTP layers; build it from "
+                "a config with use_mtp (models.loader.load_model(..., use_mtp=True))"
+            )
+        self._check_caches(caches)
+        embeds = self.backbone.embeddings(input_ids)
+        return self.mtp(embeds, target_hidden, batch, caches)
+
+    def _check_caches(self, caches: CacheViews) -> None:
         if (len(caches.attention), len(caches.mamba)) != (
             self.num_attention_layers,
             self.num_mamba_layers,
@@ -172,7 +137,6 @@ class NemotronHForCausalLM(CausalLM):
                 f"expected {self.num_attention_layers} attention and {self.num_mamba_layers} "
                 f"mamba cache views, got {len(caches.attention)} and {len(caches.mamba)}"
             )
-        return self.backbone(batch, caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return gather_vocab(self.lm_head(hidden), self.config.tp, self.config.vocab_size)
@@ -198,21 +162,24 @@ class NemotronHForCausalLM(CausalLM):
             yield "lm_head.weight", embedding
 
     def checkpoint_name(self, disk_name: str) -> str | None:
-        if disk_name.startswith(_SKIPPED_PREFIXES):
-            return None
+        if disk_name.startswith(MTP_PREFIX):
+            return disk_name if self.mtp is not None else None
         if disk_name.startswith("model."):
             return "backbone." + disk_name.removeprefix("model.")
         return disk_name
 
 
 def _check_config(config: ModelConfig) -> None:
+    if config.use_mtp:
+        check_mtp_config(config)
     unknown = sorted(set(config.layer_types) - set(HYBRID_LAYER_KINDS))
     if unknown:
         raise ConfigError(
             f"{config.architecture}: Nemotron-H layers must be {list(HYBRID_LAYER_KINDS)}, "
             f"got {unknown}"
         )
-    uses_relu2 = MLP in config.layer_types or MOE in config.layer_types
+    kinds = config.layer_types + (config.mtp_layer_types if config.use_mtp else ())
+    uses_relu2 = MLP in kinds or MOE in kinds
     if uses_relu2 and config.hidden_act != "relu2":
         raise ConfigError(
             f"{config.architecture}: mlp_hidden_act is {config.hidden_act!r}; "

@@ -30,7 +30,9 @@ pretrained config holds the pattern one level down, so nothing reads it here),
 and `ModelConfig` already describes the nested language model.
 
 Checkpoint names: `language_model.backbone.*` / `language_model.lm_head.weight`
-go to the backbone; the image path loads from the release names or
+go to the backbone, and so do the multi-token-prediction layers
+`language_model.mtp.*` (loaded with `config.use_mtp`, skipped without; the
+wrapper's `mtp_forward` runs them); the image path loads from the release names or
 transformers' (see `models/vl_names.py`); the audio tensors (`sound_encoder.*`,
 `sound_projection.*`, `audio_tower.*`, `embed_audio.*`), video patch embedder,
 input conditioner and summary indices are skipped. Any other name is reported
@@ -122,6 +124,21 @@ class NemotronVLForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
+
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the language model was built with its MTP layers."""
+        return self.language_model.has_mtp
+
+    def mtp_forward(
+        self,
+        input_ids: torch.Tensor,
+        target_hidden: torch.Tensor,
+        batch: ForwardBatch,
+        caches: CacheViews,
+    ) -> torch.Tensor:
+        """The language model's MTP hidden states (`NemotronHForCausalLM.mtp_forward`)."""
+        return self.language_model.mtp_forward(input_ids, target_hidden, batch, caches)
 
     def encode_image(self, pixel_values: torch.Tensor, grid_hw: tuple[int, int]) -> torch.Tensor:
         """Embeddings `[num_image_tokens, hidden]` of one preprocessed image."""

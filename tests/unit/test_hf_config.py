@@ -202,6 +202,71 @@ def test_nemotron_h_pattern_length_mismatch_is_named() -> None:
         parse_model_config(nemotron_h_dict(hybrid_override_pattern="M*X-E"))
 
 
+def test_nemotron_h_mtp_layers() -> None:
+    config = parse_model_config(
+        nemotron_h_dict(num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*E")
+    )
+    assert (config.num_nextn_predict_layers, config.mtp_layer_types) == (1, (ATTENTION, MOE))
+    # Built and cached only when the engine asks for them.
+    assert not config.use_mtp and config.cache_spec().attention_layers == (1,)
+    plain = parse_model_config(nemotron_h_dict())
+    assert (plain.num_nextn_predict_layers, plain.mtp_layer_types) == (0, ())
+    # A pattern with 0 MTP layers is not read (transformers writes a default one).
+    unused = parse_model_config(nemotron_h_dict(mtp_hybrid_override_pattern="*X"))
+    assert unused.mtp_layer_types == ()
+
+
+def test_nemotron_h_mtp_moe_layer_brings_the_moe_settings() -> None:
+    raw = nemotron_h_dict(
+        hybrid_override_pattern="M*-M",
+        num_hidden_layers=4,
+        num_nextn_predict_layers=1,
+        mtp_hybrid_override_pattern="*E",
+    )
+    config = parse_model_config(raw)
+    assert MOE not in config.layer_types
+    assert config.moe is not None and config.moe.num_experts == 8
+
+
+def test_nemotron_h_mtp_pattern_is_required_and_checked() -> None:
+    with pytest.raises(
+        ConfigError, match="num_nextn_predict_layers is 1 but field 'mtp_hybrid_override_pattern'"
+    ):
+        parse_model_config(nemotron_h_dict(num_nextn_predict_layers=1))
+    with pytest.raises(
+        ConfigError, match=r"'mtp_hybrid_override_pattern' has unknown characters \['X'\]"
+    ):
+        parse_model_config(
+            nemotron_h_dict(num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*X")
+        )
+    with pytest.raises(ConfigError, match="'num_nextn_predict_layers' must be 0 or more"):
+        parse_model_config(nemotron_h_dict(num_nextn_predict_layers=-1))
+
+
+def test_nemotron_h_mtp_layers_as_transformers_saves_them() -> None:
+    """transformers serializes the MTP pattern as `mtp_layers_block_type` only."""
+    hf = transformers.NemotronHConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        mamba_num_heads=8,
+        mamba_head_dim=8,
+        ssm_state_size=16,
+        n_groups=2,
+        n_routed_experts=4,
+        moe_intermediate_size=24,
+        hybrid_override_pattern="ME*-",
+        num_nextn_predict_layers=1,
+        mtp_hybrid_override_pattern="-E*",
+    )
+    raw = hf.to_dict()
+    raw["architectures"] = ["NemotronHForCausalLM"]
+    assert "mtp_hybrid_override_pattern" not in raw
+    config = parse_model_config(json.loads(json.dumps(raw)))
+    assert config.mtp_layer_types == (MLP, MOE, ATTENTION)
+
+
 def test_time_step_limit_with_json_infinity(tmp_path: Path) -> None:
     text = json.dumps(nemotron_h_dict()).replace(
         '"chunk_size": 64', '"chunk_size": 64, "time_step_limit": [0.0, Infinity]'
@@ -277,7 +342,11 @@ def test_vl_wrapper_takes_fields_from_nested_config(architecture: str, nested_ke
 def test_vl_wrapper_vision_config_parses_with_radio_defaults() -> None:
     raw = {
         "architectures": ["NemotronH_Nano_VL_V2"],
-        "llm_config": {**nemotron_h_dict(), "num_nextn_predict_layers": 1},
+        "llm_config": {
+            **nemotron_h_dict(),
+            "num_nextn_predict_layers": 1,
+            "mtp_hybrid_override_pattern": "*E",
+        },
         "vision_config": {"model_type": "radio", "hidden_size": 32, "patch_size": 14},
         "vit_hidden_size": 32,
         "img_context_token_id": 6,
