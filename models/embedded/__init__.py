@@ -2,7 +2,8 @@
 
 `write_checkpoint(out, arch, size, seed)` writes config.json, generation
 config, seeded random weights (model.safetensors, real on-disk key names) and a
-byte-level BPE tokenizer with a chat template; `ensure_checkpoint` writes only
+byte-level BPE tokenizer with a chat template (`mtp=True`: Nemotron-H
+multi-token-prediction layers too); `ensure_checkpoint` writes only
 when the folder is missing or incomplete. `disagg make-checkpoint` is the
 command-line front end (`models.embedded.cli`).
 

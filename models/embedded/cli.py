@@ -1,6 +1,7 @@
 """`disagg make-checkpoint`: write an embedded checkpoint folder from the shell.
 
     disagg make-checkpoint --arch nemotron_h --size small --seed 1 ./ckpt
+    disagg make-checkpoint --arch nemotron_h --mtp ./ckpt-mtp   # with MTP layers
 
 Errors the user can fix (a path that is a file, a folder that cannot be
 written, a bad value) print one line on stderr and exit with status 1.
@@ -18,6 +19,8 @@ from models.embedded.configs import (
     DEFAULT_INITIALIZER_RANGE,
     DEFAULT_VL_ARCHITECTURE,
     IMAGE_FORMATS,
+    MTP_ARCHS,
+    MTP_PATTERN,
     SIZES,
     VL_ARCHITECTURES,
 )
@@ -50,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "dynamic resolution, default) or tiles (the VL V2 tiles plus thumbnail)",
     )
     parser.add_argument(
+        "--mtp",
+        action="store_true",
+        help="--arch nemotron_h / nemotron_vl: add one multi-token-prediction step "
+        f"(num_nextn_predict_layers 1, mtp_hybrid_override_pattern {MTP_PATTERN!r}) "
+        "and its mtp.layers.* tensors",
+    )
+    parser.add_argument(
         "--initializer-range",
         type=float,
         default=None,
@@ -69,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
     ):
         if value is not None and args.arch != "nemotron_vl":
             return _fail(f"{option} applies to --arch nemotron_vl only; drop it")
+    if args.mtp and args.arch not in MTP_ARCHS:
+        return _fail(f"--mtp applies to --arch {' and '.join(MTP_ARCHS)} only; drop it")
     started = time.monotonic()
     try:
         out = write_checkpoint(
@@ -80,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
             initializer_range=args.initializer_range,
             progress=args.size != "tiny",
             image_format=args.image_format,
+            mtp=args.mtp,
         )
     except (CheckpointWriteError, UnknownCheckpointKindError) as error:
         return _fail(str(error))
@@ -88,8 +101,10 @@ def run(args: argparse.Namespace) -> int:
     except OSError as error:
         return _fail(f"cannot write checkpoint into {args.out}: {error.strerror or error}")
     elapsed = time.monotonic() - started
+    layers = " with MTP layers" if args.mtp else ""
     print(
-        f"wrote {args.arch} ({args.size}, seed {args.seed}) checkpoint to {out} in {elapsed:.1f}s"
+        f"wrote {args.arch} ({args.size}, seed {args.seed}) checkpoint{layers} to {out} "
+        f"in {elapsed:.1f}s"
     )
     return 0
 

@@ -42,6 +42,10 @@ DEFAULT_VL_ARCHITECTURE = VL_ARCHITECTURES[0]
 IMAGE_FORMATS: tuple[str, ...] = ("dynamic", "tiles")
 DEFAULT_IMAGE_FORMAT = IMAGE_FORMATS[0]
 DEFAULT_INITIALIZER_RANGE = 0.02
+# Layers of the multi-token-prediction step `mtp=True` adds to a Nemotron-H
+# (the Nemotron 3 Super release's pattern: attention, then MoE).
+MTP_PATTERN = "*E"
+MTP_ARCHS: tuple[str, ...] = ("nemotron_h", "nemotron_vl")
 # `model_type` of each wrapper. The transformers-native Omni class registers
 # "nemotron_h_omni"; the remote-code releases use the class name itself.
 VL_MODEL_TYPES: dict[str, str] = {
@@ -187,17 +191,19 @@ def llama_config(size: str, initializer_range: float = DEFAULT_INITIALIZER_RANGE
 
 
 def nemotron_h_config(
-    size: str, initializer_range: float = DEFAULT_INITIALIZER_RANGE
+    size: str, initializer_range: float = DEFAULT_INITIALIZER_RANGE, mtp: bool = False
 ) -> dict[str, Any]:
     """A `NemotronHForCausalLM` config.json body.
 
     Carries both layer-list spellings: `hybrid_override_pattern` (what the
     released checkpoints ship) and `layers_block_type` (what `NemotronHConfig`
-    serializes); they describe the same layers.
+    serializes); they describe the same layers. `mtp` adds one
+    multi-token-prediction step of `MTP_PATTERN` layers, in the released
+    fields `num_nextn_predict_layers` and `mtp_hybrid_override_pattern`.
     """
     s = shape_of(size)
     names = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
-    return {
+    config: dict[str, Any] = {
         "architectures": ["NemotronHForCausalLM"],
         "model_type": "nemotron_h",
         "vocab_size": s.vocab_size,
@@ -258,6 +264,10 @@ def nemotron_h_config(
         "rescale_prenorm_residual": True,
         "dtype": DTYPE,
     }
+    if mtp:
+        config["num_nextn_predict_layers"] = 1
+        config["mtp_hybrid_override_pattern"] = MTP_PATTERN
+    return config
 
 
 def radio_vision_config(size: str, initializer_range: float) -> dict[str, Any]:
@@ -287,6 +297,7 @@ def nemotron_vl_config(
     size: str,
     vl_architecture: str = DEFAULT_VL_ARCHITECTURE,
     initializer_range: float = DEFAULT_INITIALIZER_RANGE,
+    mtp: bool = False,
 ) -> dict[str, Any]:
     """An outer VL / Omni config.json body with the language model under `llm_config`.
 
@@ -299,7 +310,7 @@ def nemotron_vl_config(
     return {
         "architectures": [vl_architecture],
         "model_type": VL_MODEL_TYPES[vl_architecture],
-        "llm_config": nemotron_h_config(size, initializer_range),
+        "llm_config": nemotron_h_config(size, initializer_range, mtp),
         "vision_config": radio_vision_config(size, initializer_range),
         "force_image_size": 64,
         "downsample_ratio": 0.5,
@@ -359,16 +370,22 @@ def checkpoint_config(
     size: str = "tiny",
     vl_architecture: str | None = None,
     initializer_range: float | None = None,
+    mtp: bool = False,
 ) -> dict[str, Any]:
     """The config.json body for `arch` at `size`.
 
     `vl_architecture` applies to `nemotron_vl` only (default
-    `NemotronH_Nano_VL_V2`); `initializer_range` defaults to 0.02.
+    `NemotronH_Nano_VL_V2`); `initializer_range` defaults to 0.02; `mtp`
+    (`nemotron_h` and `nemotron_vl`) adds multi-token-prediction layers.
     """
     _check_choice("arch", arch, ARCHS)
     if vl_architecture is not None and arch != "nemotron_vl":
         raise UnknownCheckpointKindError(
             f"vl_architecture is only meaningful for arch 'nemotron_vl', not {arch!r}; drop it"
+        )
+    if mtp and arch not in MTP_ARCHS:
+        raise UnknownCheckpointKindError(
+            f"mtp layers exist for arch {' and '.join(MTP_ARCHS)} only, not {arch!r}; drop it"
         )
     init = DEFAULT_INITIALIZER_RANGE if initializer_range is None else initializer_range
     if not init > 0:
@@ -376,8 +393,8 @@ def checkpoint_config(
     if arch == "llama":
         return llama_config(size, init)
     if arch == "nemotron_h":
-        return nemotron_h_config(size, init)
-    return nemotron_vl_config(size, vl_architecture or DEFAULT_VL_ARCHITECTURE, init)
+        return nemotron_h_config(size, init, mtp)
+    return nemotron_vl_config(size, vl_architecture or DEFAULT_VL_ARCHITECTURE, init, mtp)
 
 
 def language_model_config(config: dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ checkpoints use on disk, which `transformers` converts back when loading:
     LlamaForCausalLM      model.layers.0.self_attn.q_proj.weight   (unchanged)
     NemotronHForCausalLM  model.*                     -> backbone.*
                           mixer.experts.up_proj [E,I,H] -> mixer.experts.{e}.up_proj.weight
+                          mtp.layers.* drawn here (`models.embedded.mtp_weights`)
     VL / Omni wrappers    language_model.model.*      -> language_model.backbone.*
                           multi_modal_projector.{layer_norm,linear_1,linear_2} -> mlp1.{0,1,3}
                           vision_model.*              -> vision_model.radio_model.*
@@ -20,7 +21,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
-from models.embedded.configs import VL_ARCHITECTURES
+from models.embedded.configs import VL_ARCHITECTURES, language_model_config
+from models.embedded.mtp_weights import mtp_state_dict
 from models.vl_names import release_name
 
 if TYPE_CHECKING:
@@ -46,10 +48,16 @@ def build_model(config: dict[str, Any], seed: int) -> PreTrainedModel:
 
 
 def build_state_dict(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """On-disk tensors (name -> contiguous tensor) of a checkpoint for `config`."""
+    """On-disk tensors (name -> contiguous tensor) of a checkpoint for `config`,
+    the MTP layers' too when the language model config has them (which the
+    transformers class does not build: `models.embedded.mtp_weights`)."""
     model = build_model(config, seed)
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
-    return to_disk_names(config["architectures"][0], state)
+    architecture = config["architectures"][0]
+    tensors = to_disk_names(architecture, state)
+    prefix = "language_model." if architecture in VL_ARCHITECTURES else ""
+    tensors.update(mtp_state_dict(language_model_config(config), seed, prefix))
+    return tensors
 
 
 def to_disk_names(architecture: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

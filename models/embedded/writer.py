@@ -60,11 +60,14 @@ def write_checkpoint(
     initializer_range: float | None = None,
     progress: bool = False,
     image_format: str | None = None,
+    mtp: bool = False,
 ) -> Path:
     """Write a complete checkpoint for `arch` at `size` into the folder `out`.
 
     `image_format` (`nemotron_vl` only) picks the preprocessor_config.json:
     `dynamic` (transformers' Omni format, the default) or `tiles` (VL V2).
+    `mtp` (`nemotron_h`, `nemotron_vl`) adds one multi-token-prediction step
+    to config.json and its `mtp.layers.*` tensors to model.safetensors.
 
     The same arguments always give a byte-identical model.safetensors.
     Existing checkpoint files in `out` are replaced; other files are left
@@ -73,12 +76,12 @@ def write_checkpoint(
     VL wrapper names.
     """
     out = Path(out)
-    config = checkpoint_config(arch, size, vl_architecture, initializer_range)
+    config = checkpoint_config(arch, size, vl_architecture, initializer_range, mtp)
     image_format = _image_format(arch, image_format)
     _prepare_folder(out)
     try:
         _write_all(out, config, size, seed, progress, image_format)
-        _write_json(out / MANIFEST_NAME, _manifest(arch, size, seed, config, image_format))
+        _write_json(out / MANIFEST_NAME, _manifest(arch, size, seed, config, image_format, mtp))
     except OSError as error:
         raise CheckpointWriteError(
             f"cannot write checkpoint into {out}: {_reason(error)}"
@@ -94,6 +97,7 @@ def ensure_checkpoint(
     vl_architecture: str | None = None,
     initializer_range: float | None = None,
     image_format: str | None = None,
+    mtp: bool = False,
 ) -> Path:
     """Return `out`, writing the checkpoint first unless an identical one is there.
 
@@ -101,12 +105,19 @@ def ensure_checkpoint(
     whose manifest records the same arguments and format version.
     """
     out = Path(out)
-    config = checkpoint_config(arch, size, vl_architecture, initializer_range)
-    manifest = _manifest(arch, size, seed, config, _image_format(arch, image_format))
+    config = checkpoint_config(arch, size, vl_architecture, initializer_range, mtp)
+    manifest = _manifest(arch, size, seed, config, _image_format(arch, image_format), mtp)
     if read_manifest(out) == manifest and is_complete(out):
         return out
     return write_checkpoint(
-        out, arch, size, seed, vl_architecture, initializer_range, image_format=image_format
+        out,
+        arch,
+        size,
+        seed,
+        vl_architecture,
+        initializer_range,
+        image_format=image_format,
+        mtp=mtp,
     )
 
 
@@ -136,7 +147,12 @@ def _image_format(arch: str, image_format: str | None) -> str | None:
 
 
 def _manifest(
-    arch: str, size: str, seed: int, config: dict[str, Any], image_format: str | None
+    arch: str,
+    size: str,
+    seed: int,
+    config: dict[str, Any],
+    image_format: str | None,
+    mtp: bool = False,
 ) -> dict[str, Any]:
     architecture = config["architectures"][0]
     manifest = {
@@ -151,6 +167,8 @@ def _manifest(
     }
     if image_format is not None:
         manifest["image_format"] = image_format
+    if mtp:  # recorded only when set: folders made without it keep their manifest
+        manifest["mtp"] = True
     return manifest
 
 

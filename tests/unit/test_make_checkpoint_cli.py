@@ -59,6 +59,41 @@ def test_image_format_flag_writes_the_tiling_preprocessor_config(tmp_path: Path)
     assert "max_num_patches" in json.loads((default / "preprocessor_config.json").read_text())
 
 
+@pytest.mark.parametrize(
+    ("arch", "prefix"), [("nemotron_h", ""), ("nemotron_vl", "language_model.")]
+)
+def test_mtp_flag_writes_the_released_mtp_layout(tmp_path: Path, arch: str, prefix: str) -> None:
+    from safetensors import safe_open
+
+    out = tmp_path / arch
+    assert main(["make-checkpoint", "--arch", arch, "--mtp", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    llm = config.get("llm_config", config)
+    assert (llm["num_nextn_predict_layers"], llm["mtp_hybrid_override_pattern"]) == (1, "*E")
+    assert json.loads((out / "embedded_checkpoint.json").read_text())["mtp"] is True
+    with safe_open(out / "model.safetensors", "pt") as f:
+        shapes = {
+            name.removeprefix(prefix): tuple(f.get_slice(name).get_shape())
+            for name in f.keys()  # noqa: SIM118 - safe_open is not a mapping
+            if name.startswith(prefix + "mtp.")
+        }
+    mtp = set(shapes)
+    hidden = llm["hidden_size"]
+    assert shapes["mtp.layers.0.eh_proj.weight"] == (hidden, 2 * hidden)
+    assert {"mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight"} <= mtp
+    assert {"mtp.layers.0.mixer.q_proj.weight", "mtp.layers.0.norm.weight"} <= mtp
+    assert "mtp.layers.1.mixer.gate.e_score_correction_bias" in mtp
+    assert "mtp.layers.1.final_layernorm.weight" in mtp
+    experts = {name for name in mtp if ".mixer.experts." in name}
+    assert len(experts) == 2 * llm["n_routed_experts"]
+
+
+def test_mtp_flag_with_llama_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["make-checkpoint", "--arch", "llama", "--mtp", "x"]) != 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--mtp" in err and "nemotron_h" in err
+
+
 def test_out_path_that_is_a_file_is_one_line_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
