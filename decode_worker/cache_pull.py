@@ -120,6 +120,7 @@ class CachePulls:
         """Seed `req` with the context's first token and start pulling its
         cache (or join the prefetch already pulling it)."""
         req.output_token_ids.append(context.first_token_id)
+        req.drafts = context.draft_token_ids
         if context.first_logprob is not None:
             req.output_logprobs.append(context.first_logprob)
         req.num_computed_tokens = req.num_prompt_tokens

@@ -190,6 +190,7 @@ class EngineCore:
             if token is None:
                 continue
             request = seq.request
+            request.drafts = tuple(runner_out.drafts.get(i, ()))
             want = _wants_logprobs(request.params)
             drafts = accepted.get(i)
             if drafts is not None:
@@ -252,6 +253,7 @@ class EngineCore:
         logprobs when it asked for them)."""
         logprobs, top = request.output_logprobs, request.output_top_logprobs
         n = num_tokens
+        handoff = reason is FinishReason.HANDOFF
         return TokenEvent(
             request_id=request.request_id,
             token_ids=request.output_token_ids[-n:],
@@ -261,6 +263,7 @@ class EngineCore:
             num_prompt_tokens=len(request.prompt_token_ids),
             num_cached_tokens=request.num_cached_tokens,
             timestamp=sampled_at,
+            draft_token_ids=list(request.drafts) if handoff else [],
         )
 
     def _final_event(self, request: Request, token_ids: list[int]) -> TokenEvent:

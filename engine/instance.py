@@ -25,6 +25,7 @@ from engine.request import FinishReason, Request
 from engine.sampling import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.speculation.drafts import Drafter
+from engine.speculation.mtp import MTPDrafting
 from engine.step_timeline import StepRecord
 from engine.stop import StopChecker
 from engine.tensor_parallel import RankCapacity, RankGroup
@@ -68,11 +69,19 @@ class EngineInstance:
         # (one STRICT_PACK placement group) and get the resolved settings.
         config = config.on_this_node(worker_id)
         num_ranks = config.tensor_parallel_size
+        speculative = config.speculative
+        use_mtp = speculative is not None and speculative.uses_model
+        if use_mtp and num_ranks > 1:
+            raise ValueError(
+                "MTP drafting runs on one rank: set tensor_parallel_size 1 or "
+                "speculative_config.method ngram"
+            )
         model, model_config = load_model(
             Path(config.checkpoint),
             dtype=config.dtype,
             device=config.device,
             tp=TensorParallelShard(0, num_ranks),
+            use_mtp=use_mtp,
         )
         tokenizer = load_tokenizer(config.checkpoint)
         share = gpu_share(config, model_config, model)
@@ -89,6 +98,7 @@ class EngineInstance:
             is_hybrid=spec.is_hybrid,
             image_encoder=_build_image_encoder(config, model, model_config),
             followers=ranks,
+            mtp=_build_mtp(config, model) if use_mtp else None,
         )
         # No sequence grows past the checkpoint's context or the whole cache.
         capacity = manager.num_usable_blocks * config.block_size
@@ -100,9 +110,10 @@ class EngineInstance:
         runner.prepare(-(-longest // config.block_size), sizes)
         eos = model_config.eos_token_ids or tokenizer.eos_token_ids
         # Drafts are verified where requests decode: a context worker samples
-        # only the first token.
-        speculative = config.speculative if role != "context" else None
-        drafter = Drafter(speculative) if speculative is not None else None
+        # only the first token (with MTP it drafts after it, for the
+        # generation worker's first verify).
+        verifies = speculative is not None and role != "context"
+        drafter = Drafter(speculative) if verifies and speculative is not None else None
         core = EngineCore(
             _build_scheduler(config, manager, drafter),
             runner,
@@ -258,6 +269,22 @@ def _build_image_encoder(
         return None
     processing = load_image_processor_config(Path(config.checkpoint), model_config.vision)
     return ImageEncoder(model, processing, torch.device(config.device))
+
+
+def _build_mtp(config: WorkerConfig, model: CausalLM) -> MTPDrafting:
+    """The model's MTP layers as the runner's drafter (`engine.speculation.mtp`)."""
+    assert config.speculative is not None
+    if not callable(getattr(model, "mtp_forward", None)):
+        raise ValueError(
+            f"{type(model).__name__} has no MTP layers: speculative_config.method mtp "
+            "needs a Nemotron-H checkpoint with num_nextn_predict_layers > 0"
+        )
+    return MTPDrafting(
+        model,  # type: ignore[arg-type]
+        config.speculative.num_speculative_tokens,
+        config.block_size,
+        torch.device(config.device),
+    )
 
 
 def _build_scheduler(

@@ -53,6 +53,9 @@ class ContextResult:
     # Wall-clock (time.time()) when the first token was sampled.
     first_token_time: float = field(default_factory=time.time)
     rank_handles: tuple[TransferHandle, ...] = ()
+    # MTP drafting: the drafts after the first token, which the generation
+    # worker verifies in its first step (`engine.speculation.mtp`).
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def all_handles(self) -> list[TransferHandle]:
@@ -154,6 +157,9 @@ class TokenEvent:
     # Wall-clock (time.time()) when these tokens were sampled.
     timestamp: float = field(default_factory=time.time)
     cache_ready: bool = False
+    # A context worker's handoff with MTP drafting: the drafts after the
+    # first token, for the generation worker's first verify.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

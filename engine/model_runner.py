@@ -11,6 +11,10 @@ every one of its positions, each as a plain decode would sample there, and
 keeps its drafts up to the first that differs (`engine.speculation.verify`).
 A seeded request's generator then stands where plain decoding would have
 left it: one draw per token it kept.
+
+With MTP drafting (`engine.speculation.mtp`) the runner then runs the
+model's MTP layers over what the step kept and returns each sampling
+request's drafts for its next step.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 from engine.decode_graphs import DecodeGraphs, build_decode_graphs
 from engine.image_encoder import ImageChunk, ImageEncoder
 from engine.scheduler import ScheduledSequence
+from engine.speculation.mtp import KeptChunk, MTPDrafting
 from engine.speculation.verify import num_accepted
 from engine.token_history import TokenHistory, history_for
 from kvcache.snapshots import StateCopies
@@ -107,6 +112,8 @@ class RunnerOutput:
     # Verifies only, by sequence index: the accepted drafts, as sampled
     # (with their logprobs), before `sampled[i]`.
     accepted: dict[int, list[SampledToken]] = field(default_factory=dict)
+    # MTP drafting only, by sequence index: the drafts to verify after `sampled[i]`.
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -121,8 +128,11 @@ class ModelRunner:
         is_hybrid: bool = False,
         image_encoder: ImageEncoder | None = None,
         followers: StepFollowers | None = None,
+        mtp: MTPDrafting | None = None,
     ) -> None:
         self.model = model
+        # The model's MTP layers, run after each step for the next one's drafts.
+        self.mtp = mtp
         # Tensor parallelism: every step (warm-up ones too) goes to the other
         # ranks first, whose shards join this one's collectives.
         self.followers = followers
@@ -272,7 +282,7 @@ class ModelRunner:
             step = replace(step, copies=copies)
         t1 = time.perf_counter()
         with torch.inference_mode():
-            logits = self._run(step, image_chunks)
+            hidden, logits = self._run(step, image_chunks)
             if logits is not None and self.device.type == "cuda":
                 torch.cuda.synchronize()
             t2 = time.perf_counter()
@@ -280,6 +290,21 @@ class ModelRunner:
             tokens = self._sample(logits, sampling) if logits is not None else []
         t3 = time.perf_counter()
         timings.build_s, timings.forward_s, timings.sample_s = t1 - t0, t2 - t1, t3 - t2
+        out = self._verified(seqs, tokens, timings)
+        if self.mtp is not None:
+            with torch.inference_mode():
+                chunks = self._kept_chunks(seqs, step, out)
+                out.drafts = self.mtp.draft(chunks, hidden, self.caches)
+            timings.forward_s += time.perf_counter() - t3
+        return out
+
+    def _verified(
+        self,
+        seqs: Sequence[ScheduledSequence],
+        tokens: Sequence[SampledToken],
+        timings: StepTimings,
+    ) -> RunnerOutput:
+        """Each sequence's sampled token, and a verify's accepted drafts."""
         out = RunnerOutput(timings=timings)
         it = iter(tokens)
         for i, seq in enumerate(seqs):
@@ -295,6 +320,41 @@ class ModelRunner:
             out.accepted[i] = rows[:kept]
             out.sampled.append(rows[kept])
         return out
+
+    def _kept_chunks(
+        self, seqs: Sequence[ScheduledSequence], step: StepInput, out: RunnerOutput
+    ) -> list[KeptChunk]:
+        """What each chunk keeps, with the token after each of its kept
+        positions (`engine.speculation.mtp`). Requests with penalties never
+        draft, so their MTP cache is never read and is not kept."""
+        chunks = []
+        row_starts = step.host.shape.query_start_loc
+        for i, seq in enumerate(seqs):
+            req = seq.request
+            if req.params.has_penalties:
+                continue
+            start, end = seq.start, seq.start + seq.num_new_tokens
+            sampled = out.sampled[i]
+            if sampled is None:  # a prefill chunk short of the prompt's end
+                after = req.token_ids_between(start + 1, end + 1)
+            elif seq.drafts:
+                accepted = [t.token_id for t in out.accepted[i]]
+                after = [*accepted, sampled.token_id]
+            else:
+                after = [*req.token_ids_between(start + 1, end), sampled.token_id]
+            table = self.addressing.block_table(req.request_id)
+            chunks.append(
+                KeptChunk(
+                    i,
+                    req.request_id,
+                    start,
+                    tuple(after),
+                    row_starts[i],
+                    table,
+                    sampled is not None,
+                )
+            )
+        return chunks
 
     def _rewind(self, request: Any, drawn: int, used: int) -> None:
         """A seeded sampled request drew `drawn` values for the rows of its
@@ -316,8 +376,11 @@ class ModelRunner:
         with torch.inference_mode():
             self._run(step)
 
-    def _run(self, step: StepInput, image_chunks: Sequence[ImageChunk] = ()) -> torch.Tensor | None:
-        """Forward, then the logits of the sampling rows (None if there are none)."""
+    def _run(
+        self, step: StepInput, image_chunks: Sequence[ImageChunk] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward: the hidden states, and the logits of the sampling rows
+        (None if there are none)."""
         images = self._images(image_chunks)
         if self.followers is None:
             return self._forward(step, images)
@@ -332,7 +395,9 @@ class ModelRunner:
             self.followers.abandon()
             raise
 
-    def _forward(self, step: StepInput, images: Images | None = None) -> torch.Tensor | None:
+    def _forward(
+        self, step: StepInput, images: Images | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch = self._with_images(step.to_batch(self.device), images)
         if step.copies:
             self.caches.apply_loads(step.copies)
@@ -342,9 +407,9 @@ class ModelRunner:
         if step.copies:
             self.caches.apply_saves(step.copies)
         if not step.host.num_logits:
-            return None
+            return hidden, None
         assert batch.logits_indices is not None
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        return hidden, self.model.compute_logits(hidden[batch.logits_indices])
 
     def release(self, request_id: str) -> None:
         """Forget per-request sampling state (its seeded generator, its token history)."""

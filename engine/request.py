@@ -72,6 +72,9 @@ class Request:
     # Images whose embeddings replace placeholder tokens of the prompt, in
     # prompt order (context and aggregated workers only).
     images: tuple[ImageInput, ...] = ()
+    # MTP drafting: the drafts to verify after the last token, from the step
+    # that sampled it (or the context worker's, for a pulled request).
+    drafts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.request_id or any(c.isspace() for c in self.request_id):

@@ -37,6 +37,7 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
     tp: TensorParallelShard | None = None,
+    use_mtp: bool = False,
 ) -> tuple[CausalLM, ModelConfig]:
     """Model in eval mode with the checkpoint's weights, and its config.
 
@@ -46,11 +47,15 @@ def load_model(
     `tp`: build and load only this tensor-parallel rank's shard (the returned
     config is the rank's, see `models.tensor_parallel`); the rank joins the
     process's torch.distributed group in the forward pass.
+    `use_mtp`: build and load the checkpoint's multi-token-prediction layers
+    too (MTP drafting; their attention KV is then part of `cache_spec()`).
     """
     checkpoint_dir = Path(checkpoint_dir)
     full = load_model_config(checkpoint_dir)
     if dtype is not None:
         full = replace(full, dtype=dtype_name(dtype))
+    if use_mtp:
+        full = replace(full, use_mtp=True)
     tp = tp or TensorParallelShard()
     check_tensor_parallel(full, tp.size)
     config = shard_config(full, tp.rank, tp.size) if tp.size > 1 else full

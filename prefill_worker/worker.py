@@ -138,6 +138,7 @@ class ContextWorker:
             num_cached_tokens=req.num_cached_tokens,
             first_token_time=event.timestamp,
             rank_handles=tuple(rank_handles),
+            draft_token_ids=tuple(event.draft_token_ids),
         )
 
     async def call_socket(self) -> AsyncIterator[EventSocketOffer]:

@@ -12,7 +12,11 @@ reports each verify's outcome through `record`. Which requests draft:
   one token a step;
 - never past `max_tokens`.
 
-Back-off: a request drafts up to `width` tokens, which grows by one after a
+With MTP the model drafts (`engine.speculation.mtp`): the request carries
+the drafts of the step that sampled its last token, and this hands them to
+the verify. MTP drafts do not back off: the MTP runs every step anyway.
+
+Back-off (n-gram drafts): a request drafts up to `width` tokens, which grows by one after a
 verify that accepted everything and shrinks to one past what was accepted
 otherwise. After `PAUSE_AFTER` verifies in a row that accepted nothing it
 stops drafting for `cooldown` steps, doubled each time up to `MAX_COOLDOWN`,
@@ -70,6 +74,11 @@ class Drafter:
         limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
         if limit <= 0:
             return []
+        if self.config.uses_model:
+            # The model drafted them after the step that sampled the last
+            # token (`engine.speculation.mtp`); they are good for one verify.
+            drafts, request.drafts = request.drafts, ()
+            return list(drafts[:limit])
         state = self._state(request)
         if state.paused:
             state.paused -= 1

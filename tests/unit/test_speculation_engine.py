@@ -24,11 +24,10 @@ from engine.request import Request
 from engine.sampling import SamplingParams
 from engine.speculation.config import SpeculativeConfig
 from engine.speculation.drafts import Drafter
-from engine.worker_config import WorkerConfig
 from kvcache.snapshots import SnapshotPolicy
 from models.embedded.writer import ensure_checkpoint
+from tests.spec_engines import assert_drafted, assert_same, copy_prompts, engine, serve
 
-TOLERANCE = 1e-4
 SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
 
 
@@ -40,29 +39,6 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_checkpoint(tmp_path_factory.mktemp("spec") / "nemotron_h", "nemotron_h", "tiny")
-
-
-def engine(
-    checkpoint: Path,
-    speculative: SpeculativeConfig | None,
-    manager: str = "v2",
-    max_tokens: int = 4096,
-    step_tokens: int = 512,
-    policy: SnapshotPolicy | None = None,
-) -> EngineInstance:
-    config = WorkerConfig(
-        checkpoint=str(checkpoint),
-        manager=manager,
-        dtype="float32",
-        block_size=16,
-        max_tokens=max_tokens,
-        max_num_tokens=step_tokens,
-        max_batch_size=8,
-        speculative=speculative,
-        enable_block_reuse=policy is not None,
-        snapshots=policy,
-    )
-    return EngineInstance.build(config, "aggregated", "w")
 
 
 class OracleDrafter(Drafter):
@@ -88,56 +64,6 @@ def with_oracle(instance: EngineInstance, answers: list[Request]) -> EngineInsta
     oracle = OracleDrafter(SPEC, {tuple(r.prompt_token_ids): r.output_token_ids for r in answers})
     instance.core.drafter = instance.core.scheduler.drafter = oracle
     return instance
-
-
-def serve(instance: EngineInstance, prompts: list[list[int]], **params: object) -> list[Request]:
-    requests = []
-    for n, prompt in enumerate(prompts):
-        settings: dict[str, object] = {
-            "max_tokens": 24,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "logprobs": 0,
-        }
-        settings.update(params)
-        if settings.get("seed") == "each":
-            settings["seed"] = 100 + n
-        request = Request(f"r{n}-{random.random()}", list(prompt), SamplingParams(**settings))  # type: ignore[arg-type]
-        instance.core.add(request)
-        requests.append(request)
-    preempted = 0
-    while instance.core.has_work():
-        preempted += instance.core.step().num_preempted
-    instance.manager.check_integrity()
-    assert instance.manager.num_requests == 0
-    serve.preempted = preempted  # type: ignore[attr-defined]
-    return requests
-
-
-def assert_same(on: list[Request], off: list[Request]) -> None:
-    for a, b in zip(on, off, strict=True):
-        assert a.output_token_ids == b.output_token_ids
-        diffs = [abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs, strict=True)]
-        assert len(a.output_logprobs) == len(a.output_token_ids)
-        assert max(diffs) < TOLERANCE
-
-
-def copy_prompts(seed: int, count: int = 4) -> list[list[int]]:
-    """A passage, then its opening again: the continuation quotes it."""
-    rng = random.Random(seed)
-    prompts = []
-    for _ in range(count):
-        passage = [rng.randrange(10, 400) for _ in range(rng.randrange(20, 40))]
-        prompts.append(passage + passage[: rng.randrange(3, 8)])
-    return prompts
-
-
-def assert_drafted(instance: EngineInstance) -> None:
-    drafter = instance.core.drafter
-    assert drafter is not None
-    stats = drafter.stats
-    assert stats.verifies > 0
-    assert 0 < stats.accepted < stats.drafted
 
 
 @pytest.mark.parametrize("manager", ["v1", "v2"])
