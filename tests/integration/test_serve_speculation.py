@@ -1,6 +1,8 @@
 """Speculative decoding served: n-gram drafts on a Llama and on a
-Nemotron-H hybrid, aggregated and 1P1D over each transceiver, through the
-OpenAI API.
+Nemotron-H hybrid, and the Nemotron-H checkpoint's own MTP layers (one MTP
+step, `*E`; in 1P1D the context worker sends the first drafts with the first
+token, also with hybrid block reuse), aggregated and 1P1D over each
+transceiver, through the OpenAI API.
 
 Prompts repeat a passage and ask for more of it; every answer equals
 transformers' greedy continuation of the same token ids (each token from a
@@ -36,7 +38,27 @@ MODES = {
     "1p1d-python": {"cache_transceiver": {"backend": "python"}},
     "1p1d-nixl": {"cache_transceiver": {"backend": "nixl"}},
 }
-CASES = [(arch, mode) for arch in ("llama", "nemotron_h") for mode in MODES]
+MTP_MODES = {
+    **MODES,
+    "1p1d-python-reuse": {
+        "cache_transceiver": {"backend": "python"},
+        "kv_cache": {
+            "enable_block_reuse": True,
+            "snapshots": {"at_end": True, "on_demand": True, "num_slots": 16},
+        },
+    },
+}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
+MTP = {"method": "mtp", "num_speculative_tokens": 3}
+CASES = [
+    *((arch, mode) for arch in ("llama", "nemotron_h") for mode in MODES),
+    *(("nemotron_h_mtp", mode) for mode in MTP_MODES),
+]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{a}-{m}" for a, m in CASES])
@@ -48,7 +70,13 @@ def server(
     arch, mode = request.param
     if mode == "1p1d-nixl" and not nixl_available():
         pytest.fail("the nixl package is part of the project's install; it must import")
-    checkpoint = ensure_checkpoint(tmp_path_factory.getbasetemp() / f"spec-{arch}", arch, "tiny")
+    mtp = arch == "nemotron_h_mtp"
+    checkpoint = ensure_checkpoint(
+        tmp_path_factory.getbasetemp() / f"spec-{arch}",
+        "nemotron_h" if mtp else arch,
+        "tiny",
+        mtp=mtp,
+    )
     config = {
         "model": str(checkpoint),
         "conditional_disagg": {"max_local_prefill_length": 0},
@@ -56,14 +84,9 @@ def server(
         "max_batch_size": 4,
         "context_servers": {"num_instances": 1},
         "generation_servers": {"num_instances": 1},
-        "speculative_config": {
-            "method": "ngram",
-            "num_speculative_tokens": 3,
-            "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3,
-        },
+        "speculative_config": MTP if mtp else NGRAM,
     }
-    for key, value in MODES[mode].items():
+    for key, value in MTP_MODES[mode].items():
         config[key] = {**config.get(key, {}), **value}
     path = tmp_path_factory.mktemp(f"{arch}-{mode}") / "config.yaml"
     path.write_text(yaml.safe_dump(config))
