@@ -1,8 +1,8 @@
 """Speculative decoding served: n-gram drafts on a Llama and on a
 Nemotron-H hybrid, and the Nemotron-H checkpoint's own MTP layers (one MTP
 step, `*E`; in 1P1D the context worker sends the first drafts with the first
-token, also with hybrid block reuse), aggregated and 1P1D over each
-transceiver, through the OpenAI API.
+token, also with hybrid block reuse and under conditional disaggregation),
+aggregated and 1P1D over each transceiver, through the OpenAI API.
 
 Prompts repeat a passage and ask for more of it; every answer equals
 transformers' greedy continuation of the same token ids (each token from a
@@ -40,6 +40,9 @@ MODES = {
 }
 MTP_MODES = {
     **MODES,
+    # Prompts up to 32 tokens prefill on the generation worker, longer ones
+    # on the context worker: both paths in one server.
+    "1p1d-conditional": {"conditional_disagg": {"max_local_prefill_length": 32}},
     "1p1d-python-reuse": {
         "cache_transceiver": {"backend": "python"},
         "kv_cache": {
