@@ -46,8 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand. An error that says what to change (a config, a
+    checkpoint, a tokenizer) is one `error:` line and exit status 2 wherever
+    it is raised; anything else is a bug and keeps its traceback."""
+    from cluster.config.schema import ConfigError
+    from models.errors import CheckpointError, TokenizerError
+    from models.errors import ConfigError as ModelConfigError
+
     args = build_parser().parse_args(argv)
-    return int(args._run(args))
+    try:
+        return int(args._run(args))
+    except (ConfigError, ModelConfigError, CheckpointError, TokenizerError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -52,12 +52,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from cluster.config.checkpoint_check import check_checkpoint
     from cluster.config.plan import format_plan, resolve_plan
     from cluster.launch.launcher import LaunchError
 
+    key = "--model" if args.model is not None else "<demo>:model"
     try:
         config = default_config(args.model).model_copy(update={"port": 0})
-        plan = resolve_plan(config, source="<demo>")
+        plan = resolve_plan(config, source="<demo>", model_key=key)
+        check_checkpoint(plan.checkpoint, key)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -115,9 +115,18 @@ def prepare(args: argparse.Namespace) -> tuple[LoadedConfig, ClusterPlan]:
 
     source = args.config or "<embedded default>"
     loaded = read_args_config(args)
-    plan = resolve_plan(loaded.config, source=source)
-    check_checkpoint(plan.checkpoint, source)
+    key = model_key(args)
+    plan = resolve_plan(loaded.config, source=source, model_key=key)
+    check_checkpoint(plan.checkpoint, key)
     return loaded, plan
+
+
+def model_key(args: argparse.Namespace) -> str:
+    """Where the served model was named, as its errors start: `--model`
+    when the flag gave it, else the config's `model` key."""
+    if args.model is not None:
+        return "--model"
+    return f"{args.config or '<embedded default>'}:model"
 
 
 def format_ignored(loaded: LoadedConfig) -> str:

@@ -296,8 +296,8 @@ def _not_a_local_model(model: str, model_key: str) -> str:
 
 def _unloadable(model: str, exc: Exception) -> str:
     """Why an existing `model` does not load. The loaders' own errors name the
-    file and what is wrong; anything else came from the GGUF reader running
-    past the end of a file that is cut short."""
+    file and what is wrong; any other error from a GGUF file is its reader
+    running past the end of a file that is cut short."""
     if isinstance(exc, CheckpointError | ModelConfigError | TokenizerError):
         return str(exc)
     if Path(model).suffix == GGUF_SUFFIX:

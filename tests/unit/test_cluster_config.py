@@ -360,3 +360,24 @@ def test_a_missing_example_checkpoint_says_how_to_write_it_not_a_hub_id(
         assert message in str(info.value) and "Hub id" not in str(info.value), model
     with pytest.raises(ConfigError, match="looks like a Hugging Face Hub id"):
         resolve_plan(config_from_dict({"model": "org/some-model"}, source="c.yaml"))
+    # An absolute path is not under the working directory.
+    with pytest.raises(ConfigError) as info:
+        resolve_plan(config_from_dict({"model": str(tmp_path / "gone")}, source="c.yaml"))
+    assert str(info.value).endswith("is not a local folder or file: no such path")
+
+
+def test_errors_about_a_model_given_by_flag_name_the_flag(
+    llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cluster.cli import main
+
+    missing = str(tmp_path / "absent")
+    config = _write(tmp_path, f"model: {llama_dir}\n")
+    for argv in (["serve", "--model", missing], ["serve", "-c", str(config), "--model", missing]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --model: {missing!r} is not a local folder"), err
+        assert "<embedded default>" not in err and str(config) not in err
+    # Named by the file, the file's key is named.
+    assert main(["serve", "-c", str(_write(tmp_path, f"model: {missing}\n"))]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {config}:model: {missing!r}")

@@ -186,3 +186,17 @@ def test_a_file_that_is_not_gguf_is_named_as_a_file_not_a_folder(
     assert main(["serve", "--model", str(readme)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "is a file, not a checkpoint" in err
+
+
+def test_a_truncated_gguf_file_is_one_error_line_that_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "cache"))
+    gguf_file = write_tiny_llama_gguf(tmp_path / "cut.gguf", Q.F32)
+    with gguf_file.open("r+b") as file:
+        file.truncate(gguf_file.stat().st_size // 2)
+    assert main(["serve", "--model", str(gguf_file)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert err.startswith(f"error: --model: {gguf_file} is not a readable GGUF file"), err
+    assert "truncated or damaged" in err
