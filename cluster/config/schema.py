@@ -23,13 +23,22 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from cluster.config.speculation import SpeculativeDecodingConfig, mtp_roles_disagree
 from transfer.python.ucx_wire import UCX_INSTALL_HINT, ucx_importable
@@ -488,9 +497,41 @@ def closest_key_hint(key: str, valid: Iterable[str]) -> str:
 
 def native_keys_at(parent: tuple[str, ...]) -> list[str]:
     """The keys our config accepts under the dotted path `parent`."""
+    model = _model_at(parent)
+    assert model is not None, parent
+    return list(model.model_fields)
+
+
+def value_problem(path: tuple[str, ...], value: Any) -> str | None:
+    """What is wrong with `value` as our key `path` taken on its own (its type
+    or range, as validation would say), or None when it fits or `path` is not
+    a key of ours. Checks across keys (conflicts, sizing) are not run."""
+    model = _model_at(path[:-1])
+    if model is None or path[-1] not in model.model_fields:
+        return None
+    try:
+        _field_adapter(model, path[-1]).validate_python(value)
+    except ValidationError as exc:
+        return str(exc.errors()[0]["msg"])
+    return None
+
+
+def _model_at(parent: tuple[str, ...]) -> type[BaseModel] | None:
     model: type[BaseModel] = ClusterConfig
     for part in parent:
-        annotation = model.model_fields[part].annotation
+        field = model.model_fields.get(part)
+        annotation = field.annotation if field is not None else None
         candidates = getattr(annotation, "__args__", (annotation,))
-        model = next(c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel))
-    return list(model.model_fields)
+        nested = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
+        if not nested:
+            return None
+        model = nested[0]
+    return model
+
+
+@functools.cache
+def _field_adapter(model: type[BaseModel], name: str) -> TypeAdapter[Any]:
+    field = model.model_fields[name]
+    # The field's type with its constraints (gt, le, ...), as its model checks it.
+    annotated: Any = Annotated[field.annotation, field]
+    return TypeAdapter(annotated)

@@ -28,6 +28,10 @@ One setting written in both dialects (`kv_cache.max_tokens` next to
 `kv_cache_config.max_tokens`), or two different section routers (one policy
 serves both pools here), is refused naming both keys.
 
+A value of the wrong type or range for the key it maps to is refused as
+that, before any comparison: `max_batch_size: eight` next to a section's
+`max_batch_size: 8` is a type error, not a conflict between the two.
+
 A memory fraction sizes a GPU instance's cache from its GPU share and a CPU
 instance's from its share of the host's memory (`cluster.config.plan`).
 """
@@ -37,7 +41,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.config.schema import ROLES, ConfigError, closest_key_hint, native_keys_at
+from cluster.config.schema import (
+    ROLES,
+    ConfigError,
+    closest_key_hint,
+    native_keys_at,
+    value_problem,
+)
 from cluster.config.trtllm_keys import (
     BACKENDS,
     CONTEXT_SPECULATION,
@@ -157,12 +167,14 @@ class _Translator:
     # scope (() or (section,)) -> NESTED or PLAIN -> (fraction, key), to place per section
     fractions: dict[tuple[str, ...], dict[str, tuple[Any, str]]] = field(default_factory=dict)
     reuse_scopes: list[tuple[tuple[str, ...], str]] = field(default_factory=list)
+    # Keys the file wrote whose value has the wrong type or range for ours.
+    mistyped: set[str] = field(default_factory=set)
 
     def run(self) -> Translation:
         self._is_a_disaggregated_config()
-        self._sections_agree_with_inherited_keys()
         for key, value in self.raw.items():
             self._top(key, value)
+        self._sections_agree_with_inherited_keys()
         if self.errors:
             raise ConfigError("\n".join(self.errors))
         self._place_fractions()
@@ -416,7 +428,8 @@ class _Translator:
                 self._unknown(written, key, ["type", *ROUTER_IGNORED])
 
     def _fraction(self, scope: tuple[str, ...], value: Any, written: str, kind: str) -> None:
-        self.fractions.setdefault(scope, {})[kind] = (value, written)
+        if self._fits(("kv_cache", "memory_fraction"), value, written, value):
+            self.fractions.setdefault(scope, {})[kind] = (value, written)
 
     def _ours(self, path: tuple[str, ...], value: Any, written: str) -> None:
         """One of our keys in the file: kept, leaf by leaf for a nested block."""
@@ -497,12 +510,15 @@ class _Translator:
 
     def _sections_agree_with_inherited_keys(self) -> None:
         """TensorRT-LLM's rule: a section inherits each top-level worker key it
-        does not set, and refuses one it sets to another value (whole values)."""
+        does not set, and refuses one it sets to another value (whole values).
+        A key holding a mistyped value is already refused for that."""
         for key, value in self.raw.items():
             if key in SERVER_PARAMS:
                 continue
             for role in ROLES:
                 section = self.raw.get(role)
+                if self._mistyped_under(key) or self._mistyped_under(f"{role}.{key}"):
+                    continue
                 if isinstance(section, dict) and key in section and section[key] != value:
                     self.errors.append(
                         f"{self.source}: {key} is {value!r} at the top level but {role}.{key} "
@@ -530,6 +546,8 @@ class _Translator:
         written_value: Any = None,
     ) -> None:
         shown = value if written_value is None else written_value
+        if not self._fits(path, value, written, shown):
+            return
         earlier = self.puts.get(path)
         if earlier is None:
             self.puts[path] = _Put(value, written, shown, dialect)
@@ -538,6 +556,24 @@ class _Translator:
             raise ConfigError(self._mixed(earlier.key, written, ".".join(path)))
         if earlier.value != value:
             raise ConfigError(self._two_values(earlier.key, earlier.written, written, shown))
+
+    def _fits(self, path: tuple[str, ...], value: Any, written: str, shown: Any) -> bool:
+        """Whether `value` has the type and range of our key `path`. A value
+        that does not is reported as such, once per key the file wrote, and
+        kept out of every comparison: a conflict with it would hide what is
+        wrong with it."""
+        problem = value_problem(path, value)
+        if problem is None:
+            return True
+        if written not in self.mistyped:
+            self.mistyped.add(written)
+            ours = "" if written.split(".")[-1] == path[-1] else f" (our {'.'.join(path)})"
+            self.errors.append(f"{self.source}:{written}{ours}: {problem} (got {shown!r})")
+        return False
+
+    def _mistyped_under(self, key: str) -> bool:
+        """Whether the file key `key` (dotted) holds, or is, a mistyped value."""
+        return any(w == key or w.startswith(f"{key}.") for w in self.mistyped)
 
     def _mixed(self, first: str, second: str, ours: str) -> str:
         return (

@@ -477,6 +477,46 @@ def test_a_section_that_sets_a_top_level_key_to_another_value_is_refused_naming_
     assert _translate(same).role_settings("context_servers").kv_cache.block_size == 32
 
 
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (
+            {"max_batch_size": "eight", "context_servers": {"max_batch_size": 8}},
+            "t.yaml:max_batch_size: Input should be a valid integer",
+        ),
+        (
+            {"tensor_parallel_size": "one", "context_servers": {"tensor_parallel_size": 1}},
+            "t.yaml:tensor_parallel_size: Input should be a valid integer",
+        ),
+        (
+            {
+                "kv_cache_config": {"tokens_per_block": "sixteen"},
+                "context_servers": {"kv_cache_config": {"tokens_per_block": 16}},
+            },
+            "t.yaml:kv_cache_config.tokens_per_block (our kv_cache.block_size): Input should "
+            "be a valid integer",
+        ),
+        (
+            # Ignored beside the section's kv_cache_config fraction, but still no number.
+            {
+                "free_gpu_memory_fraction": "lots",
+                "context_servers": {"kv_cache_config": {"free_gpu_memory_fraction": 0.3}},
+            },
+            "t.yaml:free_gpu_memory_fraction (our kv_cache.memory_fraction): Input should be "
+            "a valid number",
+        ),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_reported_as_that_not_as_a_conflict(
+    raw: dict[str, Any], expected: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        _translate(raw)
+    message = str(info.value)
+    assert message.startswith(expected), message
+    assert "set it in one place" not in message and message.count("\n") == 0, message
+
+
 def test_two_different_section_routers_are_refused() -> None:
     raw = {
         "context_servers": {"router": {"type": "kv_cache_aware"}},
