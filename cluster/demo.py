@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = default_config(args.model).model_copy(update={"port": 0})
         plan = resolve_plan(config, source="<demo>", model_key=key)
-        check_checkpoint(plan.checkpoint, key)
+        check_checkpoint(plan.checkpoint, key, use_mtp=plan.uses_mtp)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -117,7 +117,7 @@ def prepare(args: argparse.Namespace) -> tuple[LoadedConfig, ClusterPlan]:
     loaded = read_args_config(args)
     key = model_key(args)
     plan = resolve_plan(loaded.config, source=source, model_key=key)
-    check_checkpoint(plan.checkpoint, key)
+    check_checkpoint(plan.checkpoint, key, use_mtp=plan.uses_mtp)
     return loaded, plan
 
 

@@ -28,19 +28,22 @@ from cluster.config.schema import ConfigError
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
-def check_checkpoint(checkpoint: str | Path, model_key: str = "<config>:model") -> None:
+def check_checkpoint(
+    checkpoint: str | Path, model_key: str = "<config>:model", use_mtp: bool = False
+) -> None:
     """Raise `ConfigError` naming what is wrong with the checkpoint at `checkpoint`.
 
     Missing or truncated weights, a tokenizer that does not load, an
     unsupported architecture, or tensors whose names, shapes or dtypes do
     not fit the model class all fail here, with the checkpoint loader's own
     message. `model_key` says where the model was named (`file.yaml:model`,
-    `--model`) and starts the message.
+    `--model`) and starts the message. `use_mtp` (MTP drafting) checks the
+    checkpoint's `mtp.*` tensors too, which the model loads only then.
     """
     folder = Path(checkpoint)
     try:
         _check_tokenizer(folder)
-        _check_tensors(folder)
+        _check_tensors(folder, use_mtp)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{model_key}: {exc}") from exc
 
@@ -59,13 +62,17 @@ def _check_tokenizer(folder: Path) -> None:
         ) from exc
 
 
-def _check_tensors(folder: Path) -> None:
+def _check_tensors(folder: Path, use_mtp: bool = False) -> None:
+    import dataclasses
+
     import torch
 
     from models.hf_config import load_model_config
     from models.registry import model_class_for
 
     config = load_model_config(folder)
+    if use_mtp:
+        config = dataclasses.replace(config, use_mtp=True)
     with torch.device("meta"):
         model = model_class_for(config.architecture)(config)
     # Same name mapping and error message as a real load, over shape-only tensors.

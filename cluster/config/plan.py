@@ -191,6 +191,11 @@ class ClusterPlan:
         return not self.of_role("context")
 
     @property
+    def uses_mtp(self) -> bool:
+        """Whether the workers load the checkpoint's MTP layers (MTP drafting)."""
+        return any(i.speculative is not None and i.speculative.uses_model for i in self.instances)
+
+    @property
     def num_cpus(self) -> float:
         """CPUs all instances together ask Ray for (once per tensor-parallel rank)."""
         return sum(i.num_cpus * i.tensor_parallel_size for i in self.instances)

@@ -130,3 +130,17 @@ def test_a_half_precision_checkpoint_passes(
     folder = shutil.copytree(checkpoints[0], tmp_path / "half")
     _rewrite_tensors(lambda t: t.update({n: x.to(dtype) for n, x in t.items()}))(folder)
     check_checkpoint(folder)
+
+
+def test_mtp_tensors_are_checked_when_mtp_drafting_loads_them(tmp_path: Path) -> None:
+    """A damaged `mtp.*` tensor passes while the workers skip the MTP layers,
+    and fails the check when `speculative_config.method: mtp` loads them."""
+    from cluster.config.checkpoint_check import check_checkpoint
+    from cluster.config.schema import ConfigError
+
+    folder = ensure_checkpoint(tmp_path / "nh", "nemotron_h", "tiny", mtp=True)
+    name = "mtp.layers.0.eh_proj.weight"
+    _rewrite_tensors(lambda t: t.update({name: t[name][:-1].contiguous()}))(folder)
+    check_checkpoint(folder, "c.yaml:model")
+    with pytest.raises(ConfigError, match=rf"c.yaml:model: .*{name}"):
+        check_checkpoint(folder, "c.yaml:model", use_mtp=True)
