@@ -48,6 +48,7 @@ KINDS = ("python", "nixl")
 TIMEOUT_S = 2.0  # cache_transceiver.timeout_s: a paused holder trips it quickly
 PROMPTS = [[10 + (7 * i + j) % 400 for j in range(13 + 5 * i)] for i in range(4)]
 LONG_TOKENS = 120  # long enough to kill a worker while it streams
+SPECULATION = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +89,9 @@ def _config(checkpoint: Path, kind: str) -> dict[str, Any]:
         "max_batch_size": 8,
         "context_servers": {"num_instances": 2},
         "generation_servers": {"num_instances": 2},
+        # The Python-transceiver cluster also verifies n-gram drafts (the
+        # prompts repeat), so every fault below meets requests mid-speculation.
+        **({"speculative_config": SPECULATION} if kind == "python" else {}),
     }
 
 
@@ -225,6 +229,19 @@ async def _until(condition: Callable[[], bool], timeout_s: float, what: str) -> 
     while not condition():
         assert time.monotonic() < deadline, what
         await asyncio.sleep(0.05)
+
+
+async def test_the_python_cluster_verifies_drafts_in_the_faults_below(harness: Harness) -> None:
+    """The faults meet requests mid-speculation on the Python-transceiver
+    cluster: its generation workers verify drafts, and accept some."""
+    await _expected(harness, 24)
+    loads = [await i.actor.load.remote() for i in harness.cluster.actors("generation")]
+    drafted = sum(load.spec_drafted for load in loads)
+    accepted = sum(load.spec_accepted for load in loads)
+    if any(i.plan.speculative is not None for i in harness.cluster.instances):
+        assert drafted > 0 and accepted > 0, (drafted, accepted)
+    else:
+        assert drafted == 0
 
 
 async def test_a_paused_worker_fails_its_polls_and_the_others_keep_serving(
