@@ -52,6 +52,10 @@ class MambaStatePool:
         self._free: deque[int] = deque(range(num_slots))
         self._owner: dict[str, int] = {}
         self._ids = set(range(num_slots))
+        # A pinned slot is the source of a state copy still to run (a fork,
+        # `kvcache.fork`): freed meanwhile, it is parked, not reused.
+        self._pins: dict[int, int] = {}
+        self._parked: set[int] = set()
 
     @property
     def num_free_slots(self) -> int:
@@ -78,7 +82,24 @@ class MambaStatePool:
     def free(self, request_id: str) -> None:
         """Return the request's slot; a no-op for a request without one."""
         slot = self._owner.pop(request_id, None)
-        if slot is not None:
+        if slot is None:
+            return
+        if slot in self._pins:
+            self._parked.add(slot)
+        else:
+            self._free.append(slot)
+
+    def pin(self, slot: int) -> None:
+        """Keep `slot`'s state from reuse until `unpin` (a copy reads it later)."""
+        self._pins[slot] = self._pins.get(slot, 0) + 1
+
+    def unpin(self, slot: int) -> None:
+        """Drop one pin; a slot freed while pinned becomes free now."""
+        count = self._pins.pop(slot) - 1
+        if count:
+            self._pins[slot] = count
+        elif slot in self._parked:
+            self._parked.discard(slot)
             self._free.append(slot)
 
     def exchange(self, request_id: str, replacement: int) -> int:
@@ -104,7 +125,8 @@ class MambaStatePool:
         return old
 
     def free_slots(self) -> list[int]:
-        return list(self._free)
+        """Slots no request owns: free ones and parked ones (freed while pinned)."""
+        return [*self._free, *self._parked]
 
     def owners(self) -> dict[str, int]:
         return dict(self._owner)
@@ -114,15 +136,19 @@ class MambaStatePool:
         problems: list[str] = []
         owned = list(self._owner.values())
         free = list(self._free)
+        parked = list(self._parked)
+        if not self._parked <= set(self._pins):
+            problems.append(f"parked slots {sorted(self._parked - set(self._pins))} are not pinned")
         if len(set(owned)) != len(owned):
             problems.append(f"a slot is owned twice: {sorted(owned)}")
         if len(set(free)) != len(free):
             problems.append(f"a slot is free twice: {sorted(free)}")
         if set(owned) & set(free):
             problems.append(f"slots both free and owned: {sorted(set(owned) & set(free))}")
-        if sorted(owned + free) != sorted(self._ids) or len(self._ids) != self.num_slots:
+        if sorted(owned + free + parked) != sorted(self._ids) or len(self._ids) != self.num_slots:
             problems.append(
-                f"free {len(free)} + owned {len(owned)} slots do not cover its {self.num_slots}"
+                f"free {len(free)} + owned {len(owned)} + parked {len(parked)} slots "
+                f"do not cover its {self.num_slots}"
             )
         if problems:
             raise IntegrityError("Mamba state pool", problems)

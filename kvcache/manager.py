@@ -26,6 +26,11 @@ and, with reuse on a hybrid model, once per step (`kvcache.resume`):
     take_copies()                        # the step's state copies, as it is built
     step_done()                          # after it ran
 
+and, for n samples of one prompt (`kvcache.fork`), once its cache is computed:
+
+    fork(parent, child, n)               # share full blocks, copy the rest
+    take_copies() / step_done()          # the copies run before the next forward
+
 and, with speculative decoding on a hybrid model (`kvcache.verify_slots`):
 
     draft_limit(rid, start, k)           # drafts a verify may take here
@@ -47,6 +52,7 @@ from kvcache.block import KVBlock
 from kvcache.block_pool import NULL_BLOCK_ID, BlockPool
 from kvcache.errors import IntegrityError, RequestStateError
 from kvcache.events import KVEvent
+from kvcache.fork import ForkCopies
 from kvcache.hashing import ContentSpan, hash_block, hash_tail, root_hash, span_keys
 from kvcache.layout import LayoutSignature, RequestRegions
 from kvcache.mamba_pool import MambaStatePool
@@ -141,6 +147,7 @@ class KVCacheManager:
         )
         self._root_hash = root_hash(hash_namespace)
         self._requests: dict[str, _RequestState] = {}
+        self._forks = ForkCopies(self._pool, self.mamba_pool)
         # Request id -> block lists it lost through `free` while held.
         self._holds: dict[str, list[list[KVBlock]]] = {}
         self.prefix_queries = 0
@@ -286,18 +293,60 @@ class KVCacheManager:
             self.verify.cancel(request_id)
 
     def take_copies(self) -> StateCopies:
-        """The state copies the step being built makes (snapshot loads and
-        saves); call once per step that runs, as it is handed to the model."""
-        if self.hybrid_reuse is None:
-            return StateCopies()
-        return self.hybrid_reuse.take_copies()
+        """The state copies the step being built makes (forks' copies, then
+        snapshot loads and saves); call once per step that runs, as it is
+        handed to the model."""
+        copies = StateCopies() if self.hybrid_reuse is None else self.hybrid_reuse.take_copies()
+        return self._forks.take(copies)
 
     def step_done(self) -> None:
         """The step whose copies `take_copies` returned has run."""
+        self._forks.step_done()
         if self.hybrid_reuse is not None:
             self.hybrid_reuse.step_done()
         if self.verify is not None:
             self.verify.step_done()
+
+    def can_fork(self, parent_id: str, num_tokens: int) -> bool:
+        """Whether `fork(parent_id, ..., num_tokens)` would succeed now."""
+        if parent_id not in self._requests:
+            return False
+        partial = num_tokens % self.block_size != 0
+        if partial and self._pool.num_free_blocks < 1:
+            return False
+        return self.mamba_pool is None or self.mamba_pool.num_free_slots > 0
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> bool:
+        """Give `child_id` the cache of `parent_id`'s first `num_tokens` tokens
+        (all computed): their full blocks shared by reference, a fresh block
+        for the partly filled last one and, on a hybrid model, a Mamba slot,
+        both filled by copies before the next forward (`kvcache.fork`).
+        Returns False and changes nothing when a block or slot is short."""
+        parent = self._state(parent_id)
+        if parent.in_transfer or self._blocks_for(num_tokens) > len(parent.blocks):
+            raise RequestStateError(
+                f"fork of request {parent_id!r}: its cache does not hold {num_tokens} tokens"
+            )
+        if child_id in self._requests:
+            raise RequestStateError(f"fork into request {child_id!r}, which holds blocks")
+        if not self.can_fork(parent_id, num_tokens):
+            return False
+        num_full = num_tokens // self.block_size
+        shared = parent.blocks[:num_full]
+        self._pool.touch(shared)
+        fresh = self._pool.allocate(1) if num_tokens % self.block_size else []
+        child = _RequestState(shared + fresh, num_tokens, parent.block_hashes[:num_full])
+        child.spans = parent.spans
+        self._requests[child_id] = child
+        blocks = (parent.blocks[num_full], fresh[0].block_id) if fresh else None
+        slots = None
+        if self.mamba_pool is not None:
+            source = self.mamba_pool.slot_of(parent_id)
+            target = self.mamba_pool.allocate(child_id)
+            assert source is not None and target is not None
+            slots = (source, target)
+        self._forks.add(child_id, blocks, slots)
+        return True
 
     def match_prefix(
         self, request_id: str, token_ids: Sequence[int], spans: Sequence[ContentSpan] = ()
@@ -351,6 +400,7 @@ class KVCacheManager:
         a snapshot (`kvcache.resume`).
         """
         self.cancel_verify(request_id)
+        self._forks.cancel(request_id)
         state = self._requests.pop(request_id, None)
         if state is not None:
             computed = state.num_tokens if num_computed is None else num_computed
@@ -590,6 +640,21 @@ class KVCacheManager:
 
     # -- integrity -----------------------------------------------------------
 
+    def _forked_ids(self) -> set[int]:
+        """Without reuse, the blocks forks may share: the full blocks of
+        tables that start with the same block (a parent and its children),
+        and the sources of copies still to run."""
+        by_first: dict[int, list[_RequestState]] = {}
+        for state in self._requests.values():
+            if state.blocks:
+                by_first.setdefault(state.block_ids[0], []).append(state)
+        ids = {block.block_id for block in self._forks.pinned_blocks()}
+        for states in by_first.values():
+            if len(states) > 1:
+                for state in states:
+                    ids.update(state.block_ids[: state.num_tokens // self.block_size])
+        return ids
+
     def check_integrity(self) -> None:
         """Raise IntegrityError unless the pool is consistent and every block's
         ref count equals the number of tables holding it (a held block list
@@ -618,12 +683,18 @@ class KVCacheManager:
         for held in self._holds.values():
             for blocks in held:
                 owners.update(block.block_id for block in blocks)
+        owners.update(block.block_id for block in self._forks.pinned_blocks())
+        shareable = None if self.enable_block_reuse else self._forked_ids()
         for block in self._pool.blocks[1:]:
             if block.ref_cnt != owners[block.block_id]:
                 problems.append(
                     f"block {block.block_id} ref_cnt {block.ref_cnt} but {owners[block.block_id]} tables"
                 )
-            if not self.enable_block_reuse and owners[block.block_id] > 1:
+            if (
+                owners[block.block_id] > 1
+                and shareable is not None
+                and (block.block_id not in shareable)
+            ):
                 problems.append(f"block {block.block_id} owned by {owners[block.block_id]} tables")
         if self.mamba_pool is not None and set(self.mamba_pool.owners()) != set(self._requests):
             problems.append("Mamba slot owners differ from the requests holding blocks")
