@@ -8,9 +8,7 @@ plan written here. Two of them are also served end to end with greedy parity
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -250,12 +248,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("trtllm")
     held = {arch: ensure_checkpoint(root / arch, arch, "tiny") for arch in ("llama", "nemotron_h")}
-    # The same weights with one MTP step declared (attention + MoE, as released).
-    mtp = root / "nemotron_h_mtp"
-    shutil.copytree(held["nemotron_h"], mtp)
-    raw = json.loads((mtp / "config.json").read_text())
-    raw |= {"num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*E"}
-    (mtp / "config.json").write_text(json.dumps(raw))
+    # With one MTP step (attention + MoE, as released) and its mtp.* tensors.
+    mtp = ensure_checkpoint(root / "nemotron_h_mtp", "nemotron_h", "tiny", mtp=True)
     return held | {"nemotron_h_mtp": mtp}
 
 
