@@ -7,11 +7,12 @@ Models and the transfer code call these functions, never the kernel modules:
   the kernel anyway. On CPU that only works under the Triton interpreter
   (`TRITON_INTERPRET=1` set before the kernel modules are imported), which is
   how the test suite checks kernels on machines without a GPU.
-- decode attention, RMSNorm, the rotary + K/V cache write and SwiGLU's
-  activation on CPU tensors also have C kernels (`cpu_attention`,
-  `cpu_norm`, `cpu_rope`, `cpu_silu_mul`, built on first use);
-  `cpu_decode_attention`, `rms_norm`, `cpu_rope_and_cache` and `silu_mul`
-  run them where they serve a call.
+- decode attention, RMSNorm, the rotary + K/V cache write, SwiGLU's
+  activation and a Mamba2 layer's decode step on CPU tensors also have C
+  kernels (`cpu_attention`, `cpu_norm`, `cpu_rope`, `cpu_silu_mul`,
+  `cpu_mamba_step`, built on first use); `cpu_decode_attention`,
+  `rms_norm`, `cpu_rope_and_cache`, `silu_mul` and `cpu_mamba_decode_step` run
+  them where they serve a call.
 
 Each function has the signature of its reference twin.
 """
@@ -30,6 +31,7 @@ from models.kernels import (
     block_copy,
     cpu_attention,
     cpu_build,
+    cpu_mamba_step,
     cpu_norm,
     cpu_rope,
     cpu_silu_mul,
@@ -232,6 +234,33 @@ def mamba_state_update(
     return impl(
         state, slot_indices, x, dt, dt_bias, A, B, C, D, z, dt_limit, dt_softplus, out_slot_indices
     )
+
+
+def cpu_mamba_decode_step(
+    xbc: torch.Tensor,
+    dt_raw: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    dt_bias: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    n_groups: int,
+    dt_limit: DtLimit,
+    out_slots: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """A Mamba2 layer's decode step (conv shift, SiLU, state update) through
+    the C kernel on CPU tensors it serves: y `[b, H, P]` float32; None
+    (nothing done) elsewhere, for the caller's conv step and
+    `mamba_state_update`. See `models.kernels.cpu_mamba_step`."""
+    if not _cpu_kernels_apply(xbc):
+        return None
+    return cpu_mamba_step.mamba_step_if_supported(
+        xbc, dt_raw, conv_state, ssm_state, slots, conv_weight, conv_bias,
+        dt_bias, A, D, n_groups, dt_limit, out_slots,
+    )  # fmt: skip
 
 
 def gather_blocks(
