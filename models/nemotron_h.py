@@ -36,7 +36,10 @@ from models.base import CausalLM
 from models.batch import ForwardBatch
 from models.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig
 from models.errors import ConfigError
+from models.layers.fused_linear import FusedLinear
+from models.layers.mamba2 import Mamba2Mixer
 from models.layers.norm import RMSNorm
+from models.layers.relu2_mlp import Relu2MLP
 from models.layers.vocab_parallel import VocabParallelEmbedding
 from models.nemotron_h_block import HYBRID_LAYER_KINDS, NemotronHBlock
 from models.nemotron_h_mtp import MTP_PREFIX, NemotronHMTP, check_mtp_config
@@ -93,6 +96,7 @@ class NemotronHForCausalLM(CausalLM):
             config.mtp_attention_layers()
         )
         self.num_mamba_layers = len(config.layers_of(MAMBA))
+        self.logits_head: FusedLinear | None = None
 
     @property
     def has_mtp(self) -> bool:
@@ -139,7 +143,19 @@ class NemotronHForCausalLM(CausalLM):
             )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return gather_vocab(self.lm_head(hidden), self.config.tp, self.config.vocab_size)
+        if self.logits_head is not None and self.logits_head.is_current():
+            logits = self.logits_head(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        return gather_vocab(logits, self.config.tp, self.config.vocab_size)
+
+    def process_weights_after_loading(self) -> None:
+        """Prepack the backbone's Mamba and MLP projections and the head (see
+        `FusedLinear`)."""
+        self.logits_head = FusedLinear([self.lm_head])
+        for block in self.backbone.layers:
+            if isinstance(block.mixer, Mamba2Mixer | Relu2MLP):
+                block.mixer.fuse_projections()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load by checkpoint name; with `tie_word_embeddings` and no `lm_head.weight`

@@ -16,7 +16,8 @@ cleared first); any other sequence continues from what its slot holds, whether
 it brings one decode token or a further prompt chunk. Prefill chunks run the
 chunked scan one sequence at a time; single-token steps are batched into one
 call of the decode-step state update (`models.kernels.dispatch`: the Triton
-kernel on CUDA, its torch twin on CPU). A speculative verify (a token and its
+kernel on CUDA; on CPU one C call for the conv shift and the state update
+together, `models.kernels.cpu_mamba_step`, else the torch twins). A speculative verify (a token and its
 drafts) runs as decode steps too, one batched call per draft position, each
 writing its state into the next scratch slot (`kvcache.verify_slots`), so the
 state after any accepted position survives.
@@ -38,6 +39,8 @@ from kvcache.views import MambaLayerCache
 from models.batch import ForwardBatch
 from models.config import MambaConfig, MambaShard
 from models.kernels import dispatch
+from models.kernels.cpu_mamba_step import causal_conv_step_ref as causal_conv_step
+from models.layers.fused_linear import FusedLinear
 from models.layers.ssd import ssd_chunked_scan
 from models.tensor_parallel import all_reduce
 
@@ -109,25 +112,14 @@ def causal_conv_chunk(
     return out.t(), window[:, -(weight.shape[1] - 1) :]
 
 
-def causal_conv_step(
-    x: torch.Tensor,
-    conv_state: torch.Tensor,
-    slots: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_slots: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """One conv step for b sequences: x `[b, D]`; reads `conv_state[slots]` and
-    rewrites it (or writes `conv_state[out_slots]`, leaving the read rows)."""
-    window = torch.cat([conv_state[slots].to(x.dtype), x[:, :, None]], dim=-1)  # [b, D, K]
-    conv_state[slots if out_slots is None else out_slots] = window[:, :, 1:].to(conv_state.dtype)
-    out = (window * weight).sum(-1)
-    return out + bias if bias is not None else out
-
-
 class Mamba2Mixer(nn.Module):
     """Nemotron-H Mamba2 mixer; parameter names follow the checkpoint
-    (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`, `norm`, `out_proj`)."""
+    (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`, `norm`, `out_proj`).
+
+    `fuse_projections()` (called once the weights are loaded) prepacks
+    in_proj and out_proj (see `FusedLinear`); until then, or if a fusion went
+    stale, the plain layers run.
+    """
 
     def __init__(self, hidden_size: int, config: MambaConfig) -> None:
         super().__init__()
@@ -163,6 +155,22 @@ class Mamba2Mixer(nn.Module):
         # Built on the model's device (the loader's default device), never moved.
         self.bc_of_head = _bc_of_head(config)
         self.out_proj = nn.Linear(self.intermediate, hidden_size, bias=config.use_bias)
+        self.in_fused: FusedLinear | None = None
+        self.out_fused: FusedLinear | None = None
+
+    def fuse_projections(self) -> None:
+        self.in_fused = FusedLinear([self.in_proj])
+        self.out_fused = FusedLinear([self.out_proj])
+
+    def _project_in(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.in_fused is not None and self.in_fused.is_current():
+            return self.in_fused(hidden)
+        return self.in_proj(hidden)
+
+    def _project_out(self, y: torch.Tensor) -> torch.Tensor:
+        if self.out_fused is not None and self.out_fused.is_current():
+            return self.out_fused(y)
+        return self.out_proj(y)
 
     def forward(
         self, hidden: torch.Tensor, batch: ForwardBatch, cache: MambaLayerCache
@@ -177,7 +185,7 @@ class Mamba2Mixer(nn.Module):
             cache.conv_state[rows.fresh_slots] = 0
             cache.ssm_state[rows.fresh_slots] = 0
 
-        z, xbc, dt_raw = self.in_proj(hidden).split(
+        z, xbc, dt_raw = self._project_in(hidden).split(
             [self.intermediate, self.conv_dim, self.num_heads], dim=-1
         )
         if batch.is_decode_only:
@@ -188,7 +196,7 @@ class Mamba2Mixer(nn.Module):
         # The norm runs in float32 on the float32 scan output; only its result
         # is cast to the model dtype (as transformers' multi-token path does).
         y = self.norm(y.view(hidden.shape[0], -1), z)
-        return self.out_proj(y.to(hidden.dtype))
+        return self._project_out(y.to(hidden.dtype))
 
     def _mixed(
         self, xbc: torch.Tensor, dt_raw: torch.Tensor, batch: ForwardBatch, cache: MambaLayerCache
@@ -251,6 +259,14 @@ class Mamba2Mixer(nn.Module):
         """b single tokens `[b, conv_dim]` -> y `[b, H, P]` float32 (D skip
         included); the new states go to `out_slots` when given."""
         weight = self.conv1d.weight.squeeze(1)
+        if self.bc_of_head is None:
+            y = dispatch.cpu_mamba_decode_step(
+                xbc, dt_raw, cache.conv_state, cache.ssm_state, slots, weight,
+                self.conv1d.bias, self.dt_bias, self._A, self.D, self.config.n_groups,
+                self.config.time_step_limit, out_slots,
+            )  # fmt: skip
+            if y is not None:
+                return y
         conv_out = causal_conv_step(
             xbc, cache.conv_state, slots, weight, self.conv1d.bias, out_slots
         )

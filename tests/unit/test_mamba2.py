@@ -3,6 +3,8 @@ against transformers' Nemotron-H mixer over chunked prefill and decode."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from transformers import NemotronHConfig
@@ -11,6 +13,7 @@ from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mi
 from kvcache.views import MambaLayerCache
 from models.batch import ForwardBatch
 from models.config import MambaConfig
+from models.kernels import cpu_build, dispatch
 from models.layers.mamba2 import Mamba2Mixer
 from models.layers.ssd import ssd_chunked_scan
 
@@ -146,9 +149,24 @@ def step_batch(steps: list[tuple[int, int, int]]) -> ForwardBatch:
     )
 
 
+@pytest.fixture(params=["c-kernels", "torch"])
+def cpu_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Decode steps through the C Mamba step kernel (prepacked projections), or
+    through torch alone (`DISAGG_CPU_KERNELS=0`, plain layers)."""
+    monkeypatch.setenv(cpu_build.ENABLE_ENV, "1" if request.param == "c-kernels" else "0")
+    dispatch.reread_kernel_switches()
+    yield request.param
+    monkeypatch.undo()
+    dispatch.reread_kernel_switches()
+
+
 @pytest.mark.parametrize(("n_groups", "chunk_size"), [(1, 8), (2, 16)])
-def test_mixer_matches_transformers_over_chunks_and_decode(n_groups: int, chunk_size: int) -> None:
+def test_mixer_matches_transformers_over_chunks_and_decode(
+    n_groups: int, chunk_size: int, cpu_kernels: str
+) -> None:
     reference, ours = mixer_pair(n_groups, chunk_size)
+    if cpu_kernels == "c-kernels":
+        ours.fuse_projections()
     lengths = {2: 27, 0: 9}  # slot -> total tokens
     hidden = {slot: torch.randn(n, HIDDEN) for slot, n in lengths.items()}
     with torch.no_grad():
