@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.samples import MAX_SAMPLES
 from engine.token_history import TokenHistory
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top logprobs per token
@@ -83,6 +84,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    # Samples from one prefill (`engine.samples`), 1..MAX_SAMPLES.
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Tuples, so params hash and compare by value.
@@ -91,6 +94,7 @@ class SamplingParams:
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an int >= 1")
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_SAMPLES, "n", f"an int in [1, {MAX_SAMPLES}]")
         _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "a float >= 0")
         _check(
             _is_int(self.top_k) and 0 <= self.top_k <= MAX_TOP_K,
@@ -167,10 +171,24 @@ class SamplerOutput:
 
 
 def make_generator(seed: int, device: str | torch.device = "cpu") -> torch.Generator:
-    """A generator seeded with `seed`, for one request's sampling noise."""
+    """A generator seeded with `seed`, for one request's sampling noise.
+
+    torch's CPU generator keeps only the low 32 bits of its seed, so seeds
+    that differ above them (-1 and 2**63 - 1, 0 and -2**63) would draw the
+    same stream: the seed is mixed first (splitmix64), so every bit counts.
+    """
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
+    generator.manual_seed(_mix_seed(seed))
     return generator
+
+
+def _mix_seed(seed: int) -> int:
+    """splitmix64 of `seed` taken as an unsigned 64-bit integer."""
+    mask = 2**64 - 1
+    z = (seed + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
 
 
 class Sampler:

@@ -19,7 +19,6 @@ import ray
 from cluster.launch.launcher import init_local_ray
 from kvcache.spec import CacheSpec
 from transfer.bench.endpoints import EndpointHost, EndpointSpec
-from transfer.nixl.transceiver import nixl_available
 from transfer.python.ucx_wire import ucx_importable
 
 ROOT = str(Path(__file__).resolve().parents[2])
@@ -32,7 +31,7 @@ HYBRID = CacheSpec(
     ssm_state_shape=(4, 8, 16),
 )
 BLOCK_SIZE = 8
-KINDS = ["python", *(["nixl"] if nixl_available() else []), *(["ucx"] if ucx_importable() else [])]
+KINDS = ["python", "nixl", *(["ucx"] if ucx_importable() else [])]
 PAIRS = [
     ("ucx", "v1", "v2"),
     ("python", "v1", "v1"),

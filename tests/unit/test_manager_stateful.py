@@ -108,10 +108,16 @@ class ManagerMachine(RuleBasedStateMachine):
         """A long request that forces eviction of cached blocks, then leaves."""
         rid = self._new_id()
         evictions = self.manager.evictions
+        # Free blocks that still hold a published prefix: taking one evicts it.
+        blocks = self.manager._pool.blocks
+        cached = {b for b in self.manager.free_queue_ids() if blocks[b].block_hash is not None}
         if self.manager.allocate_slots(rid, num_tokens):
+            taken = set(self.manager.block_table(rid))
+            assert self.manager.evictions - evictions == len(taken & cached)
             self._record(rid, [], [])
             self.manager.free(rid)
-        assert self.manager.evictions >= evictions
+        else:
+            assert self.manager.evictions == evictions
 
     @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(TOKENS, min_size=1, max_size=6))
     def transfer_in(self, prefix: list[int], tail: list[int]) -> None:

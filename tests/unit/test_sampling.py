@@ -279,9 +279,15 @@ def test_params_validation_names_the_field() -> None:
 
 
 def test_every_64_bit_seed_seeds_a_generator() -> None:
+    """Each seed of the 64-bit range is accepted and gives its own stream,
+    the same one each time it is given."""
+    streams = []
     for seed in (MIN_SEED, -1, 0, MAX_SEED):
-        SamplingParams(seed=seed)
-        torch.rand(1, generator=make_generator(seed))
+        assert SamplingParams(seed=seed).seed == seed
+        first = torch.rand(4, generator=make_generator(seed))
+        assert torch.equal(first, torch.rand(4, generator=make_generator(seed)))
+        streams.append(tuple(first.tolist()))
+    assert len(set(streams)) == len(streams)
 
 
 def test_infinite_and_nan_logits_never_give_an_id_outside_the_vocabulary() -> None:
