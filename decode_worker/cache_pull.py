@@ -121,6 +121,7 @@ class CachePulls:
         cache (or join the prefetch already pulling it)."""
         req.output_token_ids.append(context.first_token_id)
         req.drafts = context.draft_token_ids
+        req.sample_starts = context.samples  # forked once the cache is here
         if context.first_logprob is not None:
             req.output_logprobs.append(context.first_logprob)
         req.num_computed_tokens = req.num_prompt_tokens

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.messages import EventItem, StepTokens, TokenEvent
 from engine.model_runner import ModelRunner, RunnerOutput, SampledToken, StepTimings
 from engine.request import FinishReason, Request
+from engine.samples import SampleFamilies, SampleStart, finish_value, sample_id, sample_request
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.speculation.drafts import Drafter
 
@@ -87,6 +88,10 @@ class EngineCore:
         self.context_only = context_only
         self.requests: dict[str, Request] = {}
         self._stop_checks: dict[str, StopCheck] = {}
+        # n samples (`engine.samples`): each request's running samples, and
+        # the samples the step being updated forks once it is committed.
+        self.families = SampleFamilies()
+        self._forks: list[tuple[Request, Request]] = []
 
     def add(self, request: Request) -> None:
         """Queue a request for prefill (raises `CapacityError` if it can never fit)."""
@@ -102,16 +107,24 @@ class EngineCore:
         allocated cache (pulled from a context worker)."""
         self._register(request)
         self.scheduler.add_running(request)
+        if request.sample_starts:
+            self._fork_pulled(request)
 
     def abort(self, request_id: str) -> Request | None:
-        """Drop a request and free its cache; None if it is not here."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return None
-        self.scheduler.remove(request, free_blocks=True)
-        request.finish(FinishReason.ABORT)
-        self._forget(request_id)
-        return request
+        """Drop a request (every sample of it) and free its cache; None if
+        it is not here."""
+        found = None
+        members = self.families.members(request_id)
+        self.families.forget(request_id)
+        for member in members:
+            request = self.requests.get(member)
+            if request is None:
+                continue
+            self.scheduler.remove(request, free_blocks=True)
+            request.finish(FinishReason.ABORT)
+            self._forget(member)
+            found = found or request
+        return found
 
     def free_cache(self, request_id: str) -> None:
         """Free the blocks and slot allocated under `request_id` for a request
@@ -161,6 +174,9 @@ class EngineCore:
         timings = result.timings = runner_out.timings
         ended, kept = self._apply_samples(sched, runner_out, result)
         self.scheduler.commit(sched, kept)
+        forks, self._forks = self._forks, []
+        for parent, child in forks:  # before a parent that ended frees its blocks
+            self._fork(parent, child, result)
         for request, reason in ended:
             request.finish(reason)
             keep = reason is FinishReason.HANDOFF
@@ -206,10 +222,14 @@ class EngineCore:
                 continue
             self._append(request, token, want)
             reason = self._stop_checks[request.request_id](request)
+            forks = runner_out.forks.get(i)
+            if forks is not None:
+                reason = self._samples_started(request, reason, forks, events, plain.timestamp)
             if reason is None and self.context_only:
                 reason = FinishReason.HANDOFF
             if reason is None and not want:
-                ids.append(request.request_id)
+                ids.append(request.stream_id)
+                plain.samples.append(request.sample_index)
                 token_ids.append(token.token_id)
                 prompt_lens.append(len(request.prompt_token_ids))
                 cached.append(request.num_cached_tokens)
@@ -220,6 +240,77 @@ class EngineCore:
         if plain:
             result.tokens = plain
         return ended, kept
+
+    def _samples_started(
+        self,
+        parent: Request,
+        reason: FinishReason | None,
+        forks: Sequence[SampledToken],
+        events: list[TokenEvent],
+        sampled_at: float,
+    ) -> FinishReason | None:
+        """`parent`'s prefill sampled the first tokens of its samples 1..n-1
+        (`forks`): record every sample's start; a context worker hands the
+        cache off while any sample runs on, elsewhere the running samples
+        fork once the step is committed. Returns why `parent` ends here."""
+        logprob = parent.output_logprobs[-1] if parent.output_logprobs else None
+        top = parent.output_top_logprobs[-1] if parent.output_top_logprobs else None
+        first = parent.output_token_ids[-1]
+        starts = [SampleStart(0, first, logprob, top, finish_value(reason))]
+        children: list[tuple[Request, FinishReason | None]] = []
+        for index, token in enumerate(forks, start=1):
+            start = SampleStart(index, token.token_id, token.logprob, token.top_logprobs)
+            child = sample_request(parent, start)
+            child_reason = self.make_stop_check(child)(child)
+            starts.append(replace(start, finish_reason=finish_value(child_reason)))
+            children.append((child, child_reason))
+        parent.sample_starts = tuple(starts)
+        if self.context_only:
+            return FinishReason.HANDOFF if any(not s.finished for s in starts) else reason
+        self.families.open(
+            parent.request_id, [sample_id(parent.request_id, s.index) for s in starts]
+        )
+        want = _wants_logprobs(parent.params)
+        for child, child_reason in children:
+            events.append(self._token_event(child, child_reason, want, sampled_at))
+            if child_reason is None:
+                self._forks.append((parent, child))
+        return reason
+
+    def _fork_pulled(self, parent: Request) -> None:
+        """A pulled request of n samples (its first tokens came from the
+        context worker): fork the samples that run on; sample 0 leaves at
+        once when it ended there (its stream already has its last token)."""
+        running = [s for s in parent.sample_starts if not s.finished]
+        self.families.open(
+            parent.request_id, [sample_id(parent.request_id, s.index) for s in running]
+        )
+        for start in running:
+            if start.index:
+                self._fork(parent, sample_request(parent, start), None)
+        if parent.sample_starts[0].finished:
+            self.scheduler.remove(parent, free_blocks=True)
+            parent.finish(FinishReason.STOP)
+            self._forget(parent.request_id)
+
+    def _fork(self, parent: Request, child: Request, result: StepResult | None) -> None:
+        """Start sample `child` on `parent`'s computed cache (shared blocks and
+        copies); without a free block or slot for it, it waits to prefill
+        the prompt again."""
+        self._register(child)
+        num = parent.num_computed_tokens
+        if self.scheduler.manager.fork(parent.request_id, child.request_id, num):
+            child.num_computed_tokens = num
+            self.scheduler.add_running(child)
+            return
+        try:
+            self.scheduler.add(child)
+        except Exception as exc:  # the queue is full: the sample cannot run here
+            child.finish(FinishReason.ERROR, str(exc))
+            event = self._final_event(child, [])
+            self._forget(child.request_id)
+            if result is not None:
+                result.events.append(event)
 
     def _append_all(
         self, request: Request, tokens: Sequence[SampledToken], want_logprobs: bool
@@ -241,8 +332,8 @@ class EngineCore:
         else:
             request.append_output(token.token_id)
 
-    @staticmethod
     def _token_event(
+        self,
         request: Request,
         reason: FinishReason | None,
         want_logprobs: bool,
@@ -254,12 +345,15 @@ class EngineCore:
         logprobs, top = request.output_logprobs, request.output_top_logprobs
         n = num_tokens
         handoff = reason is FinishReason.HANDOFF
+        ends_stream = reason is None or handoff or self.families.end(request)
         return TokenEvent(
-            request_id=request.request_id,
+            request_id=request.stream_id,
             token_ids=request.output_token_ids[-n:],
             logprobs=logprobs[-n:] if want_logprobs and logprobs else None,
             top_logprobs=top[-n:] if want_logprobs and top else None,
-            finish_reason=reason.value if reason is not None else None,
+            finish_reason=reason.value if reason is not None and ends_stream else None,
+            sample=request.sample_index,
+            sample_finish_reason=None if ends_stream else finish_value(reason),
             num_prompt_tokens=len(request.prompt_token_ids),
             num_cached_tokens=request.num_cached_tokens,
             timestamp=sampled_at,
@@ -268,12 +362,15 @@ class EngineCore:
 
     def _final_event(self, request: Request, token_ids: list[int]) -> TokenEvent:
         reason = request.finish_reason or FinishReason.ERROR
+        ends_stream = self.families.end(request)
         return TokenEvent(
-            request_id=request.request_id,
+            request_id=request.stream_id,
             token_ids=token_ids,
-            finish_reason=reason.value,
+            finish_reason=reason.value if ends_stream else None,
             error=request.error,
             num_prompt_tokens=request.num_prompt_tokens,
+            sample=request.sample_index,
+            sample_finish_reason=None if ends_stream else reason.value,
         )
 
     def _register(self, request: Request) -> None:
@@ -283,9 +380,12 @@ class EngineCore:
         self._stop_checks[request.request_id] = self.make_stop_check(request)
 
     def _forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+        request = self.requests.pop(request_id, None)
         self._stop_checks.pop(request_id, None)
         self.runner.release(request_id)
+        if self.context_only and request is not None and request.sample_starts:
+            for start in request.sample_starts[1:]:  # their generators drew here only
+                self.runner.release(sample_id(request_id, start.index))
         if self.drafter is not None:
             self.drafter.forget(request_id)
 

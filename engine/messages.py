@@ -15,6 +15,7 @@ from engine.multimodal import EncoderCacheEvent, ImageInput
 from engine.request import FinishReason
 
 if TYPE_CHECKING:
+    from engine.samples import SampleStart
     from engine.sampling import SamplingParams
     from transfer.handle import TransferHandle
 
@@ -56,6 +57,10 @@ class ContextResult:
     # MTP drafting: the drafts after the first token, which the generation
     # worker verifies in its first step (`engine.speculation.mtp`).
     draft_token_ids: tuple[int, ...] = ()
+    # n samples (`engine.samples`): every sample's first token (sample 0's
+    # is `first_token_id`) and whether it ended there; the handle is set
+    # while any runs on, and the generation worker forks those.
+    samples: tuple[SampleStart, ...] = ()
 
     @property
     def all_handles(self) -> list[TransferHandle]:
@@ -160,6 +165,11 @@ class TokenEvent:
     # A context worker's handoff with MTP drafting: the drafts after the
     # first token, for the generation worker's first verify.
     draft_token_ids: list[int] = field(default_factory=list)
+    # n samples (`engine.samples`): which sample the tokens are of, and why
+    # it ended when it ends before the stream does (only the stream's last
+    # event sets `finish_reason`).
+    sample: int = 0
+    sample_finish_reason: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -180,6 +190,32 @@ class TokenEvent:
             num_cached_tokens=context.num_cached_tokens,
             timestamp=context.first_token_time,
         )
+
+    @classmethod
+    def firsts_of(cls, context: ContextResult) -> list[TokenEvent]:
+        """The events of every sample's first token (one without samples);
+        when all of them ended there, the last event ends the stream."""
+        if not context.samples:
+            return [cls.first_of(context)]
+        done = all(start.finished for start in context.samples)
+        events = []
+        for start in context.samples:
+            last = done and start is context.samples[-1]
+            events.append(
+                cls(
+                    request_id=context.request_id,
+                    token_ids=[start.token_id],
+                    logprobs=None if start.logprob is None else [start.logprob],
+                    top_logprobs=None if start.top_logprobs is None else [start.top_logprobs],
+                    finish_reason=start.finish_reason if last else None,
+                    num_prompt_tokens=context.num_prompt_tokens,
+                    num_cached_tokens=context.num_cached_tokens,
+                    timestamp=context.first_token_time,
+                    sample=start.index,
+                    sample_finish_reason=None if last else start.finish_reason,
+                )
+            )
+        return events
 
     @classmethod
     def ended(
@@ -217,6 +253,7 @@ class StepTokens:
     token_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: list[int] = field(default_factory=list)
     num_cached_tokens: list[int] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)  # each row's sample index
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -228,6 +265,7 @@ class StepTokens:
             num_prompt_tokens=self.num_prompt_tokens[row],
             num_cached_tokens=self.num_cached_tokens[row],
             timestamp=self.timestamp,
+            sample=self.samples[row] if self.samples else 0,
         )
 
 

@@ -28,6 +28,7 @@ import torch
 
 from engine.decode_graphs import DecodeGraphs, build_decode_graphs
 from engine.image_encoder import ImageChunk, ImageEncoder
+from engine.samples import forks_here, sample_id, sample_seed
 from engine.scheduler import ScheduledSequence
 from engine.speculation.mtp import KeptChunk, MTPDrafting
 from engine.speculation.verify import num_accepted
@@ -114,6 +115,9 @@ class RunnerOutput:
     accepted: dict[int, list[SampledToken]] = field(default_factory=dict)
     # MTP drafting only, by sequence index: the drafts to verify after `sampled[i]`.
     drafts: dict[int, list[int]] = field(default_factory=dict)
+    # n samples (`engine.samples`), by sequence index: the first tokens of
+    # samples 1..n-1, from the same logits as `sampled[i]` (sample 0's).
+    forks: dict[int, list[SampledToken]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -313,6 +317,8 @@ class ModelRunner:
                 continue
             if not seq.drafts:
                 out.sampled.append(next(it))
+                if forks_here(seq.request):
+                    out.forks[i] = [next(it) for _ in range(seq.request.params.n - 1)]
                 continue
             rows = [next(it) for _ in range(len(seq.drafts) + 1)]
             kept = num_accepted(seq.drafts, [row.token_id for row in rows])
@@ -411,6 +417,16 @@ class ModelRunner:
         assert batch.logits_indices is not None
         return hidden, self.model.compute_logits(hidden[batch.logits_indices])
 
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        """The request's sampling generator, made on first use (None unseeded)."""
+        from engine.sampling import make_generator
+
+        if request_id not in self.generators:
+            self.generators[request_id] = (
+                make_generator(seed, self.device) if seed is not None else None
+            )
+        return self.generators[request_id]
+
     def release(self, request_id: str) -> None:
         """Forget per-request sampling state (its seeded generator, its token history)."""
         self.generators.pop(request_id, None)
@@ -420,23 +436,27 @@ class ModelRunner:
     def _sample(
         self, logits: torch.Tensor, seqs: Sequence[ScheduledSequence]
     ) -> list[SampledToken]:
-        from engine.sampling import make_generator
-
         reqs: list[Any] = []
         generators = []
+        forking = False
         for seq in seqs:
             req = seq.request
-            if req.request_id not in self.generators:
-                seed = getattr(req.params, "seed", None)
-                self.generators[req.request_id] = (
-                    make_generator(seed, self.device) if seed is not None else None
-                )
-            generator = self.generators[req.request_id]
+            generator = self._generator(req.request_id, getattr(req.params, "seed", None))
             rows = 1 + len(seq.drafts)
             if seq.drafts and generator is not None and not req.params.is_greedy:
                 self._verify_states[req.request_id] = generator.get_state()
             reqs.extend([req] * rows)
             generators.extend([generator] * rows)
+            if not seq.drafts and forks_here(req):
+                # Samples 1..n-1 draw their first tokens from this row too,
+                # each from its own generator (`engine.samples`).
+                for index in range(1, req.params.n):
+                    seed = sample_seed(req.params.seed, index)
+                    generators.append(self._generator(sample_id(req.request_id, index), seed))
+                reqs.extend([req] * (req.params.n - 1))
+                forking = True
+        if forking:
+            logits = logits[torch.tensor(_logit_rows(seqs), device=logits.device)]
         vocab = logits.shape[-1]
         histories = [
             history_for(self.histories, r.request_id, r.prompt_token_ids, r.output_token_ids, vocab)
@@ -453,6 +473,21 @@ class ModelRunner:
             )
             for i in range(len(reqs))
         ]
+
+
+def _logit_rows(seqs: Sequence[ScheduledSequence]) -> list[int]:
+    """The logits row of each sampled row: a forking sequence's row n times."""
+    rows: list[int] = []
+    logit = 0
+    for seq in seqs:
+        if not seq.drafts and forks_here(seq.request):
+            rows.extend([logit] * seq.request.params.n)
+            logit += 1
+        else:
+            width = 1 + len(seq.drafts)
+            rows.extend(range(logit, logit + width))
+            logit += width
+    return rows
 
 
 def _require_slot(addressing: CacheAddressing, request_id: str) -> int:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, overload
 from engine.multimodal import ImageInput
 
 if TYPE_CHECKING:  # sampling imports torch; request state stays pure Python
+    from engine.samples import SampleStart
     from engine.sampling import SamplingParams
 
 
@@ -75,6 +76,12 @@ class Request:
     # MTP drafting: the drafts to verify after the last token, from the step
     # that sampled it (or the context worker's, for a pulled request).
     drafts: tuple[int, ...] = ()
+    # n samples (`engine.samples`): a forked sample names its request and
+    # its index; the request's prefill records every sample's first token
+    # (`sample_starts`, index order) for the handoff or the fork.
+    sample_of: str | None = None
+    sample_index: int = 0
+    sample_starts: tuple[SampleStart, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.request_id or any(c.isspace() for c in self.request_id):
@@ -84,6 +91,11 @@ class Request:
             )
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r} has an empty prompt")
+
+    @property
+    def stream_id(self) -> str:
+        """The id its events carry: its request's, for a forked sample."""
+        return self.sample_of or self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:

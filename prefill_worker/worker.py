@@ -139,6 +139,7 @@ class ContextWorker:
             first_token_time=event.timestamp,
             rank_handles=tuple(rank_handles),
             draft_token_ids=tuple(event.draft_token_ids),
+            samples=req.sample_starts,
         )
 
     async def call_socket(self) -> AsyncIterator[EventSocketOffer]:
