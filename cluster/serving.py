@@ -33,8 +33,8 @@ from cluster.metrics import ServingMetrics
 from cluster.routing.policies import WorkerState
 from cluster.routing.router import Router, RoutingSettings
 from cluster.routing.worker_poller import WorkerEndpoint
-from engine.cancellation import cancel_and_wait
-from engine.startup_heap import freeze_startup_heap
+from runtime.cancellation import cancel_and_wait
+from runtime.startup_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 

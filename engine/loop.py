@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
 
-from engine.cancellation import wait_ended
 from engine.core import EngineCore, StepResult
 from engine.messages import EventItem, TokenEvent
 from engine.request import Request
-from engine.startup_heap import freeze_startup_heap
 from engine.step_timeline import StepTimeline, timed_call
 from engine.threads import compute_executor
+from runtime.cancellation import wait_ended
+from runtime.startup_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, ClassVar
 
-from engine.cancellation import current_task_cancelling
 from kvcache.layout import LayoutSignature, RequestRegions
+from runtime.cancellation import current_task_cancelling
 from transfer.errors import LayoutMismatch, TransferAborted, TransferTimeout, UnknownRequest
 from transfer.handle import TransferHandle
 from transfer.leases import LeaseTable

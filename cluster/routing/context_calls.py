@@ -29,8 +29,8 @@ import time
 from typing import Any
 
 from cluster.routing.worker_socket import StreamBrokenError, WorkerSocket, open_worker_socket
-from engine.cancellation import cancel_and_wait
 from engine.messages import ContextRequest, ContextResult
+from runtime.cancellation import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 

@@ -57,7 +57,6 @@ from cluster.routing.policies import PromptPrefix
 from cluster.routing.worker_channel import WorkerChannel
 from cluster.routing.worker_poller import UnresponsiveWorkerError, WorkerEndpoint, WorkerPoller
 from cluster.routing.worker_pool import WorkerPool, abort_everywhere, dispatch_failed
-from engine.cancellation import stop_each
 from engine.errors import RequestFailedError
 from engine.messages import (
     ContextRequest,
@@ -68,6 +67,7 @@ from engine.messages import (
 )
 from engine.multimodal import ImageInput
 from kvcache.hashing import hash_full_blocks, root_hash
+from runtime.cancellation import stop_each
 
 logger = logging.getLogger(__name__)
 

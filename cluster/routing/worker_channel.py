@@ -68,10 +68,10 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from cluster.routing.worker_socket import StreamBrokenError, open_worker_socket
-from engine.cancellation import cancel_and_wait, stop_if_cancelled
 from engine.errors import RequestFailedError
 from engine.event_stream import EventDemux, StreamOpened, read_stream
 from engine.messages import EventItem, GenerationRequest, SubmitReceipt, TokenEvent
+from runtime.cancellation import cancel_and_wait, stop_if_cancelled
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from typing import Any
 
 from cluster.metrics import ServingMetrics
 from cluster.routing.policies import WorkerState
-from engine.cancellation import cancel_and_wait, stop_if_cancelled
 from engine.messages import WorkerReport
+from runtime.cancellation import cancel_and_wait, stop_if_cancelled
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""`engine.cancellation`: a loop asked to stop ends even after a swallowed
+"""`runtime.cancellation`: a loop asked to stop ends even after a swallowed
 cancel, and a stop waits for its tasks to end without swallowing a cancel
 of its caller."""
 
@@ -9,7 +9,7 @@ import contextlib
 
 import pytest
 
-from engine.cancellation import (
+from runtime.cancellation import (
     cancel_and_wait,
     current_task_cancelling,
     stop_each,

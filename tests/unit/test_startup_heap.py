@@ -1,4 +1,4 @@
-"""engine.startup_heap: the start-up heap leaves the cyclic collector once."""
+"""runtime.startup_heap: the start-up heap leaves the cyclic collector once."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # In a child process: freezing is process-wide and would outlive this test.
 _CHECK = """
 import gc
-from engine.startup_heap import freeze_startup_heap
+from runtime.startup_heap import freeze_startup_heap
 assert gc.get_freeze_count() == 0
 freeze_startup_heap()
 frozen = gc.get_freeze_count()
@@ -36,7 +36,7 @@ def test_freeze_once_and_later_objects_are_still_collected() -> None:
 def test_the_heap_is_unfrozen_at_exit_so_extensions_are_freed() -> None:
     """Frozen objects escape the interpreter's last collection; nanobind
     modules (triton) then report them as leaked when the process exits."""
-    check = "import triton.language\nfrom engine.startup_heap import freeze_startup_heap\n"
+    check = "import triton.language\nfrom runtime.startup_heap import freeze_startup_heap\n"
     check += "freeze_startup_heap()\n"
     done = subprocess.run(
         [sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, check=False

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from engine.startup_heap import freeze_startup_heap
 from kvcache.factory import create_manager
 from kvcache.layout import Region
 from kvcache.spec import CacheSpec
 from kvcache.tensors import allocate_cache_tensors
+from runtime.startup_heap import freeze_startup_heap
 from transfer.base import Transceiver
 from transfer.errors import TransferError
 from transfer.factory import create_transceiver
