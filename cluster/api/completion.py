@@ -47,8 +47,9 @@ class Delta:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
+    num_output_tokens: int = 0  # of this choice, so far
     num_cached_tokens: int = 0
+    index: int = 0  # the choice (sample) it belongs to
 
 
 class _Latency:
@@ -74,20 +75,45 @@ class _Latency:
         self.metrics.e2e.observe(time.perf_counter() - self.arrival)
 
 
+class _Choice:
+    """One sample's text so far: its detokenizer, stop strings and tokens."""
+
+    def __init__(self, tokenizer: Any, request: PreparedRequest) -> None:
+        # Decoding continues the prompt so a first token's leading space renders
+        # as it would mid-text.
+        self.detokenizer = tokenizer.detokenizer(request.prompt_token_ids)
+        self.stops = StopStringFilter(request.stop_strings, request.include_stop_str_in_output)
+        self.num_tokens = 0
+        self.finished = False
+
+    def add(self, token_ids: list[int], finish: str | None) -> tuple[str, str | None]:
+        """The settled text of `token_ids` and the choice's finish reason
+        (None while it runs on)."""
+        self.num_tokens += len(token_ids)
+        text = self.stops.add("".join(map(self.detokenizer.push, token_ids)))
+        if self.stops.stopped:
+            finish = "stop"
+        elif finish is not None:
+            text += self.stops.add(self.detokenizer.finish())
+            text += self.stops.finish()
+        self.finished = finish is not None
+        return text, finish
+
+
 async def stream_completion(
     router: Router, tokenizer: Any, metrics: ServingMetrics, request: PreparedRequest
 ) -> AsyncGenerator[Delta, None]:
-    """Deltas of one request (`tokenizer` is a `models.tokenizer.Tokenizer`); the last has `finish_reason` "stop" or "length".
+    """Deltas of one request (`tokenizer` is a `models.tokenizer.Tokenizer`),
+    each of one choice (`Delta.index`, the sample); the last delta of each
+    choice has `finish_reason` "stop" or "length". It ends once every choice
+    has finished.
 
     Raises `CompletionFailedError` when a worker reports an error or the
     request was aborted, `NoWorkerError` / `RequestFailedError` when no worker
     could take it.
     """
-    # Decoding continues the prompt so a first token's leading space renders
-    # as it would mid-text.
-    detokenizer = tokenizer.detokenizer(request.prompt_token_ids)
-    stops = StopStringFilter(request.stop_strings, request.include_stop_str_in_output)
-    output_ids: list[int] = []
+    num_choices = getattr(request.params, "n", 1)
+    choices = [_Choice(tokenizer, request) for _ in range(num_choices)]
     latency = _Latency(metrics, request.arrival)
     events = router.generate(
         request.request_id, request.prompt_token_ids, request.params, request.images
@@ -95,19 +121,16 @@ async def stream_completion(
     num_cached = 0
     try:
         async for event in events:
-            if event.finish_reason in ("error", "abort"):
-                raise CompletionFailedError(event.error or f"request {event.finish_reason}ed")
+            ended = event.finish_reason or event.sample_finish_reason
+            if ended in ("error", "abort"):
+                raise CompletionFailedError(event.error or f"request {ended}ed")
+            choice = choices[event.sample]
+            if choice.finished:  # it met a stop string; its sample runs on
+                continue
             if event.token_ids:
                 latency.tokens(len(event.token_ids))
             num_cached = max(num_cached, event.num_cached_tokens)
-            output_ids.extend(event.token_ids)
-            text = stops.add("".join(map(detokenizer.push, event.token_ids)))
-            finish = event.finish_reason
-            if stops.stopped:
-                finish = "stop"
-            elif finish is not None:
-                text += stops.add(detokenizer.finish())
-                text += stops.finish()
+            text, finish = choice.add(event.token_ids, ended)
             yield Delta(
                 text=text,
                 token_ids=list(event.token_ids),
@@ -115,14 +138,15 @@ async def stream_completion(
                 top_logprobs=event.top_logprobs,
                 finish_reason=finish,
                 num_prompt_tokens=len(request.prompt_token_ids),
-                num_output_tokens=len(output_ids),
+                num_output_tokens=choice.num_tokens,
                 num_cached_tokens=num_cached,
+                index=event.sample,
             )
-            if finish is not None:
+            if all(c.finished for c in choices):
                 latency.done()
                 metrics.prompt_tokens.inc(len(request.prompt_token_ids))
                 metrics.cached_prompt_tokens.observe(num_cached)
-                metrics.generation_tokens.inc(len(output_ids))
+                metrics.generation_tokens.inc(sum(c.num_tokens for c in choices))
                 return
         raise CompletionFailedError("the token stream ended without a finish reason")
     finally:

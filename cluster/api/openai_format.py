@@ -14,7 +14,7 @@ import codecs
 import functools
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from cluster.api.completion import Delta
@@ -76,16 +76,16 @@ class ChunkWriter:
     def line(self, choice: dict[str, Any]) -> str:
         return f"{self._prefix}{_dumps(choice)}]}}\n\n"
 
-    def text_line(self, text: str, finish: str | None) -> str:
-        """`line(completion_choice(text, finish, None))`, built without a dict:
-        the line of almost every streamed token."""
-        return f'{self._prefix}{{"index":0,"text":{_dumps(text)}{_choice_tail(finish)}'
+    def text_line(self, text: str, finish: str | None, index: int = 0) -> str:
+        """`line(completion_choice(text, finish, None, index))`, built without
+        a dict: the line of almost every streamed token."""
+        return f'{self._prefix}{{"index":{index},"text":{_dumps(text)}{_choice_tail(finish)}'
 
-    def content_line(self, text: str, finish: str | None) -> str:
-        """`line(chat_choice({"content": text} if text else {}, finish))`, built
-        without a dict."""
+    def content_line(self, text: str, finish: str | None, index: int = 0) -> str:
+        """`line(chat_choice({"content": text} if text else {}, finish, None,
+        index))`, built without a dict."""
         delta = f'{{"content":{_dumps(text)}}}' if text else "{}"
-        return f'{self._prefix}{{"index":0,"delta":{delta}{_choice_tail(finish)}'
+        return f'{self._prefix}{{"index":{index},"delta":{delta}{_choice_tail(finish)}'
 
 
 @functools.cache
@@ -111,7 +111,23 @@ def merge(deltas: Sequence[Delta]) -> Delta:
         num_prompt_tokens=last.num_prompt_tokens,
         num_output_tokens=last.num_output_tokens,
         num_cached_tokens=last.num_cached_tokens,
+        index=last.index,
     )
+
+
+def merge_choices(deltas: Sequence[Delta]) -> list[Delta]:
+    """A finished request's deltas merged per choice, in index order."""
+    by_index: dict[int, list[Delta]] = {}
+    for delta in deltas:
+        by_index.setdefault(delta.index, []).append(delta)
+    return [merge(by_index[index]) for index in sorted(by_index)]
+
+
+def summed(choices: Sequence[Delta]) -> Delta:
+    """A delta whose usage is that of the choices together: their prompt
+    once (one prefill), their output tokens summed."""
+    last = choices[-1]
+    return replace(last, num_output_tokens=sum(c.num_output_tokens for c in choices))
 
 
 # --- /v1/completions -------------------------------------------------------
@@ -149,8 +165,10 @@ def completion_logprobs(
     }
 
 
-def completion_choice(text: str, finish: str | None, logprobs: Any) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+def completion_choice(
+    text: str, finish: str | None, logprobs: Any, index: int = 0
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
 def completion_chunk(
@@ -209,8 +227,10 @@ def chat_logprobs(
     return {"content": content}
 
 
-def chat_choice(delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> dict[str, Any]:
-    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+def chat_choice(
+    delta: dict[str, Any], finish: str | None, logprobs: Any = None, index: int = 0
+) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
 
 def chat_chunk(

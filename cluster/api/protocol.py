@@ -12,8 +12,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from engine.samples import MAX_SAMPLES
 from engine.sampling import MAX_SEED, MAX_TOP_K, MIN_SEED
 
 MAX_STOP_STRINGS = 16
@@ -68,9 +76,12 @@ class SamplingFields(BaseModel):
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported; send several requests for several choices")
+    def _choices(cls, value: int) -> int:
+        if not 1 <= value <= MAX_SAMPLES:
+            raise ValueError(
+                f"n must be between 1 and {MAX_SAMPLES} (choices sampled from one prefill), "
+                f"got {value}; send several requests for more"
+            )
         return value
 
     @field_validator("stop")
@@ -201,9 +212,13 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("best_of")
     @classmethod
-    def _one_candidate(cls, value: int | None) -> int | None:
-        if value is not None and value != 1:
-            raise ValueError("only best_of=1 is supported; send several requests and rank them")
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if value is not None and value != n:
+            raise ValueError(
+                f"best_of must equal n ({n}) when given: every sample is returned, "
+                "none is ranked; send n alone"
+            )
         return value
 
     @field_validator("suffix")

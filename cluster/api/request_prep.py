@@ -95,15 +95,17 @@ class RequestPreparer:
         tokenizer = self.model.tokenizer
         as_ids = body.return_tokens_as_token_ids
         writer = fmt.ChunkWriter(meta, "text_completion")
-        offset = 0
+
+        offsets = [0] * body.n  # each choice's text so far
 
         def chunk(delta: Delta) -> str:
-            nonlocal offset
-            start, offset = offset, offset + len(delta.text)
+            start = offsets[delta.index]
+            offsets[delta.index] += len(delta.text)
             if delta.logprobs is None:
-                return writer.text_line(delta.text, delta.finish_reason)
+                return writer.text_line(delta.text, delta.finish_reason, delta.index)
             logprobs = fmt.completion_logprobs(delta, tokenizer, num_top, start, as_ids)
-            return writer.line(fmt.completion_choice(delta.text, delta.finish_reason, logprobs))
+            choice = fmt.completion_choice(delta.text, delta.finish_reason, logprobs, delta.index)
+            return writer.line(choice)
 
         def whole(delta: Delta) -> dict[str, Any]:
             logprobs = fmt.completion_logprobs(delta, tokenizer, num_top, 0, as_ids)
@@ -126,14 +128,15 @@ class RequestPreparer:
         num_top = body.top_logprobs or 0
         as_ids = body.return_tokens_as_token_ids
         writer = fmt.ChunkWriter(meta, "chat.completion.chunk")
-        opening = [writer.line(fmt.chat_choice({"role": "assistant", "content": ""}, None))]
+        role = {"role": "assistant", "content": ""}
+        opening = [writer.line(fmt.chat_choice(role, None, index=i)) for i in range(body.n)]
 
         def chunk(delta: Delta) -> str:
             if delta.logprobs is None:
-                return writer.content_line(delta.text, delta.finish_reason)
+                return writer.content_line(delta.text, delta.finish_reason, delta.index)
             content = {"content": delta.text} if delta.text else {}
             lp = fmt.chat_logprobs(delta, tokenizer, num_top, as_ids)
-            return writer.line(fmt.chat_choice(content, delta.finish_reason, lp))
+            return writer.line(fmt.chat_choice(content, delta.finish_reason, lp, delta.index))
 
         def whole(delta: Delta) -> dict[str, Any]:
             return fmt.chat_body(meta, delta, fmt.chat_logprobs(delta, tokenizer, num_top, as_ids))
@@ -276,4 +279,5 @@ def _build_sampling_params(
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         include_stop_str_in_output=body.include_stop_str_in_output,
+        n=body.n,
     )

@@ -179,7 +179,12 @@ class _OpenAIRoutes:
         except BaseExceptionGroup as failed:
             raise failed.exceptions[0] from None
         answers = [task.result() for task in tasks]
-        choices = [answer["choices"][0] | {"index": i} for i, answer in enumerate(answers)]
+        # OpenAI's order: prompt i's choice j has index i * n + j.
+        choices = [
+            choice | {"index": i * body.n + choice["index"]}
+            for i, answer in enumerate(answers)
+            for choice in answer["choices"]
+        ]
         return JSONResponse(answers[0] | {"choices": choices, "usage": _summed_usage(answers)})
 
     async def chat_completions(self, body: ChatCompletionRequest, http: Request) -> Response:
@@ -235,7 +240,7 @@ class _OpenAIRoutes:
             finally:
                 self._finished()
             self.metrics.requests.labels(endpoint, "200").inc()
-            return JSONResponse(shape.whole(fmt.merge([first, *rest])))
+            return JSONResponse(_whole(shape, [first, *rest]))
         finish = _Once(self._finished)
         events = self._sse(shape, first, deltas, body.include_usage, finish)
         return _ClosingStream(events, finish, media_type="text/event-stream")
@@ -252,14 +257,14 @@ class _OpenAIRoutes:
         try:
             for line in shape.opening:
                 yield line
-            last = first
+            last = {first.index: first}  # each choice's latest delta
             yield shape.chunk(first)
-            if first.finish_reason is None:
-                async for delta in deltas:
-                    last = delta
-                    yield shape.chunk(delta)
+            async for delta in deltas:  # ends with the last choice's finish
+                last[delta.index] = delta
+                yield shape.chunk(delta)
             if include_usage:
-                yield fmt.sse(fmt.usage_chunk(shape.meta, shape.chunk_object, last))
+                usage = fmt.summed(list(last.values()))
+                yield fmt.sse(fmt.usage_chunk(shape.meta, shape.chunk_object, usage))
         except (CompletionFailedError, RequestFailedError, NoWorkerError) as exc:
             status = "500"
             yield fmt.sse(APIError(500, str(exc), code="generation_failed").body())
@@ -314,6 +319,17 @@ def _counted(
         return response
 
     return handle
+
+
+def _whole(shape: ResponseShape, deltas: list[Delta]) -> dict[str, Any]:
+    """The whole answer of a finished request: one choice per sample, the
+    prompt counted once in its usage and every choice's tokens summed."""
+    merged = fmt.merge_choices(deltas)
+    bodies = [shape.whole(delta) for delta in merged]
+    choices = [
+        body["choices"][0] | {"index": d.index} for body, d in zip(bodies, merged, strict=True)
+    ]
+    return bodies[0] | {"choices": choices, "usage": fmt.usage(fmt.summed(merged))}
 
 
 def _summed_usage(answers: list[dict[str, Any]]) -> dict[str, Any]:

@@ -42,6 +42,13 @@ class Continuation:
         self.sent.extend(token_ids)
 
     @property
+    def resumable(self) -> bool:
+        """Whether a next attempt can continue what the caller has: not for
+        n samples (`engine.samples`) once any token was sent, since one
+        prefill of the prompt and one sample's tokens cannot go on with all."""
+        return not self.sent or getattr(self.original_params, "n", 1) == 1
+
+    @property
     def prompt(self) -> list[int]:
         return [*self.original_prompt, *self.sent] if self.sent else self.original_prompt
 

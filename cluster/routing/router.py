@@ -242,7 +242,7 @@ class Router:
         resume = Continuation(prompt, params)
         errors: list[str] = []
         target = self._prefetch_target(prompt, hashes, touched)
-        while len(errors) < self.settings.max_attempts:
+        while len(errors) < self.settings.max_attempts and resume.resumable:
             context_request = ContextRequest(request_id, resume.prompt, resume.params, images)
             try:
                 context = await self._run_context(context_request, context_hashes, touched, target)
@@ -252,9 +252,10 @@ class Router:
                 errors.append(str(exc))
                 break
             holder = touched[-1]
-            first = resume.event(TokenEvent.first_of(context))
-            if first.finished:
-                yield first
+            firsts = [resume.event(event) for event in TokenEvent.firsts_of(context)]
+            if firsts[-1].finished:
+                for first in firsts:
+                    yield first
                 if target is not None:  # nothing to pull: end the prefetch
                     target.actor.abort.remote(request_id)
                 return
@@ -272,14 +273,16 @@ class Router:
             held = self.settings.hold_first_token
             try:
                 if not held:
-                    yield first
-                    resume.advance(first.token_ids)
+                    for first in firsts:
+                        yield first
+                        resume.advance(first.token_ids)
                 handed_back = False
                 async for event in _started(submitted, stream):
                     handed_back = event.handed_back
                     if event.cache_ready and held:
-                        yield first
-                        resume.advance(first.token_ids)
+                        for first in firsts:
+                            yield first
+                            resume.advance(first.token_ids)
                     elif not (event.cache_ready or handed_back):
                         yield resume.event(event)
                         resume.advance(event.token_ids)
@@ -362,7 +365,8 @@ class Router:
         `_PullFailed` until its `cache_ready` event (its cache is gone then,
         so only a new prefill can run it), and ends with an error event after.
         `target`: the worker to use (it prefetches the cache)."""
-        cost = len(request.prompt_token_ids) + _max_tokens(request.params)
+        samples = getattr(request.params, "n", 1)
+        cost = len(request.prompt_token_ids) + samples * _max_tokens(request.params)
         phase = "generation" if request.context is not None else "whole"
         attempts = self.settings.max_attempts if request.context is None else 1
         # A worker that pulls the cache encodes nothing: images steer only a
@@ -384,9 +388,11 @@ class Router:
                         if event.cache_ready and request.context is not None:
                             self._record_transfer(request.context, started)
                         streamed = True
-                        outputs += event.token_ids
-                        if event.finish_reason in ("stop", "length"):
-                            self._kept(endpoint, request, outputs)
+                        if event.sample == 0:  # what routing counts on: sample 0's cache
+                            outputs += event.token_ids
+                            ended = event.finish_reason or event.sample_finish_reason
+                            if ended in ("stop", "length"):
+                                self._kept(endpoint, request, outputs)
                         yield event
                         if event.finished:
                             return

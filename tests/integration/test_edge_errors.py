@@ -79,7 +79,7 @@ FIELD_CASES: list[tuple[dict[str, Any], str]] = [
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": -3}, "max_tokens"),
     ({"max_tokens": "many"}, "max_tokens"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
     ({"best_of": 3}, "best_of"),
     ({"stop": [f"s{i}" for i in range(17)]}, "stop"),
     ({"prompt": ""}, "prompt"),

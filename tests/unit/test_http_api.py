@@ -69,7 +69,9 @@ def test_out_of_range_values_name_the_field() -> None:
         ({"temperature": 3.0}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 2, "best_of": 3}, "best_of"),
         ({"logprobs": 99}, "logprobs"),
         ({"top_k": 2**70}, "top_k"),
         ({"stop_token_ids": [7, -1]}, "stop_token_ids"),
@@ -80,9 +82,13 @@ def test_out_of_range_values_name_the_field() -> None:
 
 
 def test_more_than_one_choice_and_broken_json_have_clear_messages() -> None:
-    error = validation_error(_errors(CompletionRequest, {"model": "m", "prompt": "x", "n": 3}))
+    error = validation_error(_errors(CompletionRequest, {"model": "m", "prompt": "x", "n": 17}))
     assert (error.param, error.status) == ("n", 400)
-    assert "only n=1 is supported" in error.message
+    assert "n must be between 1 and 16" in error.message
+    for fields in ({"n": 3}, {"n": 3, "best_of": 3}):
+        assert CompletionRequest.model_validate({"model": "m", "prompt": "x", **fields}).n == 3
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 16}
+    assert ChatCompletionRequest.model_validate(chat).n == 16
     app = _validating_app()
     response = TestClient(app).post(
         "/v1/completions", content=b"not json", headers={"content-type": "application/json"}
@@ -99,8 +105,8 @@ def test_more_than_one_choice_and_broken_json_have_clear_messages() -> None:
     assert response.status_code == 400
     assert "Content-Type: application/json" in response.json()["error"]["message"]
     # A validator's message comes without pydantic's "Value error," prefix.
-    response = TestClient(app).post("/v1/completions", json={"model": "m", "prompt": "x", "n": 3})
-    assert response.json()["error"]["message"].startswith("n: only n=1 is supported")
+    response = TestClient(app).post("/v1/completions", json={"model": "m", "prompt": "x", "n": 30})
+    assert response.json()["error"]["message"].startswith("n: n must be between 1 and 16")
 
 
 def test_a_seed_must_fit_64_bits() -> None:
