@@ -1,0 +1,165 @@
+"""n samples from one prefill, served (`disagg serve`, aggregated and 1P1D,
+1P1D also with block reuse and n-gram speculation), through the `openai`
+client: indexed choices with the prompt counted once, greedy samples equal
+to the greedy answer, prompt lists answered prompt by prompt, and /metrics
+showing that an n = 4 request prefilled its prompt once and moved its cache
+once."""
+
+from __future__ import annotations
+
+import random
+import re
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+
+from tests.serve_process import ServeProcess, start_serve, stop_group
+
+MODES: dict[str, dict[str, dict[str, object]]] = {
+    "aggregated": {"context_servers": {"num_instances": 0}},
+    "1p1d": {"cache_transceiver": {"backend": "python"}},
+    "1p1d-reuse-ngram": {
+        "cache_transceiver": {"backend": "python"},
+        "kv_cache": {"enable_block_reuse": True},
+        "speculative_config": {
+            "method": "ngram",
+            "num_speculative_tokens": 3,
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODES))
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Path, ServeProcess]]:
+    from models.embedded.writer import ensure_checkpoint
+
+    mode = request.param
+    checkpoint = ensure_checkpoint(tmp_path_factory.getbasetemp() / "n-llama", "llama", "tiny")
+    config: dict[str, object] = {
+        "model": str(checkpoint),
+        "conditional_disagg": {"max_local_prefill_length": 0},
+        "kv_cache": {"max_tokens": 2048},
+        "max_batch_size": 8,
+        "context_servers": {"num_instances": 1},
+        "generation_servers": {"num_instances": 1},
+    }
+    for key, value in MODES[mode].items():
+        base = config.get(key, {})
+        config[key] = {**base, **value} if isinstance(base, dict) else value
+    path = tmp_path_factory.mktemp(f"n-{mode}") / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    running = start_serve(path, checkpoint)
+    try:
+        yield mode, checkpoint, running
+    finally:
+        stop_group(running.process)
+
+
+def metric_total(url: str, name: str, label: str = "") -> float:
+    """A counter summed over its series (those whose labels hold `label`)."""
+    with urllib.request.urlopen(f"{url.removesuffix('/v1')}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    series = re.findall(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M)
+    return sum(float(value) for labels, value in series if label in labels)
+
+
+def prompt(seed: int, length: int = 37) -> list[int]:
+    rng = random.Random(seed)
+    passage = [rng.randrange(10, 400) for _ in range(length - 6)]
+    return passage + passage[:6]
+
+
+def test_n_choices_from_one_prefill(server: tuple[str, Path, ServeProcess]) -> None:
+    mode, checkpoint, running = server
+    client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=120)
+    greedy = {"model": checkpoint.name, "max_tokens": 12, "temperature": 0}
+    ids = prompt(1)
+    one = client.completions.create(prompt=ids, **greedy)  # type: ignore[call-overload]
+    two = client.completions.create(prompt=ids, n=2, **greedy)  # type: ignore[call-overload]
+    assert [c.index for c in two.choices] == [0, 1]
+    assert [c.text for c in two.choices] == [one.choices[0].text] * 2, mode
+    assert two.usage.prompt_tokens == len(ids) == one.usage.prompt_tokens
+
+    sampled = client.completions.create(
+        model=checkpoint.name,
+        prompt=ids,
+        max_tokens=8,
+        n=3,
+        seed=11,
+        extra_body={"ignore_eos": True},
+    )
+    assert sorted(c.index for c in sampled.choices) == [0, 1, 2]
+    assert sampled.usage is not None
+    assert sampled.usage.prompt_tokens == len(ids)
+    assert sampled.usage.completion_tokens == 24
+    again = client.completions.create(
+        model=checkpoint.name,
+        prompt=ids,
+        max_tokens=8,
+        n=3,
+        seed=11,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.text for c in again.choices] == [c.text for c in sampled.choices]
+
+    chat = client.chat.completions.create(
+        model=checkpoint.name,
+        messages=[{"role": "user", "content": "Say something."}],
+        max_tokens=6,
+        n=3,
+        stream=True,
+    )
+    indices = {chunk.choices[0].index for chunk in chat if chunk.choices}
+    assert indices == {0, 1, 2}
+
+
+def test_a_prompt_list_answers_each_prompt_with_its_own_text(
+    server: tuple[str, Path, ServeProcess],
+) -> None:
+    _, checkpoint, running = server
+    client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=120)
+    greedy = {"model": checkpoint.name, "max_tokens": 10, "temperature": 0}
+    prompts = [prompt(2), prompt(3, 29)]
+    alone = [client.completions.create(prompt=p, **greedy).choices[0].text for p in prompts]  # type: ignore[call-overload]
+    listed = client.completions.create(prompt=prompts, n=2, **greedy)  # type: ignore[call-overload]
+    assert [c.index for c in listed.choices] == [0, 1, 2, 3]
+    assert [c.text for c in listed.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    assert listed.usage.prompt_tokens == sum(map(len, prompts))
+
+
+def test_n_4_prefills_once_and_moves_the_cache_once(
+    server: tuple[str, Path, ServeProcess],
+) -> None:
+    mode, checkpoint, running = server
+    client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=120)
+    ids = prompt(4, 45)
+    body = {"model": checkpoint.name, "prompt": ids, "max_tokens": 6, "temperature": 0}
+    phase = 'phase="whole"' if mode == "aggregated" else 'phase="context"'
+
+    def totals() -> tuple[float, float, float]:
+        return (
+            metric_total(running.url, "disagg_routed_requests_total", phase),
+            metric_total(running.url, "disagg_kv_transfer_bytes_total"),
+            metric_total(running.url, "disagg_prompt_tokens_total"),
+        )
+
+    before = totals()
+    client.completions.create(**body)  # type: ignore[call-overload]
+    after_one = totals()
+    reply = client.completions.create(n=4, **body)  # type: ignore[call-overload]
+    assert len(reply.choices) == 4
+    after_four = totals()
+    one = [b - a for a, b in zip(before, after_one, strict=True)]
+    four = [b - a for a, b in zip(after_one, after_four, strict=True)]
+    # One prefill dispatched, the same bytes moved, the prompt counted once.
+    assert one == four, (mode, one, four)
+    assert one[0] == 1 and one[2] == len(ids)
+    assert (one[1] > 0) == (mode != "aggregated")
