@@ -1,5 +1,6 @@
 """n samples from one prefill, served (`disagg serve`, aggregated and 1P1D,
-1P1D also with block reuse and n-gram speculation), through the `openai`
+1P1D also with block reuse and n-gram speculation, and a Nemotron-H hybrid
+in 1P1D), through the `openai`
 client: indexed choices with the prompt counted once, greedy samples equal
 to the greedy answer, prompt lists answered prompt by prompt, and /metrics
 showing that an n = 4 request prefilled its prompt once and moved its cache
@@ -32,6 +33,8 @@ MODES: dict[str, dict[str, dict[str, object]]] = {
             "prompt_lookup_max": 3,
         },
     },
+    # A hybrid: each sample's Mamba state is a copy of the pulled one.
+    "1p1d-nemotron_h": {"cache_transceiver": {"backend": "python"}},
 }
 
 
@@ -42,7 +45,8 @@ def server(
     from models.embedded.writer import ensure_checkpoint
 
     mode = request.param
-    checkpoint = ensure_checkpoint(tmp_path_factory.getbasetemp() / "n-llama", "llama", "tiny")
+    arch = "nemotron_h" if mode.endswith("nemotron_h") else "llama"
+    checkpoint = ensure_checkpoint(tmp_path_factory.getbasetemp() / f"n-{arch}", arch, "tiny")
     config: dict[str, object] = {
         "model": str(checkpoint),
         "conditional_disagg": {"max_local_prefill_length": 0},
