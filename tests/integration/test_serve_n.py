@@ -13,6 +13,7 @@ import re
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -92,27 +93,35 @@ def test_n_choices_from_one_prefill(server: tuple[str, Path, ServeProcess]) -> N
     assert [c.text for c in two.choices] == [one.choices[0].text] * 2, mode
     assert two.usage.prompt_tokens == len(ids) == one.usage.prompt_tokens
 
-    sampled = client.completions.create(
-        model=checkpoint.name,
-        prompt=ids,
-        max_tokens=8,
-        n=3,
-        seed=11,
-        extra_body={"ignore_eos": True},
+    ids_body = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    seeded = {"model": checkpoint.name, "seed": 11, "logprobs": 0}
+    sampled = client.completions.create(  # type: ignore[call-overload]
+        prompt=ids, max_tokens=8, n=3, **seeded, extra_body=ids_body
     )
     assert sorted(c.index for c in sampled.choices) == [0, 1, 2]
     assert sampled.usage is not None
     assert sampled.usage.prompt_tokens == len(ids)
     assert sampled.usage.completion_tokens == 24
-    again = client.completions.create(
-        model=checkpoint.name,
-        prompt=ids,
-        max_tokens=8,
-        n=3,
-        seed=11,
-        extra_body={"ignore_eos": True},
+    again = client.completions.create(  # type: ignore[call-overload]
+        prompt=ids, max_tokens=8, n=3, **seeded, extra_body=ids_body
     )
     assert [c.text for c in again.choices] == [c.text for c in sampled.choices]
+
+    # Every sample ends at its first token: nothing moves, three choices come back.
+    short = client.completions.create(prompt=ids, n=3, max_tokens=1, **seeded)  # type: ignore[call-overload]
+    assert [c.finish_reason for c in short.choices] == ["length"] * 3
+    # Sample 0 ends at its first token, the others run on from the same cache.
+    first = _first_token(sampled.choices[0])
+    others = [c for c in sampled.choices[1:] if _first_token(c) != first]
+    stopped = client.completions.create(  # type: ignore[call-overload]
+        prompt=ids, n=3, max_tokens=8, **seeded, extra_body=ids_body | {"stop_token_ids": [first]}
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    for before in others:
+        after = stopped.choices[before.index]
+        tokens = _tokens(before)
+        want = tokens[: tokens.index(first)] if first in tokens else tokens
+        assert _tokens(after)[: len(want)] == want, mode
 
     chat = client.chat.completions.create(
         model=checkpoint.name,
@@ -123,6 +132,15 @@ def test_n_choices_from_one_prefill(server: tuple[str, Path, ServeProcess]) -> N
     )
     indices = {chunk.choices[0].index for chunk in chat if chunk.choices}
     assert indices == {0, 1, 2}
+
+
+def _tokens(choice: Any) -> list[int]:
+    """A choice's token ids (asked for as `token_id:N` logprobs)."""
+    return [int(name.removeprefix("token_id:")) for name in choice.logprobs.tokens]
+
+
+def _first_token(choice: Any) -> int:
+    return _tokens(choice)[0]
 
 
 def test_a_prompt_list_answers_each_prompt_with_its_own_text(
