@@ -8,11 +8,12 @@ Models and the transfer code call these functions, never the kernel modules:
   (`TRITON_INTERPRET=1` set before the kernel modules are imported), which is
   how the test suite checks kernels on machines without a GPU.
 - decode attention, RMSNorm, the rotary + K/V cache write, SwiGLU's
-  activation and a Mamba2 layer's decode step on CPU tensors also have C
-  kernels (`cpu_attention`, `cpu_norm`, `cpu_rope`, `cpu_silu_mul`,
-  `cpu_mamba_step`, built on first use); `cpu_decode_attention`,
-  `rms_norm`, `cpu_rope_and_cache`, `silu_mul` and `cpu_mamba_decode_step` run
-  them where they serve a call.
+  activation, a Mamba2 layer's decode step and a MoE layer's experts on CPU
+  tensors also have C kernels (`cpu_attention`, `cpu_norm`, `cpu_rope`,
+  `cpu_silu_mul`, `cpu_mamba_step`, `cpu_moe_experts`, built on first use);
+  `cpu_decode_attention`, `rms_norm`, `cpu_rope_and_cache`, `silu_mul`,
+  `cpu_mamba_decode_step` and `moe_experts` run them where they serve a
+  call.
 
 Each function has the signature of its reference twin.
 """
@@ -32,6 +33,7 @@ from models.kernels import (
     cpu_attention,
     cpu_build,
     cpu_mamba_step,
+    cpu_moe_experts,
     cpu_norm,
     cpu_rope,
     cpu_silu_mul,
@@ -42,6 +44,13 @@ from models.kernels.block_copy import BlockIds
 from models.kernels.mamba_state_update import NO_DT_LIMIT, DtLimit
 
 FORCE_TRITON_ENV = "DISAGG_FORCE_TRITON"
+# Past this many rows an expert on average (tokens x top_k / experts), one
+# MKL product per expert beats the MoE kernel: at hidden 1024, 32 experts of
+# 512, top-6, shared 1024, fp32 on 2 cores, the kernel took 64 against 68 ms
+# at 384 tokens (72 rows an expert), 84 against 83-85 at 512 (96) and 166
+# against 140 at 1024 (192); rerun with
+# `python -m benchmarks.moe_bench --decode --prefill 384 512 1024 --layers 2`.
+MOE_KERNEL_MAX_ROWS = 96
 
 
 class KernelUnavailableError(RuntimeError):
@@ -170,6 +179,24 @@ def cpu_rope_and_cache(
     return cpu_rope.rope_and_cache_if_supported(
         qkv, cos, sin, num_heads, key_cache, value_cache, slot_mapping, block_size
     )
+
+
+def moe_experts(
+    x: torch.Tensor,
+    experts: torch.Tensor,
+    weights: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    shared: cpu_moe_experts.SharedExpert | None = None,
+) -> torch.Tensor:
+    """A MoE layer's routed experts (and shared expert), in `x`'s dtype: the C
+    kernel on CPU tensors it serves, up to `MOE_KERNEL_MAX_ROWS` rows an
+    expert on average; else the torch twin (`cpu_moe_experts.moe_experts_ref`)."""
+    if _cpu_kernels_apply(x) and experts.numel() <= MOE_KERNEL_MAX_ROWS * up.shape[0]:
+        out = cpu_moe_experts.moe_experts_if_supported(x, experts, weights, up, down, shared)
+        if out is not None:
+            return out
+    return cpu_moe_experts.moe_experts_ref(x, experts, weights, up, down, shared)
 
 
 def rms_norm(
