@@ -75,7 +75,9 @@ class NemotronHLayer(nn.Module):
         elif self.kind == MOE:
             # On a GPU (or where its kernels are forced, as in tests) a decode
             # step must not read the routing back: that stalls the stream and
-            # breaks graph capture. On CPU the chosen-experts loop costs less.
+            # breaks graph capture. On CPU a read costs nothing, and the
+            # grouped path reads each chosen expert's weights once, not once
+            # per token that chose it.
             sync_free = batch.is_decode_only and dispatch.use_triton(x.device)
             out = self.mixer(x, sync_free=sync_free)
         else:

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 from models.config import MoEConfig
+from models.kernels import dispatch
+from models.layers.moe_experts import routed_gathered, stack_expert_weights, views_stack
 from models.layers.relu2_mlp import Relu2MLP
 
 # A group's score sums its best two experts (DeepSeek-V3 style), as the reference does.
@@ -71,22 +73,38 @@ class TopkRouter(nn.Module):
         cfg = self.config
         scores = torch.sigmoid(x.float() @ self.weight.float().t())
         choice = scores + self.e_score_correction_bias.float()
-        per_group = choice.view(-1, cfg.n_group, cfg.num_experts // cfg.n_group)
-        group_scores = per_group.topk(_EXPERTS_PER_GROUP_SCORE, dim=-1).values.sum(-1)
-        kept_groups = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool)
-        group_mask.scatter_(1, kept_groups, True)
-        expert_mask = group_mask.repeat_interleave(cfg.num_experts // cfg.n_group, dim=1)
-        choice = choice.masked_fill(~expert_mask, float("-inf"))
+        if cfg.topk_group < cfg.n_group:
+            choice = self._in_kept_groups(choice)
         experts = choice.topk(cfg.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, experts)
         if cfg.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return experts, weights * cfg.routed_scaling_factor
 
+    def _in_kept_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """`choice` with the experts outside each token's `topk_group` best
+        groups at -inf. (With every group kept this masks nothing: the
+        forward then skips it, a decode step's dozen small ops fewer.)"""
+        cfg = self.config
+        per_group = choice.view(-1, cfg.n_group, cfg.num_experts // cfg.n_group)
+        group_scores = per_group.topk(_EXPERTS_PER_GROUP_SCORE, dim=-1).values.sum(-1)
+        kept_groups = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool)
+        group_mask.scatter_(1, kept_groups, True)
+        expert_mask = group_mask.repeat_interleave(cfg.num_experts // cfg.n_group, dim=1)
+        return choice.masked_fill(~expert_mask, float("-inf"))
+
 
 class NemotronHMoE(nn.Module):
-    """Routed relu² experts plus the shared expert; `[T, hidden]` -> `[T, hidden]`."""
+    """Routed relu² experts plus the shared expert; `[T, hidden]` -> `[T, hidden]`.
+
+    The experts' weights live in `up_weights [E, I, H]` and `down_weights
+    [E, H, I]`, which their checkpoint-named layers view (see
+    `models.layers.moe_experts`); only the experts a step chose run.
+    """
+
+    up_weights: torch.Tensor
+    down_weights: torch.Tensor
 
     def __init__(self, hidden_size: int, config: MoEConfig, shared_bias: bool = False) -> None:
         super().__init__()
@@ -95,48 +113,39 @@ class NemotronHMoE(nn.Module):
         self.experts = nn.ModuleList(
             Relu2MLP(hidden_size, config.intermediate_size) for _ in range(config.num_experts)
         )
+        self.up_weights, self.down_weights = stack_expert_weights(self.experts)
         self.shared_experts = (
             Relu2MLP(hidden_size, config.shared_intermediate_size, shared_bias)
             if config.shared_intermediate_size > 0
             else None
         )
 
+    def _apply(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+    ) -> NemotronHMoE:
+        # Casting or moving converts every expert's weight on its own, off the
+        # stack: stack them again (the stack is no parameter, so `fn` skips it).
+        super()._apply(fn, recurse)
+        if not views_stack(self.experts, self.up_weights, self.down_weights):
+            self.up_weights, self.down_weights = stack_expert_weights(self.experts)
+        return self
+
     def forward(self, x: torch.Tensor, sync_free: bool = False) -> torch.Tensor:
-        """`sync_free` (GPU decode steps) runs every expert on every token instead of
-        asking the device which experts were chosen: no host read, so the step
-        can be captured in a CUDA graph, at the cost of computing unchosen
-        experts (which a decode step, bound by reading the weights, mostly
-        reads anyway once a batch spreads over the experts)."""
+        """`sync_free` (GPU decode steps): never read the routing back to the
+        host, so the step does not wait on the device (`routed_gathered`);
+        otherwise each chosen expert runs once on its rows, with the shared
+        expert in the same call where it has no bias (`dispatch.moe_experts`).
+        Either way only the chosen experts' weights are read."""
         experts, weights = self.gate(x)
+        mlp = self.shared_experts
         if sync_free:
-            out = self._every_expert(x, experts, weights)
-        else:
-            out = self._chosen_experts(x, experts, weights)
-        out = out.to(x.dtype)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
-
-    def _chosen_experts(
-        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        out = torch.zeros_like(x, dtype=weights.dtype)
-        # Loop over the experts that received tokens, not over tokens: each
-        # expert runs once on all of its tokens. Finding them reads the device.
-        for expert_id in torch.unique(experts).tolist():
-            token_idx, k_idx = torch.nonzero(experts == expert_id, as_tuple=True)
-            expert_out = self.experts[expert_id](x[token_idx])
-            out.index_add_(0, token_idx, expert_out * weights[token_idx, k_idx, None])
-        return out
-
-    def _every_expert(
-        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        # [T, E] routing weights, zero where an expert was not chosen; experts
-        # add up in ascending id order, as in `_chosen_experts`.
-        dense = torch.zeros(x.shape[0], len(self.experts), dtype=weights.dtype, device=x.device)
-        dense.scatter_(1, experts, weights)
-        out = torch.zeros_like(x, dtype=weights.dtype)
-        for expert_id, expert in enumerate(self.experts):
-            out += expert(x) * dense[:, expert_id, None]
-        return out
+            out = routed_gathered(x, experts, weights, self.up_weights, self.down_weights)
+            out = out.to(x.dtype)
+            return out if mlp is None else out + mlp(x)
+        # The shared expert joins the routed experts' call unless it has a
+        # bias (the kernel takes none).
+        shared = None
+        if mlp is not None and mlp.up_proj.bias is None:
+            shared = (mlp.up_proj.weight, mlp.down_proj.weight)
+        out = dispatch.moe_experts(x, experts, weights, self.up_weights, self.down_weights, shared)
+        return out if mlp is None or shared is not None else out + mlp(x)

@@ -9,7 +9,7 @@ from transformers.models.nemotron_h import modeling_nemotron_h as hf
 
 from models.config import MoEConfig
 from models.layers.moe import NemotronHMoE
-from models.layers.relu2_mlp import relu2
+from models.layers.relu2_mlp import Relu2MLP, relu2
 
 HIDDEN = 32
 
@@ -59,6 +59,7 @@ def naive_moe(moe: NemotronHMoE, config: MoEConfig, x: torch.Tensor) -> torch.Te
         out = torch.zeros(HIDDEN)
         for e, w in zip(chosen, weights, strict=True):
             expert = moe.experts[e]
+            assert isinstance(expert, Relu2MLP)
             out += w * config.routed_scaling_factor * expert.down_proj(relu2(expert.up_proj(token)))
         if moe.shared_experts is not None:
             out += moe.shared_experts(token)
@@ -134,7 +135,7 @@ def test_router_stays_float32_in_a_bfloat16_model() -> None:
     moe = random_moe(moe_config()).to(torch.bfloat16)
     assert moe.gate.weight.dtype == torch.float32
     assert moe.gate.e_score_correction_bias.dtype == torch.float32
-    assert moe.experts[0].up_proj.weight.dtype == torch.bfloat16
+    assert moe.up_weights.dtype == moe.down_weights.dtype == torch.bfloat16
     out = moe(torch.randn(4, HIDDEN, dtype=torch.bfloat16))
     assert out.dtype == torch.bfloat16
 
@@ -142,17 +143,3 @@ def test_router_stays_float32_in_a_bfloat16_model() -> None:
 def test_groups_of_one_expert_are_refused() -> None:
     with pytest.raises(ValueError, match="lower n_group"):
         NemotronHMoE(HIDDEN, moe_config(n_group=8, topk_group=2))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_expert_path_equals_the_chosen_experts_path(dtype: torch.dtype) -> None:
-    """Decode steps run every expert weighted by the routing matrix (no host
-    read); the sum is the chosen experts' in the same order, up to the
-    rounding of matmuls over other row sets."""
-    moe = random_moe(moe_config()).to(dtype)
-    x = torch.randn(5, HIDDEN).to(dtype)
-    with torch.no_grad():
-        chosen = moe(x)
-        every = moe(x, sync_free=True)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(every, chosen, atol=tol, rtol=tol)
