@@ -89,3 +89,24 @@ def assert_drafted(instance: EngineInstance) -> None:
     stats = drafter.stats
     assert stats.verifies > 0
     assert 0 < stats.accepted < stats.drafted
+
+
+def assert_abort_mid_verify_frees_everything(
+    instance: EngineInstance, prompts: list[list[int]]
+) -> None:
+    """Start `prompts`, step until three verifies ran, abort them all: no
+    block, slot or request is left behind."""
+    requests = []
+    for n, prompt in enumerate(prompts):
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        requests.append(Request(f"a{n}", prompt, params))
+        instance.core.add(requests[-1])
+    drafter = instance.core.drafter
+    assert drafter is not None
+    while drafter.stats.verifies < 3:
+        instance.core.step()
+    for r in requests:
+        instance.core.abort(r.request_id)
+    instance.manager.check_integrity()
+    assert instance.manager.num_requests == 0
+    assert instance.manager.num_free_blocks == instance.manager.num_usable_blocks

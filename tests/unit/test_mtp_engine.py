@@ -35,7 +35,13 @@ from kvcache.snapshots import SnapshotPolicy
 from models.embedded.configs import IMAGE_TOKEN_ID
 from models.embedded.writer import ensure_checkpoint
 from models.image_processing import load_image_processor_config
-from tests.spec_engines import assert_same, copy_prompts, engine, serve
+from tests.spec_engines import (
+    assert_abort_mid_verify_frees_everything,
+    assert_same,
+    copy_prompts,
+    engine,
+    serve,
+)
 
 MTP = SpeculativeConfig(method="mtp", num_speculative_tokens=3)
 
@@ -227,21 +233,7 @@ def test_the_context_role_hands_off_its_first_drafts(hybrid: Path) -> None:
 
 
 def test_an_abort_mid_verify_frees_everything(hybrid: Path) -> None:
-    on = mtp_engine(hybrid, MTP)
-    requests = []
-    for n, prompt in enumerate(copy_prompts(7)):
-        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-        requests.append(Request(f"a{n}", prompt, params))
-        on.core.add(requests[-1])
-    drafter = on.core.drafter
-    assert drafter is not None
-    while drafter.stats.verifies < 3:
-        on.core.step()
-    for r in requests:
-        on.core.abort(r.request_id)
-    on.manager.check_integrity()
-    assert on.manager.num_requests == 0
-    assert on.manager.num_free_blocks == on.manager.num_usable_blocks
+    assert_abort_mid_verify_frees_everything(mtp_engine(hybrid, MTP), copy_prompts(7))
 
 
 def image_request(checkpoint: Path, instance: EngineInstance, name: str) -> Request:

@@ -21,12 +21,18 @@ import pytest
 
 from engine.instance import EngineInstance
 from engine.request import Request
-from engine.sampling import SamplingParams
 from engine.speculation.config import SpeculativeConfig
 from engine.speculation.drafts import Drafter
 from kvcache.snapshots import SnapshotPolicy
 from models.embedded.writer import ensure_checkpoint
-from tests.spec_engines import assert_drafted, assert_same, copy_prompts, engine, serve
+from tests.spec_engines import (
+    assert_abort_mid_verify_frees_everything,
+    assert_drafted,
+    assert_same,
+    copy_prompts,
+    engine,
+    serve,
+)
 
 SPEC = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
 
@@ -147,18 +153,4 @@ def test_a_request_with_penalties_decodes_one_token_a_step(llama: Path) -> None:
 def test_an_abort_mid_speculation_frees_everything(hybrid: Path) -> None:
     prompts = copy_prompts(6)
     on = with_oracle(engine(hybrid, SPEC), serve(engine(hybrid, None), prompts, max_tokens=40))
-    requests = []
-    for n, prompt in enumerate(prompts):
-        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-        r = Request(f"a{n}", prompt, params)
-        on.core.add(r)
-        requests.append(r)
-    drafter = on.core.drafter
-    assert drafter is not None
-    while drafter.stats.verifies < 3:
-        on.core.step()
-    for r in requests:
-        on.core.abort(r.request_id)
-    on.manager.check_integrity()
-    assert on.manager.num_requests == 0
-    assert on.manager.num_free_blocks == on.manager.num_usable_blocks
+    assert_abort_mid_verify_frees_everything(on, prompts)
