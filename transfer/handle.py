@@ -53,11 +53,17 @@ def regions_from_dict(data: dict[str, Any]) -> RequestRegions:
 
 @dataclass(frozen=True)
 class BufferInfo:
-    """A registered buffer as a remote peer sees it (NIXL addresses it directly)."""
+    """A registered buffer as a remote peer sees it (NIXL addresses it directly).
+
+    mem_type: where the bytes live, as NIXL names it: "DRAM" (host) or
+        "VRAM" (a GPU). Each side's descriptors take their own buffer's type,
+        so a host holder serves a GPU puller and the other way round.
+    """
 
     address: int
     num_bytes: int
     device_id: int
+    mem_type: str
 
 
 @dataclass(frozen=True)
@@ -106,7 +112,10 @@ class TransferHandle:
             "endpoint": list(self.endpoint) if self.endpoint else None,
             "agent_name": self.agent_name,
             "agent_metadata": self.agent_metadata,
-            "buffers": {k: [b.address, b.num_bytes, b.device_id] for k, b in self.buffers.items()},
+            "buffers": {
+                k: [b.address, b.num_bytes, b.device_id, b.mem_type]
+                for k, b in self.buffers.items()
+            },
             "wire": self.wire,
         }
 

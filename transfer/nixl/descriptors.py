@@ -41,16 +41,20 @@ def table_entries(info: BufferInfo, key: TableKey) -> np.ndarray:
     return rows
 
 
+# prep_xfer_dlist for one peer: (entries, memory type of their buffer) -> handle.
+Prepare = Callable[[np.ndarray, str], object]
+
+
 class PreparedTables:
     """Prepared descriptor lists of one agent's view of one peer (or itself).
 
-    `prepare(entries) -> handle` wraps `prep_xfer_dlist` for that peer; handles
-    are created on first use of a key and kept until `release`.
+    `prepare(entries, mem_type)` wraps `prep_xfer_dlist` for that peer; a
+    table is prepared with its buffer's own memory type (`BufferInfo.mem_type`:
+    the peer's for remote tables, this worker's for local ones). Handles are
+    created on first use of a key and kept until `release`.
     """
 
-    def __init__(
-        self, buffers: Mapping[str, BufferInfo], prepare: Callable[[np.ndarray], object]
-    ) -> None:
+    def __init__(self, buffers: Mapping[str, BufferInfo], prepare: Prepare) -> None:
         self._buffers = dict(buffers)
         self._prepare = prepare
         self._handles: dict[TableKey, object] = {}
@@ -62,7 +66,8 @@ class PreparedTables:
         with self._lock:
             handle = self._handles.get(key)
             if handle is None:
-                handle = self._prepare(table_entries(self._buffers[key[0]], key))
+                info = self._buffers[key[0]]
+                handle = self._prepare(table_entries(info, key), info.mem_type)
                 self._handles[key] = handle
             return handle
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -23,14 +23,14 @@ import torch
 from transfer.errors import PeerGone
 from transfer.handle import BufferInfo, TransferHandle
 from transfer.nixl.agent import POST_LANES, AgentThread, create_agent
-from transfer.nixl.descriptors import PreparedTables
+from transfer.nixl.descriptors import Prepare, PreparedTables
 
 _LOCAL_AGENT = "NIXL_INIT_AGENT"
 
 
 class NixlEndpoint:
     """The agent of one worker over its pool buffers (flat uint8 tensors,
-    registered once as DRAM or VRAM). `agent` is None until `start` and after
+    registered once, each as DRAM or VRAM by its device). `agent` is None until `start` and after
     `close`; every method but the constructor runs on `thread`, and
     `remote_tables` also on a post thread."""
 
@@ -50,7 +50,6 @@ class NixlEndpoint:
         self._progress_delay_us = progress_delay_us
         self.buffers = {n: _buffer_info(t) for n, t in self._tensors.items()}
         self.sizes = {n: b.num_bytes for n, b in self.buffers.items()}
-        self._mem_type = _mem_type(self._tensors)
         self.agent: Any = None
         self.metadata = b""
         self._registered: list[Any] = []
@@ -128,9 +127,9 @@ class NixlEndpoint:
         """Forget a puller that could not be answered (it died)."""
         self._claimants.pop(puller, None)
 
-    def _prepare(self, agent_name: str) -> Callable[[np.ndarray], object]:
-        def prepare(entries: np.ndarray) -> object:
-            return self.agent.prep_xfer_dlist(agent_name, entries, self._mem_type)
+    def _prepare(self, agent_name: str) -> Prepare:
+        def prepare(entries: np.ndarray, mem_type: str) -> object:
+            return self.agent.prep_xfer_dlist(agent_name, entries, mem_type)
 
         return prepare
 
@@ -138,12 +137,7 @@ class NixlEndpoint:
 def _buffer_info(tensor: torch.Tensor) -> BufferInfo:
     if tensor.dtype != torch.uint8 or tensor.dim() != 1 or not tensor.is_contiguous():
         raise ValueError("NIXL buffers must be flat contiguous uint8 tensors")
-    device = tensor.get_device()
-    return BufferInfo(tensor.data_ptr(), tensor.numel(), max(device, 0))
-
-
-def _mem_type(tensors: Mapping[str, torch.Tensor]) -> str:
-    kinds = {t.device.type for t in tensors.values()}
-    if len(kinds) > 1:
-        raise ValueError(f"NIXL pool buffers must all be on one device type, got {kinds}")
-    return "VRAM" if kinds == {"cuda"} else "DRAM"
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"NIXL registers host or CUDA memory, not {tensor.device.type}")
+    mem_type = "VRAM" if tensor.device.type == "cuda" else "DRAM"
+    return BufferInfo(tensor.data_ptr(), tensor.numel(), max(tensor.get_device(), 0), mem_type)
