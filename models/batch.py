@@ -204,6 +204,23 @@ class ChunkRows:
     query_keys: int
 
 
+@dataclass(frozen=True)
+class PaddedPrompts:
+    """A step of sequences that all start at position 0, padded to its longest, `L`:
+
+    rows: `[B, L]` flattened token index of position `j` of sequence `i` (0
+        where padded); None when every sequence has `L` tokens (the tokens
+        then reshape to `[B, L]` as they are).
+    valid: `[B, L]`, `j < seq_lens[i]`.
+    token_slots: `[T]` where each token sits in the flattened `[B * L]`
+        padding (None with `rows`), to take the tokens back out of it.
+    """
+
+    rows: torch.Tensor | None
+    valid: torch.Tensor
+    token_slots: torch.Tensor | None
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
@@ -344,20 +361,21 @@ class ForwardBatch:
         )
 
     @functools.cached_property
-    def padded_prefill_layout(self) -> tuple[torch.Tensor | None, torch.Tensor] | None:
-        """For a step whose every sequence starts at position 0 (whole prompts
-        or first chunks): `(rows, valid)`, both `[B, L]` with `L` the longest
-        chunk; `rows[i, j]` is the flattened token index of position `j` of
-        sequence `i` (0 where padded) and `valid[i, j]` is `j < seq_lens[i]`.
-        `rows` is None when every chunk has length `L` (the tokens then
-        reshape to `[B, L]` as they are). None when some sequence already has
-        tokens in the cache."""
+    def padded_prefill_layout(self) -> PaddedPrompts | None:
+        """The step as padded prompts (`PaddedPrompts`), for a step whose every
+        sequence starts at position 0 (whole prompts or first chunks); None
+        when some sequence already has tokens in the cache."""
         if self.num_seqs == 0 or self.shape.has_cached_tokens:
             return None
         width = self.max_seq_len
-        cols = torch.arange(width, device=self.seq_lens.device)[None, :]
+        device = self.seq_lens.device
+        cols = torch.arange(width, device=device)[None, :]
         valid = cols < self.seq_lens[:, None]
         if self.num_tokens == self.num_seqs * width:
-            return None, valid
+            return PaddedPrompts(None, valid, None)
         rows = torch.where(valid, self.query_start_loc[:-1, None] + cols, 0)
-        return rows, valid
+        # From the host counts: a boolean-mask index of the padded output
+        # would read the number of valid rows back from the device.
+        lens = self.shape.seq_lens
+        slots = [i * width + j for i, n in enumerate(lens) for j in range(n)]
+        return PaddedPrompts(rows, valid, torch.tensor(slots, dtype=torch.int64, device=device))

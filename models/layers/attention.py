@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvcache.views import AttentionLayerCache
-from models.batch import DecodeRows, ForwardBatch
+from models.batch import DecodeRows, ForwardBatch, PaddedPrompts
 from models.kernels import dispatch
 
 # SDPA's backends on CUDA, cuDNN's left out: it builds an execution plan for
@@ -310,13 +310,13 @@ def _fresh_prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    layout: tuple[torch.Tensor | None, torch.Tensor],
+    layout: PaddedPrompts,
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
     """Every sequence starts at position 0, so its keys are this step's own
     K/V: one padded SDPA call `[B, heads, L, d]` instead of a loop."""
-    rows, valid = layout
+    rows, valid = layout.rows, layout.valid
     num_seqs, width = valid.shape
     if rows is None:  # equal lengths: no padding, no gather
         q_p, k_p, v_p = (
@@ -337,9 +337,10 @@ def _fresh_prefill_attention(
     # Padded query rows still see key 0, so no row is all -inf; they are dropped.
     mask = visible[None, None, :, :] & valid[:, None, None, :]
     out = sdpa(q_p, k_p.to(q.dtype), v_p.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True)
-    if rows is None:
-        return out.transpose(1, 2).reshape(q.shape)
-    return out.transpose(1, 2)[valid]
+    out = out.transpose(1, 2)
+    if rows is None or layout.token_slots is None:
+        return out.reshape(q.shape)
+    return out.reshape(num_seqs * width, *q.shape[1:]).index_select(0, layout.token_slots)
 
 
 def _chunked_prefill_attention(

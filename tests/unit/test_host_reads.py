@@ -20,6 +20,7 @@ from engine.scheduler import ScheduledSequence
 from models.embedded.writer import write_checkpoint
 from models.host_reads import count_host_reads
 from models.kernels.dispatch import FORCE_TRITON_ENV
+from models.layers.moe import NemotronHMoE
 from tests.unit.test_decode_graphs import make_runner
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -112,3 +113,29 @@ def test_a_reintroduced_read_in_a_layer_is_counted(
         runner.model.forward(runner.build_batch(seqs), runner.caches)
     num_mamba = len(runner.caches.mamba)
     assert reads.count >= num_mamba, reads.names
+
+
+def _prompt(manager: object, rid: str, prompt: list[int]) -> ScheduledSequence:
+    """A request whose whole prompt is this step's chunk, from position 0."""
+    request = Request(rid, prompt, Params())
+    assert manager.allocate_slots(rid, len(prompt))  # type: ignore[attr-defined]
+    return ScheduledSequence.of(request, len(prompt))
+
+
+@pytest.mark.usefixtures("gpu_code_path")
+@pytest.mark.parametrize("arch", ["llama", "nemotron_h"])
+def test_prefill_step_of_unequal_prompts_reads_nothing_back(
+    checkpoints: dict[str, Path], arch: str
+) -> None:
+    """Fresh prompts of unequal lengths run as one padded attention call; the
+    tokens come back out of the padding without a boolean-mask index. What
+    stays is one read per MoE layer: the grouped experts' segment bounds
+    (`moe_experts_ref`), which size each expert's product."""
+    runner, manager, _ = make_runner(checkpoints[arch], DEVICE, "v2")
+    seqs = [_prompt(manager, f"r{i}", list(range(3, 3 + n))) for i, n in enumerate([5, 9, 2])]
+    with count_host_reads(DEVICE) as reads, torch.inference_mode():
+        batch = runner.build_batch(seqs)
+        hidden = runner.model.forward(batch, runner.caches)
+        runner.model.compute_logits(hidden[batch.logits_indices])
+    num_moe = sum(isinstance(m, NemotronHMoE) for m in runner.model.modules())
+    assert reads.names == ["Tensor.tolist"] * num_moe
