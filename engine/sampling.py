@@ -368,19 +368,25 @@ def _uniform_draws(
 
     A seeded row takes exactly one value per step from its generator (on the
     generator's device), whatever else is in the batch. Unseeded rows share
-    one draw from the global RNG; greedy rows' values go unused.
+    one draw from the global RNG; greedy rows' values go unused. The seeded
+    values stay tensors: reading each back would stall a GPU once per row.
     """
-    draws = torch.rand(len(params), dtype=torch.float64)
-    for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
-        if generator is not None and not p.is_greedy:
-            draws[row] = draw_uniform(generator)
-    return draws.to(device)
+    draws = torch.rand(len(params), dtype=torch.float64).to(device)
+    seeded = [
+        row
+        for row, (p, generator) in enumerate(zip(params, generators, strict=True))
+        if generator is not None and not p.is_greedy
+    ]
+    if seeded:
+        values = [draw_uniform(generators[row]).to(device) for row in seeded]  # type: ignore[arg-type]
+        draws[torch.tensor(seeded, device=device)] = torch.cat(values)
+    return draws
 
 
-def draw_uniform(generator: torch.Generator) -> float:
-    """One U[0, 1) value from a seeded row's generator: what a sampling step
-    takes from it per row (`_uniform_draws`)."""
-    return torch.rand(1, dtype=torch.float64, generator=generator, device=generator.device).item()
+def draw_uniform(generator: torch.Generator) -> torch.Tensor:
+    """One U[0, 1) value `[1]` from a seeded row's generator, on its device:
+    what a sampling step takes from it per row (`_uniform_draws`)."""
+    return torch.rand(1, dtype=torch.float64, generator=generator, device=generator.device)
 
 
 def _finite_logits(logits: torch.Tensor) -> torch.Tensor:

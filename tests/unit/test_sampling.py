@@ -21,6 +21,7 @@ from engine.sampling import (
     make_generator,
 )
 from engine.token_history import TokenHistory
+from models.host_reads import count_host_reads
 
 VOCAB = 32
 
@@ -199,6 +200,21 @@ def test_seeded_request_is_independent_of_batch_composition() -> None:
     assert run(4, 2) == alone
     assert run(3, 0) == alone
     assert len(set(alone)) > 1  # it really samples
+
+
+def test_seeded_rows_are_drawn_without_a_host_read_each() -> None:
+    """A step's only read back is its sampled ids: seeded rows' draws stay
+    on the device (on a GPU a read per row would stall the stream per row)."""
+    logits = torch.randn(4, VOCAB, generator=make_generator(5))
+    params = [SamplingParams(temperature=1.0, seed=row) for row in range(3)]
+    params.append(SamplingParams(temperature=0.8))
+    generators: list[torch.Generator | None] = [make_generator(row) for row in range(3)]
+    with count_host_reads("cpu") as reads:
+        tokens = _sample(logits, params, [*generators, None])
+    assert reads.names == ["Tensor.tolist"]
+    # The same draws as one value per seeded row from fresh generators.
+    again = _sample(logits, params, [*(make_generator(row) for row in range(3)), None])
+    assert tokens[:3] == again[:3]
 
 
 def test_seeded_draws_follow_the_distribution() -> None:
