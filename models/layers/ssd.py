@@ -95,18 +95,19 @@ def ssd_chunked_scan(
     decay_to_end = torch.exp(a_cumsum[..., -1:] - a_cumsum)  # [c, H, Q]
     block_states = torch.einsum("clhn,chl,clhp->chpn", b, decay_to_end, x_dt)
 
-    # Carry the state across blocks: start[k] is the state entering block k.
-    block_decay = torch.exp(a_cumsum[..., -1])  # [c, H]
+    # Carry the state across blocks in one product, not a loop over them:
+    # states[z] = sum_{k <= z} exp(decay of blocks k..z-1) * contributed[k],
+    # with contributed[0] the initial state and contributed[k] block k-1's.
     state = (
         initial_state.float()
         if initial_state is not None
         else x.new_zeros((num_heads, head_dim, state_size), dtype=torch.float32)
     )
-    starts = []
-    for k in range(num_chunks):
-        starts.append(state)
-        state = state * block_decay[k][:, None, None] + block_states[k]
-    start_states = torch.stack(starts)  # [c, H, P, N]
+    contributed = torch.cat([state[None], block_states])  # [c + 1, H, P, N]
+    block_decay = F.pad(a_cumsum[..., -1].t(), (1, 0))  # [H, c + 1]
+    carry = torch.exp(_segment_sums(block_decay))  # [H, c + 1 (z), c + 1 (k)]
+    states = torch.einsum("hzk,khpn->zhpn", carry, contributed)
+    start_states, state = states[:-1], states[-1]  # [c, H, P, N], the final state
 
     # The entering state's contribution, decayed to each position of the block.
     y_carry = torch.einsum("clhn,chpn->clhp", c, start_states)

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import NemotronHConfig
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
 
@@ -83,6 +84,29 @@ def test_chunked_scan_split_anywhere_equals_one_pass() -> None:
 
     torch.testing.assert_close(torch.cat([y_a, y_b]), y_full, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(final, final_full, rtol=1e-4, atol=1e-4)
+
+
+class _OpCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_chunked_scan_launches_as_many_ops_for_any_number_of_chunks() -> None:
+    """The state is carried across blocks in one product: a long prompt
+    launches no more kernels than a short one (a loop over blocks added
+    ops per block)."""
+    counts = []
+    for length in (16, 128):
+        x, dt, A, B, C = random_inputs(length, 2, seed=length)
+        with _OpCount() as ops:
+            ssd_chunked_scan(x, dt, A, B, C, 8, initial_state=torch.zeros(HEADS, HEAD_DIM, STATE))
+        counts.append(ops.count)
+    assert counts[0] == counts[1], counts
 
 
 # --- the mixer against transformers -------------------------------------------------------
