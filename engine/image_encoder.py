@@ -51,6 +51,29 @@ class ImageChunk:
     first_row: int  # row of `start` in the step's flattened tokens
 
 
+def placeholder_rows(chunks: Sequence[ImageChunk]) -> list[int]:
+    """The step rows the chunks' image placeholders take, from the host counts
+    alone (ranks of a tensor-parallel instance learn them without a read of
+    the device tensor `ImageEncoder.rows` builds)."""
+    return [
+        chunk.first_row + position - chunk.start
+        for chunk in chunks
+        for image, lo, hi in _covered([chunk])
+        for position in range(lo, hi)
+    ]
+
+
+def _covered(chunks: Sequence[ImageChunk]) -> list[tuple[ImageInput, int, int]]:
+    """Each image a chunk reaches, with the positions `[lo, hi)` of it the chunk holds."""
+    covered = []
+    for chunk in chunks:
+        for image in chunk.images:
+            lo, hi = max(image.offset, chunk.start), min(image.end, chunk.end)
+            if lo < hi:
+                covered.append((image, lo, hi))
+    return covered
+
+
 class ImageEncoder:
     def __init__(
         self,
@@ -70,21 +93,14 @@ class ImageEncoder:
 
     def rows(self, chunks: Sequence[ImageChunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`(rows [M], embeddings [M, hidden])` of the placeholders the chunks
-        cover, or None when they cover none."""
-        rows: list[int] = []
-        parts: list[torch.Tensor] = []
-        for chunk in chunks:
-            for image in chunk.images:
-                lo, hi = max(image.offset, chunk.start), min(image.end, chunk.end)
-                if lo >= hi:
-                    continue
-                embeds = self.embeddings(image)
-                parts.append(embeds[lo - image.offset : hi - image.offset])
-                rows.extend(
-                    range(chunk.first_row + lo - chunk.start, chunk.first_row + hi - chunk.start)
-                )
+        cover (rows in `placeholder_rows` order), or None when they cover none."""
+        rows = placeholder_rows(chunks)
         if not rows:
             return None
+        parts = [
+            self.embeddings(image)[lo - image.offset : hi - image.offset]
+            for image, lo, hi in _covered(chunks)
+        ]
         return torch.tensor(rows, dtype=torch.int64, device=self.device), torch.cat(parts)
 
     def embeddings(self, image: ImageInput) -> torch.Tensor:

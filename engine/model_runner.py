@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.decode_graphs import DecodeGraphs, build_decode_graphs
-from engine.image_encoder import ImageChunk, ImageEncoder
+from engine.image_encoder import ImageChunk, ImageEncoder, placeholder_rows
 from engine.samples import forks_here, sample_id, sample_seed
 from engine.scheduler import ScheduledSequence
 from engine.speculation.mtp import KeptChunk, MTPDrafting
@@ -393,7 +393,7 @@ class ModelRunner:
         if images is not None:
             # The other ranks learn which rows are images; the model hands
             # them the embeddings (the image path runs here alone).
-            step = replace(step, image_rows=images[0].tolist())
+            step = replace(step, image_rows=placeholder_rows(image_chunks))
         self.followers.send(step)
         try:
             return self._forward(step, images)

@@ -11,8 +11,11 @@ import torch
 from PIL import Image
 
 from engine.image_encoder import ImageChunk, ImageEncoder
+from engine.model_runner import ModelRunner, StepInput
 from engine.multimodal import EncoderCacheEvent, ImageInput
 from models.embedded.writer import write_checkpoint
+from models.host_batch import HostBatch
+from models.host_reads import count_host_reads
 from models.image_processing import load_image_processor_config, preprocess_image
 from models.loader import load_model
 from models.nemotron_vl import NemotronVLForCausalLM
@@ -70,6 +73,49 @@ def test_rows_of_a_chunked_image_are_its_embeddings_in_order(
     torch.testing.assert_close(second[1], expected[2:])
     assert encoder.rows([ImageChunk([image], 7, 12, 0)]) is None
     assert (encoder.stats.misses, encoder.stats.hits) == (1, 1)
+
+
+class RecordingFollowers:
+    def __init__(self) -> None:
+        self.steps: list[StepInput] = []
+
+    def send(self, step: StepInput) -> None:
+        self.steps.append(step)
+
+    def abandon(self) -> None:
+        raise AssertionError("the step did not fail")
+
+
+def test_tensor_parallel_ranks_learn_the_image_rows_without_a_host_read(
+    model: tuple[NemotronVLForCausalLM, Path],
+) -> None:
+    """Rank 0 tells the other ranks which rows are images from the host
+    counts (`placeholder_rows`), not by reading back the device index tensor."""
+    encoder = encoder_for(model)
+    image = image_at(png((4, 5, 6)), offset=3, encoder=encoder)
+    chunks = [ImageChunk([], 0, 3, 0), ImageChunk([image], 2, 6, first_row=3)]
+    encoded = encoder.rows(chunks)  # the vision tower runs here, not in the count below
+    assert encoded is not None
+    followers = RecordingFollowers()
+    runner = ModelRunner(
+        None,
+        None,
+        None,
+        16,
+        None,
+        image_encoder=encoder,
+        followers=followers,  # type: ignore[arg-type]
+    )
+    runner._forward = lambda step, images: (torch.empty(0), None)  # type: ignore[method-assign]
+    step = StepInput(HostBatch.pack(
+        input_ids=[0] * 7, positions=[0, 1, 2, 2, 3, 4, 5], query_start_loc=[0, 3, 7],
+        seq_lens=[3, 6], context_lens=[0, 2], block_tables=[[1], [2]], slot_mapping=list(range(7)),
+        block_size=16, mamba_slots=None, logits_indices=[2, 6],
+    ))  # fmt: skip
+    with count_host_reads("cpu") as reads:
+        runner._run(step, chunks)
+    assert reads.count == 0, reads.names
+    assert followers.steps[0].image_rows == encoded[0].tolist() == [4, 5, 6]
 
 
 def test_the_same_image_again_is_a_cache_hit(model: tuple[NemotronVLForCausalLM, Path]) -> None:
