@@ -30,6 +30,7 @@ from engine.step_timeline import StepRecord
 from engine.stop import StopChecker
 from engine.tensor_parallel import RankCapacity, RankGroup
 from engine.worker_config import WorkerConfig
+from kvcache.device_memory import DeviceBytesMeter
 from kvcache.errors import IntegrityError
 from kvcache.manager import KVCacheManager
 from kvcache.tensors import CacheTensors
@@ -76,15 +77,16 @@ class EngineInstance:
                 "MTP drafting runs on one rank: set tensor_parallel_size 1 or "
                 "speculative_config.method ngram"
             )
-        model, model_config = load_model(
-            Path(config.checkpoint),
-            dtype=config.dtype,
-            device=config.device,
-            tp=TensorParallelShard(0, num_ranks),
-            use_mtp=use_mtp,
-        )
+        with DeviceBytesMeter(config.device) as weights:
+            model, model_config = load_model(
+                Path(config.checkpoint),
+                dtype=config.dtype,
+                device=config.device,
+                tp=TensorParallelShard(0, num_ranks),
+                use_mtp=use_mtp,
+            )
         tokenizer = load_tokenizer(config.checkpoint)
-        share = gpu_share(config, model_config, model)
+        share = gpu_share(config, model_config, weights.bytes)
         manager, cache, sizing = build_cache(config, model_config, gpu_share=share)
         ranks = RankGroup.start(config, worker_id, sizing) if num_ranks > 1 else None
         spec = model_config.cache_spec(config.dtype)

@@ -18,7 +18,6 @@ from kvcache.dtypes import torch_dtype
 from kvcache.layout import CONV, SSM, Region, TensorPlacement
 from kvcache.manager import KVCacheManager
 from kvcache.pool_layout import CacheLayout
-from kvcache.sizing import DeviceMemory
 from kvcache.views import AttentionLayerCache, CacheViews, MambaLayerCache
 
 _HUGE_PAGE_BYTES = 2 << 20
@@ -136,19 +135,3 @@ def allocate_host_buffer(num_bytes: int) -> torch.Tensor:
     memory.madvise(mmap.MADV_HUGEPAGE)
     tensor = torch.frombuffer(memory, dtype=torch.uint8)  # keeps the mapping alive
     return tensor.zero_()
-
-
-def device_memory(device: str | torch.device, weights: int) -> DeviceMemory:
-    """Total and free bytes of a CUDA device now, with the `weights` bytes an
-    instance has loaded there."""
-    free, total = torch.cuda.mem_get_info(torch.device(device))
-    return DeviceMemory(int(total), int(free), weights)
-
-
-def free_device_memory(device: str | torch.device) -> int:
-    """Free bytes on a CUDA device now (after the weights already loaded there)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"free device memory is measured on CUDA devices only, got {device}")
-    free, _total = torch.cuda.mem_get_info(device)
-    return int(free)
