@@ -357,7 +357,11 @@ def _chunked_prefill_attention(
     (`k`, `v`) when it starts the prompt, else over the cache."""
     out = torch.empty_like(q)
     _decode_tokens_into(out, q, layer_cache, batch, scale, sliding_window)
-    # Host copies of the counts: slicing by them reads nothing back from the device.
+    # Host copies of the counts: slicing by them reads nothing back from the
+    # device. The loop stays: a step holds few chunks (the scheduler's token
+    # budget), and one padded call would gather every chunk's keys to the
+    # longest context, the whole-context gather `kvcache.sizing` reserves for
+    # once (`attention_gather_bytes`), times the number of chunks.
     starts, context_lens = batch.shape.query_start_loc, batch.shape.context_lens
     seq_lens = batch.shape.seq_lens
     for i in batch.shape.chunk_seqs:

@@ -211,6 +211,8 @@ class Mamba2Mixer(nn.Module):
         for verify in batch.verify_rounds:
             at = verify.rows
             y[at] = self._step(xbc[at], dt_raw[at], verify.read_slots, cache, verify.write_slots)
+        # One scan per prompt chunk, sliced by host counts (no read back): each
+        # continues its own conv and SSM state, and a step holds few chunks.
         starts = shape.query_start_loc
         for i in shape.scan_seqs:
             start, end = starts[i], starts[i + 1]
