@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from engine.grammar import GrammarError
 from engine.messages import EventItem, StepTokens, TokenEvent
 from engine.model_runner import ModelRunner, RunnerOutput, SampledToken, StepTimings
 from engine.request import FinishReason, Request
@@ -94,7 +95,9 @@ class EngineCore:
         self._forks: list[tuple[Request, Request]] = []
 
     def add(self, request: Request) -> None:
-        """Queue a request for prefill (raises `CapacityError` if it can never fit)."""
+        """Queue a request for prefill (raises `CapacityError` if it can never
+        fit, `GrammarError` if its grammar does not compile)."""
+        self._admit_grammar(request)
         self._register(request)
         try:
             self.scheduler.add(request)
@@ -104,11 +107,23 @@ class EngineCore:
 
     def add_prefilled(self, request: Request) -> None:
         """Admit a request whose first `num_computed_tokens` already sit in its
-        allocated cache (pulled from a context worker)."""
+        allocated cache (pulled from a context worker); a grammar that does
+        not compile frees that cache and raises `GrammarError`."""
+        try:
+            self._admit_grammar(request)
+        except Exception:
+            self.free_cache(request.request_id)
+            raise
         self._register(request)
         self.scheduler.add_running(request)
         if request.sample_starts:
             self._fork_pulled(request)
+
+    def _admit_grammar(self, request: Request) -> None:
+        if self.runner.grammars is not None:
+            self.runner.grammars.admit(request)
+        elif request.params.grammar is not None:
+            raise GrammarError("this engine was built without structured output")
 
     def abort(self, request_id: str) -> Request | None:
         """Drop a request (every sample of it) and free its cache; None if

@@ -17,6 +17,7 @@ import torch
 from engine.cache_build import build_cache, gpu_share
 from engine.core import EngineCore, StopCheck
 from engine.decode_graphs import graph_batch_sizes
+from engine.grammar import GrammarBook
 from engine.image_encoder import ImageEncoder, VisionModel
 from engine.loop import EngineLoop
 from engine.messages import KVEventBatch, RankCacheUsage, WorkerIntegrity, WorkerLoad
@@ -90,6 +91,7 @@ class EngineInstance:
         manager, cache, sizing = build_cache(config, model_config, gpu_share=share)
         ranks = RankGroup.start(config, worker_id, sizing) if num_ranks > 1 else None
         spec = model_config.cache_spec(config.dtype)
+        eos = model_config.eos_token_ids or tokenizer.eos_token_ids
         runner = ModelRunner(
             model,
             cache.views(),
@@ -101,6 +103,7 @@ class EngineInstance:
             image_encoder=_build_image_encoder(config, model, model_config),
             followers=ranks,
             mtp=_build_mtp(config, model) if use_mtp else None,
+            grammars=GrammarBook(tokenizer, model_config.vocab_size, eos),
         )
         # No sequence grows past the checkpoint's context or the whole cache.
         capacity = manager.num_usable_blocks * config.block_size
@@ -110,7 +113,6 @@ class EngineInstance:
         with_graphs = role != "context" and ranks is None
         sizes = graph_batch_sizes(config.max_batch_size) if with_graphs else ()
         runner.prepare(-(-longest // config.block_size), sizes)
-        eos = model_config.eos_token_ids or tokenizer.eos_token_ids
         # Drafts are verified where requests decode: a context worker samples
         # only the first token (with MTP it drafts after it, for the
         # generation worker's first verify).

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.decode_graphs import DecodeGraphs, build_decode_graphs
+from engine.grammar import GrammarBook
 from engine.image_encoder import ImageChunk, ImageEncoder, placeholder_rows
 from engine.samples import forks_here, sample_id, sample_seed
 from engine.scheduler import ScheduledSequence
@@ -133,8 +134,11 @@ class ModelRunner:
         image_encoder: ImageEncoder | None = None,
         followers: StepFollowers | None = None,
         mtp: MTPDrafting | None = None,
+        grammars: GrammarBook | None = None,
     ) -> None:
         self.model = model
+        # Structured output: the grammar masks of constrained rows (`engine.grammar`).
+        self.grammars = grammars
         # The model's MTP layers, run after each step for the next one's drafts.
         self.mtp = mtp
         # Tensor parallelism: every step (warm-up ones too) goes to the other
@@ -430,6 +434,8 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """Forget per-request sampling state (its seeded generator, its token history)."""
         self.generators.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.release(request_id)
         self._verify_states.pop(request_id, None)
         self.histories.pop(request_id, None)
 
@@ -438,6 +444,7 @@ class ModelRunner:
     ) -> list[SampledToken]:
         reqs: list[Any] = []
         generators = []
+        prefixes: list[tuple[int, ...]] = []  # each row's drafts before it
         forking = False
         for seq in seqs:
             req = seq.request
@@ -447,6 +454,7 @@ class ModelRunner:
                 self._verify_states[req.request_id] = generator.get_state()
             reqs.extend([req] * rows)
             generators.extend([generator] * rows)
+            prefixes.extend(tuple(seq.drafts[:j]) for j in range(rows))
             if not seq.drafts and forks_here(req):
                 # Samples 1..n-1 draw their first tokens from this row too,
                 # each from its own generator (`engine.samples`).
@@ -454,6 +462,7 @@ class ModelRunner:
                     seed = sample_seed(req.params.seed, index)
                     generators.append(self._generator(sample_id(req.request_id, index), seed))
                 reqs.extend([req] * (req.params.n - 1))
+                prefixes.extend([()] * (req.params.n - 1))
                 forking = True
         if forking:
             logits = logits[torch.tensor(_logit_rows(seqs), device=logits.device)]
@@ -464,7 +473,10 @@ class ModelRunner:
             else None
             for r in reqs
         ]
-        out = self.sampler.sample(logits.float(), [r.params for r in reqs], histories, generators)
+        logits = logits.float()
+        if self.grammars is not None:
+            logits = self.grammars.mask(logits, reqs, prefixes)
+        out = self.sampler.sample(logits, [r.params for r in reqs], histories, generators)
         return [
             SampledToken(
                 token_id=int(out.token_ids[i]),

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.grammar import GrammarSpec
 from engine.samples import MAX_SAMPLES
 from engine.token_history import TokenHistory
 
@@ -86,6 +87,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Samples from one prefill (`engine.samples`), 1..MAX_SAMPLES.
     n: int = 1
+    # Structured output (`engine.grammar`): every sampled token keeps the
+    # output a prefix of the grammar's language; None: unconstrained.
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         # Tuples, so params hash and compare by value.
@@ -127,6 +131,18 @@ class SamplingParams:
             or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
             "logprobs",
             f"None or an int in [0, {MAX_LOGPROBS}]",
+        )
+        _check(
+            self.grammar is None or isinstance(self.grammar, GrammarSpec),
+            "grammar",
+            "a GrammarSpec or None",
+        )
+        # The output ends where the grammar does: a matcher has no token to
+        # offer after the end token it accepted.
+        _check(
+            self.grammar is None or not self.ignore_eos,
+            "ignore_eos",
+            "false with structured output (the output ends where the grammar does)",
         )
 
     @property

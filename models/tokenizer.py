@@ -135,9 +135,13 @@ class Tokenizer:
         return self._byte_level and self._plain_byte_level
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """Render `messages` (`{"role", "content"}` dicts) with the checkpoint's template.
+        """Render `messages` (`{"role", "content"}` dicts) with the checkpoint's
+        template, and `tools` (function definitions) for a template that reads them.
 
         The result already holds any special tokens the template writes (such
         as `bos_token`); encode it with `add_special_tokens=False`, or use
@@ -150,9 +154,11 @@ class Tokenizer:
             )
         if self._template is None:
             self._template = _compile_template(self.chat_template)
+        extra = {} if tools is None else {"tools": list(tools)}
         return self._template.render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
+            **extra,
             **self.special_tokens,
         )
 

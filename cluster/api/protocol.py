@@ -21,6 +21,8 @@ from pydantic import (
     model_validator,
 )
 
+from cluster.api.structured import StructuredFields
+from cluster.api.tools import ToolCall, ToolChoice, ToolDefinition
 from engine.samples import MAX_SAMPLES
 from engine.sampling import MAX_SEED, MAX_TOP_K, MIN_SEED
 
@@ -49,8 +51,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions."""
+class SamplingFields(StructuredFields):
+    """Fields shared by completions and chat completions (structured output's
+    among them: `cluster.api.structured`)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -257,6 +260,9 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
+    # Earlier turns of a tool-calling conversation (`cluster.api.tools`).
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -301,6 +307,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -326,15 +335,20 @@ class ChatCompletionRequest(SamplingFields):
         """Messages as the plain dicts a Hugging Face chat template expects; the
         k-th image part becomes `image_texts[k]` (its placeholder tokens)."""
         texts = iter(image_texts)
-        return [
-            {
+        rendered = []
+        for m in self.messages:
+            message: dict[str, Any] = {
                 "role": m.role,
                 "content": "".join(
                     part.text if isinstance(part, TextPart) else next(texts) for part in m.parts()
                 ),
             }
-            for m in self.messages
-        ]
+            if m.tool_calls is not None:
+                message["tool_calls"] = [call.model_dump() for call in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            rendered.append(message)
+        return rendered
 
 
 class TokenizeRequest(BaseModel):

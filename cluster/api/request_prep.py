@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from cluster.api import openai_format as fmt
@@ -34,6 +34,9 @@ from cluster.api.protocol import (
     TextPart,
     TokenizeRequest,
 )
+from cluster.api.structured import StructuredError, grammar_of
+from cluster.api.tools import ToolCalling, ToolError, template_tools, tool_calling
+from engine.grammar import GrammarSpec
 from engine.multimodal import ImageInput
 from engine.sampling import SamplingParams
 
@@ -114,15 +117,22 @@ class RequestPreparer:
         return ResponseShape("completions", meta, [], chunk, whole, "text_completion"), prepared
 
     async def chat(self, body: ChatCompletionRequest) -> tuple[ResponseShape, PreparedRequest]:
+        try:
+            calling = tool_calling(body.tools, body.tool_choice, body.parallel_tool_calls)
+        except ToolError as exc:
+            raise APIError(400, str(exc), exc.param, "invalid_value") from exc
         images = await load_chat_images(body, self.model.images, self.model.media)
         messages = body.template_messages(images.texts)
         chars = sum(len(message["content"]) for message in messages)
-        prompt = await self.prompts.run(chars, self._render_chat, messages)
+        tools = template_tools(body.tools) if calling is not None else None
+        prompt = await self.prompts.run(chars, self._render_chat, messages, True, tools)
         placed: tuple[ImageInput, ...] = ()
         if self.model.images is not None:
             placed = place_images(prompt, images.inputs, self.model.images.vision.image_token_id)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        prepared = self._prepare("chatcmpl", body, prompt, body.output_limit, logprobs, placed)
+        prepared = self._prepare(
+            "chatcmpl", body, prompt, body.output_limit, logprobs, placed, calling
+        )
         meta = fmt.ResponseMeta(prepared.request_id, int(time.time()), self.model.name)
         tokenizer = self.model.tokenizer
         num_top = body.top_logprobs or 0
@@ -141,7 +151,11 @@ class RequestPreparer:
         def whole(delta: Delta) -> dict[str, Any]:
             return fmt.chat_body(meta, delta, fmt.chat_logprobs(delta, tokenizer, num_top, as_ids))
 
-        return ResponseShape("chat", meta, opening, chunk, whole, "chat.completion.chunk"), prepared
+        shape = ResponseShape("chat", meta, opening, chunk, whole, "chat.completion.chunk")
+        if calling is not None:
+            tool_chunk, tool_whole = _tool_rendering(calling, writer, whole, body.n)
+            shape = replace(shape, chunk=tool_chunk, whole=tool_whole)
+        return shape, prepared
 
     def check_model(self, name: str) -> None:
         if name != self.model.name and name not in self.model.aliases:
@@ -193,12 +207,16 @@ class RequestPreparer:
         return {"prompt": self.model.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     def _render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The prompt's token ids (on `self.prompts`' thread when long)."""
+        extra = {} if tools is None else {"tools": tools}
         try:
             rendered = self.model.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt
+                messages, add_generation_prompt=add_generation_prompt, **extra
             )
         except Exception as exc:  # a template error names the message it disliked
             raise APIError(
@@ -216,6 +234,7 @@ class RequestPreparer:
         max_tokens: int | None,
         logprobs: int | None,
         images: tuple[ImageInput, ...] = (),
+        calling: ToolCalling | None = None,
     ) -> PreparedRequest:
         limit = self.model.max_model_len
         if not prompt:
@@ -247,22 +266,86 @@ class RequestPreparer:
         return PreparedRequest(
             request_id=f"{prefix}-{uuid.uuid4().hex}",
             prompt_token_ids=prompt,
-            params=_sampling_params(body, max_tokens or room, logprobs),
+            params=_sampling_params(body, max_tokens or room, logprobs, _grammar(body, calling)),
             stop_strings=tuple(body.stop_strings),
             include_stop_str_in_output=body.include_stop_str_in_output,
             images=images,
         )
 
 
-def _sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> Any:
+def _grammar(body: SamplingFields, calling: ToolCalling | None) -> GrammarSpec | None:
+    """The request's grammar: its structured-output fields' or its tool calls'."""
     try:
-        return _build_sampling_params(body, max_tokens, logprobs)
+        found = grammar_of(body)
+    except StructuredError as exc:
+        raise APIError(400, str(exc), exc.param, "invalid_value") from exc
+    if calling is not None:
+        if found is not None:
+            raise APIError(
+                400,
+                f"{found[0]}: cannot constrain a tool call's output, whose schema the tool "
+                "gives; send one of the two",
+                found[0],
+                "invalid_value",
+            )
+        found = ("tool_choice", calling.grammar)
+    if found is not None and body.ignore_eos:
+        raise APIError(
+            400,
+            f"ignore_eos: cannot be combined with {found[0]}: the output ends where its "
+            "grammar does; leave ignore_eos out",
+            "ignore_eos",
+            "invalid_value",
+        )
+    return None if found is None else found[1]
+
+
+def _tool_rendering(
+    calling: ToolCalling,
+    writer: fmt.ChunkWriter,
+    whole: Callable[[Delta], dict[str, Any]],
+    n: int,
+) -> tuple[Callable[[Delta], str], Callable[[Delta], dict[str, Any]]]:
+    """Chunk and body renderers that answer with tool calls: a streamed
+    choice sends its calls whole in its last chunk (the text is JSON until
+    it ends), and an output cut before its calls end is returned as content."""
+    texts = [""] * n
+
+    def tool_whole(delta: Delta) -> dict[str, Any]:
+        body = whole(delta)
+        message = calling.message(delta.text)
+        if message is not None:
+            choice = body["choices"][0]
+            choice["message"] = message
+            choice["finish_reason"] = calling.finish_reason(delta.finish_reason)
+        return body
+
+    def tool_chunk(delta: Delta) -> str:
+        texts[delta.index] += delta.text
+        if delta.finish_reason is None:
+            return ""
+        message = calling.message(texts[delta.index])
+        if message is None:
+            content = {"content": texts[delta.index]}
+            return writer.line(fmt.chat_choice(content, delta.finish_reason, None, delta.index))
+        calls = [{"index": i} | call for i, call in enumerate(message["tool_calls"])]
+        finish = calling.finish_reason(delta.finish_reason)
+        return writer.line(fmt.chat_choice({"tool_calls": calls}, finish, None, delta.index))
+
+    return tool_chunk, tool_whole
+
+
+def _sampling_params(
+    body: SamplingFields, max_tokens: int, logprobs: int | None, grammar: GrammarSpec | None
+) -> Any:
+    try:
+        return _build_sampling_params(body, max_tokens, logprobs, grammar)
     except ValueError as exc:  # SamplingParams names the field it rejects
         raise APIError(400, str(exc), code="invalid_value") from exc
 
 
 def _build_sampling_params(
-    body: SamplingFields, max_tokens: int, logprobs: int | None
+    body: SamplingFields, max_tokens: int, logprobs: int | None, grammar: GrammarSpec | None
 ) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
@@ -280,4 +363,5 @@ def _build_sampling_params(
         logprobs=logprobs,
         include_stop_str_in_output=body.include_stop_str_in_output,
         n=body.n,
+        grammar=grammar,
     )
