@@ -204,9 +204,9 @@ def drive(
     """One run of the workload; returns (output tokens streamed, wall seconds,
     the client's CPU-seconds during the run: this process, prompts made before)."""
     client = argparse.Namespace(
-        base_url=setup.url, model=None, endpoint="completions", num_prompts=num_prompts,
-        input_len=args.input_len, output_len=args.output_len, range_ratio=0.0,
-        tokenizer=str(setup.model), request_rate=float("inf"), max_concurrency=None,
+        base_url=setup.url, api_key=None, model=None, endpoint="completions",
+        num_prompts=num_prompts, input_len=args.input_len, output_len=args.output_len,
+        range_ratio=0.0, tokenizer=str(setup.model), request_rate=float("inf"), max_concurrency=None,
         ignore_eos=True, seed=seed, timeout=args.client_timeout, no_progress=True,
     )  # fmt: skip
     prompts = make_prompts(client)

@@ -11,6 +11,10 @@ exactly `--input-len` tokens. Requests arrive as a Poisson process at
 inter-token gaps are measured on the client side. Where the server's
 `/metrics` reports speculative decoding (ours or vLLM's), the summary adds
 the run's acceptance rate and mean accepted length (`cluster.bench.speculation`).
+
+Against a server that needs an API key, pass it with `--api-key` or set
+`OPENAI_API_KEY` (what the `openai` client reads); a 401 says the key was
+missing or refused.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -29,6 +34,9 @@ from tqdm import tqdm
 
 from cluster.bench.speculation import format_speculation, read_settled, read_spec_totals, run_totals
 from cluster.bench.stats import SLO, RequestRecord, format_summary, summarize
+
+# Where the key comes from without `--api-key`: what the `openai` client reads.
+API_KEY_ENV = "OPENAI_API_KEY"
 
 _WORDS = [
     "time",
@@ -59,6 +67,10 @@ _WORDS = [
 ]
 
 
+class KeyRefusedError(RuntimeError):
+    """The server answered 401: it needs an API key and had none, or not its own."""
+
+
 @dataclass(frozen=True)
 class BenchPrompt:
     prompt: str | list[int]
@@ -68,29 +80,68 @@ class BenchPrompt:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--base-url", default="http://127.0.0.1:8000/v1", help="server URL, with or without /v1"
+        "--base-url",
+        default="http://127.0.0.1:8000/v1",
+        help="server URL, with or without /v1 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--api-key",
+        help=f"bearer token the server requires (default: ${API_KEY_ENV}, else none)",
     )
     parser.add_argument("--model", help="model id (default: the first of /v1/models)")
-    parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
-    parser.add_argument("--num-prompts", type=int, default=100)
-    parser.add_argument("--input-len", type=int, default=128, help="prompt tokens (or words)")
-    parser.add_argument("--output-len", type=int, default=32, help="max_tokens per request")
     parser.add_argument(
-        "--range-ratio", type=float, default=0.0,
-        help="random lengths in [len*(1-r), len*(1+r)]; 0 = fixed-length prompts",
-    )  # fmt: skip
-    parser.add_argument("--tokenizer", help="checkpoint folder: send exact-length token ids")
-    parser.add_argument("--request-rate", type=float, default=float("inf"), help="req/s")
-    parser.add_argument("--max-concurrency", type=int, default=None)
+        "--endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="/v1/completions or /v1/chat/completions (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--num-prompts", type=int, default=100, help="requests to send (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--input-len", type=int, default=128, help="prompt tokens (or words) (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--output-len", type=int, default=32, help="max_tokens per request (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="random lengths in [len*(1-r), len*(1+r)]; 0 = fixed-length prompts "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        help="checkpoint folder: send exact-length token ids (default: words, no tokenizer)",
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="mean arrivals per second, Poisson (default: %(default)s, all at once)",
+    )
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="most requests in flight (default: no limit)",
+    )
     parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM ext.)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--slo-ttft-ms", type=float)
-    parser.add_argument("--slo-tpot-ms", type=float)
-    parser.add_argument("--slo-e2e-ms", type=float)
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of prompts and arrivals (default: %(default)s)"
+    )
+    parser.add_argument("--slo-ttft-ms", type=float, help="TTFT objective (default: none)")
+    parser.add_argument("--slo-tpot-ms", type=float, help="TPOT objective (default: none)")
+    parser.add_argument("--slo-e2e-ms", type=float, help="E2E latency objective (default: none)")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)"
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    parser.add_argument("--plot", help="write latency percentiles + token timelines to a PNG")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--plot", help="write latency percentiles + token timelines to a PNG (default: none)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def make_prompts(args: argparse.Namespace) -> list[BenchPrompt]:
@@ -148,7 +199,10 @@ async def _one(
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
-                record.error = f"HTTP {response.status_code}: {text[:200]}"
+                if response.status_code == 401:
+                    record.error = refused_message(url, client, text)
+                else:
+                    record.error = f"HTTP {response.status_code}: {text[:200]}"
                 return record
             async for line in response.aiter_lines():
                 _consume(line, record)
@@ -189,7 +243,8 @@ async def run_benchmark(
     limits = httpx.Limits(max_connections=args.max_concurrency or len(prompts) or 1)
     timeout = httpx.Timeout(args.timeout, connect=30.0)
     gate = asyncio.Semaphore(args.max_concurrency or len(prompts) or 1)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    headers = {"Authorization": f"Bearer {key}"} if (key := api_key(args)) else {}
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers) as client:
         base = api_base(args.base_url)
         model = args.model or await _first_model(client, base)
         path = "/chat/completions" if args.endpoint == "chat" else "/completions"
@@ -220,8 +275,36 @@ def api_base(url: str) -> str:
     return url if url.endswith("/v1") else url + "/v1"
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """`--api-key`, else `$OPENAI_API_KEY`; None when neither is set."""
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def refused_message(url: str, client: httpx.AsyncClient, body: str) -> str:
+    """What a 401 from `url` means, and what to change."""
+    if "authorization" in client.headers:
+        problem = "refused the API key"
+    else:
+        problem = "needs an API key and none was sent"
+    return (
+        f"{url} {problem} (HTTP 401: {_server_message(body)}); pass the server's key "
+        f"with --api-key or set {API_KEY_ENV}"
+    )
+
+
+def _server_message(body: str) -> str:
+    """The message of an OpenAI error body, else the body's start."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body[:200]
+
+
 async def _first_model(client: httpx.AsyncClient, base_url: str) -> str:
-    response = await client.get(base_url + "/models")
+    url = base_url + "/models"
+    response = await client.get(url)
+    if response.status_code == 401:
+        raise KeyRefusedError(refused_message(url, client, response.text))
     response.raise_for_status()
     return str(response.json()["data"][0]["id"])
 
@@ -237,6 +320,17 @@ def run(args: argparse.Namespace) -> int:
     spec_before = read_spec_totals(root)
     try:
         records, duration = asyncio.run(run_benchmark(args, prompts))
+    except KeyRefusedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except httpx.HTTPStatusError as exc:
+        response = exc.response
+        print(
+            f"error: {response.url} answered HTTP {response.status_code}: "
+            f"{_server_message(response.text)}",
+            file=sys.stderr,
+        )
+        return 1
     except httpx.HTTPError as exc:
         print(f"error: cannot reach {args.base_url}: {exc}", file=sys.stderr)
         return 1

@@ -8,7 +8,10 @@ chunk arrived and how many output tokens it produced. From those:
   multi-token chunk);
 - TPOT: (e2e - TTFT) / (output tokens - 1), per request;
 - E2E: send -> last chunk;
-- goodput: requests per second that met every given SLO.
+- goodput: requests per second that met every given SLO (the table shows
+  it only when one is given: with none, every completed request counts);
+- tokens: the prompt and output tokens of the completed requests, total
+  and mean (the server's usage counts where it sends them).
 """
 
 from __future__ import annotations
@@ -115,6 +118,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO) -> 
         "total_token_throughput": (output_tokens + prompt_tokens) / duration,
         "goodput": good / duration,
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "e2e_s": slo.e2e_s},
+        "prompt_tokens": token_counts([r.prompt_tokens for r in ok]),
+        "output_tokens": token_counts([r.output_tokens for r in ok]),
         "ttft": distribution([r.ttft for r in ok]),
         "tpot": distribution([t for r in ok if (t := r.tpot) is not None]),
         "itl": distribution([gap for r in ok for gap in r.itls()]),
@@ -122,17 +127,27 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO) -> 
     }
 
 
+def token_counts(counts: Sequence[int]) -> dict[str, float]:
+    """total and mean of per-request token counts (mean NaN for none)."""
+    total = sum(counts)
+    return {"total": total, "mean": total / len(counts) if counts else math.nan}
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """A human-readable table of `summarize`'s result."""
+    prompt, output = summary["prompt_tokens"], summary["output_tokens"]
     lines = [
         f"requests        {summary['completed']}/{summary['requests']} ok "
         f"in {summary['duration_s']:.2f}s",
+        f"tokens          prompt {prompt['total']:,} ({prompt['mean']:.1f} mean), "
+        f"output {output['total']:,} ({output['mean']:.1f} mean)",
         f"throughput      {summary['request_throughput']:.2f} req/s, "
         f"{summary['output_token_throughput']:.1f} output tok/s, "
         f"{summary['total_token_throughput']:.1f} total tok/s",
-        f"goodput         {summary['goodput']:.2f} req/s within the SLOs",
-        f"{'':15} {'mean':>9} {'p50':>9} {'p90':>9} {'p99':>9}   (ms)",
     ]
+    if any(limit is not None for limit in summary["slo"].values()):
+        lines.append(f"goodput         {summary['goodput']:.2f} req/s within the SLOs")
+    lines.append(f"{'':15} {'mean':>9} {'p50':>9} {'p90':>9} {'p99':>9}   (ms)")
     for name in ("ttft", "tpot", "itl", "e2e"):
         d = summary[name]
         cells = " ".join(f"{d[k]:9.2f}" for k in ("mean_ms", "p50_ms", "p90_ms", "p99_ms"))

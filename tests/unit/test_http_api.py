@@ -30,7 +30,6 @@ from cluster.api.openai_format import (
 )
 from cluster.api.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.api.stop_strings import StopStringFilter
-from cluster.bench.stats import SLO, RequestRecord, percentile, summarize
 from models.embedded.writer import write_checkpoint
 from models.tokenizer import load_tokenizer
 
@@ -400,41 +399,3 @@ def test_chunk_writer_lines_equal_the_whole_chunk_serialized() -> None:
         assert (
             text.text_line(body, finish) == f"data: {json.dumps(whole, separators=(',', ':'))}\n\n"
         )
-
-
-def test_bench_statistics_percentiles_tpot_and_goodput() -> None:
-    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    fast = RequestRecord(
-        sent=0.0, output_tokens=3, chunk_times=[0.1, 0.2, 0.3], chunk_tokens=[1, 1, 1]
-    )
-    slow = RequestRecord(
-        sent=0.0, output_tokens=3, chunk_times=[2.0, 2.5, 3.0], chunk_tokens=[1, 1, 1]
-    )
-    failed = RequestRecord(sent=0.0, error="HTTP 500")
-    assert fast.tpot == pytest.approx(0.1)
-    summary = summarize([fast, slow, failed], duration_s=2.0, slo=SLO(ttft_s=0.5))
-    assert (summary["completed"], summary["failed"]) == (2, 1)
-    assert summary["goodput"] == pytest.approx(0.5)  # only `fast` meets TTFT <= 0.5 s
-    assert summary["ttft"]["p50_ms"] == pytest.approx(1050.0)
-    assert summary["output_token_throughput"] == pytest.approx(3.0)
-
-
-def test_bench_plot_writes_a_png(tmp_path: Path) -> None:
-    from cluster.bench.plot import plot_run
-
-    records = [
-        RequestRecord(
-            sent=0.0, output_tokens=3, chunk_times=[0.1, 0.2, 0.3], chunk_tokens=[1, 1, 1]
-        ),
-        RequestRecord(sent=0.05, error="HTTP 500"),
-    ]
-    out = tmp_path / "bench.png"
-    plot_run(records, summarize(records, 1.0, SLO()), str(out))
-    assert out.read_bytes().startswith(b"\x89PNG")
-
-
-def test_bench_accepts_the_server_root_or_the_api_root() -> None:
-    from cluster.bench.load import api_base
-
-    for url in ("http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"):
-        assert api_base(url) == "http://h:8000/v1"
