@@ -52,6 +52,8 @@ from cluster.config.trtllm_keys import (
     BACKENDS,
     CONTEXT_SPECULATION,
     CONVERSATION_NOTE,
+    GUIDED_BACKEND,
+    GUIDED_BACKEND_SERVED,
     KV_IGNORED,
     KV_KEYS,
     KV_REFUSED,
@@ -245,6 +247,14 @@ class _Translator:
                 self.errors.append(
                     f"{self.source}:{where}: is {value!r}, but {ONE_ONLY[key]} parallelism is "
                     "not implemented; set it to 1 and scale out with num_instances"
+                )
+        elif key == "guided_decoding_backend":
+            if value == GUIDED_BACKEND:
+                self._ignore(where, GUIDED_BACKEND_SERVED)
+            else:
+                self.errors.append(
+                    f"{self.source}:{where}: is {value!r}, but structured output here runs "
+                    f"on {GUIDED_BACKEND}; set it to {GUIDED_BACKEND} or leave it out"
                 )
         elif key in WORKER_IGNORED:
             self._ignore(where, WORKER_IGNORED[key])

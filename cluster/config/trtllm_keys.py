@@ -97,8 +97,6 @@ WORKER_IGNORED = {
     "gather_generation_logits": "responses carry OpenAI logprobs, never raw logits, so there "
     "are no logits to gather",
     "num_postprocess_workers": "detokenization runs once per request in the HTTP server",
-    "guided_decoding_backend": "structured output is not served here: a request that asks for "
-    "it (response_format, guided_*) gets a 400 naming the field",
     "use_torch_sampler": _OUR_SAMPLER,
     "sampler_type": _OUR_SAMPLER,
     "env_overrides": "worker processes inherit the environment of `disagg serve`; set the "
@@ -148,6 +146,13 @@ ROUTER_IGNORED = {
 }
 
 _NOT_HERE = "is not supported here; remove it"
+# Structured output runs on xgrammar, always on: the one backend name accepted.
+GUIDED_BACKEND = "xgrammar"
+GUIDED_BACKEND_SERVED = (
+    "structured output (response_format, structured_outputs, guided_*, tools) is always "
+    "served, with xgrammar"
+)
+
 WORKER_REFUSED = {
     "lora_config": f"LoRA {_NOT_HERE}",
     "enable_lora": f"LoRA {_NOT_HERE}",

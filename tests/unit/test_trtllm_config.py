@@ -17,14 +17,8 @@ import yaml
 
 from cluster.cli import main
 from cluster.config.plan import resolve_plan
-from cluster.config.schema import (
-    ConfigError,
-    LoadedConfig,
-    SnapshotsConfig,
-    config_from_dict,
-    load_config,
-    read_config,
-)
+from cluster.config.reader import LoadedConfig, load_config, read_config
+from cluster.config.schema import ConfigError, SnapshotsConfig, config_from_dict
 from cluster.config.trtllm import is_trtllm, translate
 from engine.speculation.config import SpeculativeConfig
 from transfer.nixl.agent import nixl_available
@@ -556,6 +550,12 @@ def test_refused_values_and_keys_say_what_to_change() -> None:
         ConfigError, match=r"kv_cache_config.tokens_per_block \(our kv_cache.block_size\)"
     ):
         _translate(bad)
+    with pytest.raises(
+        ConfigError,
+        match="guided_decoding_backend: is 'llguidance', but structured output here runs on "
+        "xgrammar; set it to xgrammar or leave it out",
+    ):
+        _translate({"context_servers": {"guided_decoding_backend": "llguidance"}})
 
 
 def test_a_fraction_sizes_gpu_and_cpu_instances_and_max_tokens_wins(tmp_path: Path) -> None:
