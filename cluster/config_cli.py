@@ -21,7 +21,8 @@ from pathlib import Path
 
 import yaml
 
-from cluster.config.schema import ClusterConfig, ConfigError, read_config
+from cluster.config.reader import read_config
+from cluster.config.schema import ClusterConfig, ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -28,13 +28,8 @@ from typing import TYPE_CHECKING, Any
 # the whole served stack's CPU time at full load.
 import uvloop
 
-from cluster.config.schema import (
-    ClusterConfig,
-    ConfigError,
-    LoadedConfig,
-    config_from_dict,
-    read_config,
-)
+from cluster.config.reader import LoadedConfig, read_config
+from cluster.config.schema import ClusterConfig, ConfigError, config_from_dict
 
 if TYPE_CHECKING:
     from cluster.config.plan import ClusterPlan

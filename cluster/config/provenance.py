@@ -17,13 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from cluster.config.plan import ClusterPlan
-from cluster.config.schema import (
-    ROLES,
-    ClusterConfig,
-    LoadedConfig,
-    ServerSectionConfig,
-    speculation_origin,
-)
+from cluster.config.reader import LoadedConfig
+from cluster.config.schema import ROLES, ClusterConfig, ServerSectionConfig, speculation_origin
 from cluster.config.speculation import (
     CONTEXT_DOES_NOT_DRAFT,
     CONTEXT_DRAFTS_MTP,

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 from cluster.config.plan import resolve_plan
-from cluster.config.schema import load_config
+from cluster.config.reader import load_config
 from cluster.serving import ServingCluster
 from engine.process_env import CPU_ENGINE_ENV
 from models.embedded.writer import write_checkpoint

@@ -11,7 +11,8 @@ import pytest
 import ray
 
 from cluster.config.plan import format_plan, resolve_plan
-from cluster.config.schema import ConfigError, config_from_dict, load_config
+from cluster.config.reader import load_config
+from cluster.config.schema import ConfigError, config_from_dict
 
 
 def _write(tmp_path: Path, text: str) -> Path:

@@ -16,7 +16,8 @@ import pytest
 
 from cluster.config.plan import ClusterPlan, format_plan, resolve_plan
 from cluster.config.provenance import format_sources
-from cluster.config.schema import ConfigError, LoadedConfig, config_from_dict
+from cluster.config.reader import LoadedConfig
+from cluster.config.schema import ConfigError, config_from_dict
 from cluster.config.speculation import SpeculativeDecodingConfig, worker_speculation
 from cluster.launch import launcher
 from engine.speculation.config import SpeculativeConfig

@@ -12,7 +12,8 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 from cluster.config.plan import resolve_plan
-from cluster.config.schema import config_from_dict, load_config
+from cluster.config.reader import load_config
+from cluster.config.schema import config_from_dict
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 CLUSTER_YAMLS = sorted((DEPLOY / "ray").glob("*.yaml"))
