@@ -19,6 +19,7 @@ from kvcache.factory import create_manager
 from kvcache.manager import KVCacheManager
 from kvcache.spec import CacheSpec
 from kvcache.tensors import CacheTensors, allocate_cache_tensors
+from tests.head_shards import WholeCache, assert_equal, read, write
 from transfer.base import Transceiver
 from transfer.handle import TransferHandle
 
@@ -190,3 +191,60 @@ async def check_offered_blocks_then_the_rest(src: Endpoint, dst: Endpoint) -> No
     for endpoint in (src, dst):
         endpoint.manager.free("w")
         endpoint.manager.check_integrity()
+
+
+# A staged flag -> an endpoint of a manager over a rank's spec, with a number of blocks.
+StagedEndpoint = Callable[[str, CacheSpec, bool, int], Endpoint]
+
+
+async def check_head_slice_exchange(
+    make: StagedEndpoint,
+    whole: CacheSpec,
+    ctx_size: int,
+    gen_size: int,
+    managers: tuple[str, str],
+    staged: tuple[bool, bool] = (False, False),
+    num_blocks: int = 3,
+) -> None:
+    """Each generation rank pulls its heads from every context rank's handle
+    and holds exactly its slice of the whole cache; each holder is released
+    once all its pulls are done. `staged` forces the holders' and the
+    pullers' pools through host staging, as device pools go."""
+    cache = WholeCache(whole, BLOCK_SIZE, num_blocks=num_blocks)
+    num_tokens = num_blocks * BLOCK_SIZE - 1
+    pool_blocks = num_blocks + 2
+    holders = [
+        make(managers[0], whole.for_rank(r, ctx_size), staged[0], pool_blocks)
+        for r in range(ctx_size)
+    ]
+    pullers = [
+        make(managers[1], whole.for_rank(s, gen_size), staged[1], pool_blocks)
+        for s in range(gen_size)
+    ]
+    for worker in (*holders, *pullers):
+        await worker.xcvr.start()
+    try:
+        handles = []
+        for holder in holders:
+            assert holder.manager.allocate_slots("req", num_tokens)
+            part = cache.slice_for(holder.manager.layout.spec.heads)
+            write(holder.tensors, holder.manager, "req", part)
+            handles.append(TransferHandle.from_bytes(holder.publish("req").to_bytes()))
+        for puller in pullers:
+            assert puller.manager.allocate_slots("pad", BLOCK_SIZE)
+            assert puller.manager.allocate_for_transfer("req", num_tokens)
+            for handle in handles:
+                await puller.xcvr.pull(
+                    handle,
+                    puller.manager.regions("req"),
+                    puller.manager.layout_signature(),
+                    timeout_s=30,
+                )
+            got = read(puller.tensors, puller.manager, "req")
+            assert_equal(got, cache.slice_for(puller.manager.layout.spec.heads))
+            # A holder stays pinned until every puller rank has pulled it.
+            last = puller is pullers[-1]
+            assert [h.released for h in holders] == [["req"] if last else []] * ctx_size
+    finally:
+        for worker in (*pullers, *holders):
+            await worker.xcvr.close()

@@ -13,11 +13,12 @@ import pytest
 from kvcache.factory import create_manager
 from kvcache.spec import CacheSpec
 from kvcache.tensors import allocate_cache_tensors
-from tests.head_shards import HYBRID_WHOLE, WholeCache, assert_equal, read, write
+from tests.head_shards import HYBRID_WHOLE
 from tests.transfer_harness import (
     BLOCK_SIZE,
     HYBRID,
     Endpoint,
+    check_head_slice_exchange,
     check_offered_blocks_then_the_rest,
     check_skewed_wall_clocks,
 )
@@ -308,34 +309,43 @@ async def test_ranks_of_different_tensor_parallelism_exchange_head_slices(
 ) -> None:
     """Each generation rank pulls its heads from every context rank's handle;
     each holder is released once its pulls are done."""
-    cache = WholeCache(whole, BLOCK_SIZE, num_blocks=3)
-    num_tokens = 3 * BLOCK_SIZE - 1
-    holders = [python_endpoint(managers[0], whole.for_rank(r, ctx_size)) for r in range(ctx_size)]
-    pullers = [python_endpoint(managers[1], whole.for_rank(s, gen_size)) for s in range(gen_size)]
-    for worker in (*holders, *pullers):
-        await worker.xcvr.start()
-    try:
-        handles = []
-        for holder in holders:
-            assert holder.manager.allocate_slots("req", num_tokens)
-            part = cache.slice_for(holder.manager.layout.spec.heads)
-            write(holder.tensors, holder.manager, "req", part)
-            handles.append(TransferHandle.from_bytes(holder.publish("req").to_bytes()))
-        for puller in pullers:
-            assert puller.manager.allocate_slots("pad", BLOCK_SIZE)
-            assert puller.manager.allocate_for_transfer("req", num_tokens)
-            for handle in handles:
-                await puller.xcvr.pull(
-                    handle,
-                    puller.manager.regions("req"),
-                    puller.manager.layout_signature(),
-                    timeout_s=10,
-                )
-            got = read(puller.tensors, puller.manager, "req")
-            assert_equal(got, cache.slice_for(puller.manager.layout.spec.heads))
-            # A holder stays pinned until every puller rank has pulled it.
-            last = puller is pullers[-1]
-            assert [h.released for h in holders] == [["req"] if last else []] * ctx_size
-    finally:
-        for worker in (*pullers, *holders):
-            await worker.xcvr.close()
+    await check_head_slice_exchange(staged_endpoint, whole, ctx_size, gen_size, managers)
+
+
+def staged_endpoint(manager: str, spec: CacheSpec, stage: bool, num_blocks: int) -> Endpoint:
+    return python_endpoint(manager, spec, stage=stage, num_blocks=num_blocks)
+
+
+# 16 heads of 256 float32 in blocks of 4 tokens: 256 KiB a block over both
+# layers, so 80 blocks are 20 MiB and one rank's half of them two chunks.
+WIDE_HEADS = CacheSpec(num_kv_heads=16, head_dim=256, attention_layers=(0, 1))
+
+
+@pytest.mark.parametrize(
+    "whole,ctx_size,gen_size,managers,staged,num_blocks",
+    [
+        # A head range of consecutive V1 blocks is strided on the side with
+        # more heads: gathered on a staged holder, scattered on a staged puller.
+        (HYBRID_WHOLE, 1, 2, ("v1", "v1"), (True, False), 3),
+        (HYBRID_WHOLE, 2, 1, ("v1", "v1"), (False, True), 3),
+        (HYBRID_WHOLE, 2, 1, ("v1", "v2"), (True, True), 3),
+        # Runs long enough to be received in place, here through staging.
+        (LONG_RUNS, 2, 1, ("v1", "v1"), (False, True), 3),
+        # Megabytes of runs: chunk after chunk, each cut between whole runs.
+        (WIDE_HEADS, 1, 2, ("v1", "v1"), (True, True), 80),
+        (WIDE_HEADS, 2, 1, ("v2", "v2"), (True, True), 80),
+    ],
+)
+async def test_head_slices_of_staged_pools_arrive_exactly(
+    whole: CacheSpec,
+    ctx_size: int,
+    gen_size: int,
+    managers: tuple[str, str],
+    staged: tuple[bool, bool],
+    num_blocks: int,
+) -> None:
+    """Tensor-parallel pulls between pools that pass through host staging,
+    as GPU pools do (the holder's, the puller's or both)."""
+    await check_head_slice_exchange(
+        staged_endpoint, whole, ctx_size, gen_size, managers, staged, num_blocks
+    )

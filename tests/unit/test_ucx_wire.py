@@ -27,7 +27,8 @@ from cluster.config.schema import ConfigError, config_from_dict
 from engine.worker_config import WorkerConfig, WorkerConfigError
 from kvcache.spec import CacheSpec
 from models.embedded.configs import checkpoint_config
-from tests.transfer_harness import BLOCK_SIZE, HYBRID, Endpoint
+from tests.head_shards import HYBRID_WHOLE
+from tests.transfer_harness import BLOCK_SIZE, HYBRID, Endpoint, check_head_slice_exchange
 from transfer.errors import LayoutMismatch, PeerGone, WireError
 from transfer.factory import create_transceiver
 from transfer.handle import TransferHandle
@@ -129,6 +130,42 @@ async def test_ranges_larger_than_a_payload_piece_arrive_whole(stage: bool) -> N
     finally:
         await dst.xcvr.close()
         await src.xcvr.close()
+
+
+def staged_ucx_endpoint(manager: str, spec: CacheSpec, stage: bool, num_blocks: int) -> Endpoint:
+    return ucx_endpoint(manager, spec, num_blocks=num_blocks, stage=stage)
+
+
+# A head of a block is 4 x 256 float32 = 4 KiB.
+LONG_RUNS = CacheSpec(num_kv_heads=4, head_dim=256, attention_layers=(0, 1))
+
+
+@needs_ucx
+@pytest.mark.parametrize(
+    "whole,ctx_size,gen_size,staged,num_blocks",
+    [
+        (HYBRID_WHOLE, 1, 2, (False, False), 3),
+        # One message per run on both sides, staged or not.
+        (HYBRID_WHOLE, 1, 2, (True, False), 3),
+        (HYBRID_WHOLE, 1, 2, (False, True), 3),
+        (LONG_RUNS, 1, 2, (True, True), 3),
+        (LONG_RUNS, 1, 2, (True, False), 24),
+    ],
+)
+@module_loop
+async def test_head_slices_cross_as_messages_staged_or_not(
+    whole: CacheSpec,
+    ctx_size: int,
+    gen_size: int,
+    staged: tuple[bool, bool],
+    num_blocks: int,
+) -> None:
+    """Tensor-parallel pulls over UCX, where a holder that gathers runs into
+    staging chunks must still send one message per run that a puller
+    receiving in place (or through its own chunks) expects."""
+    await check_head_slice_exchange(
+        staged_ucx_endpoint, whole, ctx_size, gen_size, ("v1", "v1"), staged, num_blocks
+    )
 
 
 @needs_ucx

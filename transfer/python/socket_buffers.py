@@ -2,9 +2,8 @@
 
 Host (CPU) buffers go over the connection directly: sends from memoryviews of
 the pool, receives straight into the destination bytes. Device (CUDA) buffers
-are not handed to the transport, so their bytes pass through a few reusable
-host staging chunks (pinned when CUDA is present): device -> chunk -> wire on
-the sender, wire -> chunk -> device on the receiver.
+are not handed to the transport: their bytes pass through host staging
+chunks, copied on the staging thread (`transfer.python.staging`):
 
     host buffer:    pool[off:off+n] ==send==> recv_into ==> pool[off:off+n]
     device buffer:  pool --copy--> chunk ==send==> recv_into chunk --copy--> pool
@@ -15,16 +14,19 @@ batch of host pieces up to `PAYLOAD_PIECE_BYTES`, so many small ranges cost
 one budget slice and, on TCP, one system call per batch.
 
 Strided runs (`Runs`: `count` runs of `run` bytes, `stride` apart, as a
-head slice of KV blocks is) go out as one view per run, from the pool, and
-are received the same way: no run is gathered into a copy on either side.
+head slice of KV blocks is) of a host buffer go out as one view per run, from
+the pool, and are received the same way: no run is gathered into a copy on
+either side. Those of a device buffer are gathered into (scattered from) a
+staging chunk by one strided copy per chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import cast
+import itertools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
+from typing import TypeVar, cast
 
 import numpy as np
 import torch
@@ -33,70 +35,20 @@ from kvcache.layout import Region
 from transfer.head_slices import SlicePair
 from transfer.python.connection import PAYLOAD_PIECE_BYTES, Connection, payload_pieces
 from transfer.python.flow import ByteBudget
+from transfer.python.staging import (
+    Runs,
+    StagingChunks,
+    after_queued_work,
+    host_view,
+    scatter_pair,
+)
 
-# (buffer, offset, run, count, stride): `count` runs of `run` bytes, `stride` apart.
-Runs = tuple[str, int, int, int, int]
+__all__ = ["DIRECT_RUN_BYTES", "Runs", "SocketBuffers"]
+
+T = TypeVar("T")
 # Runs at least this long are received in place, one view each, on a byte
 # stream (a few hundred per system call); shorter ones through a staging chunk.
 DIRECT_RUN_BYTES = 4096
-
-
-def host_view(tensor: torch.Tensor) -> memoryview:
-    """A writable byte view of a flat uint8 CPU tensor (no copy)."""
-    return tensor.numpy().data.cast("B")
-
-
-_scatter_executor: ThreadPoolExecutor | None = None
-
-
-def _scatter_thread() -> ThreadPoolExecutor:
-    """The process's one thread for scatter copies (created on first use)."""
-    global _scatter_executor
-    if _scatter_executor is None:
-        _scatter_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-scatter")
-    return _scatter_executor
-
-
-def _scatter(target: torch.Tensor, p: SlicePair, start: int, data: torch.Tensor) -> None:
-    """Put bytes `[start, start + len(data))` of the pair's runs, laid end to
-    end, into their places in `target` (the destination buffer): whole runs by
-    one strided copy, a run the chunk cuts through by a copy of its part."""
-    run, stride, base = p.run, p.dst_stride, int(target.storage_offset()) + p.dst_offset
-    pos, end, done = start, start + data.numel(), 0
-    while pos < end:
-        index, inner = divmod(pos, run)
-        if inner or end - pos < run:
-            n = min(run - inner, end - pos)
-            at = p.dst_offset + index * stride + inner
-            target[at : at + n].copy_(data[done : done + n])
-        else:
-            rows = (end - pos) // run
-            n = rows * run
-            _copy_rows(target, base + index * stride, stride, data[done : done + n], run)
-        pos += n
-        done += n
-
-
-_WIDE_TYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
-
-
-def _copy_rows(
-    target: torch.Tensor, offset: int, stride: int, data: torch.Tensor, run: int
-) -> None:
-    """Copy `data` (whole rows of `run` bytes) into rows `stride` bytes apart
-    from byte `offset` of `target`'s storage, in the widest element type all
-    of them align to (a byte-wise strided copy is several times slower)."""
-    for size, dtype in _WIDE_TYPES:
-        aligned = (run, stride, offset, data.storage_offset(), target.storage_offset())
-        if all(n % size == 0 for n in aligned) and target.numel() % size == 0:
-            wide, source = target.view(dtype), data.view(dtype)
-            rows = wide.as_strided(
-                (data.numel() // run, run // size), (stride // size, 1), offset // size
-            )
-            rows.copy_(source.view(rows.shape))
-            return
-    rows = target.as_strided((data.numel() // run, run), (stride, 1), offset)
-    rows.copy_(data.view(rows.shape))
 
 
 class _Runs:
@@ -119,7 +71,7 @@ class _Runs:
 
 class SocketBuffers:
     """Named flat uint8 buffers; `stage_through_host` forces staging for host buffers too
-    (device buffers are always staged)."""
+    (device buffers are always staged, `transfer.python.staging`)."""
 
     def __init__(self, buffers: Mapping[str, torch.Tensor], stage_through_host: bool = False):
         for name, tensor in buffers.items():
@@ -135,10 +87,12 @@ class SocketBuffers:
             for name, t in buffers.items()
             if t.device.type == "cpu" and not stage_through_host
         }
-        self._chunks: list[torch.Tensor] = []  # idle staging chunks
         self._arrays = {
             name: _Runs(t.numpy()) for name, t in buffers.items() if name in self._views
         }
+        self._staging = StagingChunks(
+            {name: t for name, t in buffers.items() if name not in self._views}
+        )
 
     async def send(
         self, conn: Connection, ranges: Sequence[tuple[str, int, int]], budget: ByteBudget
@@ -149,47 +103,56 @@ class SocketBuffers:
         `send_views` (on TCP, many pieces per system call); device pieces
         one staging chunk at a time.
         """
-        for nbytes, batch in self._send_batches(ranges):
-            taken = await budget.acquire(nbytes)
-            try:
-                if isinstance(batch, torch.Tensor):
-                    await self._send_staged(conn, batch)
-                else:
+        for staged, group in self._by_staging(ranges, lambda r: r[0]):
+            if staged:
+                await self._staging.send(conn, [(b, o, n, 1, n) for b, o, n in group], budget)
+                continue
+            for nbytes, batch in self._send_batches(group):
+                taken = await budget.acquire(nbytes)
+                try:
                     await conn.send_views(batch)
-            finally:
-                await budget.release(taken)
+                finally:
+                    await budget.release(taken)
 
     async def recv(self, conn: Connection, regions: Sequence[Region]) -> None:
         """Receive exactly the regions' bytes, in order, into them.
 
         Runs of host regions are one `recv_into_views` each, straight into the pool.
         """
-        views: list[memoryview] = []
-        for region in regions:
-            pool = self._views.get(region.buffer)
-            if pool is None:
-                await conn.recv_into_views(views)
-                views = []
-                await self._recv_staged(conn, region)
+        for staged, group in self._by_staging(regions, lambda r: r.buffer):
+            if staged:
+                await self._staging.recv(conn, [(b, o, n, 1, n) for b, o, n in group])
                 continue
-            for start, n in payload_pieces(region.offset, region.length):
-                views.append(pool[start : start + n])
-        await conn.recv_into_views(views)
+            views: list[memoryview] = []
+            for region in group:
+                pool = self._views[region.buffer]
+                for start, n in payload_pieces(region.offset, region.length):
+                    views.append(pool[start : start + n])
+            await conn.recv_into_views(views)
 
     async def send_runs(self, conn: Connection, runs: Sequence[Runs], budget: ByteBudget) -> None:
         """Send strided runs in order; host runs as views of the pool, batched
-        up to `PAYLOAD_PIECE_BYTES` per send."""
-        for nbytes, batch in self._run_batches(runs):
-            taken = await budget.acquire(nbytes)
-            try:
-                await conn.send_views(batch)
-            finally:
-                await budget.release(taken)
+        up to `PAYLOAD_PIECE_BYTES` per send, device runs gathered into
+        staging chunks."""
+        for staged, group in self._by_staging(runs, lambda r: r[0]):
+            if staged:
+                await self._staging.send(conn, group, budget)
+                continue
+            for nbytes, batch in self._run_batches(group):
+                taken = await budget.acquire(nbytes)
+                try:
+                    await conn.send_views(batch)
+                finally:
+                    await budget.release(taken)
 
     async def recv_runs(self, conn: Connection, runs: Sequence[Runs]) -> None:
         """Receive exactly the runs' bytes, in order, into them."""
-        for _, batch in self._run_batches(runs):
-            await conn.recv_into_views(batch)
+        for staged, group in self._by_staging(runs, lambda r: r[0]):
+            if staged:
+                await self._staging.recv(conn, group)
+                continue
+            for _, batch in self._run_batches(group):
+                await conn.recv_into_views(batch)
 
     async def recv_pairs(self, conn: Connection, pairs: Sequence[SlicePair]) -> None:
         """Receive the pairs' bytes, cut as the holder sends them, into their
@@ -228,47 +191,50 @@ class SocketBuffers:
         await self.recv_runs(conn, direct)
 
     async def _recv_scattered(self, conn: Connection, p: SlicePair) -> None:
-        """Receive chunk k + 1 while chunk k is scattered on the scatter thread
+        """Receive chunk k + 1 while chunk k is scattered on the staging thread
         (torch copies without the GIL), so the holder keeps sending."""
         target = self._tensors[p.dst_buffer]
-        loop = asyncio.get_running_loop()
+        after_queued_work({target.device})
         scattering: asyncio.Future[None] | None = None
         held: list[torch.Tensor] = []
         try:
             for start, n in payload_pieces(0, p.num_bytes):
-                chunk = self._take_chunk()
+                chunk = self._staging.take()
                 held.append(chunk)
                 await conn.recv_into(host_view(chunk)[:n])
                 if scattering is not None:
-                    await scattering
-                    self._chunks.append(held.pop(0))
-                scattering = loop.run_in_executor(
-                    _scatter_thread(), _scatter, target, p, start, chunk[:n]
-                )
+                    await asyncio.shield(scattering)
+                    self._staging.give_back(held.pop(0))
+                copy = partial(scatter_pair, target, p, start, chunk[:n])
+                scattering = self._staging.copy(target.device, copy)
             if scattering is not None:
-                await scattering
+                await asyncio.shield(scattering)
         finally:
             if scattering is not None and not scattering.done():
                 # Cancelled mid-receive: the copy still reads its chunk.
                 await asyncio.shield(scattering)
-            self._chunks.extend(held)
+            for chunk in held:
+                self._staging.give_back(chunk)
+
+    def _by_staging(
+        self, items: Sequence[T], buffer: Callable[[T], str]
+    ) -> Iterator[tuple[bool, list[T]]]:
+        """Consecutive items grouped by whether their buffer is staged."""
+        for staged, group in itertools.groupby(items, lambda item: buffer(item) not in self._views):
+            yield staged, list(group)
 
     def _run_batches(self, runs: Sequence[Runs]) -> Iterator[tuple[int, list[memoryview]]]:
         """Views of every run, in batches of up to `PAYLOAD_PIECE_BYTES`.
 
-        Device buffers and runs longer than a piece are cut by `payload_pieces`
-        on both sides alike; short host runs are sliced from the pool's view
-        directly (a head slice of a large request is tens of thousands of runs).
+        Runs of host buffers only. Runs longer than a piece are cut by
+        `payload_pieces` on both sides alike; short runs are sliced from the
+        pool's view directly (a head slice of a large request is tens of
+        thousands of runs).
         """
         views: list[memoryview] = []
         nbytes = 0
         for buffer, offset, run, count, stride in runs:
-            pool = self._views.get(buffer)
-            if pool is None:
-                raise ValueError(
-                    f"buffer {buffer!r} is not in host memory; head slices move "
-                    "between host buffers only"
-                )
+            pool = self._views[buffer]
             if run > PAYLOAD_PIECE_BYTES:
                 if views:
                     yield nbytes, views
@@ -293,46 +259,17 @@ class SocketBuffers:
 
     def _send_batches(
         self, ranges: Sequence[tuple[str, int, int]]
-    ) -> Iterator[tuple[int, list[memoryview] | torch.Tensor]]:
-        """(bytes, host views or a device slice to stage) for each budgeted send."""
+    ) -> Iterator[tuple[int, list[memoryview]]]:
+        """(bytes, views) of host ranges for each budgeted send."""
         views: list[memoryview] = []
         nbytes = 0
         for buffer, offset, length in ranges:
-            pool = self._views.get(buffer)
+            pool = self._views[buffer]
             for start, n in payload_pieces(offset, length):
-                if views and (pool is None or nbytes + n > PAYLOAD_PIECE_BYTES):
+                if views and nbytes + n > PAYLOAD_PIECE_BYTES:
                     yield nbytes, views
                     views, nbytes = [], 0
-                if pool is None:
-                    yield n, self._tensors[buffer][start : start + n]
-                else:
-                    views.append(pool[start : start + n])
-                    nbytes += n
+                views.append(pool[start : start + n])
+                nbytes += n
         if views:
             yield nbytes, views
-
-    async def _recv_staged(self, conn: Connection, region: Region) -> None:
-        target = self._tensors[region.buffer]
-        for start, n in payload_pieces(region.offset, region.length):
-            chunk = self._take_chunk()
-            try:
-                await conn.recv_into(host_view(chunk)[:n])
-                target[start : start + n].copy_(chunk[:n])
-            finally:
-                self._chunks.append(chunk)
-
-    async def _send_staged(self, conn: Connection, source: torch.Tensor) -> None:
-        chunk = self._take_chunk()
-        try:
-            n = source.numel()
-            chunk[:n].copy_(source)  # synchronous: the bytes are on the host after this
-            await conn.send(host_view(chunk)[:n])
-        finally:
-            self._chunks.append(chunk)
-
-    def _take_chunk(self) -> torch.Tensor:
-        if self._chunks:
-            return self._chunks.pop()
-        return torch.empty(
-            PAYLOAD_PIECE_BYTES, dtype=torch.uint8, pin_memory=torch.cuda.is_available()
-        )
