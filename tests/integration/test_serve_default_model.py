@@ -8,8 +8,10 @@ token for token. Kept lean: 30 layers at fp32 on a shared CPU.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -72,3 +74,42 @@ def test_chat_answers_equal_transformers_greedy_on_the_same_weights(
         assert choice.message.content == tokenizer.decode(expected)
         answers.append(choice.message.content)
     assert "Paris" in answers[0]  # a real model, not random weights
+
+
+def test_structured_output_on_the_default_model(server: ServeProcess) -> None:
+    """What a new user's client sends: a JSON schema with an enum and an
+    integer, any JSON object, and vLLM's choice list, answered by a real
+    model through 1P1D."""
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    schema = {
+        "type": "object",
+        "properties": {
+            "color": {"type": "string", "enum": ["red", "green", "blue"]},
+            "count": {"type": "integer"},
+        },
+        "required": ["color", "count"],
+    }
+
+    def ask(question: str, **fields: Any) -> Any:
+        answer = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": question}],
+            max_tokens=48,
+            temperature=0,
+            **fields,
+        )
+        return answer.choices[0]
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "ball", "schema": schema, "strict": True}}
+    choice = ask("Describe a ball as JSON with a color and a count.", response_format=fmt)
+    value = json.loads(choice.message.content)
+    assert value["color"] in {"red", "green", "blue"} and isinstance(value["count"], int)
+    assert set(value) == {"color", "count"} and choice.finish_reason == "stop"
+
+    choice = ask("Give me a JSON object describing Paris.", response_format={"type": "json_object"})
+    assert isinstance(json.loads(choice.message.content), dict)
+
+    options = ["Paris", "London", "Rome"]
+    choice = ask("Which city is in Italy?", extra_body={"structured_outputs": {"choice": options}})
+    assert choice.message.content in options
