@@ -60,6 +60,7 @@ class ServeProcess:
         self.url = ""
         self._lines: queue.Queue[str] = queue.Queue()
         self._process: subprocess.Popen[str] | None = None
+        self._drainer: threading.Thread | None = None
 
     def start(self) -> ServeProcess:
         self._process = subprocess.Popen(
@@ -71,7 +72,8 @@ class ServeProcess:
             text=True,
             start_new_session=True,
         )
-        threading.Thread(target=self._drain, daemon=True).start()
+        self._drainer = threading.Thread(target=self._drain, daemon=True)
+        self._drainer.start()
         try:
             self.url = self._wait_for_url()
         except BaseException:
@@ -109,10 +111,14 @@ class ServeProcess:
         return process_tree_rss(self.pid)
 
     def stop(self) -> int | None:
-        """Stop the process group; returns the server's exit status."""
+        """Stop the process group; returns the server's exit status. `output`
+        then holds what it printed to the end (once every process of the group
+        closed the pipe, or after 10 s)."""
         if self._process is None:
             return None
         stop_group(self._process)
+        if self._drainer is not None:
+            self._drainer.join(10.0)
         return self._process.returncode
 
     def _drain(self) -> None:  # keep the pipe empty so the server never blocks on it

@@ -54,6 +54,7 @@ class ServingCluster:
         self._socket: socket.socket | None = None
         self._address: tuple[str, int] | None = None  # where the socket was bound
         self._stop = asyncio.Event()
+        self._stop_signal: signal.Signals | None = None  # SIGINT or SIGTERM, once one came
 
     @property
     def url(self) -> str:
@@ -132,6 +133,7 @@ class ServingCluster:
         # Said on stderr whatever the log level: a server that stops says why.
         if not self._stop.is_set():
             print(f"received {sig.name}, stopping", file=sys.stderr, flush=True)
+            self._stop_signal = sig
         self._stop.set()
 
     async def _start_http(self, listener: socket.socket) -> None:
@@ -166,7 +168,7 @@ class ServingCluster:
         if self.router is not None:
             await self.router.stop()
         if self.cluster is not None:
-            await self.cluster.shutdown()
+            await self.cluster.shutdown(after_signal=self._stop_signal is not None)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):

@@ -81,10 +81,16 @@ class RunningCluster:
         """Where each instance runs, one line each: `context-0 on 127.0.0.3`."""
         return "\n".join(f"{i.plan.name} on {i.node_ip}" for i in self.instances)
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, after_signal: bool = False) -> None:
         """Stop every actor (gracefully, then by force), remove the placement
         groups, stop the checkpoint server, and stop Ray if this process
-        started it."""
+        started it.
+
+        `after_signal`: the stop follows SIGINT or SIGTERM, which a terminal's
+        Ctrl-C or a supervisor sends to the whole process group, a local
+        Ray's own processes included; finding that Ray gone is then the
+        normal way down, not worth a warning.
+        """
         if self._stopped:
             return
         self._stopped = True
@@ -97,7 +103,8 @@ class RunningCluster:
             # A signal to the whole process group stopped our Ray first: its
             # actors and placement groups went with it, and every call to it
             # would only wait out its timeout.
-            logger.warning("the local Ray is gone; not stopping its actors one by one")
+            log = logger.info if after_signal else logger.warning
+            log("the local Ray is gone; not stopping its actors one by one")
             if self.owns_ray:
                 _kill_local_ray()
         self.instances.clear()
@@ -123,6 +130,10 @@ _LOCAL_RAY_ENV = {
     "RAY_enable_metrics_collection": "0",
     "RAY_task_events_shutdown_flush_timeout_ms": "250",
 }
+# A new local Ray turns token authentication on by itself, but warns at every
+# start unless the mode was chosen explicitly: choose it (a user's own
+# RAY_AUTH_MODE, `disabled` included, is kept).
+_AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 
 def init_local_ray(
@@ -134,6 +145,7 @@ def init_local_ray(
     stale record (ray_current_cluster) of one that was stopped."""
     for name, value in _LOCAL_RAY_ENV.items():
         os.environ.setdefault(name, value)  # read by every process of this Ray
+    _choose_token_auth()
     env = dict(runtime_env or {})
     # UCX (under NIXL and the UCX wire) listens on every network device
     # unless told otherwise; a local cluster's transfers stay on this machine.
@@ -147,6 +159,27 @@ def init_local_ray(
         _node_ip_address=LOCAL_NODE_IP,
         **options,
     )
+
+
+def _choose_token_auth() -> None:
+    """RAY_AUTH_MODE=token for a local Ray where the user set no mode: what
+    Ray would choose, said explicitly so that it does not warn.
+
+    Ray read its config when it was imported, so the config is read again,
+    as Ray's own default does (`_enable_token_auth`); ray.init then writes
+    the token file (~/.ray/auth_token) if there is none. Where that call is
+    missing (Ray's internals moved) the variable is taken back and Ray
+    decides, and warns, as before.
+    """
+    if os.environ.get(_AUTH_MODE_ENV) is not None:
+        return
+    os.environ[_AUTH_MODE_ENV] = "token"
+    try:
+        from ray._raylet import Config  # type: ignore[attr-defined]
+
+        Config.initialize("")
+    except (ImportError, AttributeError):
+        del os.environ[_AUTH_MODE_ENV]
 
 
 def connect_ray(address: str | None, num_cpus: float) -> bool:
