@@ -8,13 +8,16 @@ once."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
+import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import yaml
@@ -185,3 +188,47 @@ def test_n_4_prefills_once_and_moves_the_cache_once(
     assert one == four, (mode, one, four)
     assert one[0] == 1 and one[2] == len(ids)
     assert (one[1] > 0) == (mode != "aggregated")
+
+
+def _gauge_sum(url: str, name: str) -> float:
+    with urllib.request.urlopen(f"{url.removesuffix('/v1')}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} ([0-9.e-]+)$", text, re.M))
+
+
+def _wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_client_that_leaves_an_n_3_stream_frees_every_sample(
+    server: tuple[str, Path, ServeProcess],
+) -> None:
+    mode, checkpoint, running = server
+    body = {
+        "model": checkpoint.name,
+        "prompt": prompt(6, 40),
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "temperature": 0.9,
+        "n": 3,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", running.url + "/completions", json=body) as response,
+    ):
+        lines = response.iter_lines()
+        seen: set[int] = set()
+        while len(seen) < 3:  # every sample is decoding
+            line = next(lines)
+            if line.startswith("data: {"):
+                seen.update(c["index"] for c in json.loads(line[6:])["choices"])
+        assert _gauge_sum(running.url, "disagg_kv_cache_usage_ratio") > 0
+    # Closing the stream stops all three samples and frees every block and slot.
+    assert _wait_until(lambda: _gauge_sum(running.url, "disagg_worker_requests") == 0, 5), mode
+    assert _wait_until(lambda: _gauge_sum(running.url, "disagg_kv_cache_usage_ratio") == 0, 5), mode
