@@ -236,3 +236,15 @@ def test_specs_refuse_unknown_kinds_and_empty_choices() -> None:
         GrammarSpec.choices([])
     with pytest.raises(ValueError, match="ignore_eos"):
         SamplingParams(grammar=GrammarSpec("json_object"), ignore_eos=True)
+
+
+def test_a_schema_compiles_once_per_worker(llama: Path) -> None:
+    fresh = engine(llama, None)
+    grammars = fresh.runner.grammars
+    assert grammars is not None
+    schema = {"type": "object", "properties": {"k": {"enum": ["a", "b"]}}, "required": ["k"]}
+    serve(fresh, prompts(fresh), grammar=GrammarSpec.json_schema(schema), **CONSTRAINED)
+    serve(fresh, prompts(fresh, 2), grammar=GrammarSpec.json_schema(dict(schema)), **CONSTRAINED)
+    assert grammars.num_compiled == 1
+    serve(fresh, prompts(fresh, 1), grammar=GrammarSpec.choices(["a"]), **CONSTRAINED)
+    assert grammars.num_compiled == 2

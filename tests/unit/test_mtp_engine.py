@@ -25,6 +25,7 @@ import pytest
 import torch
 from PIL import Image
 
+from engine.grammar import GrammarSpec
 from engine.instance import EngineInstance
 from engine.multimodal import ImageInput
 from engine.request import FinishReason, Request
@@ -268,3 +269,21 @@ def test_vl_wrapper_with_an_image_is_the_same_with_mtp_drafts(vl: Path) -> None:
     got = run_one(on, image_request(vl, on, "on"))
     assert_same([got], [want])
     assert_mixed(on)
+
+
+def test_mtp_drafts_under_a_grammar_equal_plain_constrained_decoding(hybrid: Path) -> None:
+    """Structured output (`engine.grammar`) with MTP drafts: every verify
+    position is masked after its drafts, so drafts the grammar refuses
+    (tokens holding a q or a z) are rejected where they stand and the
+    output is plain constrained decoding's."""
+    grammar = GrammarSpec("regex", "[^qz]{1,80}")
+    params = {"grammar": grammar, "ignore_eos": False, "max_tokens": 24}
+    prompts = copy_prompts(6)
+    on = mtp_engine(hybrid, MTP)
+    want = serve(mtp_engine(hybrid, None), prompts, **params)
+    got = serve(on, prompts, **params)
+    assert_same(got, want)
+    assert_mixed(on)
+    for request in got:
+        text = on.tokenizer.decode(request.output_token_ids)
+        assert "q" not in text and "z" not in text
