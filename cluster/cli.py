@@ -20,10 +20,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "serve": ("cluster.serve", "run the cluster behind an OpenAI-compatible HTTP endpoint"),
     "bench": ("cluster.bench.load", "load-test any OpenAI-compatible endpoint"),
-    "bench-transfer": (
-        "transfer.bench.throughput",
-        "measure the transceivers between two Ray actors against raw limits",
-    ),
     "demo": ("cluster.demo", "start a local 1P1D cluster, send a few completions, stop"),
     "config": (
         "cluster.config_cli",

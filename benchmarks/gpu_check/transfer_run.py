@@ -8,7 +8,7 @@ set next to a raw device -> host -> device copy of the same size in this
 process (the least any transfer through host memory costs) and to the same
 bytes sent raw over loopback TCP between the two processes, host memory to
 host memory, no framing (the least the Python transceiver's socket costs:
-`transfer.bench.raw`'s raw TCP limit).
+`benchmarks.transfer.raw`'s raw TCP limit).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
+from benchmarks.transfer.raw import connect_raw_tcp, fetch_raw_tcp, serve_raw_tcp
 from kvcache.factory import create_manager
 from kvcache.layout import Region
 from kvcache.manager import KVCacheManager
 from kvcache.spec import CacheSpec
 from kvcache.tensors import CacheTensors, allocate_cache_tensors
-from transfer.bench.raw import connect_raw_tcp, fetch_raw_tcp, serve_raw_tcp
 from transfer.factory import create_transceiver
 from transfer.handle import TransferHandle
 

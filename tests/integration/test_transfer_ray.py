@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import ray
 
+from benchmarks.transfer.endpoints import EndpointHost, EndpointSpec
 from cluster.launch.launcher import init_local_ray
 from kvcache.spec import CacheSpec
-from transfer.bench.endpoints import EndpointHost, EndpointSpec
 from transfer.python.ucx_wire import ucx_importable
 
 ROOT = str(Path(__file__).resolve().parents[2])

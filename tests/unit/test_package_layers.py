@@ -24,7 +24,6 @@ ALLOWED_ROOMS: dict[str, set[str]] = {
     "cluster.bench": set(),
     "transfer.nixl": {"transfer.top"},
     "transfer.python": {"transfer.top"},
-    "transfer.bench": {"transfer.top", "transfer.nixl", "transfer.python"},
 }
 # The top of transfer/ holds the interface and what both transceivers share;
 # only the factory builds one, so only it imports a transceiver's room.

@@ -1,4 +1,4 @@
-"""bench-transfer's rows: the ratio is a median over rounds with its spread, and CPU cost per byte."""
+"""benchmarks.transfer rows: the ratio is a median over rounds with its spread, CPU cost per byte."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from kvcache.pool_layout import layout_for
-from transfer.bench.throughput import (
+from benchmarks.transfer.throughput import (
     BENCH_SPEC,
     BLOCK_BYTES,
     MIB,
@@ -18,6 +17,7 @@ from transfer.bench.throughput import (
     head_slice_run,
     rank_specs,
 )
+from kvcache.pool_layout import layout_for
 
 
 def _rounds() -> Rounds:
@@ -102,7 +102,7 @@ def test_the_default_tensor_parallel_rows_are_rank_pairs_as_parsed_ones_are() ->
     must already be (holder, puller) pairs."""
     import argparse
 
-    from transfer.bench.throughput import add_arguments
+    from benchmarks.transfer.throughput import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -1,6 +1,6 @@
-"""`disagg bench-transfer`: transceiver throughput and latency against raw limits.
+"""Transceiver throughput and latency against raw limits.
 
-    python -m transfer.bench.throughput [--json] [--transceivers python nixl] [--managers v1 v2]
+    python -m benchmarks.transfer.throughput [--json] [--transceivers python nixl] [--managers v1 v2]
                              [--wires tcp ucx] [--tensor-parallel 1:1 2:1 1:2]
 
 For each transceiver (the Python one once per wire: rows `python` for TCP,
@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 from kvcache.spec import CacheSpec
 
 if TYPE_CHECKING:
-    from transfer.bench.endpoints import EndpointSpec
+    from benchmarks.transfer.endpoints import EndpointSpec
 
 MIB = 1 << 20
 # 4 attention layers x [2, 16, 8, 128] bf16 = 256 KiB per block.
@@ -136,7 +136,7 @@ class Rounds:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register the bench-transfer options on `parser`."""
+    """Register the benchmark's options on `parser`."""
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     parser.add_argument(
         "--transceivers", nargs="+", default=["python", "nixl"], choices=["python", "nixl"]
@@ -230,7 +230,7 @@ def rank_specs(kind: str, wire: str, manager: str, size: int) -> dict[str, Endpo
     `size` times the blocks of a whole-heads pool, each 1/size as large, so
     rank 0's pool alone holds the largest request's bytes for the raw limit's
     READ."""
-    from transfer.bench.endpoints import EndpointSpec
+    from benchmarks.transfer.endpoints import EndpointSpec
 
     num_blocks = (SIZES[-1] // BLOCK_BYTES + 2) * size
     return {
@@ -246,7 +246,7 @@ def _bench_pair(
 ) -> list[Row]:
     import ray
 
-    from transfer.bench.raw import BenchHost
+    from benchmarks.transfer.raw import BenchHost
 
     actor_class: Any = ray.remote(num_cpus=0)(BenchHost)
     # One process per rank, as a tensor-parallel instance runs its ranks;
@@ -418,7 +418,9 @@ def _format(row: Row) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="disagg bench-transfer", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.transfer.throughput", description=__doc__
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

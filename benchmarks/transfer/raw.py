@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.transfer.endpoints import EndpointHost, EndpointSpec
 from kvcache.tensors import allocate_host_buffer
-from transfer.bench.endpoints import EndpointHost, EndpointSpec
 
 _SIZE = struct.Struct(">Q")
 _PAGE = 4096

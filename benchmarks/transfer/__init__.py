@@ -1,0 +1,1 @@
+"""Transceiver throughput and latency against raw limits (`python -m benchmarks.transfer.throughput`)."""

@@ -1,1 +1,0 @@
-"""`disagg bench-transfer`: transceiver throughput and latency against raw limits."""
