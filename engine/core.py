@@ -25,6 +25,7 @@ from engine.request import FinishReason, Request
 from engine.samples import SampleFamilies, SampleStart, finish_value, sample_id, sample_request
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.speculation.drafts import Drafter
+from engine.step_event import HostEvent, PacedReadings, StepEvent
 
 # Decides whether a request must stop after its newest token; returns the
 # reason or None. Built per request by the worker (EOS, stop tokens, stop
@@ -62,6 +63,9 @@ class StepResult:
     num_handed_back: int = 0  # preempted, and ended here to resume elsewhere
     schedule_s: float = 0.0
     timings: StepTimings = field(default_factory=StepTimings)
+    # After the step's last cache write: what it wrote is exposed once this
+    # is done (`engine.step_event`).
+    written: StepEvent = field(default_factory=HostEvent)
 
     def outgoing(self) -> list[EventItem]:
         """What the step sends its requests' streams, in order (a request
@@ -93,6 +97,8 @@ class EngineCore:
         # the samples the step being updated forks once it is committed.
         self.families = SampleFamilies()
         self._forks: list[tuple[Request, Request]] = []
+        # Steps' timings for the scheduler's pacing, each once its device work is done.
+        self._paced = PacedReadings(scheduler.pacing.observe)
 
     def add(self, request: Request) -> None:
         """Queue a request for prefill (raises `CapacityError` if it can never
@@ -187,6 +193,7 @@ class EngineCore:
         """Apply the sampled tokens: advance, stop and free finished requests."""
         sched, result = plan.sched, plan.result
         timings = result.timings = runner_out.timings
+        result.written = runner_out.written
         ended, kept = self._apply_samples(sched, runner_out, result)
         self.scheduler.commit(sched, kept)
         forks, self._forks = self._forks, []
@@ -198,8 +205,7 @@ class EngineCore:
             self.scheduler.remove(request, free_blocks=not keep)
             (result.handoffs if keep else result.finished).append(request)
             self._forget(request.request_id)
-        model_s = timings.build_s + timings.forward_s + timings.sample_s
-        self.scheduler.pacing.observe(sched.num_tokens, sched.num_prompt_tokens, model_s)
+        self._paced.add(sched.num_tokens, sched.num_prompt_tokens, timings.build_s, timings.span)
         result.prefilling = [seq.request for seq in sched.sequences if not seq.samples]
         return result
 

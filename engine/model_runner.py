@@ -33,6 +33,7 @@ from engine.samples import forks_here, sample_id, sample_seed
 from engine.scheduler import ScheduledSequence
 from engine.speculation.mtp import KeptChunk, MTPDrafting
 from engine.speculation.verify import num_accepted
+from engine.step_event import HostEvent, StepEvent, StepSpan, finished_span, record_event
 from engine.token_history import TokenHistory, history_for
 from kvcache.snapshots import StateCopies
 from kvcache.views import CacheViews
@@ -98,11 +99,19 @@ class SampledToken:
 
 @dataclass
 class StepTimings:
-    """Seconds spent in each part of a step (for the per-step breakdown)."""
+    """Seconds spent in each part of a step (for the per-step breakdown).
+
+    `forward_s` (with MTP drafting) and `sample_s` are read from the step's
+    events (`engine.step_event`), on a GPU device times. A GPU step that
+    samples nothing returns while its kernels run: its `forward_s` is then
+    only the time it took to launch them. `span` is the whole step's device
+    work, which `PromptPacing` learns from once it is done.
+    """
 
     build_s: float = 0.0
     forward_s: float = 0.0
     sample_s: float = 0.0
+    span: StepSpan = field(default_factory=finished_span)
 
 
 @dataclass
@@ -119,6 +128,9 @@ class RunnerOutput:
     # n samples (`engine.samples`), by sequence index: the first tokens of
     # samples 1..n-1, from the same logits as `sampled[i]` (sample 0's).
     forks: dict[int, list[SampledToken]] = field(default_factory=dict)
+    # Recorded after the step's last cache write: blocks it wrote may be
+    # offered or published once this is done (`engine.step_event`).
+    written: StepEvent = field(default_factory=HostEvent)
 
 
 class ModelRunner:
@@ -159,6 +171,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # A seeded verify's generator state before its draws (`_rewind`).
         self._verify_states: dict[str, torch.Tensor] = {}
+        # After the cache writes of the last step `follow` ran.
+        self.written: StepEvent = HostEvent()
 
     def prepare(self, max_blocks_per_seq: int, graph_batch_sizes: Sequence[int] = ()) -> None:
         """Startup, before any request: compile the decode kernels and, on
@@ -289,21 +303,32 @@ class ModelRunner:
         if copies:
             step = replace(step, copies=copies)
         t1 = time.perf_counter()
+        start = record_event(self.device)
         with torch.inference_mode():
             hidden, logits = self._run(step, image_chunks)
-            if logits is not None and self.device.type == "cuda":
-                torch.cuda.synchronize()
+            forward_end = record_event(self.device)
             t2 = time.perf_counter()
             sampling = [s for s in seqs if s.samples]
             tokens = self._sample(logits, sampling) if logits is not None else []
-        t3 = time.perf_counter()
-        timings.build_s, timings.forward_s, timings.sample_s = t1 - t0, t2 - t1, t3 - t2
         out = self._verified(seqs, tokens, timings)
+        sampled = record_event(self.device)
+        timings.build_s = t1 - t0
         if self.mtp is not None:
             with torch.inference_mode():
                 chunks = self._kept_chunks(seqs, step, out)
                 out.drafts = self.mtp.draft(chunks, hidden, self.caches)
-            timings.forward_s += time.perf_counter() - t3
+        out.written = record_event(self.device)
+        timings.span = StepSpan(start, out.written)
+        if tokens:
+            # The host has read this step's tokens (and drafts): its work is
+            # done but for the events, so this waits for them alone.
+            out.written.wait()
+        if timings.span.done():
+            timings.forward_s = forward_end.seconds_since(start)
+            timings.forward_s += out.written.seconds_since(sampled)
+            timings.sample_s = sampled.seconds_since(forward_end)
+        else:
+            timings.forward_s = t2 - t1  # launched, still running
         return out
 
     def _verified(
@@ -382,9 +407,11 @@ class ModelRunner:
 
     def follow(self, step: StepInput) -> None:
         """Run rank 0's `step` on this rank's shard (ranks 1.. of a
-        tensor-parallel instance); the logits are rank 0's to sample."""
+        tensor-parallel instance); the logits are rank 0's to sample.
+        `written` marks the end of its cache writes."""
         with torch.inference_mode():
             self._run(step)
+        self.written = record_event(self.device)
 
     def _run(
         self, step: StepInput, image_chunks: Sequence[ImageChunk] = ()

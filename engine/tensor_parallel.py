@@ -232,7 +232,11 @@ class TensorParallelRank:
 
     @ray.method(concurrency_group="transfer")
     def publish(self, request_id: str, regions: RequestRegions, lease_s: float) -> TransferHandle:
-        """Publish this rank's bytes of a prefilled request (context instance)."""
+        """Publish this rank's bytes of a prefilled request (context instance),
+        once the step that wrote them has finished on the device. Rank 0
+        publishes after that step, so it is on this rank's compute thread
+        now or done: the event is read behind it there."""
+        run_on_compute_thread(lambda: self.runner.written).wait()
         return self._transfers().publish(request_id, regions, lease_s)
 
     @ray.method(concurrency_group="transfer")

@@ -12,6 +12,11 @@ changed by a step in flight:
     preemption:  withdrawn  -> no more offers; the puller pulls the whole
                  prompt after the handoff, as without pipelining
 
+On a GPU a step returns before its kernels finish. Each progress keeps the
+event recorded after the cache writes of the step it last changed with
+(`engine.step_event`), and nothing it names is exposed before that event is
+done (`settled`): a one-sided READ must never see a block half written.
+
 A prompt is *held* (`KVCacheManager.hold`) from the first step at which a
 puller wanted it, so a preemption cannot hand blocks that a pull may be
 reading to another request; the worker gives them back once the offers are
@@ -26,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.request import Request
+from engine.step_event import HostEvent, StepEvent, wait_for
 from kvcache.manager import KVCacheManager
 from transfer.handle import TransferHandle
 
@@ -40,6 +46,8 @@ class PromptProgress:
     published: TransferHandle | None = None  # the whole cache, after the handoff
     ended: bool = False  # no cache will come: failed, aborted, done at its first token
     withdrawn: bool = False  # preempted after offers: no more offers
+    # After the writes of the step that made `block_ids` or `published` what they are.
+    written: StepEvent = field(default_factory=HostEvent)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -95,9 +103,20 @@ class ChunkProgress:
                     await progress.changed.wait()
         return progress
 
-    def on_step(self, prefilling: Sequence[Request], preempted: Sequence[Request]) -> list[str]:
-        """Record a finished step (between steps). Returns the prompts that
-        were preempted after offers: the caller withdraws them."""
+    async def settled(self, progress: PromptProgress) -> None:
+        """Return once the steps that wrote what `progress` names have
+        finished on the device; at once, without yielding, if they have.
+        Nothing may be awaited between this and exposing the blocks: a step
+        in between would change `progress` again."""
+        while not progress.written.done():
+            await wait_for(progress.written)
+
+    def on_step(
+        self, prefilling: Sequence[Request], preempted: Sequence[Request], written: StepEvent
+    ) -> list[str]:
+        """Record a finished step (between steps), whose cache writes end at
+        `written`. Returns the prompts that were preempted after offers: the
+        caller withdraws them."""
         withdrawn = []
         for request in preempted:
             progress = self._prompts.get(request.request_id)
@@ -117,12 +136,15 @@ class ChunkProgress:
             if num_final > progress.num_ready:
                 table = self._manager.block_table(request.request_id)
                 progress.block_ids = tuple(table[:num_final])
+                progress.written = written
                 progress.notify()
         return withdrawn
 
-    def published(self, request_id: str, handle: TransferHandle) -> None:
+    def published(self, request_id: str, handle: TransferHandle, written: StepEvent) -> None:
+        """The whole cache is published, written by steps up to `written`."""
         progress = self.get(request_id)
         progress.published = handle
+        progress.written = written
         progress.notify()
 
     def ended(self, request_id: str) -> None:

@@ -47,6 +47,7 @@ from engine.messages import (
     WorkerReport,
 )
 from engine.request import Request
+from engine.step_event import HostEvent, StepEvent, wait_for
 from engine.step_timeline import StepRecord
 from engine.tensor_parallel import RankGroup
 from engine.threads import configure_torch_threads, run_on_compute_thread
@@ -64,7 +65,10 @@ class ContextWorker:
             lambda: EngineInstance.build(config, "context", worker_id)
         )
         self.transceiver: Any = self.engine.create_transceiver()
-        self._handles: dict[str, Any] = {}
+        # Published handles by request, with the event after the writes of
+        # the step that published them (a handle leaves once it is done).
+        self._handles: dict[str, tuple[Any, StepEvent]] = {}
+        self._step_written: StepEvent = HostEvent()  # the last step's
         # Ranks 1..'s handles of a tensor-parallel instance, being published,
         # by request; and every such publish until the ranks answered it.
         self._rank_handles: dict[str, asyncio.Task[list[Any]]] = {}
@@ -118,7 +122,7 @@ class ContextWorker:
             raise
         finally:
             self._active.discard(rid)
-        handle = self._handles.pop(request.request_id, None)
+        handle, written = self._handles.pop(request.request_id, (None, HostEvent()))
         if handle is None:
             self._end_offers(rid)
         if event.finish_reason in ("error", "abort"):
@@ -126,6 +130,7 @@ class ContextWorker:
         if event.finish_reason == "handoff" and handle is None:
             reason = self._publish_errors.pop(request.request_id, "not published")
             raise RequestFailedError(request.request_id, f"cache could not be published: {reason}")
+        await self._written(rid, written)
         rank_handles = await self._published_by_ranks(rid)
         return ContextResult(
             request_id=request.request_id,
@@ -172,6 +177,7 @@ class ContextWorker:
         if self.engine.ranks is not None:  # each rank's heads move after the publish
             return BlocksReady(request_id, None)
         progress = await self._progress.wait(request_id, num_pulled, self.config.transfer_timeout_s)
+        await self._progress.settled(progress)  # nothing is awaited below
         layout = self.engine.manager.layout
         if progress.published is not None:
             whole = progress.published.regions
@@ -188,6 +194,16 @@ class ContextWorker:
         ready = layout.request_regions(progress.block_ids[num_pulled:], None)
         handle = self.transceiver.offer(request_id, ready, layout.signature())
         return BlocksReady(request_id, handle, num_pulled, progress.num_ready)
+
+    async def _written(self, request_id: str, written: StepEvent) -> None:
+        """Wait until the published cache is written on the device (a
+        sampling step's writes are, by the time it published); unpin it if
+        the caller goes away meanwhile."""
+        try:
+            await wait_for(written)
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
 
     async def _published_by_ranks(self, request_id: str) -> list[Any]:
         """Ranks 1..'s handles of a published request (none on one rank, or
@@ -298,8 +314,8 @@ class ContextWorker:
             handle = self.transceiver.publish(
                 rid, regions, manager.layout_signature(), self.config.lease_s, self._on_release
             )
-            self._handles[rid] = handle
-            self._progress.published(rid, handle)
+            self._handles[rid] = (handle, self._step_written)
+            self._progress.published(rid, handle, self._step_written)
             if self.engine.ranks is not None:
                 publish = self.engine.ranks.publish(rid, regions, self.config.lease_s)
                 task = asyncio.ensure_future(publish)
@@ -324,8 +340,10 @@ class ContextWorker:
     def _on_step(self, result: StepResult) -> None:
         """Between steps: record which prompts' blocks became final; stop
         offering prompts a preemption moved (their held blocks come back once
-        no read of them is in flight)."""
-        for rid in self._progress.on_step(result.prefilling, result.preempted):
+        no read of them is in flight). Runs before the step's handoffs are
+        published, which wait for the same event as its offers."""
+        self._step_written = result.written
+        for rid in self._progress.on_step(result.prefilling, result.preempted, result.written):
             self.transceiver.withdraw(rid, lambda rid=rid: self._release_hold(rid))
 
     def _end_offers(self, request_id: str) -> None:

@@ -4,10 +4,12 @@ transformers' logits on a tiny Llama checkpoint."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from engine import model_runner
 from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.scheduler import ScheduledSequence, Scheduler, SchedulerConfig
@@ -16,6 +18,7 @@ from kvcache.manager import KVCacheManager
 from kvcache.tensors import allocate_cache_tensors
 from models.embedded.writer import write_checkpoint
 from models.loader import load_model
+from tests.step_events import GatedEvent
 
 BLOCK = 4
 
@@ -169,3 +172,76 @@ def test_greedy_steps_with_a_repetition_penalty_match_transformers_generate(
         assert r.output_token_ids == expected.tolist()
     runner.release("r0")
     assert set(runner.histories) == {"r1"}
+
+
+class RecordedEvents:
+    """Stands in for `record_event`: gated events, and the order in which
+    they and the model's forwards happened."""
+
+    def __init__(self, seconds: list[float] | None = None, done: bool = False) -> None:
+        self.events: list[GatedEvent] = []
+        self.log: list[str] = []
+        self._seconds = seconds or []
+        self._done = done
+
+    def record(self, device: torch.device) -> GatedEvent:
+        i = len(self.events)
+        event = GatedEvent(self._seconds[i] if i < len(self._seconds) else 0.0)
+        if self._done:
+            event.complete()
+        self.events.append(event)
+        self.log.append(f"event {i}")
+        return event
+
+    def logging_forward(self, model: Any) -> None:
+        forward = model.forward
+
+        def logged(*args: Any) -> Any:
+            out = forward(*args)
+            self.log.append("forward")
+            return out
+
+        model.forward = logged
+
+
+def test_a_step_that_samples_nothing_returns_before_its_written_event(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill chunk short of its prompt's end: the step's `written` event
+    comes after the forward that wrote its blocks, nobody waits for it (the
+    host runs ahead of the device), and its span is not done, so no timing
+    of it counts as the device's yet."""
+    runner, manager, model = make_runner(checkpoint, "v1")
+    recorded = RecordedEvents()
+    monkeypatch.setattr(model_runner, "record_event", recorded.record)
+    recorded.logging_forward(model)
+    prompt = Request("pre", list(range(20, 32)), Params())
+    assert manager.allocate_slots("pre", 8)
+    out = runner.execute([ScheduledSequence.of(prompt, 8)])
+    assert out.sampled == [None]
+    assert out.written is recorded.events[-1]
+    assert recorded.log.index("forward") < recorded.log.index(f"event {len(recorded.events) - 1}")
+    assert not any(event.waited for event in recorded.events)
+    assert out.timings.span.end is out.written and not out.timings.span.done()
+
+
+def test_a_sampling_step_is_timed_by_its_events(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Forward and sampling times come from the events around them (device
+    times on a GPU), not from a host clock around a device-wide sync."""
+    from engine.sampling import Sampler, SamplingParams
+
+    model, config = load_model(checkpoint)
+    manager = create_manager("v1", config.cache_spec(), 32, BLOCK)
+    runner = ModelRunner(model, allocate_cache_tensors(manager).views(), manager, BLOCK, Sampler())
+    # start, after the forward, after sampling, after the last write
+    recorded = RecordedEvents(seconds=[0.0, 0.5, 0.25, 0.125], done=True)
+    monkeypatch.setattr(model_runner, "record_event", recorded.record)
+    prompt = Request("done", [9, 8, 7, 6, 5], SamplingParams(max_tokens=4, temperature=0.0))
+    assert manager.allocate_slots("done", 5)
+    out = runner.execute([ScheduledSequence.of(prompt, 5)])
+    assert out.sampled[0] is not None and len(recorded.events) == 4
+    assert out.timings.forward_s == 0.5 + 0.125 and out.timings.sample_s == 0.25
+    assert out.written is recorded.events[-1] and out.timings.span.done()
+
