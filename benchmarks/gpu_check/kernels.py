@@ -3,17 +3,23 @@
 Shapes follow a real decode step (a V2 block-major pool, GQA, 16-token
 blocks); `scale` grows them on a GPU and keeps them small under the CPU
 interpreter. The first call of each kernel includes its compilation, which
-is reported.
+is reported. Each row says whether its kernels ran compiled or in the
+interpreter (`TRITON_INTERPRET=1`, where bf16 is computed in fp32, so the
+compiled bf16 `tl.dot` path of the attention kernel never runs): on CUDA a
+row passes only compiled; under `--device cpu` the compiled and bf16 rows
+are listed as needing CUDA.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from benchmarks.gpu_check.report import needs_cuda
 from models.kernels import block_copy, mamba_state_update, paged_attention
 
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -106,6 +112,14 @@ def _block_copies(device: str, dtype: str, num_blocks: int) -> list[dict[str, An
     return rows
 
 
+KERNELS = ("paged_attention_decode", "mamba_state_update", "block copies")
+
+
+def triton_mode() -> str:
+    """How Triton kernels run in this process: "interpreted" or "compiled"."""
+    return "interpreted" if os.environ.get("TRITON_INTERPRET") == "1" else "compiled"
+
+
 def check_kernels(device: str, scale: int, dtypes: Iterable[str] = DTYPES) -> list[dict[str, Any]]:
     """`scale` 1 for the CPU interpreter; larger multiplies lengths and batches."""
     torch.manual_seed(0)
@@ -116,4 +130,14 @@ def check_kernels(device: str, scale: int, dtypes: Iterable[str] = DTYPES) -> li
         rows.append(_attention(device, dtype, [600 * scale]))
         rows.append(_mamba(device, dtype, 3 * scale))
         rows.extend(_block_copies(device, dtype, 8 * scale))
+    mode = triton_mode()
+    for row in rows:
+        row["mode"] = mode
+        row["ok"] = row["ok"] and (device != "cuda" or mode == "compiled")
+    if device != "cuda":
+        rows += [
+            needs_cuda("compiled Triton kernel against its torch twin", kernel=name, dtype=dtype)
+            for dtype in DTYPES
+            for name in KERNELS
+        ]
     return rows

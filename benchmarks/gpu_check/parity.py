@@ -7,7 +7,10 @@ engine's batch builder and the paged cache, and compare every logit row
 whole sequence. fp32: the largest difference relative to the largest
 reference logit must stay within 1e-4 and the greedy tokens must agree.
 bf16: the share of positions where our greedy token equals transformers'
-argmax over the same sequence is reported.
+argmax over the same sequence is reported. On CUDA the dense model's decode
+steps replay captured CUDA graphs (the hybrids never capture, see
+`engine.decode_graphs`), so both dtypes check the graphs too; under
+`--device cpu` those are listed as needing CUDA.
 """
 
 from __future__ import annotations
@@ -18,13 +21,15 @@ from typing import Any
 import torch
 
 from benchmarks.gpu_check.engine_setup import OMNI, build_engine, checkpoint, greedy
-from benchmarks.gpu_check.report import failure_row
+from benchmarks.gpu_check.report import failure_row, needs_cuda
 from engine.request import Request
 from engine.scheduler import ScheduledSequence
 
 ARCHS = ("llama", "nemotron_h", "nemotron_vl")
 PARITY_TOLERANCE = 1e-4
 PROMPTS = ([1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [1, 300, 301, 7, 9])
+# Architectures whose decode steps run from CUDA graphs on a GPU.
+GRAPH_ARCHS = ("llama",)
 
 
 def _our_logits(engine: Any, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
@@ -37,7 +42,10 @@ def _our_logits(engine: Any, prompt: list[int], steps: int) -> tuple[torch.Tenso
     with torch.inference_mode():
         for _ in range(steps):
             batch = runner.build_batch([ScheduledSequence.of(request, chunk)])
-            logits = model.compute_logits(model.forward(batch, runner.caches)).float()
+            hidden = runner.graphs.run(batch) if runner.graphs is not None else None
+            if hidden is None:  # a prefill, or no graphs captured
+                hidden = model.forward(batch, runner.caches)
+            logits = model.compute_logits(hidden).float()
             rows.append(logits)
             request.num_computed_tokens += chunk
             request.append_output(int(logits[-1].argmax()))
@@ -69,7 +77,12 @@ def _compare(engine: Any, reference: Any, steps: int, device: str) -> dict[str, 
         their_tokens = theirs[len(prompt) - 1 :].argmax(-1).tolist()
         agree += sum(int(a == b) for a, b in zip(their_tokens, tokens, strict=True))
         total += len(tokens)
-    return {"max_rel_logit_error": worst, "greedy_agreement": agree / total}
+    replays = engine.runner.graphs.num_replays if engine.runner.graphs is not None else 0
+    return {
+        "max_rel_logit_error": worst,
+        "greedy_agreement": agree / total,
+        "graph_replays": replays,
+    }
 
 
 def check_models(root: Path, device: str, steps: int) -> list[dict[str, Any]]:
@@ -80,7 +93,10 @@ def check_models(root: Path, device: str, steps: int) -> list[dict[str, Any]]:
             row: dict[str, Any] = {"arch": OMNI if arch == "nemotron_vl" else arch, "dtype": dtype}
             try:  # the checkpoint too: writing the VL one needs its transformers class
                 path = checkpoint(root, arch, "tiny")
-                engine = build_engine(path, device, dtype, num_blocks=64, block_size=16)
+                graphs = (1,) if device == "cuda" and arch in GRAPH_ARCHS else ()
+                engine = build_engine(
+                    path, device, dtype, num_blocks=64, block_size=16, graph_batch_sizes=graphs
+                )
                 reference = _reference(path, arch, device, torch_dtype)
                 row.update(_compare(engine, reference, steps, device))
             except Exception as error:  # e.g. a transformers without this class
@@ -93,6 +109,14 @@ def check_models(root: Path, device: str, steps: int) -> list[dict[str, Any]]:
                 )
             else:  # reported, not required: bf16 rounding may flip near ties
                 row["ok"] = True
+            if graphs:  # every decode step replayed a graph
+                row["ok"] = row["ok"] and row["graph_replays"] == len(PROMPTS) * (steps - 1)
             rows.append(row)
             del engine, reference
+    if device != "cuda":
+        rows += [
+            needs_cuda("decode steps replayed from CUDA graphs", arch=arch, dtype=dtype)
+            for arch in GRAPH_ARCHS
+            for dtype in ("float32", "bfloat16")
+        ]
     return rows
