@@ -113,20 +113,23 @@ def spec_totals(url: str) -> dict[str, float]:
     return totals
 
 
-def test_answers_equal_transformers_with_drafts_verified(
-    server: tuple[str, Path, ServeProcess],
-) -> None:
-    mode, checkpoint, running = server
+def assert_copy_prompts_keep_transformers_greedy(
+    url: str, model_name: str, checkpoint: Path, seed: int, stream: bool = True
+) -> dict[str, float]:
+    """Three prompts that repeat a passage (what the n-gram drafter finds):
+    each served greedy answer (and, with `stream`, its streamed text) must
+    be transformers' full-forward greedy tokens with their logprobs. Returns
+    the speculation totals once the router's polled report settles."""
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    client = openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0, timeout=120)
-    rng = random.Random(3)
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    rng = random.Random(seed)
     for n in range(3):
         passage = [rng.randrange(10, 400) for _ in range(24 + 4 * n)]
         prompt = passage + passage[:5]
         want, want_logprobs = full_forward_greedy(model, prompt, NEW_TOKENS)
         reply = client.completions.create(
-            model=checkpoint.name,
+            model=model_name,
             prompt=prompt,
             max_tokens=NEW_TOKENS,
             temperature=0,
@@ -137,28 +140,39 @@ def test_answers_equal_transformers_with_drafts_verified(
         choice = reply.choices[0]
         served = choice.logprobs
         assert served is not None and served.token_logprobs is not None
-        assert served.tokens == [f"token_id:{t}" for t in want], (mode, n)
+        assert served.tokens == [f"token_id:{t}" for t in want], (url, n)
         assert choice.text == text
         gaps = [abs(a - b) for a, b in zip(served.token_logprobs, want_logprobs, strict=True)]
-        assert max(gaps) < LOGPROB_TOLERANCE, (mode, n, gaps)
-        stream = client.completions.create(
-            model=checkpoint.name,
-            prompt=prompt,
-            max_tokens=NEW_TOKENS,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == text
+        assert max(gaps) < LOGPROB_TOLERANCE, (url, n, gaps)
+        if stream:
+            chunks = client.completions.create(
+                model=model_name,
+                prompt=prompt,
+                max_tokens=NEW_TOKENS,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == text
     # The router reports what it last polled from the workers: wait for the
     # report of the requests above (their totals stop growing).
-    totals, deadline = spec_totals(running.url), time.monotonic() + 30
+    totals, deadline = spec_totals(url), time.monotonic() + 30
     while time.monotonic() < deadline:
         time.sleep(1.5)
-        latest = spec_totals(running.url)
+        latest = spec_totals(url)
         if latest == totals and totals.get("verifies", 0) > 0:
             break
         totals = latest
-    assert totals.get("drafted", 0) > 0, totals
+    return totals
+
+
+def test_answers_equal_transformers_with_drafts_verified(
+    server: tuple[str, Path, ServeProcess],
+) -> None:
+    mode, checkpoint, running = server
+    totals = assert_copy_prompts_keep_transformers_greedy(
+        running.url, checkpoint.name, checkpoint, seed=3
+    )
+    assert totals.get("drafted", 0) > 0, (mode, totals)
     if checkpoint.name.endswith("llama"):
         assert totals.get("accepted", 0) > 0, totals
