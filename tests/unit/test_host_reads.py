@@ -139,3 +139,31 @@ def test_prefill_step_of_unequal_prompts_reads_nothing_back(
         runner.model.compute_logits(hidden[batch.logits_indices])
     num_moe = sum(isinstance(m, NemotronHMoE) for m in runner.model.modules())
     assert reads.names == ["Tensor.tolist"] * num_moe
+
+
+def _continuing(manager: object, rid: str, prompt: list[int], done: int) -> ScheduledSequence:
+    """A request whose first `done` prompt tokens are cached; this step brings the rest."""
+    request = Request(rid, prompt, Params())
+    request.num_computed_tokens = done
+    assert manager.allocate_slots(rid, len(prompt))  # type: ignore[attr-defined]
+    return ScheduledSequence.of(request, len(prompt) - done)
+
+
+@pytest.mark.usefixtures("gpu_code_path")
+def test_mixed_step_of_a_continued_chunk_and_decodes_reads_nothing_back(
+    checkpoints: dict[str, Path],
+) -> None:
+    """A chunk continuing a cached prefix (its keys read back from the cache,
+    one attention call per chunk) beside decode tokens and a fresh prompt."""
+    runner, manager, _ = make_runner(checkpoints["llama"], DEVICE, "v2")
+    seqs = [
+        _continuing(manager, "c", list(range(3, 23)), done=7),
+        _decoding(manager, "d", list(range(5, 14))),
+        _prompt(manager, "p", list(range(4, 10))),
+    ]
+    with count_host_reads(DEVICE) as reads, torch.inference_mode():
+        batch = runner.build_batch(seqs)
+        hidden = runner.model.forward(batch, runner.caches)
+        runner.model.compute_logits(hidden[batch.logits_indices])
+    assert batch.shape.has_cached_tokens and len(batch.shape.chunk_seqs) == 2
+    assert reads.count == 0, reads.names
