@@ -7,21 +7,20 @@ from engine.worker_config import WorkerConfig
 from kvcache.device_memory import device_memory
 from kvcache.dtypes import DTYPE_BYTES
 from kvcache.factory import create_manager
-from kvcache.hashing import cache_namespace
-from kvcache.manager import KVCacheManager
-from kvcache.sizing import (
+from kvcache.gpu_share import (
     NCCL_BYTES,
-    CacheSizing,
     GpuShare,
     InstanceOverheads,
     RuntimeReserve,
     TransientPeaks,
     attention_gather_bytes,
     sampling_bytes,
-    size_instance_cache,
     ssd_scan_bytes,
     step_activation_bytes,
 )
+from kvcache.hashing import cache_namespace
+from kvcache.manager import KVCacheManager
+from kvcache.sizing import CacheSizing, size_instance_cache
 from kvcache.tensors import CacheTensors, allocate_cache_tensors
 from models.config import ModelConfig
 from models.layers.moe_experts import GATHER_BYTES

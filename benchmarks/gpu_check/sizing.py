@@ -65,7 +65,8 @@ def check_sizing(root: Path, device: str) -> list[dict[str, Any]]:
 def _arithmetic(path: Path) -> dict[str, Any]:
     from engine.cache_build import instance_overheads
     from kvcache.device_memory import DeviceMemory
-    from kvcache.sizing import GpuShare, size_instance_cache
+    from kvcache.gpu_share import GpuShare
+    from kvcache.sizing import size_instance_cache
     from models.hf_config import load_model_config
 
     config = worker_config(path)

@@ -1,4 +1,4 @@
-"""GPU memory sizing by an instance's share of its GPU, on a faked device.
+"""GPU memory sizing by an instance's share of its GPU (`kvcache.gpu_share`), on a faked device.
 
 A fake GPU hands each instance what the worker would measure (total, free
 now, its own weights) and then charges it everything it holds: CUDA context
@@ -18,19 +18,19 @@ import pytest
 
 from engine.cache_build import gpu_share, instance_overheads
 from engine.worker_config import WorkerConfig
+from kvcache.device_memory import DeviceMemory
 from kvcache.errors import CacheSizingError
-from kvcache.sizing import (
-    DeviceMemory,
+from kvcache.gpu_share import (
     GpuShare,
     InstanceOverheads,
     RuntimeReserve,
     TransientPeaks,
     attention_gather_bytes,
     sampling_bytes,
-    size_instance_cache,
     ssd_scan_bytes,
     step_activation_bytes,
 )
+from kvcache.sizing import size_instance_cache
 from kvcache.spec import CacheSpec
 from models.embedded.writer import write_checkpoint
 from models.hf_config import load_model_config
