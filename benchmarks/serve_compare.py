@@ -47,7 +47,12 @@ it: what the serving path costs.
 
 The default model is the anchor: a random-weight Llama, hidden 256, 4 layers,
 fp32 (`disagg make-checkpoint --arch llama --size mini`), written to
-`checkpoints/mini-llama` if missing. `--model smollm2` is the project's default
+`checkpoints/mini-llama` if missing. `--model nemotron-h` is a hybrid:
+Nemotron-H `small` (hidden 512, 16 Mamba heads of 64, state 64, 8 attention
+heads / 2 KV) with the layers `M-M*-M-M*-M`, no MoE, since vLLM's CPU build
+cannot run Nemotron-H's non-gated MoE (`disagg make-checkpoint --arch
+nemotron_h --size small --hybrid-pattern M-M*-M-M*-M`, written to
+`checkpoints/small-nemotron-h-no-moe` if missing). `--model smollm2` is the project's default
 model, SmolLM2-135M-Instruct (30 layers): its packaged GGUF file dequantized
 into the GGUF cache folder that `disagg serve` itself uses, which both sides
 load. What two cores sustain depends on the CPU: on a 2-vCPU Zen 2 one core
@@ -115,6 +120,11 @@ DEFAULT_MODEL = Path("checkpoints/mini-llama")
 SMOLLM2 = (
     "smollm2"  # --model: the default model's GGUF, dequantized (`cluster.config.default_model`)
 )
+# --model nemotron-h: a random-weight Nemotron-H without MoE layers, which
+# vLLM's CPU build can run (it refuses the non-gated MoE of E layers).
+NEMOTRON_H = "nemotron-h"
+NEMOTRON_H_MODEL = Path("checkpoints/small-nemotron-h-no-moe")
+NEMOTRON_H_PATTERN = "M-M*-M-M*-M"
 DEFAULT_RATES = ("2", "8", "inf")
 QUICK_RATES = ("8", "inf")
 WARMUP_PROMPTS = 16
@@ -384,7 +394,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rates", nargs="+", type=rate_arg, default=None)
     parser.add_argument("--quick", action="store_true", help=f"rates {' '.join(QUICK_RATES)}")
     parser.add_argument(
-        "--model", help=f"a local HF folder, or {SMOLLM2!r} (default: the anchor Llama)"
+        "--model",
+        help=f"a local HF folder, {SMOLLM2!r}, or {NEMOTRON_H!r} (a hybrid without MoE: "
+        f"Nemotron-H small, {NEMOTRON_H_PATTERN}) (default: the anchor Llama)",
     )
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--input-len", type=int, default=256)
@@ -471,6 +483,12 @@ def resolve_model(name: str | None) -> Path:
         from models.gguf.cache import cached_checkpoint
 
         return cached_checkpoint(default_model_file())
+    if name == NEMOTRON_H:
+        from models.embedded.writer import ensure_checkpoint
+
+        return ensure_checkpoint(
+            NEMOTRON_H_MODEL, "nemotron_h", "small", hybrid_pattern=NEMOTRON_H_PATTERN
+        )
     return Path(name)
 
 

@@ -60,6 +60,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and its mtp.layers.* tensors",
     )
     parser.add_argument(
+        "--hybrid-pattern",
+        default=None,
+        metavar="PATTERN",
+        help="--arch nemotron_h / nemotron_vl: the layers, one character each (M Mamba2, "
+        "* attention, - MLP, E MoE) instead of the size's; e.g. M-M*-M-M*-M for a hybrid "
+        "without MoE, which vLLM's CPU build can run",
+    )
+    parser.add_argument(
         "--initializer-range",
         type=float,
         default=None,
@@ -93,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
             progress=args.size != "tiny",
             image_format=args.image_format,
             mtp=args.mtp,
+            hybrid_pattern=args.hybrid_pattern,
         )
     except (CheckpointWriteError, UnknownCheckpointKindError) as error:
         return _fail(str(error))

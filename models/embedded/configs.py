@@ -18,7 +18,7 @@ Sizes:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from models.embedded.tokenizer import (
@@ -46,6 +46,9 @@ DEFAULT_INITIALIZER_RANGE = 0.02
 # (the Nemotron 3 Super release's pattern: attention, then MoE).
 MTP_PATTERN = "*E"
 MTP_ARCHS: tuple[str, ...] = ("nemotron_h", "nemotron_vl")
+# The archs with a Nemotron-H layer pattern, and its layer characters.
+HYBRID_ARCHS: tuple[str, ...] = ("nemotron_h", "nemotron_vl")
+HYBRID_LAYER_CHARS: tuple[str, ...] = ("M", "*", "-", "E")
 # `model_type` of each wrapper. The transformers-native Omni class registers
 # "nemotron_h_omni"; the remote-code releases use the class name itself.
 VL_MODEL_TYPES: dict[str, str] = {
@@ -191,7 +194,10 @@ def llama_config(size: str, initializer_range: float = DEFAULT_INITIALIZER_RANGE
 
 
 def nemotron_h_config(
-    size: str, initializer_range: float = DEFAULT_INITIALIZER_RANGE, mtp: bool = False
+    size: str,
+    initializer_range: float = DEFAULT_INITIALIZER_RANGE,
+    mtp: bool = False,
+    hybrid_pattern: str | None = None,
 ) -> dict[str, Any]:
     """A `NemotronHForCausalLM` config.json body.
 
@@ -200,8 +206,11 @@ def nemotron_h_config(
     serializes); they describe the same layers. `mtp` adds one
     multi-token-prediction step of `MTP_PATTERN` layers, in the released
     fields `num_nextn_predict_layers` and `mtp_hybrid_override_pattern`.
+    `hybrid_pattern` replaces the size's layer pattern (`check_hybrid_pattern`).
     """
     s = shape_of(size)
+    if hybrid_pattern is not None:
+        s = replace(s, hybrid_pattern=check_hybrid_pattern(hybrid_pattern))
     names = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
     config: dict[str, Any] = {
         "architectures": ["NemotronHForCausalLM"],
@@ -270,6 +279,21 @@ def nemotron_h_config(
     return config
 
 
+def check_hybrid_pattern(pattern: str) -> str:
+    """`pattern` if it is a Nemotron-H layer pattern (one of M, *, - or E per
+    layer, with a Mamba or an attention layer among them); `ValueError` naming
+    what is wrong otherwise."""
+    bad = sorted(set(pattern) - set(HYBRID_LAYER_CHARS))
+    if not pattern or bad:
+        raise ValueError(
+            f"hybrid pattern {pattern!r} must be one of {', '.join(HYBRID_LAYER_CHARS)} per "
+            f"layer (M Mamba2, * attention, - MLP, E MoE){'; not ' + ''.join(bad) if bad else ''}"
+        )
+    if not set(pattern) & {"M", "*"}:
+        raise ValueError(f"hybrid pattern {pattern!r} needs a Mamba (M) or attention (*) layer")
+    return pattern
+
+
 def radio_vision_config(size: str, initializer_range: float) -> dict[str, Any]:
     """A tiny RADIO vision tower config (the `vision_config` of the VL wrappers)."""
     s = shape_of(size)
@@ -298,6 +322,7 @@ def nemotron_vl_config(
     vl_architecture: str = DEFAULT_VL_ARCHITECTURE,
     initializer_range: float = DEFAULT_INITIALIZER_RANGE,
     mtp: bool = False,
+    hybrid_pattern: str | None = None,
 ) -> dict[str, Any]:
     """An outer VL / Omni config.json body with the language model under `llm_config`.
 
@@ -310,7 +335,7 @@ def nemotron_vl_config(
     return {
         "architectures": [vl_architecture],
         "model_type": VL_MODEL_TYPES[vl_architecture],
-        "llm_config": nemotron_h_config(size, initializer_range, mtp),
+        "llm_config": nemotron_h_config(size, initializer_range, mtp, hybrid_pattern),
         "vision_config": radio_vision_config(size, initializer_range),
         "force_image_size": 64,
         "downsample_ratio": 0.5,
@@ -371,12 +396,14 @@ def checkpoint_config(
     vl_architecture: str | None = None,
     initializer_range: float | None = None,
     mtp: bool = False,
+    hybrid_pattern: str | None = None,
 ) -> dict[str, Any]:
     """The config.json body for `arch` at `size`.
 
     `vl_architecture` applies to `nemotron_vl` only (default
     `NemotronH_Nano_VL_V2`); `initializer_range` defaults to 0.02; `mtp`
-    (`nemotron_h` and `nemotron_vl`) adds multi-token-prediction layers.
+    (`nemotron_h` and `nemotron_vl`) adds multi-token-prediction layers;
+    `hybrid_pattern` (the same two) replaces the size's layer pattern.
     """
     _check_choice("arch", arch, ARCHS)
     if vl_architecture is not None and arch != "nemotron_vl":
@@ -387,14 +414,20 @@ def checkpoint_config(
         raise UnknownCheckpointKindError(
             f"mtp layers exist for arch {' and '.join(MTP_ARCHS)} only, not {arch!r}; drop it"
         )
+    if hybrid_pattern is not None and arch not in HYBRID_ARCHS:
+        raise UnknownCheckpointKindError(
+            f"a hybrid pattern applies to arch {' and '.join(HYBRID_ARCHS)} only, not {arch!r}; "
+            "drop it"
+        )
     init = DEFAULT_INITIALIZER_RANGE if initializer_range is None else initializer_range
     if not init > 0:
         raise ValueError(f"initializer_range must be positive, got {init}")
     if arch == "llama":
         return llama_config(size, init)
     if arch == "nemotron_h":
-        return nemotron_h_config(size, init, mtp)
-    return nemotron_vl_config(size, vl_architecture or DEFAULT_VL_ARCHITECTURE, init, mtp)
+        return nemotron_h_config(size, init, mtp, hybrid_pattern)
+    vl = vl_architecture or DEFAULT_VL_ARCHITECTURE
+    return nemotron_vl_config(size, vl, init, mtp, hybrid_pattern)
 
 
 def language_model_config(config: dict[str, Any]) -> dict[str, Any]:

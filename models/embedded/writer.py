@@ -61,6 +61,7 @@ def write_checkpoint(
     progress: bool = False,
     image_format: str | None = None,
     mtp: bool = False,
+    hybrid_pattern: str | None = None,
 ) -> Path:
     """Write a complete checkpoint for `arch` at `size` into the folder `out`.
 
@@ -68,6 +69,8 @@ def write_checkpoint(
     `dynamic` (transformers' Omni format, the default) or `tiles` (VL V2).
     `mtp` (`nemotron_h`, `nemotron_vl`) adds one multi-token-prediction step
     to config.json and its `mtp.layers.*` tensors to model.safetensors.
+    `hybrid_pattern` (the same two) replaces the size's layer pattern, e.g.
+    `"M-M*-M-M*-M"` for a hybrid without MoE layers.
 
     The same arguments always give a byte-identical model.safetensors.
     Existing checkpoint files in `out` are replaced; other files are left
@@ -76,12 +79,13 @@ def write_checkpoint(
     VL wrapper names.
     """
     out = Path(out)
-    config = checkpoint_config(arch, size, vl_architecture, initializer_range, mtp)
+    config = checkpoint_config(arch, size, vl_architecture, initializer_range, mtp, hybrid_pattern)
     image_format = _image_format(arch, image_format)
     _prepare_folder(out)
     try:
         _write_all(out, config, size, seed, progress, image_format)
-        _write_json(out / MANIFEST_NAME, _manifest(arch, size, seed, config, image_format, mtp))
+        manifest = _manifest(arch, size, seed, config, image_format, mtp, hybrid_pattern)
+        _write_json(out / MANIFEST_NAME, manifest)
     except OSError as error:
         raise CheckpointWriteError(
             f"cannot write checkpoint into {out}: {_reason(error)}"
@@ -98,6 +102,7 @@ def ensure_checkpoint(
     initializer_range: float | None = None,
     image_format: str | None = None,
     mtp: bool = False,
+    hybrid_pattern: str | None = None,
 ) -> Path:
     """Return `out`, writing the checkpoint first unless an identical one is there.
 
@@ -105,8 +110,9 @@ def ensure_checkpoint(
     whose manifest records the same arguments and format version.
     """
     out = Path(out)
-    config = checkpoint_config(arch, size, vl_architecture, initializer_range, mtp)
-    manifest = _manifest(arch, size, seed, config, _image_format(arch, image_format), mtp)
+    config = checkpoint_config(arch, size, vl_architecture, initializer_range, mtp, hybrid_pattern)
+    image_format = _image_format(arch, image_format)
+    manifest = _manifest(arch, size, seed, config, image_format, mtp, hybrid_pattern)
     if read_manifest(out) == manifest and is_complete(out):
         return out
     return write_checkpoint(
@@ -118,6 +124,7 @@ def ensure_checkpoint(
         initializer_range,
         image_format=image_format,
         mtp=mtp,
+        hybrid_pattern=hybrid_pattern,
     )
 
 
@@ -153,6 +160,7 @@ def _manifest(
     config: dict[str, Any],
     image_format: str | None,
     mtp: bool = False,
+    hybrid_pattern: str | None = None,
 ) -> dict[str, Any]:
     architecture = config["architectures"][0]
     manifest = {
@@ -169,6 +177,8 @@ def _manifest(
         manifest["image_format"] = image_format
     if mtp:  # recorded only when set: folders made without it keep their manifest
         manifest["mtp"] = True
+    if hybrid_pattern is not None:
+        manifest["hybrid_pattern"] = hybrid_pattern
     return manifest
 
 

@@ -88,6 +88,47 @@ def test_mtp_flag_writes_the_released_mtp_layout(tmp_path: Path, arch: str, pref
     assert len(experts) == 2 * llm["n_routed_experts"]
 
 
+def test_hybrid_pattern_flag_writes_those_layers_and_no_others(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    from models.loader import load_model
+
+    out = tmp_path / "no-moe"
+    assert (
+        main(["make-checkpoint", "--arch", "nemotron_h", "--hybrid-pattern", "M-M*-M", str(out)])
+        == 0
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert config["hybrid_override_pattern"] == "M-M*-M" and config["num_hidden_layers"] == 6
+    assert config["layers_block_type"][3] == "full_attention"
+    assert json.loads((out / "embedded_checkpoint.json").read_text())["hybrid_pattern"] == "M-M*-M"
+    with safe_open(out / "model.safetensors", "pt") as f:
+        names = list(f.keys())
+    assert not [n for n in names if ".experts." in n or ".gate." in n]
+    assert "backbone.layers.5.mixer.A_log" in names
+    model, model_config = load_model(out, dtype="float32", device="cpu")
+    assert model_config.layer_types == ("mamba", "mlp", "mamba", "attention", "mlp", "mamba")
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--arch", "nemotron_h", "--hybrid-pattern", "M-X"], "'M-X' must be one of M, *, -, E"),
+        (["--arch", "nemotron_h", "--hybrid-pattern=--E"], "needs a Mamba (M) or attention"),
+        (
+            ["--arch", "llama", "--hybrid-pattern", "M*"],
+            "applies to arch nemotron_h and nemotron_vl",
+        ),
+    ],
+)
+def test_a_bad_hybrid_pattern_is_one_line(
+    args: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["make-checkpoint", *args, "x"]) != 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err
+
+
 def test_mtp_flag_with_llama_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["make-checkpoint", "--arch", "llama", "--mtp", "x"]) != 0
     err = capsys.readouterr().err

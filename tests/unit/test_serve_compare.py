@@ -5,6 +5,7 @@ benchmark's job, not the suite's."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import socket
 import subprocess
 import sys
@@ -368,3 +369,15 @@ def test_a_held_port_ends_the_benchmark_and_ctrl_c_keeps_the_rows(tmp_path: Path
     with pytest.raises(PortBusy):
         serve_runs(launch, 5.0, held, ["1"], lambda r: r, "{} {}".format)
     assert not launch.processes[0].alive()
+
+
+def test_model_nemotron_h_is_a_hybrid_without_moe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import benchmarks.serve_compare as serve_compare
+
+    monkeypatch.setattr(serve_compare, "NEMOTRON_H_MODEL", tmp_path / "hybrid")
+    folder = serve_compare.resolve_model("nemotron-h")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["hybrid_override_pattern"] == "M-M*-M-M*-M"
+    assert "moe" not in config["layers_block_type"] and config["hidden_size"] == 512
