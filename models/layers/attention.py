@@ -360,7 +360,7 @@ def _chunked_prefill_attention(
     # Host copies of the counts: slicing by them reads nothing back from the
     # device. The loop stays: a step holds few chunks (the scheduler's token
     # budget), and one padded call would gather every chunk's keys to the
-    # longest context, the whole-context gather `kvcache.sizing` reserves for
+    # longest context, the whole-context gather `kvcache.gpu_share` reserves for
     # once (`attention_gather_bytes`), times the number of chunks.
     starts, context_lens = batch.shape.query_start_loc, batch.shape.context_lens
     seq_lens = batch.shape.seq_lens
