@@ -19,6 +19,7 @@ Both rows use the worker's own reckoning (`engine.cache_build.gpu_share`,
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -101,6 +102,9 @@ def _two_processes(path: Path) -> dict[str, Any]:
     import torch
 
     ctx = multiprocessing.get_context("spawn")
+    # What the earlier parts left in this process's allocator goes back first.
+    gc.collect()
+    torch.cuda.empty_cache()
     free_before, total = torch.cuda.mem_get_info()
     instances, pipes, reports = [], [], []
     try:
