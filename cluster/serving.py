@@ -33,6 +33,7 @@ from cluster.metrics import ServingMetrics
 from cluster.routing.policies import WorkerState
 from cluster.routing.router import Router, RoutingSettings
 from cluster.routing.worker_poller import WorkerEndpoint
+from cluster.routing.worker_socket import StreamBrokenError
 from runtime.cancellation import cancel_and_wait
 from runtime.startup_heap import freeze_startup_heap
 
@@ -81,6 +82,7 @@ class ServingCluster:
             raise
         try:
             await self._start_http(listener)
+            await self._connect_router()
             freeze_startup_heap()  # router, app and tokenizer are built
         except BaseException:
             await self._close()
@@ -157,6 +159,15 @@ class ServingCluster:
                 self._server_task.result()  # raises the server's startup error
                 raise RuntimeError("the HTTP server exited during startup")
             await asyncio.sleep(0.02)
+
+    async def _connect_router(self) -> None:
+        """Open the router's event streams and call sockets to every worker
+        before the URL is printed, so that the first request finds them open."""
+        assert self.router is not None
+        try:
+            await self.router.connect()
+        except StreamBrokenError as exc:  # the first request tries again
+            logger.warning("%s", exc)
 
     async def _close(self) -> None:
         if self._server is not None and self._server_task is not None:

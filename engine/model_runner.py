@@ -175,8 +175,11 @@ class ModelRunner:
         self.written: StepEvent = HostEvent()
 
     def prepare(self, max_blocks_per_seq: int, graph_batch_sizes: Sequence[int] = ()) -> None:
-        """Startup, before any request: compile the decode kernels and, on
-        CUDA, capture decode graphs for `graph_batch_sizes` (see
+        """Startup, before any request: run a decode step and a short prompt,
+        so that the kernels of both are compiled now rather than in the first
+        request (Triton's on CUDA; on CPU the C kernels, which are built on
+        first use, the prefill attention one among them), and, on CUDA,
+        capture decode graphs for `graph_batch_sizes` (see
         `engine.decode_graphs`; on CPU that is skipped with a log line).
 
         The warm-up steps write K/V only into the null block and, for hybrid
@@ -186,6 +189,7 @@ class ModelRunner:
         with torch.inference_mode():
             for width in sorted({1, max_blocks_per_seq}):
                 self._run(self._warm_up_step(width))
+            self._run(self._warm_up_prompt())
         self.graphs = build_decode_graphs(
             self.model,
             self.caches,
@@ -210,6 +214,24 @@ class ModelRunner:
                 block_size=self.block_size,
                 mamba_slots=[0] if self.is_hybrid else None,
                 logits_indices=[0],
+            )
+        )
+
+    def _warm_up_prompt(self, length: int = 2) -> StepInput:
+        """A prompt of `length` tokens held in the null block, its last one sampled."""
+        bs = self.block_size
+        return StepInput(
+            HostBatch.pack(
+                input_ids=[0] * length,
+                positions=list(range(length)),
+                query_start_loc=[0, length],
+                seq_lens=[length],
+                context_lens=[0],
+                block_tables=[[0] * -(-length // bs)],
+                slot_mapping=[p % bs for p in range(length)],
+                block_size=bs,
+                mamba_slots=[0] if self.is_hybrid else None,
+                logits_indices=[length - 1],
             )
         )
 

@@ -35,6 +35,7 @@ from runtime.cancellation import cancel_and_wait
 logger = logging.getLogger(__name__)
 
 _REOPEN_DELAY_S = 0.5
+_CONNECT_POLL_S = 0.01
 
 
 class ContextCalls:
@@ -67,6 +68,14 @@ class ContextCalls:
             raise
         finally:
             self._answers.pop(call_id, None)
+
+    async def connect(self) -> None:
+        """Open the call socket now, as the first call would, and return once
+        it is open or its opening failed (calls then go through Ray, as
+        before): start-up does this, so that no request pays for the opening."""
+        self._open_soon()
+        while self._socket is None and self._reader is not None:
+            await asyncio.sleep(_CONNECT_POLL_S)
 
     async def stop(self) -> None:
         """Close the socket; calls waiting on it get `StreamBrokenError`."""

@@ -133,6 +133,15 @@ class Router:
         """Start polling load and KV events; call from the serving event loop."""
         self._poller.start()
 
+    async def connect(self) -> None:
+        """Open every generation worker's event stream and every context
+        worker's call socket (else the first request to each opens them);
+        raises `StreamBrokenError` when a stream does not open."""
+        await asyncio.gather(
+            *(channel.connect() for channel in self._channels.values()),
+            *(calls.connect() for calls in self._context_calls.values()),
+        )
+
     async def stop(self) -> None:
         """Stop polling and every worker's stream and calls (`stop_each`)."""
         await stop_each(

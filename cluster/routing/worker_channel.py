@@ -173,6 +173,13 @@ class WorkerChannel:
         finally:
             self._waiting.discard(request_id)
 
+    async def connect(self) -> None:
+        """Open the event stream now, as the first request would, and wait
+        (at most `_OPEN_WAIT_S`) until it has: start-up does this, so that
+        no request pays for the opening. Raises `StreamBrokenError`."""
+        self._start()
+        await self._until_open()
+
     async def _until_open(self) -> None:
         """Wait (at most `_OPEN_WAIT_S`) for the current stream to open."""
         if self._opened is not None and self._opened.done():

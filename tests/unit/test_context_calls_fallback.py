@@ -69,3 +69,19 @@ async def test_an_unreachable_call_socket_leaves_the_calls_on_ray(
     assert worker.offers == 3  # each call after the delay tried the socket again
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "cannot reach the context worker's socket" in warnings[0]
+
+
+async def test_connect_tries_the_socket_before_the_first_call(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Start-up connects; a socket it cannot reach leaves the calls on Ray."""
+    worker = _UnreachableWorker()
+    calls = ContextCalls("context-0", worker)
+    try:
+        with caplog.at_level(logging.WARNING, logger="cluster.routing.context_calls"):
+            await asyncio.wait_for(calls.connect(), 10)
+        assert worker.offers == 1 and calls._reader is None
+        result = await calls.prefill(ContextRequest("r0", [1, 2], SamplingParams(max_tokens=1)))
+        assert result.first_token_id == 7
+    finally:
+        await calls.stop()

@@ -17,6 +17,7 @@ from kvcache.factory import create_manager
 from kvcache.manager import KVCacheManager
 from kvcache.tensors import allocate_cache_tensors
 from models.embedded.writer import write_checkpoint
+from models.kernels import cpu_build
 from models.loader import load_model
 from tests.step_events import GatedEvent
 
@@ -245,3 +246,23 @@ def test_a_sampling_step_is_timed_by_its_events(
     assert out.timings.forward_s == 0.5 + 0.125 and out.timings.sample_s == 0.25
     assert out.written is recorded.events[-1] and out.timings.span.done()
 
+
+def test_prepare_reaches_the_prompt_kernels_before_any_request(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Start-up runs a prompt as well as a decode step: the C kernels are
+    built on first use, and the first request must not wait for the prefill
+    attention kernel's build."""
+    asked: list[str] = []
+    get = cpu_build.KernelFunction.get
+
+    def recording_get(self: cpu_build.KernelFunction) -> object:
+        asked.append(self.library)
+        return get(self)
+
+    monkeypatch.setattr(cpu_build.KernelFunction, "get", recording_get)
+    runner, manager, _ = make_runner(checkpoint, "v1")
+    free_before = manager.num_free_blocks
+    runner.prepare(max_blocks_per_seq=4)
+    assert {"decode_attention", "prefill_attention"} <= set(asked)
+    assert manager.num_free_blocks == free_before  # the warm-up holds no block

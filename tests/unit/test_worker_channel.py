@@ -498,3 +498,19 @@ async def test_stop_ends_the_reader_even_when_a_stream_swallows_the_cancel() -> 
         pytest.fail("stop() did not end the reader: it reopened after a swallowed cancel")
     await asyncio.sleep(0.5)
     assert opened == 1
+
+
+async def test_connect_opens_the_stream_before_any_request() -> None:
+    """Start-up connects: the first request then finds the stream open."""
+    worker = _Worker("a")
+    channel = _channel(worker)
+    try:
+        connecting = asyncio.ensure_future(channel.connect())
+        stream = await asyncio.wait_for(worker.streams.get(), 5)
+        await asyncio.sleep(0.01)
+        assert not connecting.done()  # it waits for the stream to say its incarnation
+        stream.put_nowait(StreamOpened("a"))
+        await asyncio.wait_for(connecting, 5)
+        assert worker.streams.empty() and not worker.submitted
+    finally:
+        await channel.stop()
