@@ -159,12 +159,8 @@ def _run_instance(path: Path) -> dict[str, Any]:
     import torch
 
     from engine.cache_build import build_cache, gpu_share
-    from engine.core import EngineCore
-    from engine.decode_graphs import graph_batch_sizes
     from engine.model_runner import ModelRunner
-    from engine.request import Request
-    from engine.sampling import Sampler, SamplingParams
-    from engine.scheduler import Scheduler, SchedulerConfig
+    from engine.sampling import Sampler
     from kvcache.device_memory import DeviceBytesMeter
     from models.loader import load_model
 
@@ -176,24 +172,40 @@ def _run_instance(path: Path) -> dict[str, Any]:
     assert share is not None
     manager, cache, sizing = build_cache(config, model_config, gpu_share=share)
     runner = ModelRunner(model, cache.views(), manager, config.block_size, Sampler(), device="cuda")
-    longest = min(
-        model_config.max_position_embeddings, manager.num_usable_blocks * config.block_size
-    )
-    runner.prepare(-(-longest // config.block_size), graph_batch_sizes(MAX_BATCH_SIZE))
-    scheduler = Scheduler(SchedulerConfig(MAX_NUM_TOKENS, MAX_BATCH_SIZE, longest), manager)
-    core = EngineCore(scheduler, runner, make_stop_check=lambda r: None)
-    # A first step at the token budget, then sampled decode steps of the whole batch.
-    params = SamplingParams(max_tokens=4, temperature=1.0, seed=1, ignore_eos=True)
-    prompt = MAX_NUM_TOKENS // MAX_BATCH_SIZE
-    for i in range(MAX_BATCH_SIZE):
-        core.add(Request(f"r{i}", [3 + (i + j) % 100 for j in range(prompt)], params))
-    for _ in range(4):
-        core.step()
+    replays = run_steps(runner, manager, config.block_size, model_config.max_position_embeddings)
     torch.cuda.synchronize()
     return {
         "weights_mib": weights.bytes / MIB,
         "cache_mib": sizing.total_bytes / MIB,
         "budgeted_mib": (weights.bytes + sizing.total_bytes + share.overheads.total) / MIB,
         "allocator_peak_mib": torch.cuda.max_memory_reserved() / MIB,
-        "graph_replays": runner.graphs.num_replays if runner.graphs is not None else 0,
+        "graph_replays": replays,
     }
+
+
+def run_steps(runner: Any, manager: Any, block_size: int, model_len: int) -> int:
+    """Warm up (graphs captured on CUDA), then a first step at the token budget
+    and sampled decode steps of the whole batch: an instance's peaks. Returns
+    the decode steps replayed from CUDA graphs."""
+    from engine.core import EngineCore
+    from engine.decode_graphs import graph_batch_sizes
+    from engine.request import Request
+    from engine.sampling import SamplingParams
+    from engine.scheduler import Scheduler, SchedulerConfig
+
+    longest = min(model_len, manager.num_usable_blocks * block_size)
+    runner.prepare(-(-longest // block_size), graph_batch_sizes(MAX_BATCH_SIZE))
+    scheduler = Scheduler(SchedulerConfig(MAX_NUM_TOKENS, MAX_BATCH_SIZE, longest), manager)
+    core = EngineCore(scheduler, runner, make_stop_check=lambda _: _never)
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=1, ignore_eos=True)
+    prompt = MAX_NUM_TOKENS // MAX_BATCH_SIZE
+    for i in range(MAX_BATCH_SIZE):
+        core.add(Request(f"r{i}", [3 + (i + j) % 100 for j in range(prompt)], params))
+    for _ in range(4):
+        core.step()
+    return runner.graphs.num_replays if runner.graphs is not None else 0
+
+
+def _never(request: Any) -> None:
+    """No request stops: the instance runs exactly the steps asked for."""
+    return None

@@ -90,3 +90,15 @@ def test_a_check_that_needs_cuda_is_listed_not_failed() -> None:
     assert "ok   [cpu-run] kernel=paged_attention_decode" in text
     assert "ok   [needs-cuda] check=graphs" in text
     assert "1 checks need CUDA" in text
+
+
+def test_a_sizing_instance_runs_its_steps(tmp_path: Path) -> None:
+    """The steps each GPU sizing instance runs (a step at the token budget,
+    then sampled decode steps of the whole batch), here on CPU."""
+    from benchmarks.gpu_check import sizing
+    from benchmarks.gpu_check.engine_setup import build_engine, checkpoint
+
+    engine = build_engine(checkpoint(tmp_path, "llama", "tiny"), "cpu", "float32", num_blocks=64)
+    replays = sizing.run_steps(engine.runner, engine.manager, 16, 10_000)
+    assert replays == 0  # no graphs on CPU
+    assert engine.manager.num_free_blocks < engine.manager.num_usable_blocks
