@@ -26,7 +26,7 @@ from engine.request import FinishReason, Request
 from engine.sampling import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.speculation.drafts import Drafter
-from engine.speculation.mtp import MTPDrafting
+from engine.speculation.mtp import MTPDrafting, mtp_drafting
 from engine.step_timeline import StepRecord
 from engine.stop import StopChecker
 from engine.tensor_parallel import RankCapacity, RankGroup
@@ -73,11 +73,6 @@ class EngineInstance:
         num_ranks = config.tensor_parallel_size
         speculative = config.speculative
         use_mtp = speculative is not None and speculative.uses_model
-        if use_mtp and num_ranks > 1:
-            raise ValueError(
-                "MTP drafting runs on one rank: set tensor_parallel_size 1 or "
-                "speculative_config.method ngram"
-            )
         with DeviceBytesMeter(config.device) as weights:
             model, model_config = load_model(
                 Path(config.checkpoint),
@@ -278,17 +273,8 @@ def _build_image_encoder(
 def _build_mtp(config: WorkerConfig, model: CausalLM) -> MTPDrafting:
     """The model's MTP layers as the runner's drafter (`engine.speculation.mtp`)."""
     assert config.speculative is not None
-    if not callable(getattr(model, "mtp_forward", None)):
-        raise ValueError(
-            f"{type(model).__name__} has no MTP layers: speculative_config.method mtp "
-            "needs a Nemotron-H checkpoint with num_nextn_predict_layers > 0"
-        )
-    return MTPDrafting(
-        model,  # type: ignore[arg-type]
-        config.speculative.num_speculative_tokens,
-        config.block_size,
-        torch.device(config.device),
-    )
+    k = config.speculative.num_speculative_tokens
+    return mtp_drafting(model, k, config.block_size, config.device)
 
 
 def _build_scheduler(

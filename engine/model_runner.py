@@ -63,6 +63,9 @@ class StepFollowers(Protocol):
 
     def send(self, step: StepInput) -> None: ...
 
+    def send_mtp(self, chunks: list[KeptChunk]) -> None:
+        """The step's kept chunks, for the other ranks' MTP drafting."""
+
     def abandon(self) -> None:
         """Rank 0's step failed: the ranks are out of step for good."""
 
@@ -169,6 +172,8 @@ class ModelRunner:
         self.histories: dict[str, TokenHistory] = {}
         # Captured decode steps (CUDA only), set by `prepare`.
         self.graphs: DecodeGraphs | None = None
+        # A follower's last step's hidden states, for its MTP drafting.
+        self._followed: torch.Tensor | None = None
         # A seeded verify's generator state before its draws (`_rewind`).
         self._verify_states: dict[str, torch.Tensor] = {}
         # After the cache writes of the last step `follow` ran.
@@ -338,7 +343,7 @@ class ModelRunner:
         if self.mtp is not None:
             with torch.inference_mode():
                 chunks = self._kept_chunks(seqs, step, out)
-                out.drafts = self.mtp.draft(chunks, hidden, self.caches)
+                out.drafts = self._draft(chunks, hidden)
         out.written = record_event(self.device)
         timings.span = StepSpan(start, out.written)
         if tokens:
@@ -427,12 +432,36 @@ class ModelRunner:
         for _ in range(used):
             draw_uniform(generator)
 
+    def _draft(self, chunks: list[KeptChunk], hidden: torch.Tensor) -> dict[int, list[int]]:
+        """MTP drafting, on every rank: the other ranks get the kept chunks
+        first and run the same drafting on their shards (`follow_mtp`)."""
+        assert self.mtp is not None
+        if self.followers is None or not any(c.next_tokens for c in chunks):
+            return self.mtp.draft(chunks, hidden, self.caches)
+        self.followers.send_mtp(chunks)
+        try:
+            return self.mtp.draft(chunks, hidden, self.caches)
+        except BaseException:
+            self.followers.abandon()
+            raise
+
     def follow(self, step: StepInput) -> None:
         """Run rank 0's `step` on this rank's shard (ranks 1.. of a
         tensor-parallel instance); the logits are rank 0's to sample.
-        `written` marks the end of its cache writes."""
+        `written` marks the end of its cache writes. With MTP the step's
+        hidden states wait for the step's kept chunks (`follow_mtp`)."""
         with torch.inference_mode():
-            self._run(step)
+            hidden, _ = self._run(step)
+        self._followed = hidden if self.mtp is not None else None
+        self.written = record_event(self.device)
+
+    def follow_mtp(self, chunks: list[KeptChunk]) -> None:
+        """Rank 0's MTP drafting of the step `follow` last ran, on this rank's
+        shard of the MTP layers (its drafts are rank 0's too, and dropped)."""
+        assert self.mtp is not None and self._followed is not None
+        with torch.inference_mode():
+            self.mtp.draft(chunks, self._followed, self.caches)
+        self._followed = None
         self.written = record_event(self.device)
 
     def _run(

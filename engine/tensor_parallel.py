@@ -57,6 +57,7 @@ from engine.cache_build import build_cache
 from engine.model_runner import ModelRunner, StepInput
 from engine.process_env import inherited_worker_env
 from engine.rank_transfer import RankTransfer
+from engine.speculation.mtp import KeptChunk, mtp_drafting
 from engine.threads import configure_torch_threads, run_on_compute_thread
 from engine.worker_config import WorkerConfig
 from kvcache.layout import RequestRegions
@@ -193,13 +194,20 @@ class TensorParallelRank:
         config: WorkerConfig, rank: int, address: str, sizing: CacheSizing
     ) -> tuple[ModelRunner, CacheTensors, KVCacheManager]:
         join_group(address, rank, config.tensor_parallel_size, config.device)
+        speculative = config.speculative
+        use_mtp = speculative is not None and speculative.uses_model
         model, model_config = load_model(
             config.checkpoint,
             dtype=config.dtype,
             device=config.device,
             tp=TensorParallelShard(rank, config.tensor_parallel_size),
+            use_mtp=use_mtp,
         )
         manager, cache, _ = build_cache(config, model_config, sizing)
+        mtp = None
+        if use_mtp and speculative is not None:
+            k = speculative.num_speculative_tokens
+            mtp = mtp_drafting(model, k, config.block_size, config.device)
         runner = ModelRunner(
             model,
             cache.views(),
@@ -208,6 +216,7 @@ class TensorParallelRank:
             sampler=None,  # rank 0 samples
             device=config.device,
             is_hybrid=model_config.cache_spec(config.dtype).is_hybrid,
+            mtp=mtp,  # its shard of the MTP layers, run on rank 0's kept chunks
         )
         return runner, cache, manager
 
@@ -228,6 +237,14 @@ class TensorParallelRank:
             # out GROUP_TIMEOUT_S for this rank; leaving the group at once
             # fails its step now instead.
             logger.exception("tensor-parallel rank failed a step; leaving the instance")
+            os._exit(1)
+
+    def run_mtp(self, chunks: list[KeptChunk]) -> None:
+        """The MTP drafting of the step `run_step` last ran, on rank 0's kept chunks."""
+        try:
+            run_on_compute_thread(lambda: self.runner.follow_mtp(chunks))
+        except BaseException:
+            logger.exception("tensor-parallel rank failed an MTP step; leaving the instance")
             os._exit(1)
 
     @ray.method(concurrency_group="transfer")
@@ -312,6 +329,11 @@ class RankGroup:
     def send(self, step: StepInput) -> None:
         for rank in self.ranks:
             rank.run_step.remote(step)
+
+    def send_mtp(self, chunks: list[KeptChunk]) -> None:
+        """The step's kept chunks, for the ranks' MTP drafting (sent before rank 0's own)."""
+        for rank in self.ranks:
+            rank.run_mtp.remote(chunks)
 
     async def publish(
         self, request_id: str, regions: RequestRegions, lease_s: float

@@ -16,7 +16,7 @@ With `speculative_config` set, the title says how the generation (or
 aggregated) instances draft: with ngram context instances never do; with mtp
 they run the checkpoint's MTP layers too (and send the first drafts), so
 their caches hold the MTP attention layer as well. MTP needs a checkpoint
-with MTP layers and one rank per instance; either missing fails here.
+with MTP layers; one without fails here.
 
 An instance of N tensor-parallel ranks shows its device as `cpu xN` and asks
 for its cpus once per rank; its blocks and slots are each rank's (every rank
@@ -41,7 +41,6 @@ from cluster.config.speculation import (
     describe_speculation,
     mtp_checkpoint_problem,
     mtp_model_config,
-    mtp_ranks_problem,
     worker_speculation,
 )
 from engine.checkpoint_copy import CheckpointSource
@@ -431,9 +430,7 @@ def _speculative(
     if speculative is None or not speculative.uses_model:
         return speculative
     key = f"{speculation_origin(config, section)}.method"
-    problem = mtp_checkpoint_problem(model_config, checkpoint, key) or mtp_ranks_problem(
-        section, settings.tensor_parallel_size, key
-    )
+    problem = mtp_checkpoint_problem(model_config, checkpoint, key)
     if problem is not None:
         raise ConfigError(f"{source}:{problem}")
     return speculative

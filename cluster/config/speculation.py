@@ -15,8 +15,9 @@ which run on every role: a context worker returns the first drafts with the
 first token, and the MTP attention layer's KV is one more attention layer of
 the paged cache, so both sides of a transfer need it. Hence, at load, both
 sections use mtp or neither does (`mtp_roles_disagree`); at plan time the
-checkpoint must have MTP layers and the instance one rank
-(`mtp_checkpoint_problem`, `mtp_ranks_problem`).
+checkpoint must have MTP layers (`mtp_checkpoint_problem`). Any number of
+ranks drafts: every rank runs its shard of the MTP layers on rank 0's kept
+tokens (`engine.model_runner.ModelRunner.follow_mtp`).
 """
 
 from __future__ import annotations
@@ -197,16 +198,6 @@ def mtp_checkpoint_problem(model_config: ModelConfig, checkpoint: Path, key: str
         f"{key}: mtp needs a checkpoint with MTP layers; {Path(checkpoint) / 'config.json'} "
         f"has num_nextn_predict_layers {model_config.num_nextn_predict_layers} (use method: "
         "ngram, or a checkpoint that ships its mtp.* layers)"
-    )
-
-
-def mtp_ranks_problem(section: str, tensor_parallel_size: int, key: str) -> str | None:
-    """Why an instance of `tensor_parallel_size` ranks cannot draft with MTP, or None."""
-    if tensor_parallel_size == 1:
-        return None
-    return (
-        f"{section}.tensor_parallel_size: is {tensor_parallel_size}, but MTP drafting "
-        f"({key}: mtp) runs on one rank; use method ngram, or tensor_parallel_size 1"
     )
 
 

@@ -86,7 +86,23 @@ class KeptChunk:
         return self.start + len(self.next_tokens) - 1
 
 
+def mtp_drafting(model: object, num_drafts: int, block_size: int, device: str) -> MTPDrafting:
+    """The MTP layers of `model` as a runner's drafter; `ValueError` for a
+    model without them."""
+    if not callable(getattr(model, "mtp_forward", None)):
+        raise ValueError(
+            f"{type(model).__name__} has no MTP layers: speculative_config.method mtp "
+            "needs a Nemotron-H checkpoint with num_nextn_predict_layers > 0"
+        )
+    return MTPDrafting(model, num_drafts, block_size, torch.device(device))  # type: ignore[arg-type]
+
+
 class MTPDrafting:
+    """Runs the catch-up and the chain (see the module docstring). Under
+    tensor parallelism every rank runs it on the same kept chunks: the
+    hidden states and the gathered logits are the same on every rank, so
+    every rank drafts the same tokens and meets the same collectives."""
+
     def __init__(
         self, model: MTPModel, num_drafts: int, block_size: int, device: torch.device
     ) -> None:

@@ -335,16 +335,10 @@ def test_mtp_on_a_checkpoint_without_mtp_layers_fails_at_plan_time(llama_dir: Pa
         )
 
 
-def test_mtp_with_tensor_parallel_ranks_is_refused_naming_the_key(mtp_dir: Path) -> None:
+def test_mtp_and_ngram_run_on_tensor_parallel_instances(mtp_dir: Path) -> None:
     raw = {"speculative_config": _MTP, "context_servers": {"tensor_parallel_size": 2}}
-    with pytest.raises(ConfigError) as info:
-        _plan(mtp_dir, **raw)
-    assert str(info.value) == (
-        "c.yaml:context_servers.tensor_parallel_size: is 2, but MTP drafting "
-        "(speculative_config.method: mtp) runs on one rank; use method ngram, or "
-        "tensor_parallel_size 1"
-    )
-    # n-gram drafting runs on any number of ranks.
+    plan = _plan(mtp_dir, **raw)
+    assert plan.uses_mtp and plan.instances[0].tensor_parallel_size == 2
     ngram = {"speculative_config": {}, "generation_servers": {"tensor_parallel_size": 2}}
     assert _plan(mtp_dir, **ngram).instances[1].tensor_parallel_size == 2
 

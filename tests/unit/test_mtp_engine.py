@@ -5,13 +5,9 @@ greedy and seeded, V1 and V2, with chunked prefill and preemption, with
 hybrid prefix reuse, and nothing left allocated after an abort mid-verify.
 
 A tiny checkpoint's random MTP layers never predict its random backbone, so
-`bigram` rewires both, the same way on every engine of a comparison: the
-LM head maps a token's embedding to the embedding of a fixed permutation
-of it, and the MTP's input fusion passes the next token's embedding
-straight through. The backbone then mostly continues token t with
-perm(t), its mixers (left as they are) now and then pushing it elsewhere,
-and the MTP predicts perm(token after): drafts are accepted and rejected
-both, at positions the test does not choose. Every case asserts both.
+`bigram` rewires both (`tests.mtp_bigram`), the same way on every engine of
+a comparison: drafts are accepted and rejected both, at positions the test
+does not choose. Every case asserts both.
 """
 
 from __future__ import annotations
@@ -36,6 +32,7 @@ from kvcache.snapshots import SnapshotPolicy
 from models.embedded.configs import IMAGE_TOKEN_ID
 from models.embedded.writer import ensure_checkpoint
 from models.image_processing import load_image_processor_config
+from tests.mtp_bigram import rewire
 from tests.spec_engines import (
     assert_abort_mid_verify_frees_everything,
     assert_same,
@@ -63,21 +60,7 @@ def bigram(instance: EngineInstance) -> EngineInstance:
     """Rewire the LM head (and, when built, the MTP's input fusion) as the
     module docstring says; the same on every engine of the same checkpoint."""
     model: Any = getattr(instance.model, "language_model", instance.model)
-    with torch.no_grad():
-        embedding = model.backbone.embeddings.weight
-        vocab, hidden = embedding.shape
-        perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))
-        inverse = torch.empty_like(perm)
-        inverse[perm] = torch.arange(vocab)
-        model.backbone.norm_f.weight.fill_(1.0)
-        model.lm_head.weight.copy_(embedding[inverse] / embedding[inverse].norm(dim=-1)[:, None])
-        if model.mtp is not None:
-            first, last = model.mtp.layers[0], model.mtp.layers[-1]
-            fusion = torch.zeros(hidden, 2 * hidden)
-            fusion[:, :hidden] = torch.eye(hidden)
-            first.eh_proj.weight.copy_(fusion)
-            first.enorm.weight.fill_(1.0)
-            last.final_layernorm.weight.fill_(1.0)
+    rewire(dict(model.named_parameters()))
     return instance
 
 
