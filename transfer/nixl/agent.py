@@ -40,7 +40,7 @@ T = TypeVar("T")
 # pass ran 1000 times a second per agent: 1.7% of a core idle and 0.3-0.7 s of
 # CPU per agent pair in a 5 s served 1P1D run on 2 cores (about 5% of all the
 # cluster's CPU, taken from the model's threads). At 10 ms idle cost is at
-# the floor of an idle actor and the served run pays 0.05-0.2 s; bench-transfer
+# the floor of an idle actor and the served run pays 0.05-0.2 s; benchmarks.transfer.throughput
 # latencies stay within their run-to-run spread (small READs 0.3-1.3 ms).
 DEFAULT_PROGRESS_DELAY_US = 10_000
 
@@ -49,7 +49,7 @@ DEFAULT_PROGRESS_DELAY_US = 10_000
 # mutex. Over CPU memory a READ copies inside its post, under that lock, and
 # the progress thread spun on it for the whole copy: 0.3-0.6 of a core per
 # pulling agent on 2 cores, taken from the copy itself, the holders and the
-# model. With a mutex it sleeps: in `disagg bench-transfer` the raw 64 MiB
+# model. With a mutex it sleeps: in `benchmarks.transfer.throughput` the raw 64 MiB
 # READ's CPU fell from 1.6-1.9 to 1.05-1.2 cores and tensor-parallel pulls
 # into two puller ranks at once stopped contending (1->2 at 64 MiB went from
 # 0.59-0.68x to 0.92-1.05x of the raw READ). An uncontended mutex costs what

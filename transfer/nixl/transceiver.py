@@ -70,7 +70,7 @@ _IDLE_POLL_INTERVAL_S = 0.05
 # token has reached the caller, who now waits on this round trip, and a claim
 # is due within milliseconds. The puller's READs are done long before the
 # grant comes for a small request, so this poll sets its pull's time: a
-# one-block bench-transfer pull took 2.4-4.4 ms (p50) polling every 1 ms and
+# one-block benchmarks.transfer.throughput pull took 2.4-4.4 ms (p50) polling every 1 ms and
 # 1.3-1.6 ms every 0.25 ms. The holder polls this fast only until the claim
 # comes (in serving the generation worker claims ahead, as soon as the
 # request reaches it): four polls on the agent thread (~40 us of CPU each) for every
