@@ -2,11 +2,10 @@
 
 The router reads each generation worker's events (`engine.event_stream`,
 one message per engine step) on one long-lived stream. A Ray streaming call
-carrying them cost, per message, about 0.7 ms of CPU in the reading process
-and 0.45 ms in the worker (2,000 messages of 8 events, 3 ms apart, local
-Ray on 2 cores); the same messages framed on a socket cost 0.07 and 0.11
-ms. At a few hundred decode steps per second that was a third of a core on
-each side, taken from the engine's compute threads.
+carrying them cost several times the CPU per message, on both sides, that
+the same messages framed on a socket cost: at a few hundred decode steps
+per second, a third of a core on each side, taken from the engine's compute
+threads (docs/performance.md, "Serving path").
 
 So the Ray call only opens the stream: `GenerationWorker.event_socket`
 yields one `EventSocketOffer` (the worker's incarnation, where its listener
@@ -18,18 +17,17 @@ closed socket alone does not tell.
 The router sends its requests the other way on the same connection: a
 frame holding a list of `GenerationRequest`s (what `submit_many` takes),
 which the worker answers with a frame holding their `SubmitReceipt`, in the
-order sent, among the event batches. A Ray call per burst cost about 2 ms
-between the router's send and the worker's accept (1P1D at 8 requests/s,
-one core per instance), a tenth of a disaggregated request's time to first
-token; a frame on the open connection does not wait on Ray's threads.
+order sent, among the event batches. A Ray call per burst waited on Ray's
+threads for a tenth of a disaggregated request's time to first token
+(docs/performance.md); a frame on the open connection does not.
 
 A context worker takes the router's `prefill` calls on such a socket
 (`ContextWorker.call_socket`, `serve_calls`): a frame `(call id, request)`
 starts a call, `(call id, None)` cancels it, and the worker answers each
 with `(call id, True, result)` or `(call id, False, exception)`. A Ray call
-took about 2 ms each way between the router and a busy context worker (its
-dispatch and its return): 4 of the 31 ms to a 1P1D request's first token
-at 8 requests/s. On the socket each way takes about 0.5 ms.
+each way to a busy context worker (its dispatch and its return) took a few
+times what a frame on the socket takes, an eighth of a 1P1D request's time
+to its first token (docs/performance.md).
 
 The listener binds the worker's node address (`ray.util.get_node_ip_address`),
 on a port the OS picks: the router's node must reach the workers' nodes

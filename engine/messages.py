@@ -242,9 +242,9 @@ class StepTokens:
     (`token_ids[i]`) of request `request_ids[i]`, not its last, without
     logprobs, all sampled at `timestamp`. Every other event of the step (a
     last token, tokens with logprobs, errors) travels as a `TokenEvent`
-    beside it. One object per step, not one per running request: at 256
-    rows it is built and pickled in about 0.05 ms on the worker, where the
-    rows' `TokenEvent`s took about 1.2 ms; the reader builds the events
+    beside it. One object per step, not one per running request: built and
+    pickled on the worker in a small fraction of the time one `TokenEvent`
+    a row took (docs/performance.md); the reader builds the events
     (`event(i)`) for the requests it has open.
     """
 

@@ -13,7 +13,8 @@ Prompts share a step only while that is cheap. Once one prompt keeps the
 device busy for a while, a second one in the same step gains no throughput
 (the products are compute-bound from a few hundred rows on a CPU) and makes
 the first prompt's first token wait for the second's compute: two prompts
-of SmolLM2-135M on one CPU core take ~0.9 s together against ~0.45 s each.
+in one step finish together, each as late as both alone would
+(docs/performance.md, "Engine").
 `PromptPacing` learns the device's seconds per token from the steps that
 ran, and a step takes another waiting prompt only while its prompt tokens
 stay within `PROMPT_STEP_TARGET_S` of compute; the first prompt of a step
@@ -115,17 +116,16 @@ class BlockManager(Protocol):
 # 0.1 s a step's fixed costs (scheduling, building the batch, per-layer
 # calls, sampling: a few ms on a CPU) stay a few percent of a step that
 # batches prompts, and a prompt that alone computes that long is never
-# delayed by another. On SmolLM2-135M (fp32, 0.9 ms a token on two CPU cores,
-# 1.8 on one) every 256-token prompt gets a step of its own; the anchor
-# Llama of the benchmarks (hidden 256, 4 layers, 0.04 ms a token on two
-# cores, 0.06 on one) still packs its 2,048-token budget on two cores and six
-# 256-token prompts a step on one.
+# delayed by another. At the per-token costs measured on a CPU
+# (docs/performance.md, "Engine") every 256-token prompt of SmolLM2-135M gets
+# a step of its own, while the benchmarks' small anchor Llama still packs
+# whole steps.
 PROMPT_STEP_TARGET_S = 0.1
 # Pacing holds while at most this many prompts wait. A longer queue means
 # the device is behind, and then a step's fixed cost is worth sharing: a CPU
-# step streams every weight once (SmolLM2-135M in fp32: 540 MB, about 30 ms
-# of its 240 ms prompt step on two cores), so one prompt a step through a
-# burst of 32 served 142-148 output tok/s offline against 157-159 packed.
+# step streams every weight once, so one prompt a step through a burst of
+# 32 served about a tenth fewer output tokens/s offline than packed steps
+# (docs/performance.md, "Engine").
 PACED_BACKLOG = 4
 # Steps of fewer prompt tokens say little about the cost of a prompt (fixed
 # costs dominate them) and are not learned from.
@@ -154,9 +154,9 @@ class PromptPacing:
 
         A faster step than the estimate sets it at once, a slower one moves it
         a quarter of the way: what slows a step down comes and goes (the first
-        step of a shape on a GPU, which builds kernels and plans: a 256-token
-        prefill of 38 ms where 5-11 do on an H200; other processes on a
-        CPU's cores), while a fast step shows what the device does."""
+        step of a shape on a GPU, which builds kernels and plans and can take
+        several times the later ones; other processes on a CPU's cores),
+        while a fast step shows what the device does."""
         if prompt_tokens < _MIN_PACED_TOKENS or 2 * prompt_tokens < num_tokens or seconds <= 0:
             return
         rate = seconds / num_tokens

@@ -11,8 +11,8 @@ the output, updated with the step's new tokens only.
     counts [0, 2, 1]          (occurrences in the output)
 
 Rebuilding that from the token lists every step cost time that grows with
-the context: converting 64 rows of 9,216 ids took 8 ms a step, as long as a
-whole decode step of a small model at that batch. Ids outside
+the context, at long contexts as long as a whole decode step of a small
+model (docs/performance.md, "Engine"). Ids outside
 `[0, vocab)` have no logit to penalize and are left out.
 
 Pure Python over ints and numpy arrays: no torch.

@@ -124,9 +124,9 @@ def allocate_host_buffer(num_bytes: int) -> torch.Tensor:
 
     A transfer on CPU is a copy between two processes' pools (NIXL over UCX
     reads with `process_vm_readv`, which walks and pins the holder's pages), so
-    page size sets its speed: a 64 MiB READ between two workers' pools took
-    4-6 ms on huge pages and 16-24 ms on 4 KiB pages, in one two-process run
-    alternating the two. Every page is touched here, as `torch.zeros` would,
+    page size sets its speed: a READ between two workers' pools took about a
+    third of the time on huge pages (docs/performance.md). Every page is
+    touched here, as `torch.zeros` would,
     so no first-touch fault lands in a step or a transfer.
     """
     if num_bytes < _HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):

@@ -1,9 +1,9 @@
 """The router's `prefill` calls to one context worker.
 
-A Ray call took about 2 ms each way between the router and a context worker
-busy prefilling (its dispatch, its return): 4 of the 31 ms to a 1P1D
-request's first token at 8 requests/s, one core per instance; on a socket
-each way takes about 0.5 ms. So the calls go as frames on a socket the
+A Ray call each way between the router and a context worker busy
+prefilling (its dispatch, its return) took a few times what a frame on a
+socket takes, an eighth of a 1P1D request's time to its first token
+(docs/performance.md, "Serving path"). So the calls go as frames on a socket the
 worker offers (`ContextWorker.call_socket`, `engine.event_socket.serve_calls`,
 `cluster.routing.worker_socket`): a call is `(call id, request)`, the answer
 `(call id, ok, result or exception)`, and a caller that leaves (the client
