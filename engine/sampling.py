@@ -18,9 +18,9 @@ probability 0 has an empty slice and is never picked. The sums run in
 float64 and `u` is a float64 draw, so even tokens of probability ~1e-12 keep
 their share. One draw per row (not one per vocabulary entry, as an
 exponential race or Gumbel-max would need) matters on CPU, where torch's
-generator makes each draw cost tens of nanoseconds: `Exp(1)` noise for a
-batch of 64 rows over a 4,096-token vocabulary took 5-8 ms per step, longer
-than the model's decode forward at that size. A request with a seed draws its
+generator makes each draw cost tens of nanoseconds: `Exp(1)` noise over a
+whole batch's vocabulary took longer than the model's decode forward at that
+size (docs/performance.md, "Sampling"). A request with a seed draws its
 `u` from its own `torch.Generator`, one draw per step, so its tokens do not
 depend on which other requests share the batch.
 
@@ -276,11 +276,11 @@ def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
     Other devices, and rows shorter than two slices, use `argmax` itself.
 
     torch's CPU argmax tracks an index per element and does not vectorize:
-    over [32, 49152] fp32 it took ~1.2 ms on one thread where `amax` took
-    0.07 ms. So each row is cut into slices of `GREEDY_SLICE` values: a
-    vectorized `amax` per slice, `argmax` over the few slice maxima (the
-    first slice holding the row's maximum), then `argmax` inside that slice
-    alone (~0.12 ms in all). Ties and NaN resolve as in `argmax`: `amax`
+    it took over ten times what `amax` takes over the same logits
+    (docs/performance.md, "Sampling"). So each row is cut into slices of
+    `GREEDY_SLICE` values: a vectorized `amax` per slice, `argmax` over the
+    few slice maxima (the first slice holding the row's maximum), then
+    `argmax` inside that slice alone. Ties and NaN resolve as in `argmax`: `amax`
     propagates NaN, and both argmaxes take the first maximum, so the result
     is the first occurrence of the row's maximum (or of its first NaN).
 
@@ -313,9 +313,9 @@ def apply_penalties(
     """Repetition, presence and frequency penalties as batched ops; returns new logits.
 
     Only the columns of tokens a row has seen change, so the work is over
-    those (gathered, penalized, scattered back), not over the vocabulary: a
-    step of 64 rows of SmolLM2's 49,152 logits took 19 ms with full-width
-    masks and selects, against a 7 ms decode step of the anchor Llama. Each
+    those (gathered, penalized, scattered back), not over the vocabulary:
+    full-width masks and selects took longer than a whole decode step of a
+    small model (docs/performance.md, "Sampling"). Each
     row's history lists a token once, with its count in the output.
     """
     rows, vocab = logits.shape

@@ -1,8 +1,8 @@
 """Prompt tokenization off the HTTP server's event loop.
 
 Every stream the server sends shares one event loop, so a prompt tokenized
-on it stalls them all: SmolLM2's tokenizer takes about 2.5 us a token (a
-37,000-token prompt 93 ms) and holds the GIL throughout. `PromptTokenizer`
+on it stalls them all: a long prompt takes tens of milliseconds to tokenize
+(docs/performance.md, "HTTP server"), with the GIL held throughout. `PromptTokenizer`
 runs a long prompt on a thread of its own, where `Tokenizer.encode` (the
 `tokenizers` batch call) releases the GIL while Rust tokenizes, so the loop
 keeps sending tokens meanwhile. A chat template renders in Python with the
@@ -10,8 +10,7 @@ GIL held; on that thread the loop still runs between the interpreter's
 switches (every 5 ms) instead of waiting for the whole render.
 
 A short prompt is tokenized inline: below `INLINE_MAX_CHARS` the encode
-(about 0.4 ms at 1,024 characters) costs little more than the hand-off to
-the thread and back (30-80 us).
+costs little more than the hand-off to the thread and back.
 """
 
 from __future__ import annotations
