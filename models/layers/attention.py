@@ -45,8 +45,8 @@ from models.kernels import dispatch
 
 # SDPA's backends on CUDA, cuDNN's left out: it builds an execution plan for
 # every new shape, and a serving step's shapes keep changing (prompts x padded
-# length). On an H200 (torch 2.11, bf16) a step with a new prefill shape took
-# 0.5-0.9 s with cuDNN against 30-90 ms without (then 24 against 31 ms warm).
+# length), and a step with a new prefill shape took about ten times as long
+# with it (docs/performance.md, "Attention"; not measured here yet).
 _CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -133,12 +133,10 @@ def _per_token_decode_on_cpu(
 
     The kernel reads the cache in place and keeps a kv head's group of query
     heads on one pass over its keys; against SDPA's flash kernel it took
-    about half the CPU time (SmolLM2's 9 heads / 3 kv heads x 64, fp32, one
-    thread: a 256-token prompt 0.92 vs 1.93 ms per layer, eight of them 8.9
-    vs 14.8 ms). Its cost per query grows with the keys it reads, while
-    SDPA's tiles reuse a block of keys across many queries, so past
-    `_PER_TOKEN_MAX_LEN` keys SDPA runs (2 kv heads of 2 queries each: one
-    1,024-token prompt 7.5 vs 8.8 ms, one of 2,048 tokens 33.6 vs 30.0 ms).
+    about half the CPU time on short prompts. Its cost per query grows with
+    the keys it reads, while SDPA's tiles reuse a block of keys across many
+    queries, so past `_PER_TOKEN_MAX_LEN` keys SDPA runs
+    (docs/performance.md, "Attention").
     """
     if q.device.type != "cpu" or batch.max_seq_len > _PER_TOKEN_MAX_LEN:
         return None
@@ -166,13 +164,10 @@ def _tiled_prompts_on_cpu(
     serve the tensors (a head dim that is not a whole number of vectors,
     fp16) or past `_TILED_MAX_LEN` keys.
 
-    One causal prompt of SmolLM2's attention shape (9 heads / 3 kv heads x
-    64, fp32, 2 threads), ms per layer (`python -m
-    benchmarks.prefill_attention_bench`): 256 tokens 0.31 tiled against 0.66
-    as per-token decode rows and 0.56 in SDPA; 1,024 tokens 4.2 / 8.3 / 6.2;
-    2,048 tokens 17.7 / 48.6 / 20.9; 4,096 tokens 91 / 302 / 75, hence the
-    limit. A whole 256-token SmolLM2 prefill (30 layers, engine in-process)
-    took 189 ms against 201 with per-token rows.
+    Tiled, a causal prompt of SmolLM2's attention shape beats per-token
+    decode rows at every length and SDPA up to 2,048 tokens, not at 4,096,
+    hence the limit (`python -m benchmarks.prefill_attention_bench`;
+    docs/performance.md, "Attention").
     """
     if q.device.type != "cpu" or batch.max_seq_len > _TILED_MAX_LEN:
         return None
@@ -192,9 +187,8 @@ def _tiled_prompts_on_cpu(
 # A step of fresh prompts of unequal lengths runs one causal SDPA call per
 # prompt once its longest prompt has this many tokens: a padded batch computes
 # every padded and every masked score, per-prompt causal calls skip both, and
-# past ~32 tokens that saves more than the extra calls cost (fp32, one
-# thread; 64 prompts of 24-32 tokens: padded 1.7 ms vs 1.9, of 32-48: 4.3 vs
-# 3.9, 8 prompts of 128-256: 8.7 vs 5.6).
+# past ~32 tokens that saves more than the extra calls cost
+# (docs/performance.md, "Attention").
 _PER_PROMPT_MIN_LEN = 32
 
 
