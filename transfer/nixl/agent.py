@@ -1,8 +1,8 @@
 """A worker's NIXL agent and the one thread that every call on it runs on.
 
-Over UCX on CPU the copy of a READ happens inside `transfer()` (the post):
-posting 256 MiB takes ~60 ms. On the worker's event loop that would stall the
-running decode batch for the whole copy; NIXL releases the GIL inside its
+Over UCX on CPU the copy of a READ happens inside `transfer()` (the post),
+tens of milliseconds for a large pull. On the worker's event loop that would
+stall the running decode batch for the whole copy; NIXL releases the GIL inside its
 calls, so posting from a thread keeps the loop turning while bytes move.
 
 One thread runs every call but READ posts, in submission order, and polls
@@ -37,22 +37,20 @@ T = TypeVar("T")
 # timeout (rounded up to whole ms). Events (a notification, a READ's reply)
 # wake it at once; the timeout only paces a full progress pass over every
 # transport. nixl_agent() uses 0, which spins one core per agent. At 1 ms the
-# pass ran 1000 times a second per agent: 1.7% of a core idle and 0.3-0.7 s of
-# CPU per agent pair in a 5 s served 1P1D run on 2 cores (about 5% of all the
-# cluster's CPU, taken from the model's threads). At 10 ms idle cost is at
-# the floor of an idle actor and the served run pays 0.05-0.2 s; benchmarks.transfer.throughput
-# latencies stay within their run-to-run spread (small READs 0.3-1.3 ms).
+# passes took about 5% of a served 1P1D cluster's CPU on 2 cores, from the
+# model's threads; at 10 ms the idle cost is at the floor of an idle actor and
+# `python -m benchmarks.transfer.throughput` latencies stay within their
+# run-to-run spread (docs/performance.md, "NIXL agent").
 DEFAULT_PROGRESS_DELAY_US = 10_000
 
 # UCX guards a worker that several threads use (the agent thread posting
 # READs, the progress thread polling) with a spinlock unless told to use a
 # mutex. Over CPU memory a READ copies inside its post, under that lock, and
-# the progress thread spun on it for the whole copy: 0.3-0.6 of a core per
-# pulling agent on 2 cores, taken from the copy itself, the holders and the
-# model. With a mutex it sleeps: in `benchmarks.transfer.throughput` the raw 64 MiB
-# READ's CPU fell from 1.6-1.9 to 1.05-1.2 cores and tensor-parallel pulls
-# into two puller ranks at once stopped contending (1->2 at 64 MiB went from
-# 0.59-0.68x to 0.92-1.05x of the raw READ). An uncontended mutex costs what
+# the progress thread spun on it for the whole copy, taking a good part of a
+# core from the copy itself, the holders and the model. With a mutex it
+# sleeps: a raw READ's CPU fell by a third and tensor-parallel pulls into two
+# puller ranks at once stopped contending (`python -m
+# benchmarks.transfer.throughput`; docs/performance.md). An uncontended mutex costs what
 # a spinlock does, so GPU pools keep the same setting. A value already in the
 # environment wins.
 UCX_WORKER_LOCK = ("UCX_USE_MT_MUTEX", "y")
@@ -60,8 +58,7 @@ UCX_WORKER_LOCK = ("UCX_USE_MT_MUTEX", "y")
 # Threads that post READs at once, each on a UCX worker of its own (UCX binds
 # a worker to each thread that posts, in turn). Over CPU memory a READ copies
 # inside its post, on the posting thread, and two copies at once move about
-# 1.7x the bytes of one on 2 cores: a 64 MiB READ in two halves posted from
-# two threads took 9.5-10.5 ms against 17.3 ms from one, with one worker per
+# 1.7x the bytes of one on 2 cores (docs/performance.md), with one worker per
 # thread; on one shared worker the two serialize.
 POST_LANES = 2
 
@@ -149,9 +146,10 @@ class AgentThread:
     `run` raises RuntimeError.
 
     The poll runs here, not as a job the loop sends on each tick: an empty
-    notification poll costs the thread about 40 us of CPU, where the loop's
-    round trip (a job there and back, a timer and a task on the loop) cost
-    500 us and, meant to come every 0.25 ms, came every 1.7 ms on 2 cores.
+    notification poll costs the thread a tenth of what the loop's round trip
+    (a job there and back, a timer and a task on the loop) cost, and that
+    round trip, on 2 busy cores, came at several times the interval asked
+    (docs/performance.md, "NIXL agent").
     """
 
     def __init__(self, name: str) -> None:

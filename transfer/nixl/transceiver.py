@@ -69,21 +69,21 @@ _IDLE_POLL_INTERVAL_S = 0.05
 # ... and of a holder with a published request not yet claimed: the first
 # token has reached the caller, who now waits on this round trip, and a claim
 # is due within milliseconds. The puller's READs are done long before the
-# grant comes for a small request, so this poll sets its pull's time: a
-# one-block benchmarks.transfer.throughput pull took 2.4-4.4 ms (p50) polling every 1 ms and
-# 1.3-1.6 ms every 0.25 ms. The holder polls this fast only until the claim
-# comes (in serving the generation worker claims ahead, as soon as the
-# request reaches it): four polls on the agent thread (~40 us of CPU each) for every
-# millisecond the claim takes.
+# grant comes for a small request, so this poll sets its pull's time: polling
+# every 0.25 ms instead of every 1 ms about halved a one-block pull's p50 in
+# `python -m benchmarks.transfer.throughput` (docs/performance.md). The holder
+# polls this fast only until the claim comes (in serving the generation worker
+# claims ahead, as soon as the request reaches it): four cheap polls on the
+# agent thread for every millisecond the claim takes.
 _CLAIM_POLL_INTERVAL_S = 0.00025
 # ... but only this long after the latest publish: a claim that has not come
 # by then is late anyway (its puller is queued, paused or dead), and polling
-# every 0.25 ms for the rest of a 60 s lease kept 13% of a core busy on a
-# holder whose only published request was never claimed.
+# every 0.25 ms for the rest of a 60 s lease kept a holder whose only
+# published request was never claimed measurably busy (docs/performance.md).
 _CLAIM_DUE_WINDOW_S = 0.05
 # ... and of a puller waiting for a grant: the holder answers within its own
 # poll, so the grant is due within about a millisecond, and the READs wait on
-# it (a 64 MiB READ takes ~10 ms on CPU). Such a wait is short and rare enough
+# it (a large READ takes milliseconds on CPU). Such a wait is short and rare enough
 # that polling it finely costs little CPU.
 _GRANT_POLL_INTERVAL_S = 0.0002
 
