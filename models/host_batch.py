@@ -7,10 +7,9 @@ fields of a `ForwardBatch` as views of it.
 
 The packed form is also what rank 0 of a tensor-parallel instance sends the
 other ranks each step: a numpy array pickles as one buffer (Ray moves it
-out of band), where lists of ints pickle and unpickle element by element.
-For 64 decode rows of 8,192-token contexts (64 block tables of 512 ids) the
-lists took about 0.6 ms to pickle and 0.9 ms to unpickle, and then as long
-again to pack on the receiving rank, all before its forward could start.
+out of band), where lists of ints pickle and unpickle element by element,
+and then had to be packed again on the receiving rank, all before its
+forward could start (docs/performance.md, "Engine").
 
     packed: | input_ids | positions | query_start_loc | seq_lens | context_lens |
             | slot_mapping | block_tables (rows x width) | mamba_slots |
@@ -19,8 +18,9 @@ again to pack on the receiving rank, all before its forward could start.
 Each list starts at an even index (16 bytes): Triton compiles a kernel per
 alignment of its pointer arguments (16-byte aligned or not), so fields at
 odd offsets, which came and went with the lists' lengths, compiled new
-variants of the decode attention kernel (~0.3 s each on an H200) in the
-middle of serving, after the warm-up had compiled the aligned ones.
+variants of the decode attention kernel (each a compile long enough to
+stall a step; docs/performance.md) in the middle of serving, after the
+warm-up had compiled the aligned ones.
 """
 
 from __future__ import annotations

@@ -31,17 +31,14 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _MAX_GROUP, _MAX_DIM = 64, 512
 # Multiply-adds (keys x heads x dim) per thread a prefill call needs before
 # it uses another. The threads are the OpenMP team torch already runs (a few
-# us to wake), and 2^19 multiply-adds take ~30 us on one thread.
+# us to wake), and 2^19 multiply-adds take several times that on one thread
+# (docs/performance.md, "CPU kernels").
 _PARALLEL_WORK = 1 << 19
 # Bytes of keys and values per thread a decode call reads: it streams them
 # from memory (a step's other layers and products pass between two reads of
-# a layer's cache), so its threads follow the bytes. Measured in SmolLM2
-# decode steps (fp32, 3 kv heads, dim 64, ~280 keys per sequence, 2 threads;
-# us per call in the model): 4 sequences (1.7 MB) 210 on one thread and
-# 161-173 on two (the step 44.1 -> 41.9 ms); 3 sequences (1.3 MB) 164 and 157-160,
-# 2 (0.9 MB) 124 and 125-134, 1 (0.4 MB) 78 and 101. In bf16 at batch 32
-# (2 kv heads, dim 64): 1.0 MB equal on 1 and 2 threads, 1.6 MB 22 us
-# faster on 2.
+# a layer's cache), so its threads follow the bytes: in SmolLM2 decode steps
+# a second thread paid off from about 1.5 MB a call and lost below 1 MB
+# (docs/performance.md, "CPU kernels").
 _DECODE_BYTES_PER_THREAD = 3 << 19
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

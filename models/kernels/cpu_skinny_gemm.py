@@ -5,13 +5,12 @@ C kernel in `csrc/skinny_gemm.c`: `x @ weight.T (+ bias)` for up to
 A decode step of a few sequences streams every weight of the model from
 memory for a few rows of input; neither torch's BLAS on the row-major
 weight nor oneDNN's blocked copy reads it at the rate one core can (on an
-AMD EPYC Zen 4, one thread sums memory at 27.6 GB/s, while oneDNN's
-one-row product streamed SmolLM2-135M's weights at 13.7 and this kernel at
-17). Past 4 rows the kernel multiplies a pair of weight rows by groups of
-input rows and prefetches the next pair meanwhile, which on an AMD EPYC Zen
-2 beat oneDNN's blocked copy up to 24 rows (one thread, SmolLM2-135M: 45
-against 65 ms a pass at 16 rows, 61 against 70 at 24; see
-`csrc/skinny_gemm.c`). Which path a model's products take at each row
+AMD EPYC Zen 4 oneDNN's one-row product streamed SmolLM2-135M's weights at
+half the rate one thread sums memory, this kernel at about 60% of it). Past
+4 rows the kernel multiplies a pair of weight rows by groups of input rows
+and prefetches the next pair meanwhile, which on an AMD EPYC Zen 2 beat
+oneDNN's blocked copy up to 24 rows (docs/performance.md, "Few-row
+products"; see `csrc/skinny_gemm.c`). Which path a model's products take at each row
 count is measured when it loads (`models.layers.small_products`).
 `supported(...)` says whether tensors can take this path (fp32 CPU
 tensors, rows of x, weight and bias contiguous, no autograd, the library

@@ -6,12 +6,9 @@ of the weight, on the row-major weight through `F.linear` (torch's BLAS,
 MKL in the CPU wheels), or on the row-major weight through the few-row C
 kernel (`models.kernels.cpu_skinny_gemm`). Which is fastest depends on the
 CPU, not on the model: on an Intel Xeon the row-major product won at 1 to 3
-rows (SmolLM2-135M, one pass over its 121 products, 2 threads: 20.6 against
-26.0 ms at 1 row, 24.0 against 27.5 at 3), while on an AMD EPYC (Zen 4)
-MKL's few-row product runs on one thread and lost at every row count (45.8
-against 24.1 ms at 1 row, 109 against 27.8 at 3), and the kernel won at 1
-to 3 rows (19.2-21.0 against 24.4-24.7 at 1 row, 21.2 against 27.4 at 2,
-20.9 against 24.9 at 3). So `choose_few_row_paths(model)` times the paths
+rows, while on an AMD EPYC (Zen 4) MKL's few-row product runs on one thread
+and lost at every row count, and the kernel won at 1 to 3 rows
+(docs/performance.md, "Few-row products"). So `choose_few_row_paths(model)` times the paths
 on the model's own products at the row counts of `TIMED_ROWS` (1, 2, 3,
 4, then every few up to `FEW_ROWS_MAX`) and keeps, per row count, the
 fastest where it beats the blocked path by a clear margin (`_MARGIN`; in
