@@ -103,7 +103,7 @@ _MAX_SPLITS = 16
 # The table's row stride (its width), the keys per split and the split count
 # change from step to step (with the batch and the longest context); as
 # constants, or specialized on (== 1, % 16), they would compile a new variant
-# (~0.3 s on an H200) in the middle of serving. Only whether the keys are
+# (a stall of a step; docs/performance.md) in the middle of serving. Only whether the keys are
 # split at all is a constant: the warm-up compiles both.
 @triton.jit(do_not_specialize=["split_tokens", "num_splits", "stride_tb"])
 def _paged_decode_kernel(
