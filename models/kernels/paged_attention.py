@@ -103,8 +103,8 @@ _MAX_SPLITS = 16
 # The table's row stride (its width), the keys per split and the split count
 # change from step to step (with the batch and the longest context); as
 # constants, or specialized on (== 1, % 16), they would compile a new variant
-# (a stall of a step; docs/performance.md) in the middle of serving. Only whether the keys are
-# split at all is a constant: the warm-up compiles both.
+# (a stall of a step; docs/performance.md) in the middle of serving. Only
+# whether the keys are split at all is a constant: the warm-up compiles both.
 @triton.jit(do_not_specialize=["split_tokens", "num_splits", "stride_tb"])
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, seq_lens_ptr,
