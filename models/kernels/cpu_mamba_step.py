@@ -1,7 +1,11 @@
-"""A Mamba2 layer's decode step on CPU through the C kernel in
-`csrc/mamba_step.c`: the conv shift, SiLU and selective state update of
-every sequence of the step in one call, the states rewritten in place (or
-written to `out_slots`, a speculative verify's scratch slots).
+"""A Mamba2 layer's decode step and prompt chunks on CPU through the C
+kernel in `csrc/mamba_step.c`: the conv shift, SiLU and selective state
+update of every sequence of the step in one call, the states rewritten in
+place (or, for a decode step, written to `out_slots`, a speculative
+verify's scratch slots). A prompt chunk runs its tokens one after another,
+the recurrence itself (`mamba_scan_if_supported`); its torch path is the
+chunked scan of `models.layers.ssd`, which does more arithmetic in many
+more ops.
 
 torch runs this as about twenty ops, several of them full passes over the
 `[b, H, P, N]` state (gather, decay, outer product, sum, scatter back); the
@@ -24,6 +28,8 @@ Shapes (b sequences, H heads of P, G groups of state size N, conv kernel K):
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +47,7 @@ _KERNEL = cpu_build.KernelFunction(
     "mamba_step",
     [_P, _I64, _P, _I64]
     + [_P, _I64, _I64, _I64, _P, _P]
-    + [_P, _I64, _I64, _I64, _P, _P]
+    + [_P, _I64, _I64, _I64, _P, _P, _P, _P]
     + [_P, _P, _P, _F, _F, _P]
     + [_I64] * 6
     + [_INT],
@@ -49,7 +55,22 @@ _KERNEL = cpu_build.KernelFunction(
 
 
 class MambaStepError(RuntimeError):
-    """The Mamba decode-step kernel refused its inputs."""
+    """The Mamba step kernel refused its inputs."""
+
+
+@dataclass(frozen=True)
+class MambaStepWeights:
+    """A Mamba2 layer's tensors the step reads besides its inputs and states:
+    the depthwise conv `[C, K]` and its bias, dt's bias, A (negative), the D
+    skip, the B/C group count and dt's clamp."""
+
+    conv_weight: torch.Tensor
+    conv_bias: torch.Tensor | None
+    dt_bias: torch.Tensor
+    A: torch.Tensor
+    D: torch.Tensor
+    n_groups: int
+    dt_limit: DtLimit
 
 
 def supported(
@@ -59,7 +80,7 @@ def supported(
     ssm_state: torch.Tensor,
     conv_weight: torch.Tensor,
 ) -> bool:
-    """Whether `mamba_step(...)` can run the C kernel on these tensors."""
+    """Whether the kernel can run on these tensors (and is built)."""
     tensors = (xbc, dt_raw, conv_state, ssm_state, conv_weight)
     if any(not t.is_cpu or t.dtype != torch.float32 for t in tensors):
         return False
@@ -80,40 +101,87 @@ def mamba_step_if_supported(
     conv_state: torch.Tensor,
     ssm_state: torch.Tensor,
     slots: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    dt_bias: torch.Tensor,
-    A: torch.Tensor,
-    D: torch.Tensor,
-    n_groups: int,
-    dt_limit: DtLimit,
+    weights: MambaStepWeights,
     out_slots: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """y `[b, H, P]` float32 through the kernel, states updated; None
-    (nothing done) where `supported(...)` does not hold or the kernel
-    refuses the shape, for callers with a torch path."""
-    kernel = _KERNEL.get()
-    if kernel is None or not supported(xbc, dt_raw, conv_state, ssm_state, conv_weight):
+    """One decode step (row b of `xbc` is sequence b's token): y `[b, H, P]`
+    float32, states updated (or written to `out_slots`); None (nothing done)
+    where `supported(...)` does not hold or the kernel refuses the shape."""
+    if not supported(xbc, dt_raw, conv_state, ssm_state, weights.conv_weight):
         return None
-    batch = xbc.shape[0]
     _, heads, head_dim, dstate = ssm_state.shape
-    y = torch.empty(batch, heads, head_dim)
+    y = torch.empty(xbc.shape[0], heads, head_dim)
+    written = slots if out_slots is None else out_slots
+    ok = _launch(xbc, dt_raw, conv_state, ssm_state, slots, written, None, weights, y)
+    return y if ok else None
+
+
+def mamba_scan_if_supported(
+    xbc: torch.Tensor,
+    dt_raw: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: Sequence[int],
+    rows: Sequence[tuple[int, int]],
+    weights: MambaStepWeights,
+    y: torch.Tensor,
+) -> bool:
+    """Prompt chunks: sequence i's tokens are the rows `rows[i]` = (begin,
+    end) of `xbc` and `dt_raw`, run one after another from the states in
+    `slots[i]`, which end as the last token left them; their y rows of
+    `y` `[T, H, P]` (float32, contiguous) are written. False (nothing done)
+    where the kernel does not serve the tensors."""
+    if not supported(xbc, dt_raw, conv_state, ssm_state, weights.conv_weight):
+        return False
+    if y.dtype != torch.float32 or not y.is_contiguous():
+        return False
+    index = torch.tensor(list(slots), dtype=torch.int64)
+    bounds = torch.tensor(list(rows), dtype=torch.int64).reshape(-1, 2)
+    return _launch(xbc, dt_raw, conv_state, ssm_state, index, index, bounds, weights, y)
+
+
+def _launch(
+    xbc: torch.Tensor,
+    dt_raw: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+    out_slots: torch.Tensor,
+    bounds: torch.Tensor | None,
+    weights: MambaStepWeights,
+    y: torch.Tensor,
+) -> bool:
+    kernel = _KERNEL.get()
+    batch = slots.shape[0]
+    if kernel is None:
+        return False
     if batch == 0:
-        return y
+        return True
+    _, heads, head_dim, dstate = ssm_state.shape
     slots = slots.to(torch.int64).contiguous()
-    written = slots if out_slots is None else out_slots.to(torch.int64).contiguous()
-    small = [t.float().contiguous() for t in (dt_bias, A, D)]
-    bias = None if conv_bias is None else conv_bias.float().contiguous()
-    threads = torch.get_num_threads() if batch * heads * head_dim * dstate >= _PARALLEL_STATE else 1
+    out_slots = out_slots.to(torch.int64).contiguous()
+    begin = end = None
+    tokens = batch
+    if bounds is not None:
+        begin, end = bounds[:, 0].contiguous(), bounds[:, 1].contiguous()
+        tokens = int((end - begin).sum())
+    small = [t.float().contiguous() for t in (weights.dt_bias, weights.A, weights.D)]
+    bias = weights.conv_bias
+    bias = None if bias is None else bias.float().contiguous()
+    work = tokens * heads * head_dim * dstate
+    threads = torch.get_num_threads() if work >= _PARALLEL_STATE else 1
+    conv_weight = weights.conv_weight
     failed = kernel(
         xbc.data_ptr(), xbc.stride(0), dt_raw.data_ptr(), dt_raw.stride(0),
         conv_state.data_ptr(), *conv_state.stride(), conv_weight.data_ptr(),
         None if bias is None else bias.data_ptr(),
-        ssm_state.data_ptr(), *ssm_state.stride()[:3], slots.data_ptr(), written.data_ptr(),
-        *(t.data_ptr() for t in small), float(dt_limit[0]), float(dt_limit[1]), y.data_ptr(),
-        batch, heads, head_dim, n_groups, dstate, conv_weight.shape[1], threads,
+        ssm_state.data_ptr(), *ssm_state.stride()[:3], slots.data_ptr(), out_slots.data_ptr(),
+        None if begin is None else begin.data_ptr(), None if end is None else end.data_ptr(),
+        *(t.data_ptr() for t in small), float(weights.dt_limit[0]), float(weights.dt_limit[1]),
+        y.data_ptr(), batch, heads, head_dim, weights.n_groups, dstate, conv_weight.shape[1],
+        threads,
     )  # fmt: skip
-    return None if failed else y
+    return not failed
 
 
 def mamba_step(*args: object, **kwargs: object) -> torch.Tensor:
@@ -148,30 +216,27 @@ def mamba_step_ref(
     conv_state: torch.Tensor,
     ssm_state: torch.Tensor,
     slots: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    dt_bias: torch.Tensor,
-    A: torch.Tensor,
-    D: torch.Tensor,
-    n_groups: int,
-    dt_limit: DtLimit,
+    weights: MambaStepWeights,
     out_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch twin of `mamba_step_if_supported` (any dtype, any device)."""
     _, heads, head_dim, dstate = ssm_state.shape
-    conv = causal_conv_step_ref(xbc, conv_state, slots, conv_weight, conv_bias, out_slots)
-    x, B, C = F.silu(conv).split([heads * head_dim, n_groups * dstate, n_groups * dstate], -1)
-    groups = (xbc.shape[0], n_groups, dstate)
+    groups = weights.n_groups
+    conv = causal_conv_step_ref(
+        xbc, conv_state, slots, weights.conv_weight, weights.conv_bias, out_slots
+    )
+    x, B, C = F.silu(conv).split([heads * head_dim, groups * dstate, groups * dstate], -1)
+    shape = (xbc.shape[0], groups, dstate)
     return mamba_state_update_ref(
         ssm_state,
         slots,
         x.reshape(-1, heads, head_dim),
         dt_raw,
-        dt_bias,
-        A,
-        B.reshape(groups),
-        C.reshape(groups),
-        D,
-        dt_limit=dt_limit,
+        weights.dt_bias,
+        weights.A,
+        B.reshape(shape),
+        C.reshape(shape),
+        weights.D,
+        dt_limit=weights.dt_limit,
         out_slot_indices=out_slots,
     ).float()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -269,13 +270,7 @@ def cpu_mamba_decode_step(
     conv_state: torch.Tensor,
     ssm_state: torch.Tensor,
     slots: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    dt_bias: torch.Tensor,
-    A: torch.Tensor,
-    D: torch.Tensor,
-    n_groups: int,
-    dt_limit: DtLimit,
+    weights: cpu_mamba_step.MambaStepWeights,
     out_slots: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """A Mamba2 layer's decode step (conv shift, SiLU, state update) through
@@ -285,9 +280,29 @@ def cpu_mamba_decode_step(
     if not _cpu_kernels_apply(xbc):
         return None
     return cpu_mamba_step.mamba_step_if_supported(
-        xbc, dt_raw, conv_state, ssm_state, slots, conv_weight, conv_bias,
-        dt_bias, A, D, n_groups, dt_limit, out_slots,
-    )  # fmt: skip
+        xbc, dt_raw, conv_state, ssm_state, slots, weights, out_slots
+    )
+
+
+def cpu_mamba_chunk_scan(
+    xbc: torch.Tensor,
+    dt_raw: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: Sequence[int],
+    rows: Sequence[tuple[int, int]],
+    weights: cpu_mamba_step.MambaStepWeights,
+    y: torch.Tensor,
+) -> bool:
+    """Prompt chunks of a Mamba2 layer (sequence i: rows `rows[i]`, state
+    slot `slots[i]`) through the C kernel, y rows written into `y`; False
+    (nothing done) where it does not serve the tensors, for the caller's
+    chunked scan (`models.layers.ssd`). See `models.kernels.cpu_mamba_step`."""
+    if not _cpu_kernels_apply(xbc):
+        return False
+    return cpu_mamba_step.mamba_scan_if_supported(
+        xbc, dt_raw, conv_state, ssm_state, slots, rows, weights, y
+    )
 
 
 def gather_blocks(

@@ -14,7 +14,8 @@ State per sequence lives in a slot of `MambaLayerCache`:
 A sequence with `context_lens == 0` starts from zero state (its slot is
 cleared first); any other sequence continues from what its slot holds, whether
 it brings one decode token or a further prompt chunk. Prefill chunks run the
-chunked scan one sequence at a time; single-token steps are batched into one
+chunked scan one sequence at a time (on CPU, one C call runs every chunk's
+tokens as the recurrence itself instead); single-token steps are batched into one
 call of the decode-step state update (`models.kernels.dispatch`: the Triton
 kernel on CUDA; on CPU one C call for the conv shift and the state update
 together, `models.kernels.cpu_mamba_step`, else the torch twins). A speculative verify (a token and its
@@ -39,6 +40,7 @@ from kvcache.views import MambaLayerCache
 from models.batch import ForwardBatch
 from models.config import MambaConfig, MambaShard
 from models.kernels import dispatch
+from models.kernels.cpu_mamba_step import MambaStepWeights
 from models.kernels.cpu_mamba_step import causal_conv_step_ref as causal_conv_step
 from models.layers.fused_linear import FusedLinear
 from models.layers.ssd import ssd_chunked_scan
@@ -211,15 +213,36 @@ class Mamba2Mixer(nn.Module):
         for verify in batch.verify_rounds:
             at = verify.rows
             y[at] = self._step(xbc[at], dt_raw[at], verify.read_slots, cache, verify.write_slots)
+        starts = shape.query_start_loc
+        scans = shape.scan_seqs
+        if scans and self.bc_of_head is None:
+            # On CPU one C call runs every chunk's tokens as the recurrence.
+            slots = [shape.mamba_slots[i] for i in scans]
+            spans = [(starts[i], starts[i + 1]) for i in scans]
+            weights = self._step_weights()
+            if dispatch.cpu_mamba_chunk_scan(
+                xbc, dt_raw, cache.conv_state, cache.ssm_state, slots, spans, weights, y
+            ):
+                return y
         # One scan per prompt chunk, sliced by host counts (no read back): each
         # continues its own conv and SSM state, and a step holds few chunks.
-        starts = shape.query_start_loc
-        for i in shape.scan_seqs:
+        for i in scans:
             start, end = starts[i], starts[i + 1]
             y[start:end] = self._prefill(
                 xbc[start:end], dt_raw[start:end], shape.mamba_slots[i], cache
             )
         return y
+
+    def _step_weights(self) -> MambaStepWeights:
+        return MambaStepWeights(
+            self.conv1d.weight.squeeze(1),
+            self.conv1d.bias,
+            self.dt_bias,
+            self._A,
+            self.D,
+            self.config.n_groups,
+            self.config.time_step_limit,
+        )
 
     @property
     def _A(self) -> torch.Tensor:
@@ -263,10 +286,14 @@ class Mamba2Mixer(nn.Module):
         weight = self.conv1d.weight.squeeze(1)
         if self.bc_of_head is None:
             y = dispatch.cpu_mamba_decode_step(
-                xbc, dt_raw, cache.conv_state, cache.ssm_state, slots, weight,
-                self.conv1d.bias, self.dt_bias, self._A, self.D, self.config.n_groups,
-                self.config.time_step_limit, out_slots,
-            )  # fmt: skip
+                xbc,
+                dt_raw,
+                cache.conv_state,
+                cache.ssm_state,
+                slots,
+                self._step_weights(),
+                out_slots,
+            )
             if y is not None:
                 return y
         conv_out = causal_conv_step(

@@ -1,18 +1,23 @@
-/* One decode step of a Mamba2 layer for CPU tensors in fp32: the causal
- * conv1d shift, SiLU, and the selective state update, for every sequence of
- * the step in one call (torch runs about twenty ops for it, several of them
- * passes over the whole `[b, H, P, N]` state).
+/* Mamba2 layer steps for CPU tensors in fp32: the causal conv1d shift, SiLU,
+ * and the selective state update, for every sequence of the step in one call
+ * (torch runs about twenty ops for a decode step, several of them passes over
+ * the whole `[b, H, P, N]` state, and a prefill chunk as a chunked scan of
+ * many more).
  *
- * Per sequence b (one new token), with slot s = slots[b], o = out_slots[b]:
+ * Sequence b's tokens are the rows [row_begin[b], row_end[b]) of xbc, dt_raw
+ * and y (NULL arrays: row b alone, a decode step); they run one after another,
+ * the recurrence itself, each token reading the state the previous one wrote.
+ * Per token row r, with slot s = slots[b] for the first token and
+ * o = out_slots[b] (written by every token, read by the later ones):
  *
- *   xbc row b   [ x: H * P | B: G * N | C: G * N ]   the in_proj columns
- *   conv        u[c] = silu(bias[c] + sum_k<K-1 w[c,k] conv[s,c,k] + w[c,K-1] xbc[b,c])
- *               conv[o, c, :] = (conv[s, c, 1:], xbc[b, c])
+ *   xbc row r   [ x: H * P | B: G * N | C: G * N ]   the in_proj columns
+ *   conv        u[c] = silu(bias[c] + sum_k<K-1 w[c,k] conv[s,c,k] + w[c,K-1] xbc[r,c])
+ *               conv[o, c, :] = (conv[s, c, 1:], xbc[r, c])
  *   per head h of group g = h / (H / G):
- *               dt  = clamp(softplus(dt_raw[b,h] + dt_bias[h]), dt_min, dt_max)
+ *               dt  = clamp(softplus(dt_raw[r,h] + dt_bias[h]), dt_min, dt_max)
  *               S   = ssm[s, h] * exp(dt A[h]) + dt u_x[h, :, None] u_B[g, None, :]
  *               ssm[o, h] = S
- *               y[b, h, :] = S @ u_C[g] + D[h] u_x[h, :]
+ *               y[r, h, :] = S @ u_C[g] + D[h] u_x[h, :]
  *
  * Work items are (sequence, group) pairs: the conv channels of a group's
  * heads and its B and C rows belong to no other item, so items share
@@ -23,16 +28,22 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
+#include "lane_sums.h"
 #include "parallel.h"
 
 #define MAX_ITEM_CHANNELS 16384
 #define MAX_KERNEL 8
+/* Tokens of a prompt chunk buffered at a time, and the widest state row
+ * (in vectors) the chunk path holds in registers. */
+#define SCAN_TILE 32
+#define MAX_STATE_VECS 16
 
 typedef struct {
     const float *xbc, *dt_raw, *conv_w, *conv_b, *dt_bias, *A, *D;
     float *conv, *ssm, *y;
-    const int64_t *slots, *out_slots;
+    const int64_t *slots, *out_slots, *row_begin, *row_end;
     int64_t xbc_stride, dt_stride;
     int64_t conv_s0, conv_s1, conv_s2;
     int64_t ssm_s0, ssm_s1, ssm_s2;
@@ -43,11 +54,29 @@ typedef struct {
 
 static float silu(float v) { return v / (1.0f + expf(-v)); }
 
-/* Conv of `count` channels from `first` into u. */
-static void conv_channels(const Job *job, int64_t b, int64_t first, int64_t count, float *u) {
+/* silu over u[0 .. count), LANES at a time: v * sigmoid(v), the sigmoid
+ * from exp(-|v|) (a non-positive argument: `vexp_nonpositive`). */
+static void silu_all(float *u, int64_t count) {
+    int64_t i = 0;
+    for (; i + LANES <= count; i += LANES) {
+        const vf v = vload(u + i);
+        const vi negative = v < 0.0f;
+        const vf magnitude = (vf)((vi)v & (vi)splat(-0.0f) ^ (vi)v);
+        const vf e = vexp_nonpositive(-magnitude);
+        const vf one = splat(1.0f);
+        const vf up = one / (one + e), down = e / (one + e);
+        const vf sigmoid = (vf)(((vi)down & negative) | ((vi)up & ~negative));
+        vstore(u + i, v * sigmoid);
+    }
+    for (; i < count; i++) u[i] = silu(u[i]);
+}
+
+/* Conv of `count` channels from `first` of row r into u (before SiLU), reading slot `in_slot`. */
+static void conv_channels(const Job *job, int64_t b, int64_t r, int64_t in_slot, int64_t first,
+                          int64_t count, float *u) {
     const int64_t K = job->kernel;
-    const float *x = job->xbc + b * job->xbc_stride;
-    const float *in = job->conv + job->slots[b] * job->conv_s0;
+    const float *x = job->xbc + r * job->xbc_stride;
+    const float *in = job->conv + in_slot * job->conv_s0;
     float *out = job->conv + job->out_slots[b] * job->conv_s0;
     for (int64_t i = 0; i < count; i++) {
         const int64_t c = first + i;
@@ -60,21 +89,47 @@ static void conv_channels(const Job *job, int64_t b, int64_t first, int64_t coun
         for (int64_t k = 0; k < K; k++) acc += w[k] * window[k];
         float *dst = out + c * job->conv_s1;
         for (int64_t k = 0; k < K - 1; k++) dst[k * job->conv_s2] = window[k + 1];
-        u[i] = silu(acc);
+        u[i] = acc; /* activated by the caller (silu_all) */
     }
 }
 
-static void ssm_head(const Job *job, int64_t b, int64_t h, const float *ux, const float *uB,
-                     const float *uC) {
+/* dt of head h at row r: softplus (torch's threshold), then the clamp. */
+static float head_dt(const Job *job, int64_t r, int64_t h) {
+    float dt = job->dt_raw[r * job->dt_stride + h] + job->dt_bias[h];
+    if (dt <= 20.0f) dt = log1pf(expf(dt));
+    return fminf(fmaxf(dt, job->dt_min), job->dt_max);
+}
+
+static void ssm_head(const Job *job, int64_t b, int64_t r, int64_t in_slot, int64_t h,
+                     const float *ux, const float *uB, const float *uC) {
     const int64_t P = job->head_dim, N = job->dstate;
-    float dt = job->dt_raw[b * job->dt_stride + h] + job->dt_bias[h];
-    if (dt <= 20.0f) dt = log1pf(expf(dt)); /* torch's softplus threshold */
-    dt = fminf(fmaxf(dt, job->dt_min), job->dt_max);
+    const float dt = head_dt(job, r, h);
     const float decay = expf(dt * job->A[h]), d = job->D[h];
-    const float *in = job->ssm + job->slots[b] * job->ssm_s0 + h * job->ssm_s1;
+    const float *in = job->ssm + in_slot * job->ssm_s0 + h * job->ssm_s1;
     float *out = job->ssm + job->out_slots[b] * job->ssm_s0 + h * job->ssm_s1;
-    float *y = job->y + (b * job->heads + h) * P;
-    for (int64_t p = 0; p < P; p++) {
+    float *y = job->y + (r * job->heads + h) * P;
+    int64_t p = 0;
+    if (N % LANES == 0) {
+        /* Four rows of the state at a time, their y sums in fixed lane order. */
+        const vf vdecay = splat(decay);
+        for (; p + 4 <= P; p += 4) {
+            vf acc[4] = {{0}, {0}, {0}, {0}};
+            for (int j = 0; j < 4; j++) {
+                const float *st = in + (p + j) * job->ssm_s2;
+                float *o = out + (p + j) * job->ssm_s2;
+                const vf dx = splat(dt * ux[p + j]);
+                for (int64_t n = 0; n < N; n += LANES) {
+                    const vf v = vfma(vload(st + n), vdecay, dx * vload(uB + n));
+                    vstore(o + n, v);
+                    acc[j] = vfma(v, vload(uC + n), acc[j]);
+                }
+            }
+            float sums[4];
+            reduce4(acc[0], acc[1], acc[2], acc[3], sums);
+            for (int j = 0; j < 4; j++) y[p + j] = sums[j] + d * ux[p + j];
+        }
+    }
+    for (; p < P; p++) {
         const float *s = in + p * job->ssm_s2;
         float *o = out + p * job->ssm_s2;
         const float dx = dt * ux[p];
@@ -88,17 +143,87 @@ static void ssm_head(const Job *job, int64_t b, int64_t h, const float *ux, cons
     }
 }
 
+/* Several tokens of one (sequence, group) item, SCAN_TILE at a time: first
+ * every token's conv, SiLU, dt and decay into a buffer (the conv state
+ * advancing token by token), then per state row the tile's tokens with the
+ * row held in vectors, so a token reads its B and C from the buffer instead
+ * of streaming the whole `[P, N]` state of each head through the cache.
+ * The arithmetic per element is ssm_head's. Returns -1 (nothing done) when
+ * the buffer cannot be had. */
+static int scan_item(const Job *job, int64_t b, int64_t g, int64_t begin, int64_t end) {
+    const int64_t per_group = job->heads / job->groups, P = job->head_dim, N = job->dstate;
+    const int64_t x_width = job->heads * P, bc = job->groups * N;
+    const int64_t ch = per_group * P + 2 * N, vecs = N / LANES;
+    float *buf = malloc((size_t)SCAN_TILE * (size_t)(ch + 2 * per_group) * sizeof(float));
+    if (!buf) return -1;
+    float *steps = buf + SCAN_TILE * ch; /* per token and head: dt, decay */
+    const int64_t slot = job->slots[b], out_slot = job->out_slots[b];
+    for (int64_t t0 = begin; t0 < end; t0 += SCAN_TILE) {
+        const int64_t count = end - t0 < SCAN_TILE ? end - t0 : SCAN_TILE;
+        for (int64_t i = 0; i < count; i++) {
+            const int64_t r = t0 + i, in_slot = r == begin ? slot : out_slot;
+            float *u = buf + i * ch;
+            conv_channels(job, b, r, in_slot, g * per_group * P, per_group * P, u);
+            conv_channels(job, b, r, in_slot, x_width + g * N, N, u + per_group * P);
+            conv_channels(job, b, r, in_slot, x_width + bc + g * N, N, u + per_group * P + N);
+            silu_all(u, ch);
+            for (int64_t k = 0; k < per_group; k++) {
+                const int64_t h = g * per_group + k;
+                const float dt = head_dt(job, r, h);
+                steps[(i * per_group + k) * 2] = dt;
+                steps[(i * per_group + k) * 2 + 1] = expf(dt * job->A[h]);
+            }
+        }
+        const int64_t read_slot = t0 == begin ? slot : out_slot;
+        for (int64_t k = 0; k < per_group; k++) {
+            const int64_t h = g * per_group + k;
+            const float d = job->D[h];
+            const float *in = job->ssm + read_slot * job->ssm_s0 + h * job->ssm_s1;
+            float *out = job->ssm + out_slot * job->ssm_s0 + h * job->ssm_s1;
+            for (int64_t p = 0; p < P; p++) {
+                vf state[MAX_STATE_VECS];
+                for (int64_t j = 0; j < vecs; j++) state[j] = vload(in + p * job->ssm_s2 + j * LANES);
+                for (int64_t i = 0; i < count; i++) {
+                    const float *u = buf + i * ch;
+                    const float *uB = u + per_group * P, *uC = uB + N;
+                    const float x = u[k * P + p];
+                    const vf decay = splat(steps[(i * per_group + k) * 2 + 1]);
+                    const vf dx = splat(steps[(i * per_group + k) * 2] * x);
+                    vf acc = {0};
+                    for (int64_t j = 0; j < vecs; j++) {
+                        state[j] = vfma(state[j], decay, dx * vload(uB + j * LANES));
+                        acc = vfma(state[j], vload(uC + j * LANES), acc);
+                    }
+                    job->y[((t0 + i) * job->heads + h) * P + p] = hsum(acc) + d * x;
+                }
+                for (int64_t j = 0; j < vecs; j++) vstore(out + p * job->ssm_s2 + j * LANES, state[j]);
+            }
+        }
+    }
+    free(buf);
+    return 0;
+}
+
 static void run_item(const Job *job, int64_t item) {
     const int64_t b = item / job->groups, g = item % job->groups;
     const int64_t per_group = job->heads / job->groups, P = job->head_dim, N = job->dstate;
     const int64_t x_width = job->heads * P, bc = job->groups * N;
     float u[MAX_ITEM_CHANNELS];
     float *ux = u, *uB = u + per_group * P, *uC = uB + N;
-    conv_channels(job, b, g * per_group * P, per_group * P, ux);
-    conv_channels(job, b, x_width + g * N, N, uB);
-    conv_channels(job, b, x_width + bc + g * N, N, uC);
-    for (int64_t i = 0; i < per_group; i++)
-        ssm_head(job, b, g * per_group + i, ux + i * P, uB, uC);
+    const int64_t begin = job->row_begin ? job->row_begin[b] : b;
+    const int64_t end = job->row_end ? job->row_end[b] : b + 1;
+    if (end - begin > 1 && N % LANES == 0 && N / LANES <= MAX_STATE_VECS &&
+        scan_item(job, b, g, begin, end) == 0)
+        return;
+    for (int64_t r = begin; r < end; r++) {
+        const int64_t in_slot = r == begin ? job->slots[b] : job->out_slots[b];
+        conv_channels(job, b, r, in_slot, g * per_group * P, per_group * P, ux);
+        conv_channels(job, b, r, in_slot, x_width + g * N, N, uB);
+        conv_channels(job, b, r, in_slot, x_width + bc + g * N, N, uC);
+        silu_all(u, per_group * P + 2 * N);
+        for (int64_t i = 0; i < per_group; i++)
+            ssm_head(job, b, r, in_slot, g * per_group + i, ux + i * P, uB, uC);
+    }
 }
 
 static void *run_items(void *arg) {
@@ -110,23 +235,24 @@ static void *run_items(void *arg) {
     return NULL;
 }
 
-/* The step above for `batch` sequences; returns 0, or -1 when a group's
+/* The steps above for `batch` sequences; returns 0, or -1 when a group's
  * channels or the conv kernel exceed this file's limits (nothing written). */
 int mamba_step(const float *xbc, int64_t xbc_stride, const float *dt_raw, int64_t dt_stride,
                float *conv, int64_t conv_s0, int64_t conv_s1, int64_t conv_s2,
                const float *conv_w, const float *conv_b, float *ssm, int64_t ssm_s0,
                int64_t ssm_s1, int64_t ssm_s2, const int64_t *slots, const int64_t *out_slots,
+               const int64_t *row_begin, const int64_t *row_end,
                const float *dt_bias, const float *A, const float *D, float dt_min, float dt_max,
                float *y, int64_t batch, int64_t heads, int64_t head_dim, int64_t groups,
                int64_t dstate, int64_t kernel, int threads) {
     if (kernel < 2 || kernel > MAX_KERNEL || groups < 1 || heads % groups)
         return -1;
     if ((heads / groups) * head_dim + 2 * dstate > MAX_ITEM_CHANNELS) return -1;
-    Job job = {xbc,     dt_raw,  conv_w,  conv_b,     dt_bias,   A,        D,
-               conv,    ssm,     y,       slots,      out_slots, xbc_stride, dt_stride,
-               conv_s0, conv_s1, conv_s2, ssm_s0,     ssm_s1,    ssm_s2,   batch,
-               heads,   head_dim, groups, dstate,     kernel,    dt_min,   dt_max,
-               0};
+    Job job = {xbc,        dt_raw,    conv_w,     conv_b,   dt_bias,  A,        D,
+               conv,       ssm,       y,          slots,    out_slots, row_begin, row_end,
+               xbc_stride, dt_stride, conv_s0,    conv_s1,  conv_s2,  ssm_s0,   ssm_s1,
+               ssm_s2,     batch,     heads,      head_dim, groups,   dstate,   kernel,
+               dt_min,     dt_max,    0};
     const int64_t items = batch * groups;
     return run_on_threads(run_items, &job, threads < items ? threads : (int)items) ? -1 : 0;
 }
