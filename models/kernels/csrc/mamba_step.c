@@ -143,6 +143,48 @@ static void ssm_head(const Job *job, int64_t b, int64_t r, int64_t in_slot, int6
     }
 }
 
+typedef struct {
+    const Job *job;
+    const float *buf, *steps, *in;
+    float *out;
+    int64_t ch, per_group, k, h, t0, count, p;
+    float d;
+} ScanRows;
+
+/* State rows p .. p + 3 of head h through a tile's tokens: four independent
+ * sums per token (one reduce4), each token's B and C read once for all four. */
+ALWAYS_INLINE void scan_rows4(const ScanRows *r, const int64_t vecs) {
+    const Job *job = r->job;
+    const int64_t P = job->head_dim, N = job->dstate, k = r->k, p = r->p;
+    vf state[4][MAX_STATE_VECS];
+    for (int q = 0; q < 4; q++)
+        for (int64_t j = 0; j < vecs; j++)
+            state[q][j] = vload(r->in + (p + q) * job->ssm_s2 + j * LANES);
+    for (int64_t i = 0; i < r->count; i++) {
+        const float *u = r->buf + i * r->ch;
+        const float *uB = u + r->per_group * P, *uC = uB + N;
+        const vf decay = splat(r->steps[(i * r->per_group + k) * 2 + 1]);
+        const float dt = r->steps[(i * r->per_group + k) * 2];
+        vf acc[4] = {{0}, {0}, {0}, {0}};
+        vf dx[4];
+        for (int q = 0; q < 4; q++) dx[q] = splat(dt * u[k * P + p + q]);
+        for (int64_t j = 0; j < vecs; j++) {
+            const vf vB = vload(uB + j * LANES), vC = vload(uC + j * LANES);
+            for (int q = 0; q < 4; q++) {
+                state[q][j] = vfma(state[q][j], decay, dx[q] * vB);
+                acc[q] = vfma(state[q][j], vC, acc[q]);
+            }
+        }
+        float sums[4];
+        reduce4(acc[0], acc[1], acc[2], acc[3], sums);
+        float *y = job->y + ((r->t0 + i) * job->heads + r->h) * P + p;
+        for (int q = 0; q < 4; q++) y[q] = sums[q] + r->d * u[k * P + p + q];
+    }
+    for (int q = 0; q < 4; q++)
+        for (int64_t j = 0; j < vecs; j++)
+            vstore(r->out + (p + q) * job->ssm_s2 + j * LANES, state[q][j]);
+}
+
 /* Several tokens of one (sequence, group) item, SCAN_TILE at a time: first
  * every token's conv, SiLU, dt and decay into a buffer (the conv state
  * advancing token by token), then per state row the tile's tokens with the
@@ -180,7 +222,19 @@ static int scan_item(const Job *job, int64_t b, int64_t g, int64_t begin, int64_
             const float d = job->D[h];
             const float *in = job->ssm + read_slot * job->ssm_s0 + h * job->ssm_s1;
             float *out = job->ssm + out_slot * job->ssm_s0 + h * job->ssm_s1;
-            for (int64_t p = 0; p < P; p++) {
+            int64_t p = 0;
+            /* Four rows at a time (see scan_rows4); N = 8 or 16 vectors
+             * inlined with their count known, so the rows stay in registers. */
+            for (; p + 4 <= P; p += 4) {
+                const ScanRows rows = {job, buf, steps, in, out, ch, per_group, k, h, t0, count, p, d};
+                if (vecs == 8)
+                    scan_rows4(&rows, 8);
+                else if (vecs == 16)
+                    scan_rows4(&rows, 16);
+                else
+                    scan_rows4(&rows, vecs);
+            }
+            for (; p < P; p++) {
                 vf state[MAX_STATE_VECS];
                 for (int64_t j = 0; j < vecs; j++) state[j] = vload(in + p * job->ssm_s2 + j * LANES);
                 for (int64_t i = 0; i < count; i++) {
