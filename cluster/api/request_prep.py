@@ -35,7 +35,13 @@ from cluster.api.protocol import (
     TokenizeRequest,
 )
 from cluster.api.structured import StructuredError, grammar_of
-from cluster.api.tools import ToolCalling, ToolError, template_tools, tool_calling
+from cluster.api.tools import (
+    ToolCalling,
+    ToolError,
+    declares_tools,
+    template_tools,
+    tool_calling,
+)
 from engine.grammar import GrammarSpec
 from engine.multimodal import ImageInput
 from engine.sampling import SamplingParams
@@ -118,7 +124,8 @@ class RequestPreparer:
 
     async def chat(self, body: ChatCompletionRequest) -> tuple[ResponseShape, PreparedRequest]:
         try:
-            calling = tool_calling(body.tools, body.tool_choice, body.parallel_tool_calls)
+            declared = declares_tools(getattr(self.model.tokenizer, "chat_template", None))
+            calling = tool_calling(body.tools, body.tool_choice, body.parallel_tool_calls, declared)
         except ToolError as exc:
             raise APIError(400, str(exc), exc.param, "invalid_value") from exc
         images = await load_chat_images(body, self.model.images, self.model.media)

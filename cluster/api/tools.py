@@ -12,8 +12,9 @@ makes the model call one, constrained by the functions' parameter schemas.
 Either way the answer carries `tool_calls` (ids `call_<hex>`, arguments as
 JSON text) and no content. `tool_choice: "auto"` (OpenAI's default when
 tools are sent) would need the model to choose between text and a call in
-its own tool-call syntax, which none of the served templates declare: it
-is refused by name. The tools are passed to the chat template as `tools`,
+its own tool-call syntax, parsed out of free text, which this server does
+not do: it is refused by name, the message saying whether the model's
+template declares tool calls at all. The tools are passed to the chat template as `tools`,
 for templates that render them; assistant `tool_calls` and `tool`
 messages of earlier turns reach it as sent.
 """
@@ -132,9 +133,12 @@ def tool_calling(
     tools: list[ToolDefinition] | None,
     choice: ToolChoice | None,
     parallel_tool_calls: bool | None,
+    template_declares_tools: bool = False,
 ) -> ToolCalling | None:
     """The request's tool calling, None when it calls none; `ToolError`
-    for a choice that cannot be served."""
+    for a choice that cannot be served. `template_declares_tools` says
+    whether the chat template renders tool calls (`declares_tools`), which
+    only changes what the refusal of "auto" says."""
     if choice is not None and not tools:
         if choice == "none":
             return None
@@ -145,10 +149,16 @@ def tool_calling(
     if len(functions) < len(tools):
         raise ToolError("tools", "function names must be unique")
     if choice is None or choice == "auto":
+        why = (
+            "this model's chat template declares tool calls, but this server does not "
+            "parse a model's own tool-call syntax out of free text"
+            if template_declares_tools
+            else "it needs a model whose chat template declares tool calls, and this one does not"
+        )
         raise ToolError(
             "tool_choice",
-            "'auto' (the default with tools) needs a model whose chat template declares "
-            "tool calls, and this one does not; send tool_choice 'required' or "
+            f"'auto' (the default with tools) lets the model choose between text and a call: "
+            f"{why}; send tool_choice 'required' or "
             "{'type': 'function', 'function': {'name': ...}}",
         )
     if isinstance(choice, NamedToolChoice):
@@ -176,6 +186,12 @@ def tool_calling(
     if parallel_tool_calls is False:
         calls["maxItems"] = 1
     return ToolCalling(GrammarSpec.json_schema(calls))
+
+
+def declares_tools(chat_template: str | None) -> bool:
+    """Whether a chat template renders tool calls (it reads `tools` or
+    messages' `tool_calls`)."""
+    return chat_template is not None and ("tool_calls" in chat_template or "tools" in chat_template)
 
 
 def _parameters(function: FunctionDefinition) -> dict[str, Any]:

@@ -240,6 +240,7 @@ def test_an_output_cut_before_its_calls_end_comes_back_as_content(
     ("fields", "param", "words"),
     [
         ({"tools": [WEATHER]}, "tool_choice", "'auto' (the default with tools)"),
+        ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "this one does not"),
         ({"tools": [WEATHER], "tool_choice": "auto"}, "tool_choice", "'required'"),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
@@ -284,3 +285,16 @@ def test_earlier_tool_turns_reach_the_template(client: TestClient, router: _Text
     ]
     response = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
     assert response.status_code == 200, response.text
+
+
+def test_auto_tool_choice_says_when_the_template_declares_tool_calls() -> None:
+    from cluster.api.tools import ToolDefinition, ToolError, declares_tools, tool_calling
+
+    template = (
+        "{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}{{ tools }}{% endif %}"
+    )
+    assert declares_tools(template) and not declares_tools("{{ messages }}")
+    with pytest.raises(ToolError, match="declares tool calls, but this server does not parse"):
+        tool_calling(
+            [ToolDefinition.model_validate(WEATHER)], "auto", None, declares_tools(template)
+        )
