@@ -10,35 +10,22 @@ from __future__ import annotations
 
 import json
 import random
-import re
-import time
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import yaml
 
-from tests.serve_process import ServeProcess, start_serve, stop_group
+from tests.serve_process import MODES as SERVE_MODES
+from tests.serve_process import ServeProcess, start_mode, stop_group
+from tests.served_metrics import gauge_sum, wait_until
 
-MODES: dict[str, dict[str, dict[str, object]]] = {
-    "aggregated": {"context_servers": {"num_instances": 0}},
-    "1p1d": {"cache_transceiver": {"backend": "python"}},
-    "1p1d-reuse-ngram": {
-        "cache_transceiver": {"backend": "python"},
-        "kv_cache": {"enable_block_reuse": True},
-        "speculative_config": {
-            "method": "ngram",
-            "num_speculative_tokens": 3,
-            "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3,
-        },
-    },
+MODES = {
+    **SERVE_MODES,
     # A hybrid: each sample's Mamba state is a copy of the pulled one.
-    "1p1d-nemotron_h": {"cache_transceiver": {"backend": "python"}},
+    "1p1d-nemotron_h": SERVE_MODES["1p1d"],
 }
 
 
@@ -51,32 +38,11 @@ def server(
     mode = request.param
     arch = "nemotron_h" if mode.endswith("nemotron_h") else "llama"
     checkpoint = ensure_checkpoint(tmp_path_factory.getbasetemp() / f"n-{arch}", arch, "tiny")
-    config: dict[str, object] = {
-        "model": str(checkpoint),
-        "conditional_disagg": {"max_local_prefill_length": 0},
-        "kv_cache": {"max_tokens": 2048},
-        "max_batch_size": 8,
-        "context_servers": {"num_instances": 1},
-        "generation_servers": {"num_instances": 1},
-    }
-    for key, value in MODES[mode].items():
-        base = config.get(key, {})
-        config[key] = {**base, **value} if isinstance(base, dict) else value
-    path = tmp_path_factory.mktemp(f"n-{mode}") / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    running = start_serve(path, checkpoint)
+    running = start_mode(tmp_path_factory.mktemp(f"n-{mode}"), checkpoint, MODES[mode])
     try:
         yield mode, checkpoint, running
     finally:
         stop_group(running.process)
-
-
-def metric_total(url: str, name: str, label: str = "") -> float:
-    """A counter summed over its series (those whose labels hold `label`)."""
-    with urllib.request.urlopen(f"{url.removesuffix('/v1')}/metrics", timeout=30) as reply:
-        text = reply.read().decode()
-    series = re.findall(rf"^{name}(\{{[^}}]*\}})? (\S+)$", text, re.M)
-    return sum(float(value) for labels, value in series if label in labels)
 
 
 def prompt(seed: int, length: int = 37) -> list[int]:
@@ -171,9 +137,9 @@ def test_n_4_prefills_once_and_moves_the_cache_once(
 
     def totals() -> tuple[float, float, float]:
         return (
-            metric_total(running.url, "disagg_routed_requests_total", phase),
-            metric_total(running.url, "disagg_kv_transfer_bytes_total"),
-            metric_total(running.url, "disagg_prompt_tokens_total"),
+            gauge_sum(running.url, "disagg_routed_requests_total", phase),
+            gauge_sum(running.url, "disagg_kv_transfer_bytes_total"),
+            gauge_sum(running.url, "disagg_prompt_tokens_total"),
         )
 
     before = totals()
@@ -188,21 +154,6 @@ def test_n_4_prefills_once_and_moves_the_cache_once(
     assert one == four, (mode, one, four)
     assert one[0] == 1 and one[2] == len(ids)
     assert (one[1] > 0) == (mode != "aggregated")
-
-
-def _gauge_sum(url: str, name: str) -> float:
-    with urllib.request.urlopen(f"{url.removesuffix('/v1')}/metrics", timeout=30) as reply:
-        text = reply.read().decode()
-    return sum(float(v) for v in re.findall(rf"^{name}\{{[^}}]*\}} ([0-9.e-]+)$", text, re.M))
-
-
-def _wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_a_client_that_leaves_an_n_3_stream_frees_every_sample(
@@ -228,7 +179,7 @@ def test_a_client_that_leaves_an_n_3_stream_frees_every_sample(
             line = next(lines)
             if line.startswith("data: {"):
                 seen.update(c["index"] for c in json.loads(line[6:])["choices"])
-        assert _gauge_sum(running.url, "disagg_kv_cache_usage_ratio") > 0
+        assert wait_until(lambda: gauge_sum(running.url, "disagg_kv_cache_usage_ratio") > 0, 5)
     # Closing the stream stops all three samples and frees every block and slot.
-    assert _wait_until(lambda: _gauge_sum(running.url, "disagg_worker_requests") == 0, 5), mode
-    assert _wait_until(lambda: _gauge_sum(running.url, "disagg_kv_cache_usage_ratio") == 0, 5), mode
+    assert wait_until(lambda: gauge_sum(running.url, "disagg_worker_requests") == 0, 5), mode
+    assert wait_until(lambda: gauge_sum(running.url, "disagg_kv_cache_usage_ratio") == 0, 5), mode

@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +31,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.serve_process import start_serve, stop_group
+from tests.served_metrics import gauge_sum, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "tests" / "configs" / "trtllm" / "2p2d-python-reuse.yaml"
@@ -99,28 +100,6 @@ def _engine_steps(server: Server) -> dict[str, float]:
     text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
     pattern = r'disagg_engine_steps\{worker="([\w-]+)"\} ([0-9.e+]+)'
     return {w: float(v) for w, v in re.findall(pattern, text)}
-
-
-def _worker_requests(server: Server) -> float:
-    text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
-    return sum(float(v) for v in re.findall(r"disagg_worker_requests\{[^}]*\} ([0-9.]+)", text))
-
-
-def _cache_usage(server: Server) -> float:
-    """Used fraction of KV blocks, summed over every worker."""
-    text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
-    return sum(
-        float(v) for v in re.findall(r"disagg_kv_cache_usage_ratio\{[^}]*\} ([0-9.e-]+)", text)
-    )
-
-
-def _wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 PROMPTS = ["The quick brown fox", "Once upon a time, in a small village", "Water boils at"]
@@ -303,7 +282,7 @@ def test_32_concurrent_requests_on_2p2d(server: Server, reference: tuple) -> Non
         steps = _engine_steps(server)
         return all(steps.get(w, 0) > steps_before.get(w, 0) for w in workers)
 
-    assert _wait_until(every_engine_stepped, 5), "the engine step gauges did not move"
+    assert wait_until(every_engine_stepped, 5), "the engine step gauges did not move"
 
 
 def test_prefix_aware_routes_a_repeated_prefix_to_its_holder(server: Server) -> None:
@@ -313,7 +292,7 @@ def test_prefix_aware_routes_a_repeated_prefix_to_its_holder(server: Server) -> 
     known = _cached_blocks(server)
     client.completions.create(model=server.model, prompt=f"{prefix} 0", max_tokens=2, temperature=0)
     # Wait until the router has polled the holder's KV events for the prefix.
-    assert _wait_until(lambda: _cached_blocks(server) >= known + 4, 10), "no KV events seen"
+    assert wait_until(lambda: _cached_blocks(server) >= known + 4, 10), "no KV events seen"
     for i in range(1, 4):
         client.completions.create(
             model=server.model, prompt=f"{prefix} {i}", max_tokens=2, temperature=0
@@ -342,12 +321,20 @@ def test_client_disconnect_aborts_the_request_on_the_workers(server: Server) -> 
     ):
         lines = response.iter_lines()
         assert [next(lines) for _ in range(3)]
-        assert _wait_until(lambda: _worker_requests(server) > 0, 5), "request never ran"
-        assert _wait_until(lambda: _cache_usage(server) > 0, 5), "no blocks in use"
+        assert wait_until(lambda: gauge_sum(server.url, "disagg_worker_requests") > 0, 5), (
+            "request never ran"
+        )
+        assert wait_until(lambda: gauge_sum(server.url, "disagg_kv_cache_usage_ratio") > 0, 5), (
+            "no blocks in use"
+        )
     # Closing the stream must stop generation long before 3000 tokens are done,
     # and every block (context and generation side) must be free again.
-    assert _wait_until(lambda: _worker_requests(server) == 0, 3), "request kept running"
-    assert _wait_until(lambda: _cache_usage(server) == 0, 3), "blocks leaked"
+    assert wait_until(lambda: gauge_sum(server.url, "disagg_worker_requests") == 0, 3), (
+        "request kept running"
+    )
+    assert wait_until(lambda: gauge_sum(server.url, "disagg_kv_cache_usage_ratio") == 0, 3), (
+        "blocks leaked"
+    )
 
 
 def test_bench_measures_the_endpoint(

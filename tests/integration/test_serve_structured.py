@@ -17,26 +17,13 @@ from typing import Any
 
 import openai
 import pytest
-import yaml
 
 from engine.grammar import GrammarSpec
-from tests.serve_process import ServeProcess, start_serve, stop_group
+from tests.serve_process import MODES as SERVE_MODES
+from tests.serve_process import ServeProcess, start_mode, stop_group
 from tests.spec_engines import engine, serve
 
-MODES: dict[str, dict[str, dict[str, object]]] = {
-    "aggregated": {"context_servers": {"num_instances": 0}},
-    "1p1d": {"cache_transceiver": {"backend": "python"}},
-    "1p1d-reuse-ngram": {
-        "cache_transceiver": {"backend": "python"},
-        "kv_cache": {"enable_block_reuse": True},
-        "speculative_config": {
-            "method": "ngram",
-            "num_speculative_tokens": 3,
-            "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3,
-        },
-    },
-}
+MODES = SERVE_MODES
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -81,20 +68,7 @@ def server(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, checkpoint: Path
 ) -> Iterator[tuple[str, ServeProcess]]:
     mode = request.param
-    config: dict[str, object] = {
-        "model": str(checkpoint),
-        "conditional_disagg": {"max_local_prefill_length": 0},
-        "kv_cache": {"max_tokens": 2048},
-        "max_batch_size": 8,
-        "context_servers": {"num_instances": 1},
-        "generation_servers": {"num_instances": 1},
-    }
-    for key, value in MODES[mode].items():
-        base = config.get(key, {})
-        config[key] = {**base, **value} if isinstance(base, dict) else value
-    path = tmp_path_factory.mktemp(f"structured-{mode}") / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    running = start_serve(path, checkpoint)
+    running = start_mode(tmp_path_factory.mktemp(f"structured-{mode}"), checkpoint, MODES[mode])
     try:
         yield mode, running
     finally:
