@@ -147,12 +147,18 @@ def test_other_tensors_fall_back_to_torch() -> None:
 
 
 def _chunks(
-    lengths: list[int], heads: int, head_dim: int, groups: int, dstate: int, seed: int
+    lengths: list[int],
+    heads: int,
+    head_dim: int,
+    groups: int,
+    dstate: int,
+    seed: int,
+    kernel: int = 4,
 ) -> dict[str, Any]:
     """Prompt chunks of `lengths` tokens, rows packed one after another with
     a decode row between them (rows the scan must leave alone)."""
     total = sum(lengths) + len(lengths)
-    args = _inputs(total, heads, head_dim, groups, dstate, 4, seed)
+    args = _inputs(total, heads, head_dim, groups, dstate, kernel, seed)
     rows, at = [], 0
     for n in lengths:
         rows.append((at, at + n))
@@ -187,8 +193,17 @@ def _scanned(args: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
-    ("lengths", "heads", "head_dim", "groups", "dstate"),
-    [([1], 4, 16, 2, 16), ([7, 1, 30], 8, 16, 4, 16), ([64, 33], 16, 64, 4, 64)],
+    ("lengths", "heads", "head_dim", "groups", "dstate", "kernel"),
+    [
+        ([1], 4, 16, 2, 16, 4),
+        ([7, 1, 30], 8, 16, 4, 16, 4),
+        ([64, 33], 16, 64, 4, 64, 4),
+        # Chunks shorter than the conv window: their taps and the conv state
+        # left behind come partly from the state before them.
+        ([2, 3, 5], 8, 16, 4, 16, 4),
+        ([2, 9], 4, 16, 2, 16, 2),
+        ([3, 4, 40], 4, 16, 2, 16, 6),
+    ],
 )
 def test_prompt_chunks_run_the_recurrence_token_by_token(
     monkeypatch: pytest.MonkeyPatch,
@@ -198,10 +213,11 @@ def test_prompt_chunks_run_the_recurrence_token_by_token(
     head_dim: int,
     groups: int,
     dstate: int,
+    kernel: int,
 ) -> None:
     monkeypatch.setattr(cpu_mamba_step, "_PARALLEL_STATE", 0 if threads > 1 else 1 << 60)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    args = _chunks(lengths, heads, head_dim, groups, dstate, seed=len(lengths) + heads)
+    args = _chunks(lengths, heads, head_dim, groups, dstate, len(lengths) + heads, kernel)
     got, want = _scanned(args), _stepped(args)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)

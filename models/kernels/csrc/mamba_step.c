@@ -54,43 +54,43 @@ typedef struct {
 
 static float silu(float v) { return v / (1.0f + expf(-v)); }
 
-/* silu over u[0 .. count), LANES at a time: v * sigmoid(v), the sigmoid
- * from exp(-|v|) (a non-positive argument: `vexp_nonpositive`). */
+/* silu over u[0 .. count), LANES at a time (`vsilu`). */
 static void silu_all(float *u, int64_t count) {
     int64_t i = 0;
-    for (; i + LANES <= count; i += LANES) {
-        const vf v = vload(u + i);
-        const vi negative = v < 0.0f;
-        const vf magnitude = (vf)((vi)v & (vi)splat(-0.0f) ^ (vi)v);
-        const vf e = vexp_nonpositive(-magnitude);
-        const vf one = splat(1.0f);
-        const vf up = one / (one + e), down = e / (one + e);
-        const vf sigmoid = (vf)(((vi)down & negative) | ((vi)up & ~negative));
-        vstore(u + i, v * sigmoid);
-    }
+    for (; i + LANES <= count; i += LANES) vstore(u + i, vsilu(vload(u + i)));
     for (; i < count; i++) u[i] = silu(u[i]);
 }
 
-/* Conv of `count` channels from `first` of row r into u (before SiLU), reading slot `in_slot`. */
-static void conv_channels(const Job *job, int64_t b, int64_t r, int64_t in_slot, int64_t first,
-                          int64_t count, float *u) {
-    const int64_t K = job->kernel;
+/* Conv of `count` channels from `first` of row r into u (before SiLU),
+ * reading slot `in_slot`; K passed as a constant where it is the usual 4, so
+ * the tap loops unroll. */
+ALWAYS_INLINE void conv_channels_k(const Job *job, int64_t b, int64_t r, int64_t in_slot,
+                                   int64_t first, int64_t count, float *u, const int64_t K) {
     const float *x = job->xbc + r * job->xbc_stride;
     const float *in = job->conv + in_slot * job->conv_s0;
     float *out = job->conv + job->out_slots[b] * job->conv_s0;
+    const int64_t s1 = job->conv_s1, s2 = job->conv_s2;
     for (int64_t i = 0; i < count; i++) {
         const int64_t c = first + i;
         const float *w = job->conv_w + c * K;
-        const float *st = in + c * job->conv_s1;
+        const float *st = in + c * s1;
         float window[MAX_KERNEL];
-        for (int64_t k = 0; k < K - 1; k++) window[k] = st[k * job->conv_s2];
+        for (int64_t k = 0; k < K - 1; k++) window[k] = st[k * s2];
         window[K - 1] = x[c];
         float acc = job->conv_b ? job->conv_b[c] : 0.0f;
         for (int64_t k = 0; k < K; k++) acc += w[k] * window[k];
-        float *dst = out + c * job->conv_s1;
-        for (int64_t k = 0; k < K - 1; k++) dst[k * job->conv_s2] = window[k + 1];
+        float *dst = out + c * s1;
+        for (int64_t k = 0; k < K - 1; k++) dst[k * s2] = window[k + 1];
         u[i] = acc; /* activated by the caller (silu_all) */
     }
+}
+
+static void conv_channels(const Job *job, int64_t b, int64_t r, int64_t in_slot, int64_t first,
+                          int64_t count, float *u) {
+    if (job->kernel == 4)
+        conv_channels_k(job, b, r, in_slot, first, count, u, 4);
+    else
+        conv_channels_k(job, b, r, in_slot, first, count, u, job->kernel);
 }
 
 /* dt of head h at row r: softplus (torch's threshold), then the clamp. */
@@ -185,29 +185,110 @@ ALWAYS_INLINE void scan_rows4(const ScanRows *r, const int64_t vecs) {
             vstore(r->out + (p + q) * job->ssm_s2 + j * LANES, state[q][j]);
 }
 
+/* A prompt chunk's conv, LANES channels at a time. An item's channels are
+ * three contiguous runs of xbc's columns (its heads' x, its group's B and
+ * C), laid end to end in the `ch` columns of its buffers. `taps` holds the
+ * item's conv weights tap-major (`taps[k * ch + i]`), `hist` the K - 1 inputs
+ * before the chunk's first row (`hist[m * ch + i]`, row begin - (K - 1) + m,
+ * from the conv state), so every tap of a token is a vector load. */
+typedef struct {
+    const Job *job;
+    const float *taps, *hist, *bias;
+    int64_t ch, begin;
+    int64_t first[3], count[3], offset[3];
+} ChunkConv;
+
+static ChunkConv chunk_conv(const Job *job, int64_t b, int64_t g, int64_t begin, float *taps,
+                            float *hist, float *bias) {
+    const int64_t per_group = job->heads / job->groups, P = job->head_dim, N = job->dstate;
+    const int64_t x_width = job->heads * P, bc = job->groups * N, K = job->kernel;
+    const int64_t ch = per_group * P + 2 * N;
+    ChunkConv conv = {job, taps, hist, job->conv_b ? bias : NULL, ch, begin,
+                      {g * per_group * P, x_width + g * N, x_width + bc + g * N},
+                      {per_group * P, N, N},
+                      {0, per_group * P, per_group * P + N}};
+    const float *state = job->conv + job->slots[b] * job->conv_s0;
+    for (int run = 0; run < 3; run++)
+        for (int64_t i = 0; i < conv.count[run]; i++) {
+            const int64_t c = conv.first[run] + i, at = conv.offset[run] + i;
+            for (int64_t k = 0; k < K; k++) taps[k * ch + at] = job->conv_w[c * K + k];
+            for (int64_t m = 0; m < K - 1; m++)
+                hist[m * ch + at] = state[c * job->conv_s1 + m * job->conv_s2];
+            if (job->conv_b) bias[at] = job->conv_b[c];
+        }
+    return conv;
+}
+
+/* The input of buffer column `at` (xbc column c) at row j of the chunk. */
+ALWAYS_INLINE const float *conv_input(const ChunkConv *conv, int64_t j, int64_t c, int64_t at) {
+    if (j >= conv->begin) return conv->job->xbc + j * conv->job->xbc_stride + c;
+    return conv->hist + (j - conv->begin + conv->job->kernel - 1) * conv->ch + at;
+}
+
+/* Row r's conv (before SiLU) of every channel of the item into u. */
+static void conv_row(const ChunkConv *conv, int64_t r, float *u) {
+    const int64_t K = conv->job->kernel, ch = conv->ch;
+    for (int run = 0; run < 3; run++) {
+        const int64_t c0 = conv->first[run], n = conv->count[run], off = conv->offset[run];
+        const float *src[MAX_KERNEL];
+        for (int64_t k = 0; k < K; k++) src[k] = conv_input(conv, r - (K - 1) + k, c0, off);
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES) {
+            vf acc = conv->bias ? vload(conv->bias + off + i) : (vf){0};
+            for (int64_t k = 0; k < K; k++)
+                acc = vfma(vload(conv->taps + k * ch + off + i), vload(src[k] + i), acc);
+            vstore(u + off + i, acc);
+        }
+        for (; i < n; i++) {
+            float acc = conv->bias ? conv->bias[off + i] : 0.0f;
+            for (int64_t k = 0; k < K; k++) acc = fmaf(conv->taps[k * ch + off + i], src[k][i], acc);
+            u[off + i] = acc;
+        }
+    }
+}
+
+/* The conv state of `out_slot` after the chunk's last row `end - 1`: its
+ * last K - 1 inputs. */
+static void conv_state_out(const ChunkConv *conv, int64_t end, int64_t out_slot) {
+    const Job *job = conv->job;
+    const int64_t K = job->kernel;
+    float *state = job->conv + out_slot * job->conv_s0;
+    for (int run = 0; run < 3; run++)
+        for (int64_t m = 0; m < K - 1; m++) {
+            const int64_t j = end - (K - 1) + m;
+            for (int64_t i = 0; i < conv->count[run]; i++) {
+                const int64_t c = conv->first[run] + i;
+                state[c * job->conv_s1 + m * job->conv_s2] =
+                    *conv_input(conv, j, c, conv->offset[run] + i);
+            }
+        }
+}
+
 /* Several tokens of one (sequence, group) item, SCAN_TILE at a time: first
- * every token's conv, SiLU, dt and decay into a buffer (the conv state
- * advancing token by token), then per state row the tile's tokens with the
+ * every token's conv (`conv_row`: from the chunk's xbc rows and the K - 1
+ * inputs before them, the conv state written once after the last row),
+ * SiLU, dt and decay into a buffer, then per state row the tile's tokens with the
  * row held in vectors, so a token reads its B and C from the buffer instead
  * of streaming the whole `[P, N]` state of each head through the cache.
  * The arithmetic per element is ssm_head's. Returns -1 (nothing done) when
  * the buffer cannot be had. */
 static int scan_item(const Job *job, int64_t b, int64_t g, int64_t begin, int64_t end) {
     const int64_t per_group = job->heads / job->groups, P = job->head_dim, N = job->dstate;
-    const int64_t x_width = job->heads * P, bc = job->groups * N;
     const int64_t ch = per_group * P + 2 * N, vecs = N / LANES;
-    float *buf = malloc((size_t)SCAN_TILE * (size_t)(ch + 2 * per_group) * sizeof(float));
+    const int64_t K = job->kernel;
+    const size_t floats = (size_t)SCAN_TILE * (size_t)(ch + 2 * per_group) + (size_t)(2 * K) * ch;
+    float *buf = malloc(floats * sizeof(float));
     if (!buf) return -1;
     float *steps = buf + SCAN_TILE * ch; /* per token and head: dt, decay */
+    float *taps = steps + SCAN_TILE * 2 * per_group, *hist = taps + K * ch;
+    const ChunkConv conv = chunk_conv(job, b, g, begin, taps, hist, hist + (K - 1) * ch);
     const int64_t slot = job->slots[b], out_slot = job->out_slots[b];
     for (int64_t t0 = begin; t0 < end; t0 += SCAN_TILE) {
         const int64_t count = end - t0 < SCAN_TILE ? end - t0 : SCAN_TILE;
         for (int64_t i = 0; i < count; i++) {
-            const int64_t r = t0 + i, in_slot = r == begin ? slot : out_slot;
+            const int64_t r = t0 + i;
             float *u = buf + i * ch;
-            conv_channels(job, b, r, in_slot, g * per_group * P, per_group * P, u);
-            conv_channels(job, b, r, in_slot, x_width + g * N, N, u + per_group * P);
-            conv_channels(job, b, r, in_slot, x_width + bc + g * N, N, u + per_group * P + N);
+            conv_row(&conv, r, u);
             silu_all(u, ch);
             for (int64_t k = 0; k < per_group; k++) {
                 const int64_t h = g * per_group + k;
@@ -254,6 +335,7 @@ static int scan_item(const Job *job, int64_t b, int64_t g, int64_t begin, int64_
             }
         }
     }
+    conv_state_out(&conv, end, out_slot);
     free(buf);
     return 0;
 }

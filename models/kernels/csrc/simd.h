@@ -107,4 +107,14 @@ ALWAYS_INLINE vf vexp_nonpositive(vf x) {
     return (vf)((vi)e & ~underflow);
 }
 
+/* v * sigmoid(v), the sigmoid from exp(-|v|) (a non-positive argument). */
+ALWAYS_INLINE vf vsilu(vf v) {
+    const vi negative = v < 0.0f;
+    const vf magnitude = (vf)((vi)v & (vi)splat(-0.0f) ^ (vi)v);
+    const vf e = vexp_nonpositive(-magnitude);
+    const vf one = splat(1.0f);
+    const vf up = one / (one + e), down = e / (one + e);
+    return v * (vf)(((vi)down & negative) | ((vi)up & ~negative));
+}
+
 #endif
