@@ -41,7 +41,7 @@ from models.layers.mamba2 import Mamba2Mixer
 from models.layers.norm import RMSNorm
 from models.layers.relu2_mlp import Relu2MLP
 from models.layers.vocab_parallel import VocabParallelEmbedding
-from models.nemotron_h_block import HYBRID_LAYER_KINDS, NemotronHBlock
+from models.nemotron_h_block import HYBRID_LAYER_KINDS, NemotronHAttention, NemotronHBlock
 from models.nemotron_h_mtp import MTP_PREFIX, NemotronHMTP, check_mtp_config
 from models.sharding import vocab_rows_per_rank
 from models.tensor_parallel import gather_vocab
@@ -150,11 +150,11 @@ class NemotronHForCausalLM(CausalLM):
         return gather_vocab(logits, self.config.tp, self.config.vocab_size)
 
     def process_weights_after_loading(self) -> None:
-        """Prepack the backbone's Mamba and MLP projections and the head (see
-        `FusedLinear`)."""
+        """Prepack the backbone's Mamba, attention and MLP projections and the
+        head (see `FusedLinear`)."""
         self.logits_head = FusedLinear([self.lm_head])
         for block in self.backbone.layers:
-            if isinstance(block.mixer, Mamba2Mixer | Relu2MLP):
+            if isinstance(block.mixer, Mamba2Mixer | NemotronHAttention | Relu2MLP):
                 block.mixer.fuse_projections()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

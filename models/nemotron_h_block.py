@@ -16,6 +16,7 @@ from models.config import ATTENTION, MAMBA, MLP, MOE, ModelConfig
 from models.errors import ConfigError
 from models.kernels import dispatch
 from models.layers.attention import paged_attention
+from models.layers.fused_linear import FusedLinear
 from models.layers.mamba2 import Mamba2Mixer
 from models.layers.moe import NemotronHMoE
 from models.layers.norm import RMSNorm
@@ -41,16 +42,31 @@ class NemotronHAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_size, bias=False)
         self.v_proj = nn.Linear(hidden, kv_size, bias=False)
         self.o_proj = nn.Linear(q_size, hidden, bias=False)
+        self.qkv: FusedLinear | None = None
+        self.out: FusedLinear | None = None
+        self._qkv_heads = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
+
+    def fuse_projections(self) -> None:
+        """Q/K/V as one prepacked product and O prepacked (see `FusedLinear`);
+        until then, or if a fusion went stale, the layers run one by one."""
+        self.qkv = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
+        self.out = FusedLinear([self.o_proj])
 
     def forward(
         self, hidden: torch.Tensor, batch: ForwardBatch, layer_cache: AttentionLayerCache
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, layer_cache, batch, self.scale)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        if self.qkv is not None and self.qkv.is_current():
+            qkv = self.qkv(hidden).view(num_tokens, -1, self.head_dim)
+            q, k, v = qkv.split_with_sizes(self._qkv_heads, dim=1)
+        else:
+            q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+            k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, layer_cache, batch, self.scale).reshape(num_tokens, -1)
+        if self.out is not None and self.out.is_current():
+            return self.out(out)
+        return self.o_proj(out)
 
 
 class NemotronHLayer(nn.Module):

@@ -1,5 +1,6 @@
 """RMSNorm on CPU through the C kernel in `csrc/rms_norm.c`, optionally fused
-with the residual add before it.
+with the residual add before it, and Mamba2's gated grouped RMSNorm
+(`gated_rms_norm`; its torch twin `gated_rms_norm_ref`).
 
 In torch an RMSNorm is a chain of small ops (upcast, square, mean, rsqrt,
 scale, downcast, weight) and the residual add one more; a decode step runs
@@ -14,6 +15,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
+import torch.nn.functional as F
 
 from models.kernels import cpu_build
 
@@ -33,6 +35,13 @@ _KERNEL = cpu_build.KernelFunction(
     "rms_norm",
     "rms_norm",
     [_INT, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, ctypes.c_float, _INT],
+)
+
+
+_GATED_KERNEL = cpu_build.KernelFunction(
+    "rms_norm",
+    "gated_rms_norm",
+    [_INT, _P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, ctypes.c_float, _INT],
 )
 
 
@@ -90,3 +99,54 @@ def rms_norm_if_supported(
         torch.get_num_threads() if rows * width >= _PARALLEL_ELEMENTS else 1,
     )
     return out
+
+
+def gated_rms_norm_ref(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group: int, eps: float
+) -> torch.Tensor:
+    """RMSNorm of `x * silu(z)` over groups of `group` channels of the last dim,
+    in float32, cast to `x`'s dtype, then times `weight` (transformers' gated
+    Mamba norm with `norm_before_gate=False`), in `z`'s dtype. The mixer's x
+    is its float32 scan output, so only the result is rounded to the model
+    dtype."""
+    h = x.float() * F.silu(z.float())
+    groups = h.view(*h.shape[:-1], -1, group)
+    groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * groups.view_as(h).to(x.dtype)).to(z.dtype)
+
+
+def gated_rms_norm_if_supported(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group: int, eps: float
+) -> torch.Tensor | None:
+    """`gated_rms_norm_ref(...)` through the C kernel: `x` `[T, width]` float32,
+    `z` of the same shape in fp32 or bf16 (rows may be strided), `weight` of
+    z's dtype; None (nothing done) where the tensors do not fit it."""
+    kernel = _GATED_KERNEL.get()
+    if kernel is None or x.dim() != 2 or z.shape != x.shape or not x.is_cpu or not z.is_cpu:
+        return None
+    rows, width = x.shape
+    if x.dtype != torch.float32 or z.dtype not in _DTYPES or weight.dtype != z.dtype:
+        return None
+    if weight.shape != (width,) or width > _MAX_WIDTH or group < 1 or width % group:
+        return None
+    if x.stride(1) != 1 or z.stride(1) != 1 or weight.stride(0) != 1:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or z.requires_grad or weight.requires_grad):
+        return None
+    out = torch.empty(rows, width, dtype=z.dtype)
+    failed = kernel(
+        _DTYPES[z.dtype],
+        x.data_ptr(),
+        x.stride(0),
+        z.data_ptr(),
+        z.stride(0),
+        weight.data_ptr(),
+        out.data_ptr(),
+        width,
+        rows,
+        width,
+        group,
+        eps,
+        torch.get_num_threads() if rows * width >= _PARALLEL_ELEMENTS else 1,
+    )
+    return None if failed else out

@@ -221,6 +221,19 @@ def rms_norm(
     return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
+def gated_rms_norm(
+    x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group: int, eps: float
+) -> torch.Tensor:
+    """Mamba2's gated grouped RMSNorm of float32 `x` gated by `z`
+    (`cpu_norm.gated_rms_norm_ref`). The C kernel on CPU where it applies,
+    else torch."""
+    if _cpu_kernels_apply(z):
+        out = cpu_norm.gated_rms_norm_if_supported(x, z, weight, group, eps)
+        if out is not None:
+            return out
+    return cpu_norm.gated_rms_norm_ref(x, z, weight, group, eps)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` of `gate_up = [gate | up]` along the last dim. The C
     kernel on CPU where it applies, else torch (`silu_mul_ref`)."""

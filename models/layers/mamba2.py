@@ -63,11 +63,9 @@ class GatedGroupRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float() * F.silu(z.float())
-        groups = h.view(*h.shape[:-1], -1, self.group_size)
-        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * groups.view_as(h).to(dtype)
+        """x `[T, hidden]` float32 (the scan's y), z `[T, hidden]` in the
+        model dtype -> `[T, hidden]` in z's dtype (one C pass on CPU)."""
+        return dispatch.gated_rms_norm(x, z, self.weight, self.group_size, self.eps)
 
 
 class RankSpanningGatedRMSNorm(nn.Module):

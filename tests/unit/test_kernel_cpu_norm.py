@@ -81,3 +81,44 @@ def test_add_and_norm_matches_the_unfused_pre_norm_block() -> None:
         normed, stream = norm.add_and_norm(x, residual.clone())
         torch.testing.assert_close(stream, residual + x)
         torch.testing.assert_close(normed, _reference(residual + x, norm.weight, 1e-6))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "width", "group"), [(1, 64, 64), (5, 96, 24), (40, 1024, 256)])
+def test_the_gated_norm_matches_transformers_on_strided_gates(
+    monkeypatch: pytest.MonkeyPatch,
+    threads: int,
+    dtype: torch.dtype,
+    rows: int,
+    width: int,
+    group: int,
+) -> None:
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNormGated
+
+    monkeypatch.setattr(cpu_norm, "_PARALLEL_ELEMENTS", 0 if threads > 1 else 1 << 60)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    gen = torch.Generator().manual_seed(rows)
+    x = 2 * torch.randn(rows, width, generator=gen)  # the scan's float32 y
+    projected = (3 * torch.randn(rows, width + 40, generator=gen)).to(dtype)
+    z = projected[:, 17 : 17 + width]  # in_proj's gate columns: strided rows
+    weight = torch.randn(width, generator=gen).to(dtype)
+    reference = NemotronHRMSNormGated(width, group, eps=1e-5)
+    reference.weight.data = weight
+    with torch.no_grad():
+        want = reference(x, z).to(dtype)
+
+    got = cpu_norm.gated_rms_norm_if_supported(x, z, weight, group, 1e-5)
+    assert got is not None and got.dtype == dtype
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {}
+    torch.testing.assert_close(got, want, **tolerance)
+    torch.testing.assert_close(cpu_norm.gated_rms_norm_ref(x, z, weight, group, 1e-5), want)
+    torch.testing.assert_close(dispatch.gated_rms_norm(x, z, weight, group, 1e-5), got)
+
+
+def test_the_gated_norm_refuses_what_it_cannot_serve() -> None:
+    x, z, weight = torch.randn(3, 64), torch.randn(3, 64), torch.randn(64)
+    assert cpu_norm.gated_rms_norm_if_supported(x, z, weight, 24, 1e-5) is None  # 64 % 24
+    assert cpu_norm.gated_rms_norm_if_supported(x.bfloat16(), z, weight, 32, 1e-5) is None
+    assert cpu_norm.gated_rms_norm_if_supported(x, z.t().contiguous().t(), weight, 32, 1e-5) is None
+    assert cpu_norm.gated_rms_norm_if_supported(x, z, weight, 32, 1e-5) is not None
