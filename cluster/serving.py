@@ -136,6 +136,9 @@ class ServingCluster:
         if not self._stop.is_set():
             print(f"received {sig.name}, stopping", file=sys.stderr, flush=True)
             self._stop_signal = sig
+        if self.router is not None:
+            # A signal to the process group stops the local workers too.
+            self.router.expect_stop()
         self._stop.set()
 
     async def _start_http(self, listener: socket.socket) -> None:

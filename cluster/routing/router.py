@@ -142,6 +142,11 @@ class Router:
             *(calls.connect() for calls in self._context_calls.values()),
         )
 
+    def expect_stop(self) -> None:
+        """The server is stopping (a signal came): workers going down from
+        now on are expected (see `WorkerPoller.expect_stop`)."""
+        self._poller.expect_stop()
+
     async def stop(self) -> None:
         """Stop polling and every worker's stream and calls (`stop_each`)."""
         await stop_each(

@@ -76,13 +76,23 @@ class WorkerPoller:
         self._on_stalled = on_stalled
         self._answered: dict[str, float] = {}  # worker name -> monotonic time
         self._task: asyncio.Task[None] | None = None
+        # Set once the server is stopping: workers that stop answering then
+        # are going down with it (a signal to the process group reaches
+        # them too), which is no news to warn about.
+        self._stopping = False
 
     def start(self) -> None:
         """Start polling; call from the serving event loop."""
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._poll_forever())
 
+    def expect_stop(self) -> None:
+        """The server is stopping: unanswered polls from now on are logged at
+        debug level, not as warnings."""
+        self._stopping = True
+
     async def stop(self) -> None:
+        self._stopping = True
         try:
             await cancel_and_wait(self._task)
         finally:
@@ -106,7 +116,8 @@ class WorkerPoller:
                     if isinstance(exc, TimeoutError)
                     else exc
                 )
-                logger.warning("worker %s stopped answering: %s", endpoint.name, reason)
+                log = logger.debug if self._stopping else logger.warning
+                log("worker %s stopped answering: %s", endpoint.name, reason)
             endpoint.state.healthy = False
             silent_s = time.monotonic() - self._answered[endpoint.name]
             if self._on_stalled is not None:

@@ -126,3 +126,30 @@ async def test_a_stop_cancelled_midway_still_ends_polling_and_passes_the_cancel_
     seen = polls
     await asyncio.sleep(0.05)
     assert seen > 0 and polls == seen
+
+
+async def test_a_worker_silent_after_a_stop_is_expected_is_not_warned_about(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A signal to the server's process group stops its local workers too:
+    once the server expects to stop, their silence is logged at debug only."""
+    monkeypatch.setattr(worker_poller, "POLL_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(worker_poller, "POLL_INTERVAL_S", 0.01)
+    actors = [_Actor("w0"), _Actor("w1")]
+    endpoints = [WorkerEndpoint(a.name, a, WorkerState(a.name)) for a in actors]
+    poller = WorkerPoller(lambda: endpoints, ServingMetrics())
+    caplog.set_level("DEBUG", logger=worker_poller.__name__)
+    poller.start()
+    try:
+        actors[0].answering = False
+        await asyncio.sleep(0.15)
+        poller.expect_stop()
+        actors[1].answering = False
+        await asyncio.sleep(0.15)
+    finally:
+        await poller.stop()
+    said = [
+        (r.levelname, r.getMessage()) for r in caplog.records if "stopped answering" in r.message
+    ]
+    assert [level for level, m in said if "w0" in m] == ["WARNING"]
+    assert [level for level, m in said if "w1" in m] == ["DEBUG"]
