@@ -53,12 +53,11 @@ def start_serve_command(
     return ServeProcess(None, env=env, command=command, cwd=cwd).start()
 
 
-def start_mode(
-    directory: Path, checkpoint: Path, overrides: dict[str, dict[str, object]]
-) -> ServeProcess:
+def start_mode(directory: Path, checkpoint: Path, overrides: dict[str, object]) -> ServeProcess:
     """Serve `checkpoint` from a 1P1D config (every prompt goes to the context
-    worker, 8 requests, 2048 cache tokens) with `overrides` (one of `MODES`)
-    merged into its sections; the config is written into `directory`."""
+    worker, 8 requests, 2048 cache tokens) with `overrides` (one of `MODES`,
+    or any sections and keys) merged into its sections, a key that is not a
+    section replaced; the config is written into `directory`."""
     config: dict[str, object] = {
         "model": str(checkpoint),
         "conditional_disagg": {"max_local_prefill_length": 0},
@@ -69,7 +68,9 @@ def start_mode(
     }
     for key, value in overrides.items():
         base = config.get(key, {})
-        config[key] = {**base, **value} if isinstance(base, dict) else value
+        config[key] = (
+            {**base, **value} if isinstance(base, dict) and isinstance(value, dict) else value
+        )
     path = directory / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return start_serve(path, checkpoint)

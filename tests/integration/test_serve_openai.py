@@ -31,7 +31,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.serve_process import start_serve, stop_group
-from tests.served_metrics import gauge_sum, wait_until
+from tests.served_metrics import gauge_sum, metric_samples, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "tests" / "configs" / "trtllm" / "2p2d-python-reuse.yaml"
@@ -91,15 +91,12 @@ def _routed(server: Server) -> dict[tuple[str, str], float]:
 
 def _cached_blocks(server: Server) -> float:
     """Blocks the router knows the context workers hold."""
-    text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
-    pattern = r'disagg_router_cached_blocks\{worker="context-\d+"\} ([0-9.]+)'
-    return sum(float(v) for v in re.findall(pattern, text))
+    return gauge_sum(server.url, "disagg_router_cached_blocks", 'worker="context-')
 
 
 def _engine_steps(server: Server) -> dict[str, float]:
-    text = httpx.get(server.url.removesuffix("/v1") + "/metrics").text
-    pattern = r'disagg_engine_steps\{worker="([\w-]+)"\} ([0-9.e+]+)'
-    return {w: float(v) for w, v in re.findall(pattern, text)}
+    samples = metric_samples(server.url, "disagg_engine_steps")
+    return {labels.removeprefix('worker="').removesuffix('"'): v for labels, v in samples}
 
 
 PROMPTS = ["The quick brown fox", "Once upon a time, in a small village", "Water boils at"]

@@ -15,20 +15,18 @@ verified (on the Llama, accepted ones too).
 from __future__ import annotations
 
 import random
-import re
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 import torch
-import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from cluster.bench.speculation import SpecTotals, read_spec_totals
 from tests.greedy_reference import full_forward_greedy
-from tests.serve_process import ServeProcess, start_serve, stop_group
+from tests.serve_process import ServeProcess, start_mode, stop_group
 from transfer.nixl.agent import nixl_available
 
 NEW_TOKENS = 16
@@ -86,42 +84,21 @@ def server(
         "tiny",
         mtp=mtp,
     )
-    config = {
-        "model": str(checkpoint),
-        "conditional_disagg": {"max_local_prefill_length": 0},
-        "kv_cache": {"max_tokens": 2048},
+    overrides = {
         "max_batch_size": 4,
-        "context_servers": {"num_instances": 1},
-        "generation_servers": {"num_instances": 1},
         "speculative_config": MTP if mtp else NGRAM,
+        **MTP_MODES[mode],
     }
-    for key, value in MTP_MODES[mode].items():
-        config[key] = {**config.get(key, {}), **value}
-    path = tmp_path_factory.mktemp(f"{arch}-{mode}") / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    running = start_serve(path, checkpoint)
+    running = start_mode(tmp_path_factory.mktemp(f"{arch}-{mode}"), checkpoint, overrides)
     try:
         yield mode, checkpoint, running
     finally:
         stop_group(running.process)
 
 
-def spec_totals(url: str) -> dict[str, float]:
-    """`disagg_spec_tokens` summed over workers, by kind."""
-    base = url.removesuffix("/v1")
-    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as reply:
-        text = reply.read().decode()
-    totals: dict[str, float] = {}
-    for kind, value in re.findall(
-        r'^disagg_spec_tokens\{[^}]*kind="(\w+)"[^}]*\} (\S+)$', text, re.M
-    ):
-        totals[kind] = totals.get(kind, 0.0) + float(value)
-    return totals
-
-
 def assert_copy_prompts_keep_transformers_greedy(
     url: str, model_name: str, checkpoint: Path, seed: int, stream: bool = True
-) -> dict[str, float]:
+) -> SpecTotals:
     """Three prompts that repeat a passage (what the n-gram drafter finds):
     each served greedy answer (and, with `stream`, its streamed text) must
     be transformers' full-forward greedy tokens with their logprobs. Returns
@@ -162,11 +139,12 @@ def assert_copy_prompts_keep_transformers_greedy(
             assert "".join(c.choices[0].text for c in chunks if c.choices) == text
     # The router reports what it last polled from the workers: wait for the
     # report of the requests above (their totals stop growing).
-    totals, deadline = spec_totals(url), time.monotonic() + 30
+    root = url.removesuffix("/v1")
+    totals, deadline = read_spec_totals(root) or SpecTotals(), time.monotonic() + 30
     while time.monotonic() < deadline:
         time.sleep(1.5)
-        latest = spec_totals(url)
-        if latest == totals and totals.get("verifies", 0) > 0:
+        latest = read_spec_totals(root) or SpecTotals()
+        if latest == totals and totals.verifies > 0:
             break
         totals = latest
     return totals
@@ -179,6 +157,6 @@ def test_answers_equal_transformers_with_drafts_verified(
     totals = assert_copy_prompts_keep_transformers_greedy(
         running.url, checkpoint.name, checkpoint, seed=3
     )
-    assert totals.get("drafted", 0) > 0, (mode, totals)
+    assert totals.drafted > 0, (mode, totals)
     if checkpoint.name.endswith("llama"):
-        assert totals.get("accepted", 0) > 0, totals
+        assert totals.accepted > 0, totals

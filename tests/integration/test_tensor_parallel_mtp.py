@@ -52,5 +52,5 @@ def test_mtp_drafts_on_two_ranks_keep_transformers_tokens_and_are_accepted(
     totals = assert_copy_prompts_keep_transformers_greedy(
         server.url, server.model, checkpoint, seed=7, stream=False
     )
-    assert totals.get("drafted", 0) > 0, totals
-    assert totals.get("accepted", 0) > 0.2 * totals["drafted"], totals
+    assert totals.drafted > 0, totals
+    assert totals.accepted > 0.2 * totals.drafted, totals

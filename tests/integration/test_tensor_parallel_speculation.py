@@ -51,4 +51,4 @@ def test_drafts_verified_on_two_generation_ranks_keep_transformers_tokens(
     totals = assert_copy_prompts_keep_transformers_greedy(
         server.url, server.model, checkpoint, seed=5, stream=False
     )
-    assert totals.get("drafted", 0) > 0, totals
+    assert totals.drafted > 0, totals
