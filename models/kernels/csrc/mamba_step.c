@@ -52,13 +52,11 @@ typedef struct {
     int64_t next; /* next work item, atomic */
 } Job;
 
-static float silu(float v) { return v / (1.0f + expf(-v)); }
-
 /* silu over u[0 .. count), LANES at a time (`vsilu`). */
 static void silu_all(float *u, int64_t count) {
     int64_t i = 0;
     for (; i + LANES <= count; i += LANES) vstore(u + i, vsilu(vload(u + i)));
-    for (; i < count; i++) u[i] = silu(u[i]);
+    for (; i < count; i++) u[i] = silu1(u[i]);
 }
 
 /* Conv of `count` channels from `first` of row r into u (before SiLU),

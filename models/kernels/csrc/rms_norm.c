@@ -123,18 +123,15 @@ static void gated_row(const GatedJob *job, int64_t r) {
     const int64_t n = job->width, G = job->group;
     const float *x = job->x + r * job->x_stride;
     float h[MAX_WIDTH];
-    if (job->is_bf16) {
-        const uint16_t *z = (const uint16_t *)job->z + r * job->z_stride;
-        for (int64_t i = 0; i < n; i++) {
-            const float zf = bf16_to_f32(z[i]);
-            h[i] = x[i] * (zf / (1.0f + expf(-zf)));
-        }
-    } else {
-        const float *z = (const float *)job->z + r * job->z_stride;
-        int64_t i = 0;
-        for (; i + LANES <= n; i += LANES) vstore(h + i, vload(x + i) * vsilu(vload(z + i)));
-        for (; i < n; i++) h[i] = x[i] * (z[i] / (1.0f + expf(-z[i])));
+    const float *z = (const float *)job->z + r * job->z_stride;
+    if (job->is_bf16) { /* the gate row in fp32 first, in h (overwritten in place below) */
+        const uint16_t *zb = (const uint16_t *)job->z + r * job->z_stride;
+        for (int64_t i = 0; i < n; i++) h[i] = bf16_to_f32(zb[i]);
+        z = h;
     }
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) vstore(h + i, vload(x + i) * vsilu(vload(z + i)));
+    for (; i < n; i++) h[i] = x[i] * silu1(z[i]);
     for (int64_t g0 = 0; g0 < n; g0 += G) {
         float sum = 0.0f;
         for (int64_t i = g0; i < g0 + G; i++) sum += h[i] * h[i];

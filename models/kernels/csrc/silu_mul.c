@@ -6,7 +6,7 @@
  *
  * torch computes this as `F.silu(gate).mul_(up)`: two passes and a buffer
  * between them; here it is one pass per row. silu(g) = g * sigmoid(g), with
- * the sigmoid from exp(-|g|), which never overflows:
+ * the sigmoid from exp(-|g|), which never overflows (`vsilu` in simd.h):
  *
  *   e = exp(-|g|)    sigmoid(g) = 1 / (1 + e) for g >= 0,  e / (1 + e) below
  *
@@ -33,25 +33,18 @@ typedef struct {
     int64_t next; /* first row of the next chunk, atomic */
 } Job;
 
-ALWAYS_INLINE vf silu(vf g) {
-    const vi negative = g < 0.0f;
-    const vf e = vexp_nonpositive((vf)((vi)g | (vi)splat(-0.0f)));
-    const vf numerator = (vf)((negative & (vi)e) | (~negative & (vi)splat(1.0f)));
-    return g * (numerator / (1.0f + e));
-}
-
 static void silu_mul_row_f32(const Job *job, int64_t r) {
     const int64_t n = job->width;
     const float *gate = (const float *)job->in + r * job->in_stride, *up = gate + n;
     float *out = (float *)job->out + r * job->out_stride;
     int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) vstore(out + i, silu(vload(gate + i)) * vload(up + i));
+    for (; i + LANES <= n; i += LANES) vstore(out + i, vsilu(vload(gate + i)) * vload(up + i));
     if (i == n) return;
     /* The last n - i < LANES values, through zero-padded vectors. */
     float g[LANES] = {0}, u[LANES] = {0}, y[LANES];
     memcpy(g, gate + i, (n - i) * sizeof(float));
     memcpy(u, up + i, (n - i) * sizeof(float));
-    vstore(y, silu(vload(g)) * vload(u));
+    vstore(y, vsilu(vload(g)) * vload(u));
     memcpy(out + i, y, (n - i) * sizeof(float));
 }
 
@@ -63,7 +56,7 @@ static void silu_mul_row_bf16(const Job *job, int64_t r) {
         const int64_t count = n - i < LANES ? n - i : LANES;
         float g[LANES] = {0}, s[LANES];
         for (int64_t j = 0; j < count; j++) g[j] = bf16_to_f32(gate[i + j]);
-        vstore(s, silu(vload(g)));
+        vstore(s, vsilu(vload(g)));
         for (int64_t j = 0; j < count; j++) {
             const float rounded = bf16_to_f32(f32_to_bf16(s[j]));
             out[i + j] = f32_to_bf16(rounded * bf16_to_f32(up[i + j]));

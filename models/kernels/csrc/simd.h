@@ -6,6 +6,7 @@
 #ifndef DISAGG_SIMD_H
 #define DISAGG_SIMD_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__FMA__) || defined(__AVX512F__)
@@ -106,6 +107,9 @@ ALWAYS_INLINE vf vexp_nonpositive(vf x) {
     const vf e = (p * r * r + r + 1.0f) * (vf)((n + 127) << 23);
     return (vf)((vi)e & ~underflow);
 }
+
+/* v * sigmoid(v) of one value, for the tails of the vector loops below. */
+ALWAYS_INLINE float silu1(float v) { return v / (1.0f + expf(-v)); }
 
 /* v * sigmoid(v), the sigmoid from exp(-|v|) (a non-positive argument). */
 ALWAYS_INLINE vf vsilu(vf v) {
