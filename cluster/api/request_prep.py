@@ -124,7 +124,8 @@ class RequestPreparer:
 
     async def chat(self, body: ChatCompletionRequest) -> tuple[ResponseShape, PreparedRequest]:
         try:
-            declared = declares_tools(getattr(self.model.tokenizer, "chat_template", None))
+            template = getattr(self.model.tokenizer, "chat_template", None)
+            declared = bool(body.tools) and declares_tools(template)  # read only with tools
             calling = tool_calling(body.tools, body.tool_choice, body.parallel_tool_calls, declared)
         except ToolError as exc:
             raise APIError(400, str(exc), exc.param, "invalid_value") from exc
